@@ -1,0 +1,30 @@
+# `make demo` and `make test` set everything up in ./.venv on first use, then run.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# On a machine without an NVIDIA GPU pin the local CPU build: an unpinned torch pulls a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+demo: setup
+	$(VENV)/bin/pipeviz demo
+
+test: setup
+	$(PY) -m ruff check pipeviz tests benchmarks
+	$(PY) -m pytest
+
+bench: setup
+	$(PY) benchmarks/preview_latency.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

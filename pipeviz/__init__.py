@@ -1,0 +1,34 @@
+"""pipeviz: see, split, simulate and run pipeline parallelism in PyTorch.
+
+Example:
+    >>> import torch, pipeviz as pv
+    >>> from pipeviz.zoo import MyNetwork
+    >>> graph = pv.trace(MyNetwork(512, [512, 1024, 256]), example_args=(torch.randn(32, 512),))
+    >>> plan = graph.split(["layer0", "layer1"])
+    >>> print(plan)            # per-stage layers, params, FLOPs, bytes sent, memory
+    >>> pipe = plan.pipe(microbatches=4)
+
+The core (this package minus ``pipeviz.widgets``) imports neither ipywidgets nor plotly.
+"""
+
+from torch.distributed.pipelining import SplitPoint
+
+from pipeviz.capture import TraceError
+from pipeviz.graph import Layer, ModelGraph, trace
+from pipeviz.manual import SequenceStage, manual_plan
+from pipeviz.plan import PlanError, SplitPlan, StageInfo
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Layer",
+    "ModelGraph",
+    "PlanError",
+    "SequenceStage",
+    "SplitPlan",
+    "SplitPoint",
+    "StageInfo",
+    "TraceError",
+    "manual_plan",
+    "trace",
+]

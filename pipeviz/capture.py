@@ -1,0 +1,230 @@
+"""Capture a model once with torch.export and keep what every later view of it needs.
+
+The capture is the same one torch's ``pipeline()`` uses (``torch.export.export``), so every split the
+graph offers is a split torch can make. It is op-level: one record per ATen op in execution order with
+its module stack, FLOPs, output bytes and inputs. ``ModelGraph`` groups these records into layers at any
+granularity without tracing again.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode
+
+
+class TraceError(ValueError):
+    """torch.export could not capture the model; the message names the cause and the manual route."""
+
+
+@dataclass(frozen=True)
+class Op:
+    """One ATen op of the captured forward, in execution order."""
+
+    index: int
+    name: str
+    target: str
+    stack: tuple[str, ...]  # module FQNs, outermost first, root excluded
+    calls: tuple[int, ...]  # call number of each module in ``stack`` (0 = first call)
+    flops: int
+    out_bytes: int  # bytes of the op's tensor outputs, for the example batch
+    inputs: tuple[int, ...]  # indices of the ops whose outputs this op reads
+    model_inputs: tuple[str, ...]  # model input placeholders this op reads
+    params: tuple[str, ...]  # canonical names of the parameters/buffers this op reads
+
+
+@dataclass
+class Capture:
+    """Everything known about one traced model; shared by all ``ModelGraph`` views of it."""
+
+    model: nn.Module
+    example_args: tuple[Any, ...]
+    example_kwargs: dict[str, Any]
+    ops: list[Op]
+    modules: dict[str, tuple[str, tuple[str, ...]]]  # fqn -> (class name, child fqns)
+    param_numel: dict[str, int]  # canonical name -> elements
+    param_bytes: dict[str, int]
+    aliases: dict[str, tuple[str, ...]]  # canonical name -> every FQN of that tensor
+    input_bytes: dict[str, int]  # model input placeholder -> bytes
+    batch_size: int | None
+    fixups: dict[str, Any] = field(default_factory=dict)  # config attributes set on every copy
+    notes: list[str] = field(default_factory=list)
+    traced: bool = True  # False for the manual route (no torch.export graph)
+
+    def fresh_copy(self) -> nn.Module:
+        """A deep copy of the user's model with the capture's fixups applied; the original is untouched."""
+        model = copy.deepcopy(self.model)
+        apply_fixups(model, self.fixups)
+        return model
+
+
+def apply_fixups(model: nn.Module, fixups: dict[str, Any]) -> None:
+    """Set config attributes (e.g. HF ``use_cache=False``) on a model copy."""
+    cfg = getattr(model, "config", None)
+    for key, value in fixups.items():
+        setattr(cfg, key, value)
+
+
+def _needs_cache_fix(model: nn.Module) -> bool:
+    cfg = getattr(model, "config", None)
+    return bool(getattr(cfg, "use_cache", False)) and getattr(cfg, "is_encoder_decoder", False) is False
+
+
+def _tensor_bytes(value: Any) -> int:
+    leaves = pytree.tree_leaves(value)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    return None
+
+
+def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.export.ExportedProgram:
+    try:
+        return torch.export.export(model, args, kwargs)
+    except Exception as exc:  # torch raises many types here; all mean "cannot capture"
+        text = f"{type(exc).__name__}: {exc}".strip()
+        first = text.splitlines()[0][:300]
+        if "DynamicCache" in text or "Cache" in first:
+            hint = (
+                "The model returns a KV cache, which torch.export cannot carry. Fix: set "
+                "model.config.use_cache = False (or pass use_cache=False in example_kwargs)."
+            )
+        elif "data-dependent" in text.lower() or "GuardOnDataDependent" in text or "Could not guard" in text:
+            hint = "The forward has data-dependent control flow (an `if` or loop on tensor values)."
+        else:
+            hint = "torch.export cannot capture this forward as one graph."
+        raise TraceError(
+            f"Cannot trace {type(model).__name__}: {hint}\n  torch said: {first}\n"
+            "Fix: remove the data-dependent branch, or use the manual route, which needs no trace: "
+            "pv.manual_plan(model, [[...stage 0 module names...], [...stage 1...]], example_args=...) "
+            "runs the named modules in sequence (models whose forward is a ModuleList/Sequential loop)."
+        ) from exc
+
+
+def _module_table(model: nn.Module) -> dict[str, tuple[str, tuple[str, ...]]]:
+    table: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for fqn, mod in model.named_modules(remove_duplicate=False):
+        children = tuple(f"{fqn}.{n}" if fqn else n for n, _ in mod.named_children())
+        table.setdefault(fqn, (type(mod).__name__, children))
+    return table
+
+
+def _alias_groups(model: nn.Module) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
+    """Map every parameter/buffer FQN to a canonical name (its first FQN) and list each group."""
+    by_id: dict[int, list[str]] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        by_id.setdefault(id(t), []).append(name)
+    canonical: dict[str, str] = {}
+    groups: dict[str, tuple[str, ...]] = {}
+    for names in by_id.values():
+        for n in names:
+            canonical[n] = names[0]
+        groups[names[0]] = tuple(names)
+    return canonical, groups
+
+
+_CALL_SUFFIX = re.compile(r"@(\d+)$")
+
+
+def capture(
+    model: nn.Module, example_args: tuple[Any, ...] = (), example_kwargs: dict[str, Any] | None = None
+) -> Capture:
+    """Export a deep copy of ``model`` and measure every op (see ``pipeviz.trace`` for the public entry)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"trace() needs a torch.nn.Module, got {type(model).__name__}. Fix: pass the model itself.")
+    if not isinstance(example_args, tuple):
+        example_args = (example_args,)
+    kwargs = dict(example_kwargs or {})
+    fixups: dict[str, Any] = {}
+    notes: list[str] = []
+    if _needs_cache_fix(model) and "use_cache" not in kwargs:
+        fixups["use_cache"] = False
+        note = (
+            f"{type(model).__name__}: set config.use_cache=False on pipeviz's copies (a KV cache cannot cross "
+            "pipeline stages or be exported); your model is unchanged."
+        )
+        notes.append(note)
+        warnings.warn(note, stacklevel=3)
+    # Trace a copy: export runs forward, which would update BatchNorm statistics of the user's model.
+    traced = copy.deepcopy(model)
+    apply_fixups(traced, fixups)
+    ep = _export(traced, example_args, kwargs)
+    gm = ep.module()
+    canonical, groups = _alias_groups(model)
+
+    flat_inputs = pytree.tree_leaves((example_args, kwargs))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    input_bytes = {p.name: _tensor_bytes(p.meta.get("val")) for p in placeholders}
+    flops = _count_flops(gm, flat_inputs)
+
+    ops: list[Op] = []
+    index_of: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        stack_meta = node.meta.get("nn_module_stack") or {}
+        stack: list[str] = []
+        calls: list[int] = []
+        for key, (fqn, _cls) in stack_meta.items():
+            if not fqn:
+                continue
+            m = _CALL_SUFFIX.search(key)
+            stack.append(fqn)
+            calls.append(int(m.group(1)) if m else 0)
+        inputs, model_inputs, params = [], [], []
+        for arg in node.all_input_nodes:
+            if arg.op == "call_function" and arg.name in index_of:
+                inputs.append(index_of[arg.name])
+            elif arg.op == "placeholder":
+                model_inputs.append(arg.name)
+            elif arg.op == "get_attr":
+                params.append(canonical.get(str(arg.target), str(arg.target)))
+        index_of[node.name] = len(ops)
+        ops.append(
+            Op(
+                index=len(ops), name=node.name, target=str(node.target), stack=tuple(stack), calls=tuple(calls),
+                flops=flops.get(node.name, 0), out_bytes=_tensor_bytes(node.meta.get("val")),
+                inputs=tuple(dict.fromkeys(inputs)), model_inputs=tuple(dict.fromkeys(model_inputs)),
+                params=tuple(dict.fromkeys(params)),
+            )
+        )
+    numel = {g: _lookup(model, g).numel() for g in groups}
+    nbytes = {g: _lookup(model, g).numel() * _lookup(model, g).element_size() for g in groups}
+    return Capture(
+        model=model, example_args=example_args, example_kwargs=kwargs, ops=ops, modules=_module_table(model),
+        param_numel=numel, param_bytes=nbytes, aliases=groups, input_bytes=input_bytes,
+        batch_size=_batch_size(example_args, kwargs), fixups=fixups, notes=notes,
+    )
+
+
+def _lookup(model: nn.Module, fqn: str) -> torch.Tensor:
+    mod_name, _, attr = fqn.rpartition(".")
+    return getattr(model.get_submodule(mod_name), attr)
+
+
+def _count_flops(gm: torch.fx.GraphModule, flat_inputs: list[Any]) -> dict[str, int]:
+    """Forward FLOPs of every node, counted by torch.utils.flop_counter while the graph runs once."""
+    counts: dict[str, int] = {}
+
+    class _Counter(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            before = mode.get_total_flops()
+            out = super().run_node(n)
+            counts[n.name] = mode.get_total_flops() - before
+            return out
+
+    mode = FlopCounterMode(display=False)
+    with torch.no_grad(), mode:
+        _Counter(gm).run(*flat_inputs)
+    return counts

@@ -1,0 +1,145 @@
+"""The manual route: a plan from per-stage lists of module names, for models torch.export cannot capture.
+
+It needs no trace. Each stage is built from a deep copy of its modules (pruning the rest, as torchtitan
+does) and runs them in sequence, so it fits models whose forward runs a sequence of modules (an
+``nn.Sequential``, or a loop over an ``nn.ModuleList``). pipeviz checks that claim: the modules run in
+sequence must reproduce the model's output on the example inputs.
+
+Example:
+    >>> plan = pv.manual_plan(model, [["embed", "blocks.0"], ["blocks.1", "head"]], example_args=(x,))
+    >>> plan.stages[0].params, plan.stage_modules()[1]
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode
+
+from pipeviz.capture import Capture, Op, _alias_groups, _batch_size, _module_table, _tensor_bytes
+from pipeviz.graph import ModelGraph
+from pipeviz.plan import PlanError, SplitPlan
+
+
+class SequenceStage(nn.Module):
+    """A stage of a manual plan: its modules, under their original names, run one after another."""
+
+    def __init__(self, model: nn.Module, names: Sequence[str]) -> None:
+        super().__init__()
+        self.order = list(names)
+        # One deepcopy for all modules keeps weights tied inside the stage tied.
+        copies = copy.deepcopy([model.get_submodule(n) for n in names])
+        for name, mod in zip(names, copies, strict=True):
+            parent: nn.Module = self
+            *path, leaf = name.split(".")
+            for atom in path:
+                if atom not in parent._modules:
+                    parent.add_module(atom, nn.Module())
+                parent = parent._modules[atom]  # type: ignore[assignment]
+            parent.add_module(leaf, mod)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        x: Any = None
+        for i, name in enumerate(self.order):
+            mod = self.get_submodule(name)
+            if i == 0:
+                x = mod(*args, **kwargs)
+            else:
+                x = mod(*x) if isinstance(x, tuple) else mod(x)
+        return x
+
+
+def manual_plan(
+    model: nn.Module,
+    stages: Sequence[Sequence[str]],
+    example_args: tuple[Any, ...] | Any = (),
+    example_kwargs: dict[str, Any] | None = None,
+) -> SplitPlan:
+    """A plan given as per-stage lists of module names, for models torch.export cannot trace.
+
+    Args:
+        model: the model; never modified.
+        stages: module FQNs per stage, in execution order (``[["layer0"], ["layer1", "output_proj"]]``).
+        example_args / example_kwargs: one full batch, used to check the sequence and measure costs.
+
+    Returns:
+        A ``SplitPlan`` whose graph has exactly these modules as layers. ``plan.stage_modules()`` gives
+        the stage modules; ``plan.pipe()`` is not available (there is no traced graph).
+
+    Raises:
+        PlanError: an unknown module name, an empty stage, or modules that run in sequence do not
+            reproduce the model's output (then the forward is not a plain sequence).
+    """
+    if not isinstance(example_args, tuple):
+        example_args = (example_args,)
+    kwargs = dict(example_kwargs or {})
+    lists = [list(s) for s in stages]
+    if len(lists) < 1 or any(not s for s in lists):
+        raise PlanError(f"Every stage needs at least one module name; got {lists}.")
+    names = [n for s in lists for n in s]
+    known = [n for n, _ in model.named_modules() if n]
+    for n in names:
+        if n not in known:
+            import difflib
+
+            close = difflib.get_close_matches(n, known, n=3, cutoff=0.5)
+            hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+            raise PlanError(f"Unknown module {n!r}.{hint} Modules: {', '.join(known[:30])}.")
+    if len(set(names)) != len(names):
+        raise PlanError(f"A module is listed twice in {lists}; list each once.")
+    cap = _capture_sequence(model, names, example_args, kwargs)
+    graph = ModelGraph(cap, names)
+    return SplitPlan.from_stages(graph, lists)
+
+
+def _capture_sequence(model: nn.Module, names: list[str], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Capture:
+    runner = SequenceStage(model, names)
+    runner.train(model.training)
+    canonical, groups = _alias_groups(model)
+    ops: list[Op] = []
+    with torch.no_grad():
+        expected = copy.deepcopy(model)(*args, **kwargs)
+        x: Any = None
+        for i, name in enumerate(names):
+            mod = runner.get_submodule(name)
+            with FlopCounterMode(display=False) as mode:
+                if i == 0:
+                    x = mod(*args, **kwargs)
+                else:
+                    x = mod(*x) if isinstance(x, tuple) else mod(x)
+            params = tuple(dict.fromkeys(
+                canonical[f"{name}.{p}"] for p, _ in model.get_submodule(name).named_parameters(remove_duplicate=False)
+            ))
+            ops.append(Op(
+                index=i, name=name, target="module", stack=(name,), calls=(0,), flops=mode.get_total_flops(),
+                out_bytes=_tensor_bytes(x), inputs=(i - 1,) if i else (), model_inputs=() if i else ("input",),
+                params=params,
+            ))
+    got, want = pytree.tree_leaves(x), pytree.tree_leaves(expected)
+    same = len(got) == len(want) and all(
+        isinstance(a, torch.Tensor) and a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
+        for a, b in zip(got, want, strict=True)
+    )
+    if not same:
+        raise PlanError(
+            f"Running {names} in sequence does not reproduce {type(model).__name__}'s output, so its forward does "
+            "more than call these modules in turn. Fix: list every module the forward calls, in order, or make "
+            "the model traceable for pv.trace."
+        )
+
+    def tensor(fqn: str) -> torch.Tensor:
+        mod, _, attr = fqn.rpartition(".")
+        return getattr(model.get_submodule(mod), attr)
+
+    return Capture(
+        model=model, example_args=args, example_kwargs=kwargs, ops=ops, modules=_module_table(model),
+        param_numel={g: tensor(g).numel() for g in groups},
+        param_bytes={g: tensor(g).numel() * tensor(g).element_size() for g in groups},
+        aliases=groups, input_bytes={"input": _tensor_bytes((args, kwargs))}, batch_size=_batch_size(args, kwargs),
+        traced=False,
+    )

@@ -1,0 +1,154 @@
+"""Example models for demos, tutorials and tests.
+
+All models are small, deterministic given a seed, and need no downloads.
+
+Example:
+    >>> from pipeviz.zoo import MyNetwork
+    >>> model = MyNetwork(512, [512, 1024, 256])   # layer0, layer1, layer2, output_proj
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class MyNetworkBlock(nn.Module):
+    """One Linear followed by a ReLU: the block of the classic PiPPy walkthrough."""
+
+    def __init__(self, in_dim: int, out_dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(in_dim, out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x))
+
+
+class MyNetwork(nn.Module):
+    """The classic PiPPy example: blocks ``layer0 .. layerN`` then ``output_proj`` (10 classes).
+
+    Args:
+        in_dim: input features.
+        layer_dims: output width of each block; one block per entry.
+        num_classes: width of ``output_proj``.
+    """
+
+    def __init__(self, in_dim: int = 512, layer_dims: list[int] | None = None, num_classes: int = 10) -> None:
+        super().__init__()
+        layer_dims = list(layer_dims or [512, 1024, 256])
+        prev = in_dim
+        for i, dim in enumerate(layer_dims):
+            setattr(self, f"layer{i}", MyNetworkBlock(prev, dim))
+            prev = dim
+        self.num_layers = len(layer_dims)
+        self.output_proj = nn.Linear(prev, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(self.num_layers):
+            x = getattr(self, f"layer{i}")(x)
+        return self.output_proj(x)
+
+
+class SkipNet(nn.Module):
+    """Linear blocks with a long skip connection: ``layer0``'s output is added after ``layer2``.
+
+    Split it after ``layer0`` and ``layer1`` and the skip crosses two stage boundaries.
+    """
+
+    def __init__(self, dim: int = 16, num_classes: int = 4) -> None:
+        super().__init__()
+        self.layer0 = MyNetworkBlock(dim, dim)
+        self.layer1 = MyNetworkBlock(dim, dim)
+        self.layer2 = MyNetworkBlock(dim, dim)
+        self.output_proj = nn.Linear(dim, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.layer0(x)
+        b = self.layer2(self.layer1(a))
+        return self.output_proj(a + b)
+
+
+class TiedNet(nn.Module):
+    """A tiny language model whose output head shares its weight with the embedding.
+
+    ``embed.weight`` and ``head.weight`` are the same ``Parameter`` (as in GPT-2).
+    """
+
+    def __init__(self, vocab: int = 32, dim: int = 16, depth: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(MyNetworkBlock(dim, dim) for _ in range(depth))
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm self-attention + MLP block."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyTransformer(nn.Module):
+    """A small decoder-style transformer: ``embed``, ``blocks.0..N``, ``norm``, ``head``."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 2, depth: int = 4, seq: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(seq, dim))
+        self.blocks = nn.ModuleList(TransformerBlock(dim, heads) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids) + self.pos[: ids.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def gpt2(
+    n_layer: int = 2, n_embd: int = 32, n_head: int = 2, vocab_size: int = 128, n_positions: int = 64, **kw: Any
+) -> nn.Module:
+    """HF ``GPT2LMHeadModel`` from a small config with random weights (``transformers`` required).
+
+    ``gpt2(12, 768, 12, 50257, 1024)`` is GPT-2 small.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab_size, n_positions=n_positions,
+        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **kw,
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def bert(
+    num_hidden_layers: int = 2, hidden_size: int = 32, num_attention_heads: int = 2, vocab_size: int = 128, **kw: Any
+) -> nn.Module:
+    """HF ``BertModel`` from a small config with random weights (``transformers`` required)."""
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(
+        num_hidden_layers=num_hidden_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+        intermediate_size=4 * hidden_size, vocab_size=vocab_size, max_position_embeddings=64,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **kw,
+    )
+    return BertModel(cfg)
