@@ -17,18 +17,28 @@ from pipeviz.capture import TraceError
 from pipeviz.graph import Layer, ModelGraph, trace
 from pipeviz.manual import SequenceStage, manual_plan
 from pipeviz.plan import PlanError, SplitPlan, StageInfo
+from pipeviz.runtime import LaunchError, Run, launch, train_reference
+from pipeviz.schedules import ScheduleError
+from pipeviz.timeline import Event, Timeline
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Event",
+    "LaunchError",
     "Layer",
     "ModelGraph",
     "PlanError",
+    "Run",
+    "ScheduleError",
     "SequenceStage",
     "SplitPlan",
     "SplitPoint",
     "StageInfo",
+    "Timeline",
     "TraceError",
+    "launch",
     "manual_plan",
     "trace",
+    "train_reference",
 ]

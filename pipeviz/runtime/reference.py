@@ -1,0 +1,58 @@
+"""Train the unsplit model exactly as a pipelined run does, to check a run's numerics against it.
+
+Same microbatching, one loss per microbatch, gradients summed then divided by the microbatch count
+(torch's ``scale_grads=True``), so a mean-reduced loss matches.
+
+Example:
+    >>> losses, state = pv.train_reference(model, inputs=(x,), target=y, loss_fn=F.cross_entropy,
+    ...                                    optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), microbatches=4, steps=3)
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+def model_output(out: Any) -> Any:
+    """The output a loss sees: the only tensor of a structured output (HF logits), else a tuple of tensors."""
+    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    return leaves[0] if len(leaves) == 1 else tuple(leaves)
+
+
+def train_reference(
+    model: torch.nn.Module,
+    inputs: tuple[Any, ...],
+    target: torch.Tensor,
+    loss_fn: Callable[..., torch.Tensor],
+    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
+    microbatches: int = 1,
+    steps: int = 1,
+    input_kwargs: dict[str, Any] | None = None,
+    fixups: dict[str, Any] | None = None,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Train a deep copy of ``model``; returns (mean loss per step, final state_dict)."""
+    from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+    from pipeviz.capture import apply_fixups
+
+    model = copy.deepcopy(model)
+    apply_fixups(model, fixups or {})
+    opt = (optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.1)))(list(model.parameters()))
+    arg_mbs, kw_mbs = split_args_kwargs_into_chunks(inputs, input_kwargs or {}, microbatches)
+    targets = torch.tensor_split(target, microbatches)
+    losses = []
+    for _ in range(steps):
+        step = []
+        for a, k, t in zip(arg_mbs, kw_mbs, targets, strict=True):
+            loss = loss_fn(model_output(model(*a, **k)), t)
+            (loss / microbatches).backward()
+            step.append(loss.detach())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(torch.stack(step).mean()))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

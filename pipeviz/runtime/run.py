@@ -1,0 +1,485 @@
+"""``launch()`` a plan as real processes running torch's schedule, and the ``Run`` that watches them.
+
+Example:
+    >>> run = pv.launch(plan, schedule="1F1B", microbatches=8, steps=5, inputs=(x,), target=y,
+    ...                 loss_fn=torch.nn.functional.cross_entropy,
+    ...                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))     # returns at once
+    >>> run.wait(timeout=60); run.losses; run.timeline(); run.state_dict()
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import os
+import queue as queue_mod
+import signal
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from pipeviz import schedules as sched
+from pipeviz.plan import PlanError, SplitPlan
+from pipeviz.timeline import Event, Timeline
+
+STATUSES = ("starting", "running", "done", "failed", "stopped")
+_LIVE: weakref.WeakSet[Run] = weakref.WeakSet()
+
+
+class LaunchError(ValueError):
+    """A launch that cannot work, found before any process starts."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def resolve_devices(devices: str | Sequence[str], num_ranks: int) -> tuple[list[str], str, list[str | None]]:
+    """Map ranks to devices; returns (stage devices, backend, compute devices).
+
+    ``"auto"``: CPU and gloo without CUDA; one GPU per rank and NCCL with enough GPUs; with fewer GPUs
+    than ranks, stages share GPUs and talk over host memory (gloo on CPU tensors; each stage moves its
+    inputs to its GPU and its outputs back), because NCCL refuses two ranks on one GPU and gloo cannot
+    send CUDA tensors (DESIGN.md fact 10).
+    """
+    # device_count() does not create a CUDA context in this process (the kernel need not initialise CUDA).
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if isinstance(devices, str):
+        if devices == "auto":
+            devices = ["cpu"] * num_ranks if gpus == 0 else [f"cuda:{r % gpus}" for r in range(num_ranks)]
+        elif devices in ("cpu", "cuda"):
+            devices = [devices if devices == "cpu" else f"cuda:{r % max(gpus, 1)}" for r in range(num_ranks)]
+        else:
+            devices = [devices] * num_ranks
+    devices = [str(d) for d in devices]
+    if len(devices) != num_ranks:
+        raise LaunchError(
+            f"devices lists {len(devices)} entries but the run has {num_ranks} ranks. "
+            f"Fix: pass {num_ranks} devices, or devices='auto'."
+        )
+    for d in devices:
+        try:
+            dev = torch.device(d)
+        except RuntimeError as exc:
+            raise LaunchError(f"Unknown device {d!r}; valid: 'cpu', 'cuda', 'cuda:N', or 'auto'.") from exc
+        if dev.type not in ("cpu", "cuda"):
+            raise LaunchError(f"Device {d!r} is not supported; valid: 'cpu', 'cuda:N', 'auto'.")
+        if dev.type == "cuda" and (dev.index or 0) >= gpus:
+            raise LaunchError(f"Device {d!r} is not available: this machine has {gpus} CUDA device(s). "
+                              "Fix: devices='auto' or 'cpu'.")
+    cuda = [d for d in devices if d.startswith("cuda")]
+    if cuda and len(cuda) == len(devices) and len(set(devices)) == len(devices):
+        return devices, "nccl", [None] * num_ranks
+    # CPU, mixed, or a shared GPU: communicate through host memory.
+    return ["cpu"] * num_ranks, "gloo", [d if d.startswith("cuda") else None for d in devices]
+
+
+class Run:
+    """A pipelined training run in background processes. Returned by ``launch``; never built by hand.
+
+    Attributes:
+        status: ``"starting"``, ``"running"``, ``"done"``, ``"failed"`` or ``"stopped"``.
+        events: ``Event`` list, growing while the run goes.
+        losses: mean loss per finished step (the loss of each microbatch, averaged).
+        error: for a failed run, which rank failed and its traceback.
+        step: steps finished by every rank.
+    """
+
+    def __init__(self, plan: SplitPlan, schedule: str, layout: sched.Layout, microbatches: int, steps: int,
+                 timeout: float) -> None:
+        self.plan, self.schedule, self.layout = plan, schedule, layout
+        self.microbatches, self.steps, self.timeout = microbatches, steps, timeout
+        self.status = "starting"
+        self.events: list[Event] = []
+        self.losses: list[float] = []
+        self.error: str | None = None
+        self.step = 0
+        self.devices: list[str] = []
+        self.started_at = time.time()
+        self.first_event_at: float | None = None
+        self._state: dict[str, torch.Tensor] = {}
+        self._procs: list[Any] = []
+        self._subscribers: list[Callable[[list[Event]], None]] = []
+        self._stop = threading.Event()
+        self._finished = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        _LIVE.add(self)
+
+    # ----------------------------------------------------------------- public
+    def subscribe(self, callback: Callable[[list[Event]], None]) -> None:
+        """Call ``callback(new_events)`` from the run's monitor thread whenever events arrive
+        (and once with ``[]`` when the run ends)."""
+        self._subscribers.append(callback)
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until the run ends or ``timeout`` seconds pass; returns the status.
+        Ctrl-C (KeyboardInterrupt) stops the run, then re-raises."""
+        try:
+            self._finished.wait(timeout)
+        except KeyboardInterrupt:
+            self.stop()
+            raise
+        return self.status
+
+    def stop(self, timeout: float = 5.0) -> str:
+        """Stop every process (within ``timeout`` seconds) and mark the run ``stopped``."""
+        if not self._finished.is_set():
+            self._stop.set()
+            self._finished.wait(timeout)
+            if not self._finished.is_set():  # the monitor is stuck; reap here
+                self._kill_all()
+        return self.status
+
+    @property
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    def timeline(self) -> Timeline:
+        """The measured ``Timeline`` so far."""
+        with self._lock:
+            events = list(self.events)
+        return Timeline(events, self.layout.num_ranks, self.layout.num_stages, self.microbatches, self.schedule,
+                        source="measured", meta={"devices": self.devices})
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Trained parameters and buffers gathered from all stages, keyed by the original model's names
+        (every alias of a tied tensor, so ``model.load_state_dict(run.state_dict())`` works)."""
+        if self.status != "done":
+            raise RuntimeError(f"state_dict() needs a finished run; status is {self.status!r}. Fix: run.wait().")
+        aliases = self.plan.graph.capture.aliases
+        keys = set(self.plan.graph.model.state_dict())
+        out: dict[str, torch.Tensor] = {}
+        for canon, value in self._state.items():
+            for name in aliases.get(canon, (canon,)):
+                if name in keys:
+                    out[name] = value
+        return out
+
+    def __repr__(self) -> str:
+        return (f"Run({self.schedule}, {self.layout.num_stages} stages on {self.layout.num_ranks} ranks, "
+                f"status={self.status!r}, step {self.step}/{self.steps}, {len(self.events)} events)")
+
+    # ----------------------------------------------------------------- monitor
+    def _start(self, build: Callable[[], list[bytes]], backend_threads: int) -> None:
+        self._thread = threading.Thread(target=self._monitor, args=(build,), daemon=True, name="pipeviz-run")
+        self._thread.start()
+
+    def _monitor(self, build: Callable[[], list[bytes]]) -> None:
+        import torch.multiprocessing as mp
+
+        try:
+            payloads = build()
+            if self._stop.is_set():
+                return self._finish("stopped")
+            ctx = mp.get_context("spawn")
+            q = ctx.Queue()
+            from pipeviz.runtime import worker
+
+            for data in payloads:
+                proc = ctx.Process(target=worker.main, args=(data, q), daemon=True)
+                _start_without_main(proc)
+                self._procs.append(proc)
+            self.status = "running"
+            self._watch(q)
+        except BaseException as exc:
+            import traceback
+
+            self.error = self.error or f"launch failed in the parent process:\n{traceback.format_exc()}"
+            self._kill_all()
+            self._finish("failed" if not isinstance(exc, KeyboardInterrupt) else "stopped")
+
+    def _watch(self, q: Any) -> None:
+        done: set[int] = set()
+        last_progress = time.time()
+        world = len(self._procs)
+        finished_steps: dict[int, int] = {}
+        while True:
+            batch: list[Event] = []
+            deadline = time.time() + 0.05
+            while time.time() < deadline:
+                try:
+                    msg = q.get(timeout=0.02)
+                except queue_mod.Empty:
+                    break
+                last_progress = time.time()
+                kind = msg[0]
+                if kind == "event":
+                    batch.append(Event(*msg[1]))
+                elif kind == "loss":
+                    self.losses.append(msg[2])
+                elif kind == "step":
+                    finished_steps[msg[1]] = msg[2] + 1
+                    self.step = min(finished_steps.get(r, 0) for r in range(world))
+                elif kind == "state":
+                    self._state.update(torch.load(io.BytesIO(msg[2])))
+                elif kind == "done":
+                    done.add(msg[1])
+                elif kind == "error":
+                    self.error = f"rank {msg[1]} failed:\n{msg[2]}"
+                    self._kill_all()
+                    return self._finish("failed", batch)
+            if batch:
+                self._publish(batch)
+            if len(done) == world:
+                for proc in self._procs:
+                    proc.join(timeout=5)
+                self._kill_all()
+                return self._finish("done")
+            if self._stop.is_set():
+                self._kill_all()
+                return self._finish("stopped")
+            for r, proc in enumerate(self._procs):
+                if proc.exitcode is not None and r not in done and proc.exitcode != 0:
+                    time.sleep(0.2)  # let an error message sent just before exiting arrive first
+                    self._drain(q)
+                    if self.error is None:
+                        code = proc.exitcode
+                        why = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                        self.error = f"rank {r} died ({why}) without a Python traceback."
+                    self._kill_all()
+                    return self._finish("failed")
+            if time.time() - last_progress > self.timeout:
+                self.error = (f"no progress for {self.timeout:.0f} s (step timeout); the run was stopped. Fix: raise "
+                              "launch(timeout=...) for slow steps, or look for a hang (mismatched shapes, a rank "
+                              "waiting for another).")
+                self._kill_all()
+                return self._finish("failed")
+
+    def _drain(self, q: Any) -> None:
+        while True:
+            try:
+                msg = q.get(timeout=0.05)
+            except queue_mod.Empty:
+                return
+            if msg[0] == "error":
+                self.error = f"rank {msg[1]} failed:\n{msg[2]}"
+            elif msg[0] == "event":
+                self._publish([Event(*msg[1])])
+
+    def _publish(self, batch: list[Event]) -> None:
+        with self._lock:
+            if self.first_event_at is None and batch:
+                self.first_event_at = time.time()
+            self.events.extend(batch)
+        for cb in list(self._subscribers):
+            try:
+                cb(batch)
+            except Exception:
+                import traceback
+
+                traceback.print_exc()
+
+    def _finish(self, status: str, batch: list[Event] | None = None) -> None:
+        if batch:
+            self._publish(batch)
+        self.status = status
+        self._finished.set()
+        for cb in list(self._subscribers):
+            try:
+                cb([])
+            except Exception:
+                pass
+
+    def _kill_all(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+        end = time.time() + 2
+        for proc in self._procs:
+            proc.join(timeout=max(0.0, end - time.time()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=2)
+
+
+_SPAWN_LOCK = threading.Lock()
+
+
+def _start_without_main(proc: Any) -> None:
+    """Start a spawned process without re-running the caller's ``__main__`` in it.
+
+    spawn normally re-imports the parent's main script in each child, so a script without an
+    ``if __name__ == "__main__"`` guard would launch again from every worker. Workers need nothing from
+    it: everything arrives cloudpickled (objects from ``__main__`` by value).
+    """
+    import multiprocessing.spawn as mp_spawn
+
+    with _SPAWN_LOCK:
+        original = mp_spawn.get_preparation_data
+
+        def prep(name: str) -> dict[str, Any]:
+            data = original(name)
+            data.pop("init_main_from_path", None)
+            data.pop("init_main_from_name", None)
+            return data
+
+        mp_spawn.get_preparation_data = prep
+        try:
+            proc.start()
+        finally:
+            mp_spawn.get_preparation_data = original
+
+
+@atexit.register
+def _reap_all() -> None:
+    for run in list(_LIVE):
+        run._kill_all()
+
+
+def _batch(tree: Any) -> int | None:
+    for leaf in pytree.tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    return None
+
+
+def launch(
+    plan: SplitPlan,
+    schedule: str = "1F1B",
+    microbatches: int = 4,
+    steps: int = 1,
+    inputs: tuple[Any, ...] | Any = None,
+    input_kwargs: dict[str, Any] | None = None,
+    target: Any = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
+    devices: str | Sequence[str] = "auto",
+    stages_per_rank: int | None = None,
+    timeout: float = 120.0,
+) -> Run:
+    """Start the plan's stages as processes running torch's ``schedule``; returns a ``Run`` at once.
+
+    One process per rank (spawned, rendezvous on 127.0.0.1). Every forward, backward, input-grad and
+    weight-grad action streams back as an ``Event``. Skip connections are relayed stage by stage and
+    tied weights' gradients are summed across the stages holding them, so the run trains like the
+    unsplit model (same microbatching, mean loss per microbatch).
+
+    Args:
+        plan: the ``SplitPlan``.
+        schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV.
+        microbatches: microbatches per step; must divide the batch.
+        steps: optimizer steps.
+        inputs / input_kwargs: the full batch (defaults: the graph's example inputs).
+        target: the full batch of targets, passed to ``loss_fn(output, target)`` per microbatch.
+            ``output`` is the model's output (its only tensor; for HF models the logits).
+        loss_fn: mean-reduced loss; the run trains only with one.
+        optimizer: ``params -> torch.optim.Optimizer`` (default SGD, lr 0.1), built on every rank.
+        devices: ``"auto"``, ``"cpu"``, ``"cuda"`` or one device per rank.
+        stages_per_rank: for multi-stage schedules (default 2).
+        timeout: seconds without progress before the run is declared hung and stopped.
+
+    Raises:
+        LaunchError, ScheduleError, PlanError: before any process starts, naming the bad value and the fix.
+    """
+    import cloudpickle
+
+    if not isinstance(plan, SplitPlan):
+        raise LaunchError(f"launch() needs a SplitPlan (graph.split(...)), got {type(plan).__name__}.")
+    name = sched.canonical(schedule)
+    lay = sched.layout(name, plan.num_stages, stages_per_rank)
+    sched.check_microbatches(name, plan.num_stages, microbatches, stages_per_rank)
+    if plan.num_stages < 2:
+        raise LaunchError("The plan has 1 stage; a pipeline needs at least 2. Fix: plan.toggle(<layer>) to split.")
+    if not isinstance(steps, int) or steps < 1:
+        raise LaunchError(f"steps must be a positive int, got {steps!r}.")
+    graph = plan.graph
+    if inputs is None:
+        args, kwargs = graph.example_args, dict(graph.example_kwargs)
+        if input_kwargs is not None:
+            kwargs = dict(input_kwargs)
+    else:
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        kwargs = dict(input_kwargs or {})
+    # Keep the traced keyword order: stage 0 maps inputs onto torch's placeholders in that order.
+    order = list(graph.example_kwargs)
+    unknown = [k for k in kwargs if k not in order]
+    if unknown:
+        raise LaunchError(f"input_kwargs {unknown} were not in the traced example_kwargs {order}. "
+                          "Fix: trace with the same keyword inputs you launch with.")
+    kwargs = {k: kwargs[k] for k in order if k in kwargs}
+    batch = _batch((args, kwargs))
+    if batch is None:
+        raise LaunchError("inputs hold no tensor with a batch dimension.")
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] != batch:
+            raise LaunchError(f"Every input needs the same batch size (dim 0); found {batch} and {leaf.shape[0]}.")
+    try:
+        from pipeviz.plan import check_microbatches
+
+        check_microbatches(batch, microbatches)
+    except PlanError as exc:
+        raise LaunchError(str(exc)) from None
+    if loss_fn is None or not callable(loss_fn):
+        raise LaunchError(f"loss_fn must be a callable loss(output, target), got {loss_fn!r}. "
+                          "Fix: loss_fn=torch.nn.functional.cross_entropy (or your own).")
+    if target is None or not isinstance(target, torch.Tensor) or target.dim() == 0 or target.shape[0] != batch:
+        shape = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
+        raise LaunchError(f"target must be a tensor whose dim 0 is the batch ({batch}); got {shape}.")
+    if optimizer is None:
+        optimizer = _default_optimizer
+    if not callable(optimizer):
+        raise LaunchError(f"optimizer must be a factory params -> torch.optim.Optimizer, got {optimizer!r}.")
+    for label, obj in (("loss_fn", loss_fn), ("optimizer", optimizer)):
+        try:
+            cloudpickle.dumps(obj)
+        except Exception as exc:
+            raise LaunchError(f"{label} cannot be sent to the stage processes ({exc}). Fix: define it as a plain "
+                              "function or lambda, without open files, locks or CUDA state.") from exc
+    stage_devices, backend, compute = resolve_devices(devices, lay.num_ranks)
+    threads = max(1, (os.cpu_count() or 1) // lay.num_ranks)
+
+    run = Run(plan, name, lay, microbatches, steps, timeout)
+    run.devices = [c or d for c, d in zip(compute, stage_devices, strict=True)]
+    t0 = run.started_at
+
+    def build() -> list[bytes]:
+        from pipeviz.runtime.worker import RankPayload
+
+        mb_plan = _with_inputs(plan, args, kwargs)
+        last = plan.num_stages - 1
+        return [
+            cloudpickle.dumps(RankPayload(
+                rank=rank, world=lay.num_ranks, port=port, backend=backend, device=stage_devices[rank],
+                compute_device=compute[rank], schedule=name, stage_ranks=lay.stage_ranks, microbatches=microbatches,
+                steps=steps, plan=mb_plan, loss_fn=loss_fn, optimizer=optimizer,
+                target=target if lay.stage_ranks[last] == rank else None, t0=t0, parent_pid=os.getpid(),
+                timeout_s=max(timeout, 30.0), threads=threads,
+            ))
+            for rank in range(lay.num_ranks)
+        ]
+
+    port = _free_port()
+    run._start(build, threads)
+    return run
+
+
+def _default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def _with_inputs(plan: SplitPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SplitPlan:
+    """The same plan over a capture whose example inputs are the launch's batch (shapes are baked into the
+    traced Pipe, so it is traced with a microbatch of what will really run)."""
+    import copy
+
+    cap = copy.copy(plan.graph.capture)
+    cap.example_args, cap.example_kwargs = args, kwargs
+    cap.batch_size = _batch((args, kwargs))
+    from pipeviz.graph import ModelGraph
+
+    graph = ModelGraph(cap, plan.graph.layer_names)
+    return SplitPlan(graph, plan.splits)
