@@ -57,6 +57,7 @@ class Capture:
     fixups: dict[str, Any] = field(default_factory=dict)  # config attributes set on every copy
     notes: list[str] = field(default_factory=list)
     traced: bool = True  # False for the manual route (no torch.export graph)
+    output_index: int | None = None  # which output leaf is ``logits`` for HF ModelOutputs (what a loss sees)
 
     def fresh_copy(self) -> nn.Module:
         """A deep copy of the user's model with the capture's fixups applied; the original is untouched."""
@@ -67,14 +68,19 @@ class Capture:
 
 def apply_fixups(model: nn.Module, fixups: dict[str, Any]) -> None:
     """Set config attributes (e.g. HF ``use_cache=False``) on a model copy."""
-    cfg = getattr(model, "config", None)
-    for key, value in fixups.items():
-        setattr(cfg, key, value)
+    if not fixups:
+        return
+    # Sub-models may hold config copies of their own (T5's decoder stack does).
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
+    for cfg in configs.values():
+        for key, value in fixups.items():
+            if hasattr(cfg, key):
+                setattr(cfg, key, value)
 
 
 def _needs_cache_fix(model: nn.Module) -> bool:
     cfg = getattr(model, "config", None)
-    return bool(getattr(cfg, "use_cache", False)) and getattr(cfg, "is_encoder_decoder", False) is False
+    return bool(getattr(cfg, "use_cache", False))
 
 
 def _tensor_bytes(value: Any) -> int:
@@ -95,21 +101,19 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     except Exception as exc:  # torch raises many types here; all mean "cannot capture"
         text = f"{type(exc).__name__}: {exc}".strip()
         first = text.splitlines()[0][:300]
-        if "DynamicCache" in text or "Cache" in first:
-            hint = (
-                "The model returns a KV cache, which torch.export cannot carry. Fix: set "
-                "model.config.use_cache = False (or pass use_cache=False in example_kwargs)."
-            )
+        manual = (
+            "Fix: remove the data-dependent branch, or use the manual route, which needs no trace: "
+            "pv.manual_plan(model, [[...stage 0 module names...], [...stage 1...]], example_args=...) "
+            "runs the named modules in sequence (models whose forward is a ModuleList/Sequential loop)."
+        )
+        if "Cache" in text and "not a known type" in text:
+            hint = "The model returns a KV cache, which torch.export cannot carry."
+            manual = "Fix: set model.config.use_cache = False (or pass use_cache=False in example_kwargs)."
         elif "data-dependent" in text.lower() or "GuardOnDataDependent" in text or "Could not guard" in text:
             hint = "The forward has data-dependent control flow (an `if` or loop on tensor values)."
         else:
             hint = "torch.export cannot capture this forward as one graph."
-        raise TraceError(
-            f"Cannot trace {type(model).__name__}: {hint}\n  torch said: {first}\n"
-            "Fix: remove the data-dependent branch, or use the manual route, which needs no trace: "
-            "pv.manual_plan(model, [[...stage 0 module names...], [...stage 1...]], example_args=...) "
-            "runs the named modules in sequence (models whose forward is a ModuleList/Sequential loop)."
-        ) from exc
+        raise TraceError(f"Cannot trace {type(model).__name__}: {hint}\n  torch said: {first}\n{manual}") from exc
 
 
 def _module_table(model: nn.Module) -> dict[str, tuple[str, tuple[str, ...]]]:
@@ -162,6 +166,7 @@ def capture(
     ep = _export(traced, example_args, kwargs)
     gm = ep.module()
     canonical, groups = _alias_groups(model)
+    output_index = _logits_index(ep.call_spec.out_spec)
 
     flat_inputs = pytree.tree_leaves((example_args, kwargs))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -204,8 +209,17 @@ def capture(
     return Capture(
         model=model, example_args=example_args, example_kwargs=kwargs, ops=ops, modules=_module_table(model),
         param_numel=numel, param_bytes=nbytes, aliases=groups, input_bytes=input_bytes,
-        batch_size=_batch_size(example_args, kwargs), fixups=fixups, notes=notes,
+        batch_size=_batch_size(example_args, kwargs), fixups=fixups, notes=notes, output_index=output_index,
     )
+
+
+def _logits_index(spec: Any) -> int | None:
+    """Leaf index of ``logits`` in an HF ModelOutput's flattened output, else None."""
+    keys = getattr(spec, "context", None)
+    if spec is None or not isinstance(keys, list | tuple) or "logits" not in keys:
+        return None
+    k = list(keys).index("logits")
+    return sum(child.num_leaves for child in list(spec.children())[:k])
 
 
 def _lookup(model: nn.Module, fqn: str) -> torch.Tensor:

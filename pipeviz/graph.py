@@ -124,8 +124,11 @@ class ModelGraph:
         mods = self._cap.modules
 
         def is_block_list(fqn: str) -> bool:
+            # Repeated blocks (GPT-2's h, BERT's encoder.layer): a container of >= 2 composite modules of
+            # one class. A container of different parts (T5Block.layer: attention, then MLP) is not one.
             kids = self._children(fqn)
-            return mods[fqn][0] in _CONTAINERS and len(kids) >= 2 and any(self._children(k) for k in kids)
+            return (mods[fqn][0] in _CONTAINERS and len(kids) >= 2 and len({mods[k][0] for k in kids}) == 1
+                    and any(self._children(k) for k in kids))
 
         def holds_block_list(fqn: str) -> bool:
             return is_block_list(fqn) or any(holds_block_list(k) for k in self._children(fqn))

@@ -96,7 +96,10 @@ def layout(schedule: str, num_stages: int, stages_per_rank: int | None = None) -
     return Layout(name, num_stages, ranks, mapping)
 
 
-def check_microbatches(schedule: str, num_stages: int, microbatches: int, stages_per_rank: int | None = None) -> None:
+def check_microbatches(
+    schedule: str, num_stages: int, microbatches: int, stages_per_rank: int | None = None,
+    batch_size: int | None = None,
+) -> None:
     """Raise ``ScheduleError`` unless torch's ``schedule`` accepts ``microbatches`` for this layout.
 
     The rules are torch 2.13's: 1F1B needs at least as many microbatches as stages; Interleaved1F1B and
@@ -114,10 +117,17 @@ def check_microbatches(schedule: str, num_stages: int, microbatches: int, stages
             return k % max(1, k // p) == 0
         return True
 
-    if not ok(m):
-        good = [k for k in range(1, 4 * num_stages + 1) if ok(k)][:8]
+    def fits(k: int) -> bool:
+        return ok(k) and (batch_size is None or batch_size % k == 0)
+
+    if not fits(m):
+        top = batch_size if batch_size is not None else 4 * num_stages
+        good = [k for k in range(1, top + 1) if fits(k)][:8]
         why = {
             "1F1B": f"1F1B needs at least as many microbatches as stages ({num_stages})",
             "DualPipeV": f"DualPipeV needs at least as many microbatches as stages ({num_stages})",
         }.get(name, f"{name} needs microbatches to be a multiple of max(1, microbatches // ranks) with {p} ranks")
-        raise ScheduleError(f"microbatches={m} does not work: {why}. Valid: {', '.join(map(str, good))}, ….")
+        if ok(m):
+            why = f"it does not divide the batch of {batch_size}"
+        valid = ", ".join(map(str, good)) or f"none for a batch of {batch_size}; change the batch size"
+        raise ScheduleError(f"microbatches={m} does not work: {why}. Valid: {valid}.")

@@ -19,7 +19,9 @@ from torch.utils import _pytree as pytree
 
 
 def model_output(out: Any) -> Any:
-    """The output a loss sees: the only tensor of a structured output (HF logits), else a tuple of tensors."""
+    """The output a loss sees: an HF ModelOutput's ``logits``; else the only tensor, or a tuple of tensors."""
+    if getattr(out, "logits", None) is not None:
+        return out.logits
     leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
     return leaves[0] if len(leaves) == 1 else tuple(leaves)
 
@@ -34,14 +36,17 @@ def train_reference(
     steps: int = 1,
     input_kwargs: dict[str, Any] | None = None,
     fixups: dict[str, Any] | None = None,
+    device: str | torch.device = "cpu",
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Train a deep copy of ``model``; returns (mean loss per step, final state_dict)."""
+    """Train a deep copy of ``model`` on ``device``; returns (mean loss per step, final state_dict on the CPU)."""
     from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
     from pipeviz.capture import apply_fixups
 
-    model = copy.deepcopy(model)
+    model = copy.deepcopy(model).to(device)
     apply_fixups(model, fixups or {})
+    inputs, input_kwargs, target = pytree.tree_map(
+        lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, (inputs, input_kwargs or {}, target))
     opt = (optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.1)))(list(model.parameters()))
     arg_mbs, kw_mbs = split_args_kwargs_into_chunks(inputs, input_kwargs or {}, microbatches)
     targets = torch.tensor_split(target, microbatches)
@@ -55,4 +60,4 @@ def train_reference(
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(torch.stack(step).mean()))
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}

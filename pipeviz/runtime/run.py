@@ -10,11 +10,14 @@ Example:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
+import itertools
 import os
 import queue as queue_mod
 import signal
 import socket
+import tempfile
 import threading
 import time
 import weakref
@@ -25,7 +28,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from pipeviz import schedules as sched
-from pipeviz.plan import PlanError, SplitPlan
+from pipeviz.plan import SplitPlan
 from pipeviz.timeline import Event, Timeline
 
 STATUSES = ("starting", "running", "done", "failed", "stopped")
@@ -106,6 +109,8 @@ class Run:
         self.started_at = time.time()
         self.first_event_at: float | None = None
         self._state: dict[str, torch.Tensor] = {}
+        self._step_ends: dict[int, float] = {}
+        self._files: list[str] = []
         self._procs: list[Any] = []
         self._subscribers: list[Callable[[list[Event]], None]] = []
         self._stop = threading.Event()
@@ -123,8 +128,11 @@ class Run:
     def wait(self, timeout: float | None = None) -> str:
         """Block until the run ends or ``timeout`` seconds pass; returns the status.
         Ctrl-C (KeyboardInterrupt) stops the run, then re-raises."""
+        end = None if timeout is None else time.time() + timeout
         try:
-            self._finished.wait(timeout)
+            # Short slices: an interrupt (Ctrl-C, a notebook's stop button) is seen within 0.1 s.
+            while not self._finished.is_set() and (end is None or time.time() < end):
+                self._finished.wait(0.1 if end is None else max(0.0, min(0.1, end - time.time())))
         except KeyboardInterrupt:
             self.stop()
             raise
@@ -138,6 +146,13 @@ class Run:
             if not self._finished.is_set():  # the monitor is stuck; reap here
                 self._kill_all()
         return self.status
+
+    @property
+    def step_walltimes(self) -> list[float]:
+        """Wall-clock seconds of each finished step after the first: from one step's end on the slowest
+        rank to the next's (optimizer and tied-gradient sync included)."""
+        ends = [self._step_ends[s] for s in sorted(self._step_ends)]
+        return [b - a for a, b in itertools.pairwise(ends)]
 
     @property
     def done(self) -> bool:
@@ -188,8 +203,14 @@ class Run:
             q = ctx.Queue()
             from pipeviz.runtime import worker
 
-            for data in payloads:
-                proc = ctx.Process(target=worker.main, args=(data, q), daemon=True)
+            # Payloads go through files: a large argument would be written into each child's start-up pipe
+            # while the child imports torch, so the children would start one after another.
+            for rank, data in enumerate(payloads):
+                fd, path = tempfile.mkstemp(prefix=f"pipeviz-rank{rank}-", suffix=".pkl")
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                self._files.append(path)
+                proc = ctx.Process(target=worker.main, args=(path, q), daemon=True)
                 _start_without_main(proc)
                 self._procs.append(proc)
             self.status = "running"
@@ -206,51 +227,41 @@ class Run:
         last_progress = time.time()
         world = len(self._procs)
         finished_steps: dict[int, int] = {}
+        errors: dict[int, str] = {}
         while True:
-            batch: list[Event] = []
-            deadline = time.time() + 0.05
-            while time.time() < deadline:
-                try:
-                    msg = q.get(timeout=0.02)
-                except queue_mod.Empty:
-                    break
+            if self._stop.is_set():
+                self._kill_all()
+                return self._finish("stopped")
+            try:
+                msg: tuple[Any, ...] | None = q.get(timeout=0.05)
+            except queue_mod.Empty:
+                msg = None
+            if msg is not None:
                 last_progress = time.time()
                 kind = msg[0]
-                if kind == "event":
-                    batch.append(Event(*msg[1]))
+                if kind == "events":  # workers batch them (at most 25 ms old)
+                    self._publish([Event(*e) for e in msg[1]])
                 elif kind == "loss":
                     self.losses.append(msg[2])
                 elif kind == "step":
                     finished_steps[msg[1]] = msg[2] + 1
+                    self._step_ends[msg[2]] = max(self._step_ends.get(msg[2], 0.0), msg[3])
                     self.step = min(finished_steps.get(r, 0) for r in range(world))
                 elif kind == "state":
                     self._state.update(torch.load(io.BytesIO(msg[2])))
                 elif kind == "done":
                     done.add(msg[1])
                 elif kind == "error":
-                    self.error = f"rank {msg[1]} failed:\n{msg[2]}"
-                    self._kill_all()
-                    return self._finish("failed", batch)
-            if batch:
-                self._publish(batch)
+                    errors[msg[1]] = msg[2]
+                continue  # drain what is queued before checking on the processes
+            crashed = [r for r, p in enumerate(self._procs) if p.exitcode not in (None, 0) and r not in done]
+            if errors or crashed:
+                return self._fail(q, errors)
             if len(done) == world:
                 for proc in self._procs:
                     proc.join(timeout=5)
                 self._kill_all()
                 return self._finish("done")
-            if self._stop.is_set():
-                self._kill_all()
-                return self._finish("stopped")
-            for r, proc in enumerate(self._procs):
-                if proc.exitcode is not None and r not in done and proc.exitcode != 0:
-                    time.sleep(0.2)  # let an error message sent just before exiting arrive first
-                    self._drain(q)
-                    if self.error is None:
-                        code = proc.exitcode
-                        why = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-                        self.error = f"rank {r} died ({why}) without a Python traceback."
-                    self._kill_all()
-                    return self._finish("failed")
             if time.time() - last_progress > self.timeout:
                 self.error = (f"no progress for {self.timeout:.0f} s (step timeout); the run was stopped. Fix: raise "
                               "launch(timeout=...) for slow steps, or look for a hang (mismatched shapes, a rank "
@@ -258,16 +269,38 @@ class Run:
                 self._kill_all()
                 return self._finish("failed")
 
-    def _drain(self, q: Any) -> None:
-        while True:
+    def _fail(self, q: Any, errors: dict[int, str]) -> None:
+        """Name the root cause: one failure makes its neighbours fail too (their connections drop), so
+        collect for a moment, then report a rank killed by a signal first, else the first real error."""
+        end = time.time() + 0.5
+        while time.time() < end:
             try:
                 msg = q.get(timeout=0.05)
             except queue_mod.Empty:
-                return
+                continue
             if msg[0] == "error":
-                self.error = f"rank {msg[1]} failed:\n{msg[2]}"
-            elif msg[0] == "event":
-                self._publish([Event(*msg[1])])
+                errors.setdefault(msg[1], msg[2])
+            elif msg[0] == "events":
+                self._publish([Event(*e) for e in msg[1]])
+        lines = []
+        for r, proc in enumerate(self._procs):
+            code = proc.exitcode
+            if code is not None and code < 0:
+                name = signal.Signals(-code).name
+                lines.append(f"rank {r} died (killed by signal {name}) without a Python traceback.")
+        comm = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator")
+        real = [r for r, tb in errors.items() if not any(c in tb for c in comm)]
+        for r in real + [r for r in errors if r not in real]:
+            lines.append(f"rank {r} failed:\n{errors[r]}")
+        for r, proc in enumerate(self._procs):
+            if proc.exitcode is not None and proc.exitcode > 0 and r not in errors:
+                lines.append(f"rank {r} died (exit code {proc.exitcode}) without a Python traceback.")
+        self.error = lines[0] if lines else "a rank failed without a report."
+        if len(lines) > 1:
+            others = ", ".join(line.split(" ", 2)[1] for line in lines[1:])
+            self.error += f"\n\nAs a consequence, rank(s) {others} failed too (their peers went away)."
+        self._kill_all()
+        self._finish("failed")
 
     def _publish(self, batch: list[Event]) -> None:
         with self._lock:
@@ -282,9 +315,7 @@ class Run:
 
                 traceback.print_exc()
 
-    def _finish(self, status: str, batch: list[Event] | None = None) -> None:
-        if batch:
-            self._publish(batch)
+    def _finish(self, status: str) -> None:
         self.status = status
         self._finished.set()
         for cb in list(self._subscribers):
@@ -294,6 +325,9 @@ class Run:
                 pass
 
     def _kill_all(self) -> None:
+        for path in self._files:  # payloads a child never got to read
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         for proc in self._procs:
             if proc.is_alive():
                 proc.terminate()
@@ -390,10 +424,9 @@ def launch(
     if not isinstance(plan, SplitPlan):
         raise LaunchError(f"launch() needs a SplitPlan (graph.split(...)), got {type(plan).__name__}.")
     name = sched.canonical(schedule)
-    lay = sched.layout(name, plan.num_stages, stages_per_rank)
-    sched.check_microbatches(name, plan.num_stages, microbatches, stages_per_rank)
     if plan.num_stages < 2:
         raise LaunchError("The plan has 1 stage; a pipeline needs at least 2. Fix: plan.toggle(<layer>) to split.")
+    lay = sched.layout(name, plan.num_stages, stages_per_rank)
     if not isinstance(steps, int) or steps < 1:
         raise LaunchError(f"steps must be a positive int, got {steps!r}.")
     graph = plan.graph
@@ -417,12 +450,7 @@ def launch(
     for leaf in pytree.tree_leaves((args, kwargs)):
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] != batch:
             raise LaunchError(f"Every input needs the same batch size (dim 0); found {batch} and {leaf.shape[0]}.")
-    try:
-        from pipeviz.plan import check_microbatches
-
-        check_microbatches(batch, microbatches)
-    except PlanError as exc:
-        raise LaunchError(str(exc)) from None
+    sched.check_microbatches(name, plan.num_stages, microbatches, stages_per_rank, batch_size=batch)
     if loss_fn is None or not callable(loss_fn):
         raise LaunchError(f"loss_fn must be a callable loss(output, target), got {loss_fn!r}. "
                           "Fix: loss_fn=torch.nn.functional.cross_entropy (or your own).")

@@ -47,6 +47,7 @@ class StageRunner(nn.Module):
         self.takes, self.calls, self.gives, self.output = takes, calls, gives, output
         self.placeholders, self.kwarg_names = placeholders, kwarg_names
         self.compute_device: torch.device | None = None  # set when stages share a GPU over host memory
+        self.output_index: int | None = None
         # Zero-bubble schedules detach stage outputs in place after the input-grad pass (torch 2.13,
         # stage_backward_input); when an output is also saved for the weight-grad pass (a ReLU's result,
         # a Linear's input) that breaks the W pass. Sending copies keeps the saved tensors intact.
@@ -68,6 +69,8 @@ class StageRunner(nn.Module):
                 env[("s", self.index, k)] = item
         if self.index == self.num_stages - 1:
             leaves = [self._home(env[v]) for v in pytree.tree_leaves(self.output, is_leaf=_is_value)]
+            if self.output_index is not None:  # an HF ModelOutput: the loss sees its logits
+                return leaves[self.output_index]
             return leaves[0] if len(leaves) == 1 else tuple(leaves)
         # Contiguous: gloo refuses strided views (HF BERT's expanded attention mask). A relayed value
         # leaves as a new tensor: zero-bubble backward detaches stage inputs in place, which would break
@@ -175,6 +178,7 @@ def build_stages(plan: SplitPlan, microbatches: int) -> StageSet:
                     output, placeholders, kwarg_names)
         for i in range(n)
     ]
+    runners[-1].output_index = cap.output_index
     params: list[dict[str, str]] = []
     buffers: list[dict[str, str]] = []
     for mod in modules:

@@ -4,8 +4,8 @@ Started by ``pipeviz.runtime.run`` through ``torch.multiprocessing`` (spawn). Ev
 arrives as one cloudpickled ``RankPayload`` (so models, losses and optimizer factories defined in a
 notebook's ``__main__`` work), and everything it reports goes to the parent over one queue:
 
-    ("event", (rank, stage, kind, mb, start, end, step))   ("loss", step, value)
-    ("step", rank, step)   ("state", rank, bytes)   ("done", rank)   ("error", rank, traceback)
+    ("events", [(rank, stage, kind, mb, start, end, step), ...])   ("loss", step, value)
+    ("step", rank, step, time)   ("state", rank, bytes)   ("done", rank)   ("error", rank, traceback)
 
 This module must stay importable without any view library.
 """
@@ -58,8 +58,8 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-def main(payload_bytes: bytes, queue: Any) -> None:
-    """Process entry point (spawned by ``launch``)."""
+def main(payload_path: str, queue: Any) -> None:
+    """Process entry point (spawned by ``launch``); reads its payload from ``payload_path`` and deletes it."""
     import warnings
 
     import cloudpickle
@@ -67,7 +67,9 @@ def main(payload_bytes: bytes, queue: Any) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's own pytree deprecation noise
     rank = -1
     try:
-        payload: RankPayload = cloudpickle.loads(payload_bytes)
+        with open(payload_path, "rb") as f:
+            payload: RankPayload = cloudpickle.loads(f.read())
+        os.unlink(payload_path)
         rank = payload.rank
         threading.Thread(target=_watch_parent, args=(payload.parent_pid,), daemon=True).start()
         _run(payload, queue)
@@ -86,6 +88,9 @@ def _run(p: RankPayload, queue: Any) -> None:
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as torch_schedules
 
+    dbg = (lambda m: print(f"[rank {p.rank}] {time.time() - p.t0:.2f} {m}", file=sys.stderr, flush=True)) \
+        if os.environ.get("PV_DEBUG") else (lambda m: None)
+    dbg("start")
     torch.set_num_threads(max(1, p.threads))
     dist.init_process_group(
         p.backend, init_method=f"tcp://127.0.0.1:{p.port}", rank=p.rank, world_size=p.world,
@@ -127,7 +132,9 @@ def _run(p: RankPayload, queue: Any) -> None:
     # unflattened submodules hold fx graphs), and building here gives each rank its own parameters.
     from pipeviz.runtime.stages import build_stages
 
+    dbg("pg up")
     built = build_stages(p.plan, p.microbatches)
+    dbg("built")
     num_stages = len(built.runners)
     mine = [s for s, r in enumerate(p.stage_ranks) if r == p.rank]
     tied = {name: sorted({p.stage_ranks[s] for s in ss}) for name, ss in built.tied.items()}
@@ -161,6 +168,7 @@ def _run(p: RankPayload, queue: Any) -> None:
     else:
         schedule = cls(stages, n_microbatches=p.microbatches, loss_fn=p.loss_fn)
     optimizer = p.optimizer(params)
+    dbg("schedule ready")
     first, last = 0 in mine, num_stages - 1 in mine
     graph = p.plan.graph
     args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in graph.example_args)
@@ -180,7 +188,7 @@ def _run(p: RankPayload, queue: Any) -> None:
         clock.flush(queue)
         if last:
             queue.put(("loss", step, float(torch.stack([x.detach().float() for x in losses]).mean())))
-        queue.put(("step", p.rank, step))
+        queue.put(("step", p.rank, step, time.time() - p.t0))
 
     state: dict[str, torch.Tensor] = {}
     for s in mine:
@@ -225,21 +233,31 @@ class _Clock:
     def __init__(self, t0: float, cuda: torch.device | None) -> None:
         self.t0, self.cuda = t0, cuda
         self.pending: list[tuple[Any, ...]] = []
+        self.buffer: list[tuple[Any, ...]] = []
+        self.sent_at = 0.0
         self.queue: Any = None
         self.anchor: tuple[float, Any] | None = None
 
     def span(self, rank: int, stage: int, kind: str, mb: int, step: int) -> _Span:
         return _Span(self, (rank, stage, kind, mb, step))
 
+    def send(self) -> None:
+        if self.buffer:
+            self.queue.put(("events", self.buffer))
+            self.buffer = []
+        self.sent_at = time.time() - self.t0
+
     def flush(self, queue: Any) -> None:
         if self.cuda is None or not self.pending:
+            self.send()
             return
         torch.cuda.synchronize(self.cuda)
         host, ev0 = self.anchor  # type: ignore[misc]
         for (rank, stage, kind, mb, step), a, b in self.pending:
             start = host + ev0.elapsed_time(a) / 1e3
-            queue.put(("event", (rank, stage, kind, mb, start, host + ev0.elapsed_time(b) / 1e3, step)))
+            self.buffer.append((rank, stage, kind, mb, start, host + ev0.elapsed_time(b) / 1e3, step))
         self.pending.clear()
+        self.send()
         self.anchor = None
 
 
@@ -268,4 +286,7 @@ class _Span:
             c.pending.append((self.key, self.a, b))
         else:
             rank, stage, kind, mb, step = self.key
-            c.queue.put(("event", (rank, stage, kind, mb, self.start, time.time() - c.t0, step)))
+            now = time.time() - c.t0
+            c.buffer.append((rank, stage, kind, mb, self.start, now, step))
+            if now - c.sent_at > 0.025:  # batched: live within 25 ms, without a queue put per action
+                c.send()
