@@ -58,6 +58,7 @@ class Capture:
     notes: list[str] = field(default_factory=list)
     traced: bool = True  # False for the manual route (no torch.export graph)
     output_index: int | None = None  # which output leaf is ``logits`` for HF ModelOutputs (what a loss sees)
+    profiles: dict[int, Any] = field(default_factory=dict)  # microbatches -> pv.profile measurements
 
     def fresh_copy(self) -> nn.Module:
         """A deep copy of the user's model with the capture's fixups applied; the original is untouched."""

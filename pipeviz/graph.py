@@ -42,6 +42,7 @@ class Layer:
         shared: canonical names of parameters this layer shares with other layers (tied weights).
         calls: how many times forward calls the module (more than 1: not a split point).
         expandable: whether ``graph.expand(name)`` can show its children.
+        activation_bytes: bytes of every activation the layer produces (what backward keeps alive).
     """
 
     name: str
@@ -54,6 +55,7 @@ class Layer:
     shared: tuple[str, ...]
     calls: int
     expandable: bool
+    activation_bytes: int = 0
 
 
 def trace(
@@ -246,10 +248,12 @@ class ModelGraph:
         n = len(order)
         flops = [0] * n
         out_bytes = [0] * n
+        acts = [0] * n
         for op in cap.ops:
             li = self._op_layer[op.index]
             if li >= 0:
                 flops[li] += op.flops
+                acts[li] += op.out_bytes
                 if any(dst != li for dst in out_layers.get(op.index, ())) or op.index in self._graph_outputs():
                     out_bytes[li] += op.out_bytes
         layer_params: list[list[str]] = [[] for _ in range(n)]
@@ -269,7 +273,7 @@ class ModelGraph:
                 param_bytes=sum(cap.param_bytes.get(p, 0) for p in layer_params[i]),
                 flops=flops[i], out_bytes=out_bytes[i],
                 shared=tuple(sorted(p for p, ls in users.items() if i in ls and len(ls) > 1)),
-                calls=self._calls[name], expandable=bool(self._children(name)),
+                calls=self._calls[name], expandable=bool(self._children(name)), activation_bytes=acts[i],
             )
             for i, name in enumerate(order)
         ]

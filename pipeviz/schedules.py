@@ -131,3 +131,108 @@ def check_microbatches(
             why = f"it does not divide the batch of {batch_size}"
         valid = ", ".join(map(str, good)) or f"none for a batch of {batch_size}; change the batch size"
         raise ScheduleError(f"microbatches={m} does not work: {why}. Valid: {valid}.")
+
+
+# --------------------------------------------------------------------------------------------- orders
+def _gpipe(rank: int, num_stages: int, m: int) -> list[str]:
+    # GPipe (Huang et al., 2019): all forwards, then all backwards, in microbatch order (torch's ScheduleGPipe).
+    return [f"{rank}F{i}" for i in range(m)] + [f"{rank}B{i}" for i in range(m)]
+
+
+def _one_f_one_b(rank: int, num_stages: int, m: int) -> list[str]:
+    # 1F1B (PipeDream-Flush, Narayanan et al., 2021) as torch's Schedule1F1B runs it: stage r warms up with
+    # min(m, p - r) forwards, then alternates one backward and one forward, then drains the backwards.
+    warm = min(m, num_stages - rank)
+    out = [f"{rank}F{i}" for i in range(warm)]
+    f, b = warm, 0
+    while b < m:
+        out.append(f"{rank}B{b}")
+        b += 1
+        if f < m:
+            out.append(f"{rank}F{f}")
+            f += 1
+    return out
+
+
+def orders(schedule: str, num_stages: int, microbatches: int, stages_per_rank: int | None = None) -> list[list[str]]:
+    """Per-rank compute actions in the order torch's runtime executes them, in torch's notation.
+
+    ``2F0``: stage 2 forward of microbatch 0; ``B``: full backward; ``I``/``W``: input-grad / weight-grad
+    halves of a backward (zero bubble). GPipe and 1F1B are generated here (torch's private visualizer gets
+    them wrong); multi-stage schedules come from torch's own ``pipeline_order``, with overlapped F/B pairs
+    (DualPipeV) in the order they run.
+
+    Example:
+        >>> orders("1F1B", 2, 3)
+        [['0F0', '0F1', '0B0', '0F2', '0B1', '0B2'], ['1F0', '1B0', '1F1', '1B1', '1F2', '1B2']]
+    """
+    lay = layout(schedule, num_stages, stages_per_rank)
+    check_microbatches(lay.schedule, num_stages, microbatches, stages_per_rank)
+    if lay.schedule == "GPipe":
+        return [_gpipe(r, num_stages, microbatches) for r in range(num_stages)]
+    if lay.schedule == "1F1B":
+        return [_one_f_one_b(r, num_stages, microbatches) for r in range(num_stages)]
+    from unittest import mock
+
+    from torch.distributed.pipelining.schedules import get_schedule_class
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    # torch builds pipeline_order in the constructor from a few stage attributes; a spec'd stand-in for
+    # the stage objects is enough (torch's own _schedule_visualizer does the same).
+    stage = mock.create_autospec(PipelineStage, instance=True)
+    stage.group_rank, stage.group_size, stage.submod, stage.num_stages = 0, lay.num_ranks, None, num_stages
+    sched = get_schedule_class(lay.schedule)([stage] * (num_stages // lay.num_ranks), microbatches)
+    out: list[list[str]] = []
+    for rank in range(lay.num_ranks):
+        acts: list[str] = []
+        for action in sched.pipeline_order[rank]:
+            if action is None:
+                continue
+            subs = getattr(action, "sub_actions", None) or [action]
+            for a in subs:
+                kind = a.computation_type.value if hasattr(a.computation_type, "value") else str(a.computation_type)
+                if kind in ("F", "B", "I", "W"):
+                    acts.append(f"{a.stage_index}{kind}{a.microbatch_index}")
+        out.append(acts)
+    return out
+
+
+def parse(action: str) -> tuple[int, str, int]:
+    """``"2F0"`` -> ``(2, "F", 0)``."""
+    for i, ch in enumerate(action):
+        if ch.isalpha():
+            return int(action[:i]), ch, int(action[i + 1:])
+    raise ValueError(f"Not an action: {action!r}; expected e.g. '2F0' (stage, kind F/B/I/W, microbatch).")
+
+
+def validate(order: list[list[str]], num_stages: int, microbatches: int, stage_ranks: tuple[int, ...]) -> None:
+    """Check per-rank action lists: every (stage, microbatch) has F then B (or I then W) exactly once, on the
+    rank holding the stage, forward before backward on that rank.
+
+    Raises:
+        ScheduleError: naming the first broken rule.
+    """
+    seen: dict[tuple[int, str, int], int] = {}
+    for rank, acts in enumerate(order):
+        for pos, act in enumerate(acts):
+            s, k, m = parse(act)
+            if not (0 <= s < num_stages and 0 <= m < microbatches):
+                raise ScheduleError(f"rank {rank}: {act} is out of range ({num_stages} stages, {microbatches} mb).")
+            if stage_ranks[s] != rank:
+                raise ScheduleError(f"rank {rank}: {act} runs stage {s}, which lives on rank {stage_ranks[s]}.")
+            if (s, k, m) in seen:
+                raise ScheduleError(f"rank {rank}: {act} appears twice.")
+            seen[(s, k, m)] = pos
+    for s in range(num_stages):
+        for m in range(microbatches):
+            f = seen.get((s, "F", m))
+            if f is None:
+                raise ScheduleError(f"{s}F{m} is missing.")
+            has_b, has_i, has_w = ((s, k, m) in seen for k in "BIW")
+            if has_b == (has_i or has_w) or has_i != has_w:
+                raise ScheduleError(f"stage {s} microbatch {m} needs either B, or both I and W.")
+            first_bwd = seen[(s, "B", m)] if has_b else seen[(s, "I", m)]
+            if first_bwd < f:
+                raise ScheduleError(f"{s}{'B' if has_b else 'I'}{m} runs before {s}F{m}.")
+            if has_i and seen[(s, "W", m)] < seen[(s, "I", m)]:
+                raise ScheduleError(f"{s}W{m} runs before {s}I{m}.")

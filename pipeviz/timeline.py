@@ -114,6 +114,16 @@ class Timeline:
             fractions = fractions[1:]
         return statistics.median(fractions) if fractions else 0.0
 
+    @property
+    def peak_activation_bytes(self) -> list[int] | None:
+        """Per rank, the most activation bytes alive at once (simulated timelines; None when not known)."""
+        return self.meta.get("peak_activation_bytes")
+
+    @property
+    def memory_bytes(self) -> list[int] | None:
+        """Per rank, parameters + gradients + optimizer state + peak activations (simulated timelines)."""
+        return self.meta.get("memory_bytes")
+
     def order(self, rank: int, step: int | None = None) -> list[str]:
         """The compute actions of ``rank`` in the order they ran, in torch's notation (``0F0``, ``1B3``)."""
         step = self.steps[0] if step is None and self.steps else step

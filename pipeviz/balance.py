@@ -1,0 +1,167 @@
+"""``balance()``: the contiguous split that minimises the slowest stage, optimally, under a memory limit.
+
+Exact dynamic programming over contiguous partitions (the linear-partition problem): O(stages x layers^2).
+Example:
+    >>> plan = pv.balance(graph, num_stages=4)                       # by time (measured or FLOP-estimated)
+    >>> plan = pv.balance(graph, 4, by="params", memory_limit=2**30, schedule="1F1B", microbatches=8)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pipeviz import schedules as sched
+from pipeviz.graph import ModelGraph
+from pipeviz.plan import PlanError, SplitPlan
+
+BY = ("time", "flops", "params")
+
+
+def partition(costs: Sequence[float], k: int, memory: Sequence[Sequence[float]] | None = None,
+              limit: float | None = None) -> list[int] | None:
+    """Split ``costs`` into ``k`` contiguous non-empty groups minimising the largest group sum.
+
+    ``memory[j][i]`` is layer ``i``'s memory if it sits in group ``j`` (groups can differ: in-flight
+    activations depend on the stage's place in the schedule); each group's memory sum must stay <= ``limit``.
+    Ties are broken towards the split with the smallest sum of squared group costs (the evenest).
+
+    Returns:
+        The index of the last item of each group but the last (a split after each), or None if no split
+        fits the limit.
+    """
+    n = len(costs)
+    if not 1 <= k <= n:
+        return None
+    pre = [0.0]
+    for c in costs:
+        pre.append(pre[-1] + c)
+    mem_pre = None
+    if memory is not None:
+        mem_pre = []
+        for row in memory:
+            acc = [0.0]
+            for v in row:
+                acc.append(acc[-1] + v)
+            mem_pre.append(acc)
+    inf = (float("inf"), float("inf"))
+    # best[j][i]: (max group cost, sum of squares) for items [0, i) in j+1 groups; cut[j][i]: start of last group.
+    best = [[inf] * (n + 1) for _ in range(k)]
+    cut = [[-1] * (n + 1) for _ in range(k)]
+    for i in range(1, n + 1):
+        if mem_pre is None or limit is None or mem_pre[0][i] <= limit:
+            c = pre[i]
+            best[0][i] = (c, c * c)
+    for j in range(1, k):
+        for i in range(j + 1, n + 1):
+            for t in range(j, i):  # last group is [t, i)
+                prev = best[j - 1][t]
+                if prev == inf:
+                    continue
+                if mem_pre is not None and limit is not None and mem_pre[j][i] - mem_pre[j][t] > limit:
+                    continue
+                c = pre[i] - pre[t]
+                cand = (max(prev[0], c), prev[1] + c * c)
+                if cand < best[j][i]:
+                    best[j][i], cut[j][i] = cand, t
+    if best[k - 1][n] == inf:
+        return None
+    ends, i = [], n
+    for j in range(k - 1, 0, -1):
+        i = cut[j][i]
+        ends.append(i - 1)
+    return sorted(ends)
+
+
+def layer_costs(graph: ModelGraph, by: str = "time") -> list[float]:
+    """Per-layer cost for balancing: measured forward+backward seconds if ``pv.profile`` ran (any
+    microbatch size), else FLOPs (time is proportional to them), or parameter counts."""
+    if by not in BY:
+        raise ValueError(f"Unknown balance criterion by={by!r}; valid: {', '.join(BY)}.")
+    if by == "params":
+        return [float(layer.params) for layer in graph.layers]
+    if by == "time" and graph.capture.profiles:
+        prof = graph.capture.profiles[max(graph.capture.profiles)]
+        if all(layer.name in prof.forward for layer in graph.layers):
+            return [prof.forward[layer.name] + prof.backward[layer.name] for layer in graph.layers]
+    return [float(layer.flops) for layer in graph.layers]
+
+
+def _in_flight(schedule: str | None, stage: int, num_stages: int, microbatches: int) -> int:
+    """Microbatches whose activations a stage holds at its peak (GPipe: all; 1F1B-like: p - stage)."""
+    if schedule is None:
+        return 1
+    name = sched.canonical(schedule)
+    if name in ("GPipe", "LoopedBFS"):
+        return microbatches
+    return max(1, min(microbatches, num_stages - stage))
+
+
+def balance(
+    graph: ModelGraph, num_stages: int, by: str = "time", memory_limit: float | None = None,
+    schedule: str | None = None, microbatches: int = 1, stages_per_rank: int = 1, optimizer_states: int = 2,
+) -> SplitPlan:
+    """The contiguous split of ``graph`` into ``num_stages`` stages that minimises the slowest stage.
+
+    Optimal for the chosen per-layer costs (exhaustive dynamic programming, checked against brute force),
+    never an empty stage.
+
+    Args:
+        graph: the traced graph.
+        num_stages: total stages (with ``stages_per_rank`` = v > 1: ranks x v virtual stages).
+        by: ``"time"`` (measured by ``pv.profile`` if run, else FLOP-proportional), ``"flops"``, ``"params"``.
+        memory_limit: bytes per rank; a stage's memory is its parameters x (2 + optimizer_states)
+            (weights, grads, optimizer state) plus its activations x microbatches in flight under
+            ``schedule`` (GPipe: all; 1F1B: p - stage). With v stages per rank each stage gets limit / v.
+        schedule, microbatches: for the in-flight activation count.
+
+    Raises:
+        PlanError: more stages than layers, or no split fits the limit (the message gives the smallest
+            limit that fits).
+    """
+    layers = graph.layers
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise PlanError(f"num_stages must be a positive int, got {num_stages!r}.")
+    if num_stages > len(layers):
+        raise PlanError(
+            f"Cannot balance {len(layers)} layers into {num_stages} non-empty stages. Valid: 1 to {len(layers)}; "
+            "or go finer first (graph.expand(name) / pv.trace(..., depth=N))."
+        )
+    costs = layer_costs(graph, by)
+    memory = None
+    limit = None
+    if memory_limit is not None:
+        limit = memory_limit / max(1, stages_per_rank)
+        memory = [
+            [(2 + optimizer_states) * layer.param_bytes
+             + layer.activation_bytes / max(1, microbatches) * _in_flight(schedule, j, num_stages, microbatches)
+             for layer in layers]
+            for j in range(num_stages)
+        ]
+    ends = partition(costs, num_stages, memory, limit)
+    if ends is None:
+        # The smallest feasible limit: the same optimal partition with memory as the cost.
+        assert memory is not None
+        lo, hi = 0.0, sum(max(row) for row in zip(*memory, strict=True))
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            if partition([0.0] * len(layers), num_stages, memory, mid) is None:
+                lo = mid
+            else:
+                hi = mid
+        need = hi * max(1, stages_per_rank)
+        raise PlanError(
+            f"No split into {num_stages} stages fits memory_limit={memory_limit:,.0f} bytes per rank"
+            f"{f' under {schedule}' if schedule else ''}. The smallest limit that fits is about {need:,.0f} bytes "
+            f"({need / 2**20:.1f} MiB). Fix: raise memory_limit, use more stages, or a schedule with fewer "
+            "microbatches in flight (1F1B instead of GPipe)."
+        )
+    return SplitPlan.from_stages(graph, _groups(graph, ends))
+
+
+def _groups(graph: ModelGraph, ends: list[int]) -> list[list[str]]:
+    names = list(graph.layer_names)
+    out, start = [], 0
+    for e in [*ends, len(names) - 1]:
+        out.append(names[start:e + 1])
+        start = e + 1
+    return out

@@ -1,0 +1,172 @@
+"""``profile()``: measure each layer's forward and backward time on a device and calibrate the graph.
+
+After ``pv.profile(graph, microbatches=m)``, ``pv.simulate(plan, ..., microbatches=m)`` uses measured
+per-stage times and ``pv.balance(graph, by="time")`` balances measured time.
+
+Example:
+    >>> prof = pv.profile(graph, device="cpu", microbatches=4)
+    >>> prof.forward["layer1"], prof.backward["layer1"], prof.peak_memory
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from pipeviz.graph import ModelGraph
+from pipeviz.plan import check_microbatches
+
+# Fixed cost of one schedule action in a pipeviz run on CPU (PipelineStage bookkeeping, autograd set-up,
+# event timing), measured on the 2-core CI machine with benchmarks/simulator_accuracy.py.
+CPU_ACTION_OVERHEAD = 1.5e-4
+
+
+@dataclass
+class Profile:
+    """Measured seconds per microbatch for each layer; ``glue_*`` is time between layers (ops outside any
+    layer); ``overhead`` the fixed cost per pipeline action assumed by the simulator."""
+
+    device: str
+    microbatches: int
+    forward: dict[str, float]
+    backward: dict[str, float]
+    glue_forward: float
+    glue_backward: float
+    total_forward: float
+    total_backward: float
+    overhead: float = CPU_ACTION_OVERHEAD
+    peak_memory: int | None = None
+    samples: dict[str, Any] = field(default_factory=dict)
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def profile(graph: ModelGraph, device: str = "cpu", microbatches: int = 1, repeats: int = 7,
+            warmup: int = 2, loss_fn: Callable[[Any], torch.Tensor] | None = None, threads: int | None = None,
+            ) -> Profile:
+    """Time every layer's forward and backward for one microbatch on ``device`` and calibrate ``graph``.
+
+    A deep copy of the model runs ``warmup + repeats`` forward/backward passes on one microbatch of the
+    example inputs; module hooks time each layer (on a GPU after synchronising, so the time is when the
+    work ran). Medians are kept.
+
+    Args:
+        graph: the traced graph (its layers are what gets timed).
+        device: ``"cpu"`` or ``"cuda[:N]"``.
+        microbatches: the example batch is cut into this many; one piece is timed.
+        loss_fn: ``output -> scalar`` for the backward (default: sum of the output's float tensors).
+        threads: CPU threads while timing; use what each rank of the run gets (``pv.launch`` gives each
+            ``cpu_count // ranks``). Default: torch's current setting.
+
+    Returns:
+        The ``Profile`` (also stored in the graph for ``simulate``/``balance``).
+    """
+    dev = torch.device(device)
+    check_microbatches(graph.batch_size, microbatches)
+    args, kwargs = graph.capture.example_args, graph.example_kwargs
+    from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+    a, k = split_args_kwargs_into_chunks(args, kwargs, microbatches)
+    mb_args, mb_kwargs = pytree.tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, (a[0], k[0]))
+    model = graph.capture.fresh_copy().to(dev)
+    sync = _sync(dev)
+    fwd: dict[str, list[float]] = {n: [] for n in graph.layer_names}
+    bwd: dict[str, list[float]] = {n: [] for n in graph.layer_names}
+    marks: dict[str, float] = {}
+    grad_ready: dict[str, float] = {}  # when each layer's output gradient arrived: its backward starts
+    handles = []
+
+    def pre(name: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            sync()
+            marks[name] = time.perf_counter()
+        return hook
+
+    def post(name: str) -> Callable[..., None]:
+        def hook(_mod: Any, _inp: Any, out: Any) -> None:
+            sync()
+            fwd[name].append(time.perf_counter() - marks.pop(name))
+            tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                tensors[0].register_hook(lambda g: grad_ready.__setitem__(name, _now(sync)))
+        return hook
+
+    for name in graph.layer_names:
+        mod = model.get_submodule(name)
+        handles += [mod.register_forward_pre_hook(pre(name)), mod.register_forward_hook(post(name))]
+    loss_of = loss_fn or _default_loss
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    saved_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        total_f, total_b = _passes(model, mb_args, mb_kwargs, loss_of, sync, warmup, repeats, fwd, bwd, grad_ready)
+    finally:
+        torch.set_num_threads(saved_threads)
+    for h in handles:
+        h.remove()
+    med_f = {n: statistics.median(v) if v else 0.0 for n, v in fwd.items()}
+    med_b = {n: statistics.median(v) if v else 0.0 for n, v in bwd.items()}
+    tf, tb = statistics.median(total_f), statistics.median(total_b)
+    prof = Profile(
+        device=str(dev), microbatches=microbatches, forward=med_f, backward=med_b,
+        glue_forward=max(0.0, tf - sum(med_f.values())), glue_backward=max(0.0, tb - sum(med_b.values())),
+        total_forward=tf, total_backward=tb, overhead=CPU_ACTION_OVERHEAD if dev.type == "cpu" else 2e-5,
+        peak_memory=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
+    )
+    graph.capture.profiles[microbatches] = prof
+    return prof
+
+
+def _now(sync: Callable[[], None]) -> float:
+    sync()
+    return time.perf_counter()
+
+
+def _passes(model: torch.nn.Module, args: Any, kwargs: Any, loss_of: Callable[[Any], torch.Tensor],
+            sync: Callable[[], None], warmup: int, repeats: int, fwd: dict[str, list[float]],
+            bwd: dict[str, list[float]], grad_ready: dict[str, float]) -> tuple[list[float], list[float]]:
+    """Forward/backward passes; a layer's backward runs from its output gradient's arrival to the next
+    (earlier) layer's, the first layer's until the backward ends (so ops between layers count too)."""
+    total_f: list[float] = []
+    total_b: list[float] = []
+    for i in range(warmup + repeats):
+        grad_ready.clear()
+        sync()
+        t0 = time.perf_counter()
+        out = model(*args, **kwargs)
+        sync()
+        t1 = time.perf_counter()
+        loss_of(out).backward()
+        sync()
+        t2 = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        if i < warmup:  # warm-up passes are not kept
+            for v in fwd.values():
+                v.clear()
+            continue
+        total_f.append(t1 - t0)
+        total_b.append(t2 - t1)
+        starts = sorted(grad_ready.items(), key=lambda kv: kv[1])
+        for (name, t), nxt in zip(starts, [*starts[1:], (None, t2)], strict=True):
+            bwd[name].append(nxt[1] - t)
+    return total_f, total_b
+
+
+def _default_loss(out: Any) -> torch.Tensor:
+    from pipeviz.runtime.reference import model_output
+
+    out = model_output(out)
+    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return sum(t.float().sum() for t in leaves)  # type: ignore[return-value]

@@ -1,0 +1,97 @@
+"""Schedules as data: per-rank action orders, the validator, and the order a real run executes."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pipeviz as pv
+from pipeviz import schedules as sched
+from pipeviz.zoo import MyNetwork
+
+
+def table(text: str) -> list[list[str]]:
+    return [line.split() for line in text.strip().splitlines()]
+
+
+def test_gpipe_order() -> None:
+    assert sched.orders("GPipe", 3, 4) == table("""
+        0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3
+        1F0 1F1 1F2 1F3 1B0 1B1 1B2 1B3
+        2F0 2F1 2F2 2F3 2B0 2B1 2B2 2B3
+    """)
+
+
+def test_1f1b_order() -> None:
+    # torch warms stage r up with min(m, p - r) forwards, then one backward, one forward, ...
+    assert sched.orders("1F1B", 3, 5) == table("""
+        0F0 0F1 0F2 0B0 0F3 0B1 0F4 0B2 0B3 0B4
+        1F0 1F1 1B0 1F2 1B1 1F3 1B2 1F4 1B3 1B4
+        2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3 2F4 2B4
+    """)
+
+
+def test_interleaved_order_from_torch() -> None:
+    assert sched.orders("Interleaved1F1B", 4, 4) == table("""
+        0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3
+        1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3
+    """)
+
+
+def test_zbv_order_is_v_shaped_with_split_backward() -> None:
+    o = sched.orders("ZBVZeroBubble", 4, 4)
+    assert o[0][:6] == ["0F0", "0F1", "0F2", "3F0", "3I0", "3W0"]
+    assert {sched.parse(a)[0] for a in o[0]} == {0, 3} and {sched.parse(a)[0] for a in o[1]} == {1, 2}
+
+
+GRID = [
+    (s, ranks, v, m)
+    for s in sched.ALL
+    for ranks, v, m in itertools.product([1, 2, 3, 4], [1, 2, 3], [1, 2, 3, 4, 6, 8])
+    if (s in sched.SINGLE) == (v == 1) and not (s in sched.V_SHAPED and v != 2)
+]
+
+
+@pytest.mark.parametrize(("schedule", "ranks", "v", "m"), GRID)
+def test_every_order_is_valid(schedule: str, ranks: int, v: int, m: int) -> None:
+    stages = ranks * v
+    spr = None if v == 1 else v
+    try:
+        sched.check_microbatches(schedule, stages, m, spr)
+    except sched.ScheduleError:
+        return  # the combination is rejected up front, with a message (tested elsewhere)
+    lay = sched.layout(schedule, stages, spr)
+    sched.validate(sched.orders(schedule, stages, m, spr), stages, m, lay.stage_ranks)
+
+
+@pytest.mark.parametrize(
+    ("order", "message"),
+    [
+        ([["0F0", "0B0"], ["1F0"]], "stage 1 microbatch 0 needs either B, or both I and W."),
+        ([["0B0", "0F0"], ["1F0", "1B0"]], "0B0 runs before 0F0."),
+        ([["0F0", "0F0", "0B0"], ["1F0", "1B0"]], "rank 0: 0F0 appears twice."),
+        ([["0F0", "0B0", "1F0"], ["1B0"]], "rank 0: 1F0 runs stage 1, which lives on rank 1."),
+        ([["0F0", "0I0", "0W0"], ["1F0", "1W0", "1I0"]], "1W0 runs before 1I0."),
+    ],
+)
+def test_validator_names_the_broken_rule(order: list[list[str]], message: str) -> None:
+    with pytest.raises(sched.ScheduleError) as info:
+        sched.validate(order, 2, 1, (0, 1))
+    assert str(info.value) == message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", sched.ALL)
+def test_order_matches_a_real_run(schedule: str) -> None:
+    torch.manual_seed(0)
+    model, x, y = MyNetwork(8, [8, 8, 8, 8]), torch.randn(8, 8), torch.randint(0, 10, (8,))
+    graph = pv.trace(model, example_args=(x,))
+    stages = 3 if schedule in sched.SINGLE else 4
+    plan = graph.split(graph.split_candidates[: stages - 1])
+    run = pv.launch(plan, schedule=schedule, microbatches=4, steps=1, inputs=(x,), target=y, loss_fn=F.cross_entropy)
+    assert run.wait(120) == "done", run.error
+    measured = [run.timeline().order(r) for r in range(run.layout.num_ranks)]
+    assert measured == sched.orders(schedule, stages, 4)
