@@ -13,22 +13,28 @@ The core (this package minus ``pipeviz.widgets``) imports neither ipywidgets nor
 
 from torch.distributed.pipelining import SplitPoint
 
+from pipeviz.balance import balance
 from pipeviz.capture import TraceError
 from pipeviz.graph import Layer, ModelGraph, trace
 from pipeviz.manual import SequenceStage, manual_plan
 from pipeviz.plan import PlanError, SplitPlan, StageInfo
+from pipeviz.profile import Profile, profile
 from pipeviz.runtime import LaunchError, Run, launch, train_reference
 from pipeviz.schedules import ScheduleError
+from pipeviz.simulate import Comparison, Costs, compare, estimate_costs, simulate
 from pipeviz.timeline import Event, Timeline
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Comparison",
+    "Costs",
     "Event",
     "LaunchError",
     "Layer",
     "ModelGraph",
     "PlanError",
+    "Profile",
     "Run",
     "ScheduleError",
     "SequenceStage",
@@ -37,8 +43,22 @@ __all__ = [
     "StageInfo",
     "Timeline",
     "TraceError",
+    "balance",
+    "compare",
+    "estimate_costs",
     "launch",
     "manual_plan",
+    "profile",
+    "simulate",
     "trace",
     "train_reference",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``pv.Explorer`` and ``pv.TimelineView`` load ipywidgets and plotly only when first used."""
+    if name in ("Explorer", "TimelineView"):
+        from pipeviz import widgets
+
+        return getattr(widgets, name)
+    raise AttributeError(f"module 'pipeviz' has no attribute {name!r}")
