@@ -15,6 +15,7 @@ from torch.distributed.pipelining import SplitPoint
 
 from pipeviz.balance import balance
 from pipeviz.capture import TraceError
+from pipeviz.export import Watch, export_torchrun, watch
 from pipeviz.graph import Layer, ModelGraph, trace
 from pipeviz.manual import SequenceStage, manual_plan
 from pipeviz.plan import PlanError, SplitPlan, StageInfo
@@ -43,15 +44,18 @@ __all__ = [
     "StageInfo",
     "Timeline",
     "TraceError",
+    "Watch",
     "balance",
     "compare",
     "estimate_costs",
+    "export_torchrun",
     "launch",
     "manual_plan",
     "profile",
     "simulate",
     "trace",
     "train_reference",
+    "watch",
 ]
 
 

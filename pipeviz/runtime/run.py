@@ -22,6 +22,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -381,44 +382,24 @@ def _batch(tree: Any) -> int | None:
     return None
 
 
-def launch(
-    plan: SplitPlan,
-    schedule: str = "1F1B",
-    microbatches: int = 4,
-    steps: int = 1,
-    inputs: tuple[Any, ...] | Any = None,
-    input_kwargs: dict[str, Any] | None = None,
-    target: Any = None,
-    loss_fn: Callable[..., torch.Tensor] | None = None,
-    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
-    devices: str | Sequence[str] = "auto",
-    stages_per_rank: int | None = None,
-    timeout: float = 120.0,
-) -> Run:
-    """Start the plan's stages as processes running torch's ``schedule``; returns a ``Run`` at once.
+@dataclass
+class LaunchSpec:
+    """A validated launch: what ``launch`` and ``export_torchrun`` run."""
 
-    One process per rank (spawned, rendezvous on 127.0.0.1). Every forward, backward, input-grad and
-    weight-grad action streams back as an ``Event``. Skip connections are relayed stage by stage and
-    tied weights' gradients are summed across the stages holding them, so the run trains like the
-    unsplit model (same microbatching, mean loss per microbatch).
+    schedule: str
+    layout: sched.Layout
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    target: torch.Tensor
+    loss_fn: Callable[..., torch.Tensor]
+    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
-    Args:
-        plan: the ``SplitPlan``.
-        schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV.
-        microbatches: microbatches per step; must divide the batch.
-        steps: optimizer steps.
-        inputs / input_kwargs: the full batch (defaults: the graph's example inputs).
-        target: the full batch of targets, passed to ``loss_fn(output, target)`` per microbatch.
-            ``output`` is the model's output (its only tensor; for HF models the logits).
-        loss_fn: mean-reduced loss; the run trains only with one.
-        optimizer: ``params -> torch.optim.Optimizer`` (default SGD, lr 0.1), built on every rank.
-        devices: ``"auto"``, ``"cpu"``, ``"cuda"`` or one device per rank.
-        stages_per_rank: for multi-stage schedules (default 2).
-        timeout: seconds without progress before the run is declared hung and stopped.
 
-    Raises:
-        LaunchError, ScheduleError, PlanError: before any process starts, naming the bad value and the fix.
-    """
+def validate_launch(
+    plan: SplitPlan, schedule: str, microbatches: int, steps: int, inputs: Any, input_kwargs: dict[str, Any] | None,
+    target: Any, loss_fn: Any, optimizer: Any, stages_per_rank: int | None,
+) -> LaunchSpec:
+    """Check everything a launch needs before any process starts; raises with the value, choices and fix."""
     import cloudpickle
 
     if not isinstance(plan, SplitPlan):
@@ -467,6 +448,53 @@ def launch(
         except Exception as exc:
             raise LaunchError(f"{label} cannot be sent to the stage processes ({exc}). Fix: define it as a plain "
                               "function or lambda, without open files, locks or CUDA state.") from exc
+    return LaunchSpec(name, lay, args, kwargs, target, loss_fn, optimizer)
+
+
+def launch(
+    plan: SplitPlan,
+    schedule: str = "1F1B",
+    microbatches: int = 4,
+    steps: int = 1,
+    inputs: tuple[Any, ...] | Any = None,
+    input_kwargs: dict[str, Any] | None = None,
+    target: Any = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
+    devices: str | Sequence[str] = "auto",
+    stages_per_rank: int | None = None,
+    timeout: float = 120.0,
+) -> Run:
+    """Start the plan's stages as processes running torch's ``schedule``; returns a ``Run`` at once.
+
+    One process per rank (spawned, rendezvous on 127.0.0.1). Every forward, backward, input-grad and
+    weight-grad action streams back as an ``Event``. Skip connections are relayed stage by stage and
+    tied weights' gradients are summed across the stages holding them, so the run trains like the
+    unsplit model (same microbatching, mean loss per microbatch).
+
+    Args:
+        plan: the ``SplitPlan``.
+        schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV.
+        microbatches: microbatches per step; must divide the batch.
+        steps: optimizer steps.
+        inputs / input_kwargs: the full batch (defaults: the graph's example inputs).
+        target: the full batch of targets, passed to ``loss_fn(output, target)`` per microbatch.
+            ``output`` is the model's output (its only tensor; for HF models the logits).
+        loss_fn: mean-reduced loss; the run trains only with one.
+        optimizer: ``params -> torch.optim.Optimizer`` (default SGD, lr 0.1), built on every rank.
+        devices: ``"auto"``, ``"cpu"``, ``"cuda"`` or one device per rank.
+        stages_per_rank: for multi-stage schedules (default 2).
+        timeout: seconds without progress before the run is declared hung and stopped.
+
+    Raises:
+        LaunchError, ScheduleError, PlanError: before any process starts, naming the bad value and the fix.
+    """
+    import cloudpickle
+
+    spec = validate_launch(plan, schedule, microbatches, steps, inputs, input_kwargs, target, loss_fn, optimizer,
+                           stages_per_rank)
+    name, lay, args, kwargs = spec.schedule, spec.layout, spec.args, spec.kwargs
+    loss_fn, optimizer, target = spec.loss_fn, spec.optimizer, spec.target
     stage_devices, backend, compute = resolve_devices(devices, lay.num_ranks)
     threads = max(1, (os.cpu_count() or 1) // lay.num_ranks)
 

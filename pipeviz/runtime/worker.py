@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -47,7 +47,7 @@ class RankPayload:
     parent_pid: int
     timeout_s: float
     threads: int = 1
-    extra: dict[str, Any] = field(default_factory=dict)
+    init_method: str | None = None  # default: tcp://127.0.0.1:port; "env://" under torchrun
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -88,14 +88,15 @@ def _run(p: RankPayload, queue: Any) -> None:
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as torch_schedules
 
-    dbg = (lambda m: print(f"[rank {p.rank}] {time.time() - p.t0:.2f} {m}", file=sys.stderr, flush=True)) \
-        if os.environ.get("PV_DEBUG") else (lambda m: None)
-    dbg("start")
     torch.set_num_threads(max(1, p.threads))
     dist.init_process_group(
-        p.backend, init_method=f"tcp://127.0.0.1:{p.port}", rank=p.rank, world_size=p.world,
+        p.backend, init_method=p.init_method or f"tcp://127.0.0.1:{p.port}", rank=p.rank, world_size=p.world,
         timeout=timedelta(seconds=p.timeout_s),
     )
+    if p.t0 < 0:  # under torchrun: one clock for every rank, rank 0's start (hosts' clocks assumed synced)
+        t0 = torch.tensor([time.time()], dtype=torch.float64)
+        dist.broadcast(t0, src=0)
+        p.t0 = float(t0.item())
     device = torch.device(p.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -132,9 +133,7 @@ def _run(p: RankPayload, queue: Any) -> None:
     # unflattened submodules hold fx graphs), and building here gives each rank its own parameters.
     from pipeviz.runtime.stages import build_stages
 
-    dbg("pg up")
     built = build_stages(p.plan, p.microbatches)
-    dbg("built")
     num_stages = len(built.runners)
     mine = [s for s, r in enumerate(p.stage_ranks) if r == p.rank]
     tied = {name: sorted({p.stage_ranks[s] for s in ss}) for name, ss in built.tied.items()}
@@ -168,7 +167,6 @@ def _run(p: RankPayload, queue: Any) -> None:
     else:
         schedule = cls(stages, n_microbatches=p.microbatches, loss_fn=p.loss_fn)
     optimizer = p.optimizer(params)
-    dbg("schedule ready")
     first, last = 0 in mine, num_stages - 1 in mine
     graph = p.plan.graph
     args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in graph.example_args)

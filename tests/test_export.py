@@ -1,0 +1,99 @@
+"""Scale-out: an exported torchrun script trains like pv.launch, on one host and as two nodes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pipeviz as pv
+from pipeviz.runtime.run import _free_port
+from pipeviz.zoo import MyNetwork
+
+pytestmark = pytest.mark.slow
+
+
+def _plan(stages: int) -> tuple[pv.SplitPlan, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model, x, y = MyNetwork(8, [8, 8, 8]), torch.randn(8, 8), torch.randint(0, 10, (8,))
+    graph = pv.trace(model, example_args=(x,))
+    return graph.split(graph.split_candidates[: stages - 1]), x, y
+
+
+def _torchrun(script: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args, str(script)], cwd=script.parent,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _launch_losses(plan: pv.SplitPlan, x: torch.Tensor, y: torch.Tensor, steps: int) -> list[float]:
+    run = pv.launch(plan, schedule="1F1B", microbatches=4, steps=steps, inputs=(x,), target=y, loss_fn=F.cross_entropy)
+    assert run.wait(120) == "done", run.error
+    return run.losses
+
+
+def test_exported_script_matches_launch_and_is_watched_live(tmp_path: Path) -> None:
+    plan, x, y = _plan(3)
+    script = pv.export_torchrun(plan, tmp_path / "train_pp.py", schedule="1F1B", microbatches=4, steps=40,
+                                inputs=(x,), target=y, loss_fn=F.cross_entropy)
+    assert script.read_text().startswith("#!/usr/bin/env python")
+    watch = pv.watch(tmp_path / "train_pp_events", timeout=240)
+    seen: list[int] = []
+    watch.subscribe(lambda batch: seen.append(len(batch)))
+    proc = _torchrun(script, "--nproc-per-node", "3", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()))
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    assert watch.wait(30) == "done", watch.error
+    assert len(seen) > 2  # events arrived in several batches while the run went
+    assert watch.losses == pytest.approx(_launch_losses(plan, x, y, 40), abs=1e-6)
+    tl = watch.timeline()
+    assert tl.num_ranks == 3 and {e.kind for e in tl.events} >= {"F", "B"}
+    assert tl.order(0, step=0) == pv.schedules.orders("1F1B", 3, 4)[0]
+
+
+def test_exported_script_as_two_nodes(tmp_path: Path) -> None:
+    plan, x, y = _plan(2)
+    script = pv.export_torchrun(plan, tmp_path / "two.py", schedule="GPipe", microbatches=4, steps=3, inputs=(x,),
+                                target=y, loss_fn=F.cross_entropy)
+    port = str(_free_port())
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port]
+    nodes = [_torchrun(script, *common, "--node-rank", str(r)) for r in range(2)]
+    for node in nodes:
+        out, _ = node.communicate(timeout=240)
+        assert node.returncode == 0, out
+    losses = [json.loads(line)["loss"][1] for line in (tmp_path / "two_events" / "rank1.jsonl").read_text().splitlines()
+              if line.startswith('{"loss"')]
+    run = pv.launch(plan, schedule="GPipe", microbatches=4, steps=3, inputs=(x,), target=y, loss_fn=F.cross_entropy)
+    assert run.wait(120) == "done"
+    assert losses == pytest.approx(run.losses, abs=1e-6)
+
+
+def test_export_validates_before_writing(tmp_path: Path) -> None:
+    plan, x, y = _plan(3)
+    with pytest.raises(pv.ScheduleError, match="1F1B needs at least as many microbatches as stages"):
+        pv.export_torchrun(plan, tmp_path / "bad.py", microbatches=2, inputs=(x,), target=y, loss_fn=F.cross_entropy)
+    assert not (tmp_path / "bad.py").exists()
+
+
+def test_chrome_trace_is_valid(tmp_path: Path) -> None:
+    plan, x, y = _plan(3)
+    run = pv.launch(plan, schedule="1F1B", microbatches=4, steps=2, inputs=(x,), target=y, loss_fn=F.cross_entropy)
+    assert run.wait(120) == "done"
+    path = run.timeline().to_chrome_trace(tmp_path / "trace.json")
+    data = json.loads(path.read_text())
+    spans = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == len(run.events)
+    assert {e["tid"] for e in spans} == {0, 1, 2}  # one track per rank
+    names = {e["args"]["name"] for e in data["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names == {"rank 0", "rank 1", "rank 2"}
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    # One clock: stage 1's forward of mb 0 starts after stage 0's ends.
+    f = {(e["args"]["stage"], e["args"]["microbatch"], e["args"]["step"]): e for e in spans if e["cat"] == "F"}
+    assert f[(1, 0, 0)]["ts"] >= f[(0, 0, 0)]["ts"] + f[(0, 0, 0)]["dur"]
+    sim = pv.simulate(plan, "1F1B", 4).to_chrome_trace(tmp_path / "sim.json")
+    assert json.loads(sim.read_text())["traceEvents"]
+
