@@ -1,0 +1,319 @@
+"""Plotly figures over the core objects: the layer graph of a plan and a timeline's Gantt chart.
+
+They are plain ``plotly.graph_objects.Figure`` objects, so they render wherever plotly does (JupyterLab,
+Notebook 7, nbconvert HTML) without any widget; ``pv.Explorer`` and ``pv.TimelineView`` put the same
+traces into live ``FigureWidget``s.
+
+Example:
+    >>> from pipeviz.widgets.figures import graph_figure, timeline_figure
+    >>> graph_figure(plan).show()
+    >>> timeline_figure(run.timeline(), overlay=pv.simulate(plan, "1F1B", 4)).show()
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import plotly.graph_objects as go
+
+from pipeviz.timeline import COMPUTE, KINDS, Timeline
+
+if TYPE_CHECKING:
+    from pipeviz.plan import SplitPlan
+
+STAGE_COLORS = ("#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3", "#FF6692", "#B6E880",
+                "#FF97FF", "#FECB52")
+KIND_COLORS = {"F": "#4C78A8", "B": "#F58518", "I": "#E45756", "W": "#54A24B", "SEND": "#B279A2",
+               "RECV": "#9D755D", "COMM": "#BAB0AC"}
+KIND_ORDER = ("F", "B", "I", "W", "SEND", "RECV", "COMM")
+# Above this many events a Gantt chart is drawn as WebGL line segments: thousands of SVG bars make the
+# browser stutter on every live redraw, GL segments do not.
+GL_THRESHOLD = 3000
+LABEL_LIMIT = 800  # microbatch labels only while they can be read
+OVERLAY_STEPS = 50  # the simulated step is laid over at most this many measured steps
+
+
+def stage_color(stage: int) -> str:
+    """The colour of stage ``stage`` everywhere (graph nodes, preview rows)."""
+    return STAGE_COLORS[stage % len(STAGE_COLORS)]
+
+
+def _human(n: float) -> str:
+    for unit in ("", "K", "M", "G", "T"):
+        if abs(n) < 1000 or unit == "T":
+            return f"{n:.0f}{unit}" if unit == "" else f"{n:.1f}{unit}"
+        n /= 1000
+    return f"{n:.1f}T"
+
+
+# --------------------------------------------------------------------------------------------- timeline
+def _columns(events: list[Any]) -> dict[str, np.ndarray]:
+    """Event fields as arrays (one pass; 10,000 events take a few ms)."""
+    if not events:
+        empty = np.zeros(0)
+        return {k: empty for k in ("rank", "stage", "mb", "start", "end", "step")} | {"kind": np.zeros(0, dtype=object)}
+    rows = [(e.rank, e.stage, e.mb, e.start, e.end, e.step) for e in events]
+    arr = np.asarray(rows, dtype=float)
+    cols = {k: arr[:, i] for i, k in enumerate(("rank", "stage", "mb", "start", "end", "step"))}
+    cols["kind"] = np.asarray([e.kind for e in events], dtype=object)
+    return cols
+
+
+def _shifted_overlay(overlay: Timeline, measured: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The simulated step repeated at the start of each measured step (or at 0 without measurements)."""
+    sim = _columns(overlay.events)
+    if not len(sim["start"]):
+        return sim
+    sim_start = sim["start"].min()
+    starts = [0.0]
+    if len(measured["start"]):
+        comp = np.isin(measured["kind"], COMPUTE)
+        steps = np.unique(measured["step"][comp])[:OVERLAY_STEPS]
+        starts = [float(measured["start"][comp & (measured["step"] == s)].min()) for s in steps] or [0.0]
+    parts = []
+    for i, t0 in enumerate(starts):
+        part = dict(sim)
+        part["start"] = sim["start"] - sim_start + t0
+        part["end"] = sim["end"] - sim_start + t0
+        part["step"] = np.full(len(sim["start"]), float(i))
+        parts.append(part)
+    return {k: np.concatenate([p[k] for p in parts]) for k in sim}
+
+
+def timeline_traces(timeline: Timeline, overlay: Timeline | None = None, *, gl: bool | None = None,
+                    labels: bool | None = None) -> list[dict[str, Any]]:
+    """Plotly trace dicts for a Gantt chart: one trace per event kind (and per overlay kind), built from
+    arrays, never one shape per event.
+
+    Args:
+        timeline: the events to draw (measured or simulated).
+        overlay: a simulated timeline drawn thinly under each measured step.
+        gl: WebGL line segments instead of SVG bars; default: above ``GL_THRESHOLD`` events.
+        labels: microbatch labels on bars; default: up to ``LABEL_LIMIT`` events.
+    """
+    cols = _columns(timeline.events)
+    n = len(cols["start"])
+    over = _shifted_overlay(overlay, cols) if overlay is not None else None
+    t0 = time_origin(timeline)
+    for c in (cols, over):
+        if c is not None and t0:
+            c["start"], c["end"] = c["start"] - t0, c["end"] - t0
+    gl = n > GL_THRESHOLD if gl is None else gl
+    labels = n <= LABEL_LIMIT if labels is None else labels
+    multi = timeline.num_stages > timeline.num_ranks
+    # (name, columns, is overlay, y offset in the rank's row, bar width, opacity)
+    sources = [(timeline.source, cols, False, 0.0 if overlay is None else -0.09, 0.62 if overlay is None else 0.5, 1.0)]
+    if overlay is not None:
+        sources.append((f"{overlay.source} (overlay)", over, True, 0.25, 0.16, 0.6))
+    traces: list[dict[str, Any]] = []
+    for name, c, is_overlay, y_shift, width, opacity in sources:
+        for kind in KIND_ORDER:
+            sel = c["kind"] == kind if len(c["kind"]) else np.zeros(0, dtype=bool)
+            start, end = c["start"][sel] * 1e3, c["end"][sel] * 1e3
+            rank, stage, mb, step = c["rank"][sel], c["stage"][sel], c["mb"][sel], c["step"][sel]
+            custom = np.stack([stage, mb, step, end - start], axis=1) if len(start) else np.zeros((0, 4))
+            legend = f"{kind} · {KINDS.get(kind, kind)}" + (" (overlay)" if is_overlay else "")
+            common = {"name": legend, "legendgroup": f"{name}-{kind}", "opacity": opacity,
+                      "showlegend": bool(len(start)), "meta": [name, kind]}
+            hover = (f"<b>{kind}</b> stage %{{customdata[0]:.0f}} · mb %{{customdata[1]:.0f}} · "
+                     f"step %{{customdata[2]:.0f}}<br>%{{customdata[3]:.3f}} ms<extra>{name}</extra>")
+            if gl:
+                # Each event is a thick segment [start, end] followed by a gap.
+                xs = np.column_stack([start, end, np.full(len(start), np.nan)]).ravel()
+                ys = np.repeat(rank + y_shift, 3)
+                traces.append({"type": "scattergl", "mode": "lines", "x": xs, "y": ys,
+                               "customdata": np.repeat(custom, 3, axis=0), "hovertemplate": hover,
+                               "line": {"color": KIND_COLORS[kind], "width": 4 if is_overlay else 14}, **common})
+                continue
+            text = None
+            if labels and len(start):
+                text = [f"{s:.0f}{kind}{m:.0f}" if multi else f"{m:.0f}" for s, m in zip(stage, mb, strict=True)]
+                if kind not in COMPUTE or is_overlay:
+                    text = None
+            traces.append({"type": "bar", "orientation": "h", "base": start, "x": end - start, "y": rank + y_shift,
+                           "width": width if kind in COMPUTE else 0.4 * width,  # communication: a thin bar
+                           "customdata": custom, "hovertemplate": hover, "text": text,
+                           "textposition": "inside", "insidetextanchor": "middle",
+                           "textfont": {"size": 10, "color": "white"},
+                           "marker": {"color": KIND_COLORS[kind], "line": {"width": 0}}, **common})
+    return traces
+
+
+def time_origin(timeline: Timeline) -> float:
+    """Seconds drawn as 0: a measured run's first event (process start-up is not shown), else 0."""
+    if timeline.source == "measured" and timeline.events:
+        return min(e.start for e in timeline.events)
+    return 0.0
+
+
+def timeline_layout(timeline: Timeline, overlay: Timeline | None = None, *, title: str | None = None,
+                    height: int | None = None) -> dict[str, Any]:
+    """The layout for ``timeline_traces``: one row per rank (rank 0 on top), time in ms."""
+    ranks = max(timeline.num_ranks, overlay.num_ranks if overlay is not None else 0, 1)
+    if title is None:
+        title = timeline_title(timeline)
+    measured = timeline.source == "measured"
+    return {
+        "title": {"text": title, "font": {"size": 13}, "x": 0.01, "xanchor": "left"},
+        "height": height or 130 + 46 * ranks,
+        "margin": {"l": 60, "r": 10, "t": 56, "b": 36},
+        "barmode": "overlay",
+        "uniformtext": {"minsize": 8, "mode": "hide"},
+        "xaxis": {"title": {"text": "time since the first event (ms)" if measured else "time (ms)"}, "zeroline": False},
+        "yaxis": {"tickmode": "array", "tickvals": list(range(ranks)), "ticktext": [f"rank {r}" for r in range(ranks)],
+                  "range": [ranks - 0.5, -0.5], "zeroline": False, "fixedrange": True},
+        "legend": {"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 1, "xanchor": "right",
+                   "font": {"size": 10}},
+        "dragmode": "zoom",
+        "hovermode": "closest",
+        "plot_bgcolor": "#fafafa",
+    }
+
+
+def timeline_title(timeline: Timeline) -> str:
+    """One line: source, schedule, shape, step time and bubble."""
+    head = (f"{timeline.source} · {timeline.schedule} · {timeline.num_stages} stages on {timeline.num_ranks} ranks · "
+            f"{timeline.microbatches} microbatches")
+    if not timeline.events:
+        return head + " · no events yet"
+    return (f"{head} · step {timeline.step_time * 1e3:.2f} ms · bubble {timeline.bubble_fraction:.0%} · "
+            f"{len(timeline.events):,} events")
+
+
+def timeline_figure(timeline: Timeline, overlay: Timeline | None = None, *, title: str | None = None,
+                    height: int | None = None, gl: bool | None = None, labels: bool | None = None) -> go.Figure:
+    """A Gantt chart of ``timeline``: one row per rank, colours for F / B / I / W and communication,
+    microbatch labels, optionally a simulated timeline overlaid under each measured step. Zoom with the
+    mouse (double-click resets).
+
+    Example:
+        >>> timeline_figure(pv.simulate(plan, "1F1B", 8)).show()
+        >>> run.timeline().figure(overlay=pv.simulate(plan, "1F1B", 8))
+
+    Args:
+        timeline: a ``Timeline`` (``run.timeline()`` or ``pv.simulate(...)``).
+        overlay: a simulated ``Timeline`` drawn thinly under the measured bars, one copy per step.
+        title: the title; default says source, schedule, step time and bubble.
+        height: pixels; default grows with the number of ranks.
+        gl: force WebGL segments (``True``) or SVG bars (``False``); default by event count.
+        labels: force microbatch labels on or off.
+
+    Returns:
+        ``plotly.graph_objects.Figure``.
+    """
+    if not isinstance(timeline, Timeline):
+        raise TypeError(f"timeline_figure() needs a pv.Timeline, got {type(timeline).__name__}.")
+    fig = go.Figure(layout=timeline_layout(timeline, overlay, title=title, height=height))
+    fig.add_traces(timeline_traces(timeline, overlay, gl=gl, labels=labels))
+    return fig
+
+
+# --------------------------------------------------------------------------------------------- graph
+def _arc(y0: float, y1: float, bulge: float, points: int = 16) -> tuple[list[float], list[float]]:
+    """A quadratic Bezier from (0, y0) to (0, y1) bulging right to x = bulge."""
+    t = np.linspace(0.0, 1.0, points)
+    xs = 2 * (1 - t) * t * (2 * bulge)
+    ys = (1 - t) ** 2 * y0 + 2 * (1 - t) * t * (y0 + y1) / 2 + t**2 * y1
+    return [*xs.tolist(), None], [*ys.tolist(), None]
+
+
+def graph_layers(plan: SplitPlan) -> dict[str, Any]:
+    """Per-layer arrays the graph figure draws (name, stage, cost, position)."""
+    g = plan.graph
+    stage_of = {name: s.index for s in plan.stages for name in s.layers}
+    layers = g.layers
+    max_flops = max((la.flops for la in layers), default=0) or 1
+    return {
+        "names": [la.name for la in layers],
+        "stages": [stage_of[la.name] for la in layers],
+        "y": list(range(len(layers))),
+        "size": [11 + 21 * float(np.sqrt(la.flops / max_flops)) for la in layers],
+        "custom": [[la.name, la.kind + (" ⊕" if la.expandable else ""), f"{la.params:,}", _human(la.flops),
+                    _human(la.out_bytes) + "B", stage_of[la.name]] for la in layers],
+    }
+
+
+def graph_traces(plan: SplitPlan) -> list[dict[str, Any]]:
+    """Traces of the layer graph: chain edges, skip edges (arcs to the right) and the layer markers (last)."""
+    g = plan.graph
+    pos = {name: i for i, name in enumerate(g.layer_names)}
+    chain_x: list[float | None] = []
+    chain_y: list[float | None] = []
+    skip_x: list[float | None] = []
+    skip_y: list[float | None] = []
+    lanes: list[tuple[int, int]] = []
+    for a, b in g.edges:
+        i, j = pos[a], pos[b]
+        if j - i == 1:
+            chain_x += [0, 0, None]
+            chain_y += [i, j, None]
+            continue
+        # Nested / overlapping skips get their own lane so arcs do not sit on top of each other.
+        lane = sum(1 for (p, q) in lanes if p < j and i < q)
+        lanes.append((i, j))
+        xs, ys = _arc(i, j, 0.35 + 0.2 * lane + 0.02 * (j - i))
+        skip_x += xs
+        skip_y += ys
+    d = graph_layers(plan)
+    hover = ("<b>%{customdata[0]}</b><br>kind: %{customdata[1]}<br>params: %{customdata[2]}<br>"
+             "FLOPs: %{customdata[3]}<br>output: %{customdata[4]}<br>stage %{customdata[5]}"
+             "<extra>click: split after</extra>")
+    return [
+        {"type": "scatter", "mode": "lines", "x": chain_x, "y": chain_y, "hoverinfo": "skip", "name": "edges",
+         "line": {"color": "#999", "width": 2}, "showlegend": False},
+        {"type": "scatter", "mode": "lines", "x": skip_x, "y": skip_y, "hoverinfo": "skip", "name": "skip edges",
+         "line": {"color": "#c0392b", "width": 1.5, "dash": "dot"}, "showlegend": bool(skip_x)},
+        {"type": "scatter", "mode": "markers+text", "x": [0.0] * len(d["names"]), "y": d["y"], "name": "layers",
+         "text": d["names"], "textposition": "middle left", "textfont": {"size": 11}, "customdata": d["custom"],
+         "hovertemplate": hover, "showlegend": False,
+         "marker": {"size": d["size"], "color": [stage_color(s) for s in d["stages"]],
+                    "line": {"color": "#333", "width": 1}, "opacity": 0.95}},
+    ]
+
+
+def graph_layout(plan: SplitPlan, *, height: int | None = None, width: int | None = None) -> dict[str, Any]:
+    """Layout with stage bands and a dashed split line between stages."""
+    n = len(plan.graph.layers)
+    shapes: list[dict[str, Any]] = []
+    annotations: list[dict[str, Any]] = []
+    for s in plan.stages:
+        lo, hi = plan.graph.layer_names.index(s.layers[0]), plan.graph.layer_names.index(s.layers[-1])
+        shapes.append({"type": "rect", "xref": "paper", "x0": 0, "x1": 1, "y0": lo - 0.5, "y1": hi + 0.5,
+                       "fillcolor": stage_color(s.index), "opacity": 0.08, "line": {"width": 0}, "layer": "below"})
+        annotations.append({"xref": "paper", "x": 1, "xanchor": "right", "y": (lo + hi) / 2, "showarrow": False,
+                            "text": f"stage {s.index}", "font": {"color": stage_color(s.index), "size": 11}})
+        if s.index < plan.num_stages - 1:
+            shapes.append({"type": "line", "xref": "paper", "x0": 0, "x1": 1, "y0": hi + 0.5, "y1": hi + 0.5,
+                           "line": {"color": "#333", "width": 2, "dash": "dash"}})
+    return {
+        "height": height or max(260, 60 + 30 * n),
+        "width": width,
+        "margin": {"l": 10, "r": 10, "t": 30, "b": 10},
+        "title": {"text": f"{type(plan.graph.model).__name__}: {n} layers · {plan.num_stages} stages "
+                          "· click a layer to split after it", "font": {"size": 12}, "x": 0.01},
+        "xaxis": {"visible": False, "range": [-2.4, 1.6], "fixedrange": True},
+        "yaxis": {"visible": False, "range": [n - 0.5, -0.7], "fixedrange": True},
+        "shapes": shapes,
+        "annotations": annotations,
+        "hovermode": "closest",
+        "dragmode": False,
+        "clickmode": "event",
+        "plot_bgcolor": "white",
+        "legend": {"x": 1, "xanchor": "right", "y": 0, "font": {"size": 10}},
+    }
+
+
+def graph_figure(plan: SplitPlan, *, height: int | None = None, width: int | None = None) -> go.Figure:
+    """The layer graph of ``plan`` top-down: markers coloured by stage and sized by FLOPs, skip connections
+    as dotted arcs, a dashed line at every split. Hover shows name, kind, params, FLOPs and output bytes.
+
+    Example:
+        >>> graph_figure(graph.split(["layer0"])).show()
+
+    Returns:
+        ``plotly.graph_objects.Figure``; its last trace (``"layers"``) has one marker per layer.
+    """
+    fig = go.Figure(layout=graph_layout(plan, height=height, width=width))
+    fig.add_traces(graph_traces(plan))
+    return fig

@@ -1,0 +1,215 @@
+"""``TimelineView``: a live Gantt chart of a ``Run`` (or any ``Timeline``) in a notebook.
+
+Example:
+    >>> run = pv.launch(plan, schedule="1F1B", microbatches=8, steps=20, inputs=(x,), target=y, loss_fn=F.cross_entropy)
+    >>> pv.TimelineView(run, overlay=pv.simulate(plan, "1F1B", 8))     # fills in while the run goes
+    >>> pv.TimelineView(pv.simulate(plan, "ZBVZeroBubble", 8))         # a static timeline
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import ipywidgets as W
+import plotly.graph_objects as go
+
+from pipeviz.export import Watch
+from pipeviz.runtime.run import Run
+from pipeviz.timeline import COMPUTE, Timeline
+from pipeviz.widgets.figures import time_origin, timeline_layout, timeline_title, timeline_traces
+
+SECONDS_PER_EVENT = 1e-4  # live redraw spacing per event drawn: 10,000 events -> at most one redraw a second
+
+
+class TimelineView(W.VBox):
+    """A Gantt chart per rank (F / B / I / W and communication), microbatch labels, an optional simulated
+    overlay and zoom (drag to zoom, double-click to reset, or pick one step). Attached to a ``Run`` it
+    redraws as events arrive, at most once per ``interval`` seconds (once a second from 10,000 events on),
+    from one trace per event kind (WebGL segments above 3,000 events), so long runs stay smooth.
+
+    Example:
+        >>> view = pv.TimelineView(run); view           # live
+        >>> view.timeline                               # the Timeline drawn last
+
+    Args:
+        source: a ``pv.Run`` (live), a ``pv.Timeline`` (static) or ``None`` (empty until ``update``/``attach``).
+        overlay: a simulated ``Timeline`` drawn thinly under each measured step.
+        interval: minimum seconds between live redraws.
+        title: a fixed title; default describes the timeline (schedule, step time, bubble).
+        height: pixels; default grows with the number of ranks.
+
+    Attributes:
+        figure: the ``plotly.graph_objects.FigureWidget``.
+        redraws: how many times the chart was redrawn.
+        last_redraw_s: seconds the last redraw took in Python.
+    """
+
+    def __init__(self, source: Run | Watch | Timeline | None = None, *, overlay: Timeline | None = None,
+                 interval: float = 0.25, title: str | None = None, height: int | None = None) -> None:
+        self.figure = go.FigureWidget()
+        self.summary = W.HTML()
+        self.step_select = W.Dropdown(options=[("all steps", -1)], value=-1, description="zoom",
+                                      layout=W.Layout(width="180px"))
+        self.step_select.observe(self._on_step, "value")
+        super().__init__([W.HBox([self.summary, self.step_select],
+                                 layout=W.Layout(justify_content="space-between", align_items="center")),
+                          self.figure])
+        self.add_class("pipeviz-timeline")
+        self.interval, self.redraws, self.last_redraw_s = interval, 0, 0.0
+        self._title, self._height = title, height
+        self._overlay = overlay
+        self._timeline: Timeline | None = None
+        self._run: Run | Watch | None = None
+        self._lock = threading.RLock()
+        self._last = 0.0
+        self._timer: threading.Timer | None = None
+        self._mode: tuple[bool, bool] | None = None
+        if isinstance(source, Run | Watch):
+            self.attach(source)
+        elif isinstance(source, Timeline):
+            self.update(source)
+        elif source is not None:
+            raise TypeError(f"TimelineView() takes a pv.Run, a pv.watch(folder) or a pv.Timeline, got "
+                            f"{type(source).__name__}.")
+        else:
+            self.summary.value = "<i>no timeline yet</i>"
+
+    # ----------------------------------------------------------------- public
+    @property
+    def timeline(self) -> Timeline | None:
+        """The ``Timeline`` drawn last."""
+        return self._timeline
+
+    @property
+    def overlay(self) -> Timeline | None:
+        return self._overlay
+
+    @property
+    def run(self) -> Run | Watch | None:
+        return self._run
+
+    @property
+    def event_count(self) -> int:
+        """Events in the chart now."""
+        return len(self._timeline.events) if self._timeline is not None else 0
+
+    def update(self, timeline: Timeline | None, overlay: Timeline | bool | None = False) -> None:
+        """Show ``timeline`` now (``overlay=False`` keeps the current overlay, ``None`` removes it)."""
+        with self._lock:
+            if overlay is not False:
+                self._overlay = overlay  # type: ignore[assignment]
+            self._timeline = timeline
+            self._draw()
+
+    def attach(self, run: Run | Watch, overlay: Timeline | bool | None = False) -> None:
+        """Follow ``run`` (a ``pv.Run`` or a ``pv.watch(folder)`` of an exported torchrun job): redraw
+        (throttled) whenever its events arrive, and once more when it ends."""
+        if not isinstance(run, Run | Watch):
+            raise TypeError(f"attach() takes a pv.Run or a pv.watch(folder), got {type(run).__name__}.")
+        with self._lock:
+            if overlay is not False:
+                self._overlay = overlay  # type: ignore[assignment]
+            self._run = run
+            self._timeline = run.timeline()
+            self._draw()
+        run.subscribe(lambda batch, run=run: self._on_events(run, batch))
+
+    def redraw(self) -> None:
+        """Redraw from the attached run's events now (or the current timeline)."""
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if self._run is not None:
+                self._timeline = self._run.timeline()
+            self._draw()
+
+    def static_figure(self) -> go.Figure:
+        """A plain plotly ``Figure`` of what is shown (renders without widgets, e.g. in nbconvert HTML)."""
+        return go.Figure(self.figure)
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        data = super()._repr_mimebundle_(**kwargs) or {}
+        try:  # without a widget manager (nbconvert HTML) the chart still renders, statically
+            data["text/html"] = (f"<div class='pipeviz-static'>{self.summary.value}"
+                                 f"{self.static_figure().to_html(full_html=False, include_plotlyjs='cdn')}</div>")
+        except Exception:  # the fallback must never break the live widget
+            pass
+        return data
+
+    # ----------------------------------------------------------------- live
+    def _on_events(self, run: Run | Watch, batch: list[Any]) -> None:
+        if run is not self._run:  # a newer run was attached
+            return
+        if run.done:
+            self.redraw()
+            return
+        with self._lock:
+            # A browser needs ~0.4 s to draw 10,000 events without a GPU: space redraws out as the run grows.
+            interval = max(self.interval, len(run.events) * SECONDS_PER_EVENT)
+            wait = interval - (time.perf_counter() - self._last)
+            if wait <= 0:
+                self.redraw()
+            elif self._timer is None:
+                # Draw what is pending once the interval has passed, even if no further batch arrives.
+                self._timer = threading.Timer(wait, self._flush)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def _flush(self) -> None:
+        with self._lock:
+            self._timer = None
+        self.redraw()
+
+    # ----------------------------------------------------------------- drawing
+    def _draw(self) -> None:
+        t0 = time.perf_counter()
+        tl, overlay = self._timeline, self._overlay
+        fig = self.figure
+        if tl is None:  # nothing measured yet: show the overlay alone, or an empty chart
+            tl, overlay = (overlay, None) if overlay is not None else (Timeline([], 1, 1, 1, "-", source="empty"), None)
+        traces = timeline_traces(tl, overlay)
+        layout = timeline_layout(tl, overlay, title="", height=self._height)  # the summary line is the title
+        mode = (traces[0]["type"] if traces else "", len(traces))
+        if mode != self._mode:
+            # The kind of chart changed (first draw, or SVG bars -> WebGL segments): replace the traces.
+            fig.data = ()
+            fig.add_traces(traces)
+            self._mode = mode  # type: ignore[assignment]
+        else:
+            with fig.batch_update():
+                for trace, spec in zip(fig.data, traces, strict=True):
+                    trace.update({k: v for k, v in spec.items() if k != "type"})
+        with fig.batch_update():
+            fig.layout.update({k: v for k, v in layout.items() if k != "xaxis"})
+            if self.step_select.value == -1:
+                fig.layout.xaxis.update(layout["xaxis"])
+        self._update_steps(tl)
+        self.summary.value = f"<b>{timeline_title(tl)}</b>" if self._title is None else self._title
+        self.redraws += 1
+        self._last = time.perf_counter()
+        self.last_redraw_s = self._last - t0
+
+    def _update_steps(self, tl: Timeline) -> None:
+        steps = tl.steps if tl.source == "measured" else []
+        options = [("all steps", -1)] + [(f"step {s}", s) for s in steps]
+        if list(self.step_select.options) != options:
+            value = self.step_select.value
+            self.step_select.options = options
+            self.step_select.value = value if value in [o[1] for o in options] else -1
+
+    def _on_step(self, change: dict[str, Any]) -> None:
+        tl = self._timeline
+        if tl is None:
+            return
+        if change["new"] == -1:
+            self.figure.layout.xaxis.autorange = True
+            return
+        evs = [e for e in tl.step_events(change["new"]) if e.kind in COMPUTE]
+        if evs:
+            t0 = time_origin(tl)
+            lo, hi = min(e.start for e in evs) - t0, max(e.end for e in evs) - t0
+            pad = 0.03 * (hi - lo)
+            self.figure.layout.xaxis.range = [(lo - pad) * 1e3, (hi + pad) * 1e3]

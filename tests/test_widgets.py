@@ -1,0 +1,317 @@
+"""pv.Explorer and pv.TimelineView driven headless, as the browser would: set the clicked layer, press the
+buttons, and assert on the core state (the plan), the preview, the error area and the timelines."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import pipeviz as pv
+from pipeviz.runtime.run import Run
+from pipeviz.schedules import ALL, layout
+from pipeviz.timeline import Event, Timeline
+
+pytest.importorskip("ipywidgets")
+pytest.importorskip("plotly")
+
+needs_sim = pytest.mark.skipif(not hasattr(pv, "simulate") or not hasattr(pv, "balance"),
+                               reason="pv.simulate / pv.balance not available")
+
+
+@pytest.fixture
+def explorer(classic_graph: pv.ModelGraph) -> pv.Explorer:
+    return pv.Explorer(classic_graph)
+
+
+def stage_rows(ex: pv.Explorer) -> int:
+    return ex.preview.value.count("class='pipeviz-stage-row'")
+
+
+def marker_colors(ex: pv.Explorer) -> list[str]:
+    return list(ex.graph_figure.data[-1].marker.color)
+
+
+def split_lines(ex: pv.Explorer) -> int:
+    return sum(1 for s in ex.graph_figure.layout.shapes if s.type == "line")
+
+
+# --------------------------------------------------------------------------------------------- Explorer
+def test_click_toggles_a_split_and_the_view_follows(classic: tuple, explorer: pv.Explorer) -> None:
+    model, x = classic
+    ex = pv.Explorer(model, example_args=(x,))  # traces once, from the model
+    assert ex.graph.layer_names == ("layer0", "layer1", "layer2", "output_proj")
+    assert ex.plan.num_stages == 1 and stage_rows(ex) == 1 and split_lines(ex) == 0
+    ex.clicked = "layer0"  # what the browser's click on the node sets
+    assert ex.clicked == ""  # handled and reset, so the same node can be clicked again
+    assert ex.plan.split_spec == {"layer0": pv.SplitPoint.END}
+    assert stage_rows(ex) == 2 and "<b>2 stages</b>" in ex.preview.value and split_lines(ex) == 1
+    assert len(set(marker_colors(ex))) == 2 and ex.stages.value == 2
+    ex.clicked = "layer1"
+    assert ex.plan.num_stages == 3 and stage_rows(ex) == 3 and split_lines(ex) == 2
+    assert [s.layers for s in ex.plan.stages] == [("layer0",), ("layer1",), ("layer2", "output_proj")]
+    assert "layer2, output_proj" in ex.preview.value
+    ex.clicked = "layer1"  # again: removes the split
+    assert ex.plan.num_stages == 2 and stage_rows(ex) == 2
+    assert ex.plan_json == ex.plan.to_json() and ex.error == ""
+
+
+def test_plotly_click_on_a_marker_calls_click(explorer: pv.Explorer) -> None:
+    from plotly.callbacks import Points
+
+    trace = explorer.graph_figure.data[-1]
+    trace._dispatch_on_click(Points(point_inds=[2], xs=[0], ys=[2], trace_name="layers", trace_index=2), None)
+    assert explorer.plan.split_spec == {"layer2": pv.SplitPoint.END}
+
+
+def test_invalid_clicks_show_the_validation_message(explorer: pv.Explorer) -> None:
+    explorer.click("layer0")
+    before = explorer.plan
+    assert explorer.click("output_proj") is None  # no exception escapes a UI handler
+    assert explorer.plan is before
+    assert "Cannot split at the END of 'output_proj': it is the last layer" in explorer.error
+    assert "Valid split points: layer0, layer1, layer2" in explorer.errors.value
+    explorer.clicked = "layr1"
+    assert "Did you mean 'layer1'?" in explorer.error and explorer.plan is before
+    explorer.click("layer1")  # a valid click clears the error area
+    assert explorer.error == "" and explorer.errors.value == "" and explorer.plan.num_stages == 3
+
+
+def test_setting_the_plan_from_code_updates_the_view(explorer: pv.Explorer, classic_graph: pv.ModelGraph) -> None:
+    explorer.plan = classic_graph.split(["layer0", "layer1"])
+    assert explorer.stages.value == 3 and stage_rows(explorer) == 3 and split_lines(explorer) == 2
+    assert len(set(marker_colors(explorer))) == 3
+    explorer.plan = ["layer2"]  # layer names work too
+    assert explorer.plan.split_spec == {"layer2": pv.SplitPoint.END} and stage_rows(explorer) == 2
+    explorer.plan_json = classic_graph.split(["layer1"]).to_json()  # the synced trait drives the plan too
+    assert explorer.plan.split_spec == {"layer1": pv.SplitPoint.END} and "layer0, layer1" in explorer.preview.value
+    explorer.plan_json = '{"layers": ["x"], "splits": []}'
+    assert "refers to other layers" in explorer.error and explorer.plan.num_stages == 2
+
+
+@needs_sim
+def test_controls_simulate_and_balance(explorer: pv.Explorer) -> None:
+    explorer.plan = ["layer0", "layer1"]
+    sim = explorer.sim
+    assert sim is not None and sim.source == "simulated" and sim.schedule == "1F1B" and sim.num_stages == 3
+    assert explorer.sim_view.timeline is sim and explorer.sim_view.event_count == len(sim.events) > 0
+    assert "time/mb (simulated)" in explorer.preview.value and "⚠ imbalance: stage 1" in explorer.preview.value
+    assert list(explorer.schedule.options) == list(ALL)
+    explorer.microbatches.value = 8
+    assert explorer.sim.microbatches == 8
+    explorer.schedule.value = "GPipe"
+    assert explorer.sim.schedule == "GPipe" and explorer.error == ""
+    explorer.schedule.value = "ZBVZeroBubble"  # 3 stages cannot be V-shaped: said in the widget
+    assert explorer.sim is None and "needs a stage count divisible by 2" in explorer.error
+    explorer.stages.value = 4  # a new stage count balances at once
+    assert explorer.plan.num_stages == 4 and explorer.sim is not None and explorer.sim.num_ranks == 2
+    assert explorer.error == ""
+    explorer.schedule.value = "1F1B"
+    explorer.stages.value = 2
+    plan = explorer.plan
+    assert plan.num_stages == 2 and stage_rows(explorer) == 2
+    explorer.click("layer2")
+    explorer.balance_button.click()  # re-balance with the number shown (now 3)
+    assert explorer.plan.num_stages == 3 and explorer.error == ""
+    explorer.auto_balance(num_stages=9)
+    assert "Cannot balance 4 layers into 9" in explorer.error and explorer.plan.num_stages == 3
+
+
+def test_pipe_structure_on_demand(explorer: pv.Explorer) -> None:
+    explorer.click("layer1")
+    assert explorer.pipe_text.value == ""
+    explorer.pipe_button.value = True
+    assert "submod_pp_0" in explorer.pipe_text.value and "submod_pp_1" in explorer.pipe_text.value
+    explorer.click("layer0")  # follows the plan while shown
+    assert "submod_pp_2" in explorer.pipe_text.value
+    explorer.pipe_button.value = False
+    assert explorer.pipe_text.value == ""
+
+
+def test_expand_and_collapse_keep_deep_models_readable() -> None:
+    pytest.importorskip("transformers")
+    from pipeviz.zoo import gpt2
+
+    torch.manual_seed(0)
+    ex = pv.Explorer(gpt2(12, 32, 2, 64, 32), example_args=(torch.randint(0, 64, (4, 8)),),
+                     splits=["transformer.h.3", "transformer.h.7"])
+    names = ex.graph.layer_names
+    assert len(names) == 17 and ex.graph_figure.layout.height >= 30 * 17  # one readable row per layer
+    assert list(ex.graph_figure.data[-1].text) == list(names)
+    choices = dict((v, k) for k, v in ex.granularity.options)
+    assert "expand:transformer.h.3" in choices and "collapse:transformer.h" in choices
+    ex.granularity.value = "expand:transformer.h.3"  # the split after h.3 moves to its last child
+    assert "transformer.h.3.mlp" in ex.graph.layer_names and ex.granularity.value == ""
+    assert ex.plan.split_spec == {"transformer.h.3.mlp": pv.SplitPoint.END, "transformer.h.7": pv.SplitPoint.END}
+    assert len(ex.graph_figure.data[-1].text) == 20
+    ex.collapse("transformer.h")  # both splits fall inside the collapsed blocks
+    assert ex.plan.num_stages == 1 and len(ex.graph.layers) == 6 and ex.error == ""
+    ex.regroup()
+    assert len(ex.graph.layers) == 17
+    ex.expand("lm_head")
+    assert "has no child modules to expand" in ex.error
+
+
+def test_skip_edges_are_drawn(skip_graph: pv.ModelGraph) -> None:
+    from pipeviz.widgets.figures import graph_figure
+
+    fig = graph_figure(skip_graph.split(["layer0", "layer1"]))
+    skips = next(t for t in fig.data if t.name == "skip edges")
+    assert skip_graph.skip_edges and sum(v is None for v in skips.x) == len(skip_graph.skip_edges)
+    assert max(v for v in skips.x if v is not None) > 0.3  # arcs leave the chain to the right
+    hover = fig.data[-1].hovertemplate
+    assert all(k in hover for k in ("kind", "params", "FLOPs", "output"))
+
+
+@pytest.mark.slow
+@needs_sim
+def test_launch_fills_the_timeline_live_and_checks_numerics(explorer: pv.Explorer) -> None:
+    from pipeviz.widgets.losses import cross_entropy_last_dim
+
+    explorer.plan = ["layer0", "layer1"]
+    explorer.steps.value = 30
+    # Runs in the stage processes: fails the run if unpickling the default loss loaded a view library.
+    explorer.loss_fn = lambda out, t: (1 / 0 if __import__("multiprocessing").parent_process() and {
+        "ipywidgets", "plotly", "anywidget"} & set(__import__("sys").modules) else cross_entropy_last_dim(out, t))
+    counts: list[int] = []
+    explorer.launch_button.click()
+    run = explorer.run
+    assert run is not None and explorer.error == "" and explorer.launch_button.disabled
+    run.subscribe(lambda batch: counts.append(explorer.run_view.event_count))
+    assert explorer.wait(180) == "done", explorer.error
+    assert "✓ matches" in explorer.numerics.value, explorer.numerics.value
+    assert explorer.error == "" and not explorer.launch_button.disabled and explorer.stop_button.disabled
+    assert "step 30/30" in explorer.progress.value and "done" in explorer.progress.value
+    assert explorer.run_view.event_count == len(run.events)
+    assert sum(e.kind in ("F", "B") for e in run.events) == 30 * 3 * 4 * 2
+    assert counts == sorted(counts) and len(set(counts)) >= 2 and explorer.run_view.redraws >= 3
+    assert {t.meta[1] for t in explorer.run_view.figure.data if t.meta and len(t.x)} >= {"F", "B"}
+    assert any(t.meta[0].endswith("(overlay)") and len(t.x) for t in explorer.run_view.figure.data)
+
+
+@pytest.mark.slow
+def test_errors_from_the_run_appear_in_the_widget(explorer: pv.Explorer) -> None:
+    explorer.plan = ["layer1"]
+    explorer.loss_fn = lambda out, t: (_ for _ in ()).throw(ValueError("loss exploded on purpose"))
+    explorer.launch()
+    assert explorer.wait(180) == "failed"
+    assert "The run failed" in explorer.error and "loss exploded on purpose" in explorer.errors.value
+    assert "failed" in explorer.progress.value and explorer.numerics.value == ""
+
+
+@pytest.mark.slow
+def test_stop_button_stops_the_run(explorer: pv.Explorer) -> None:
+    explorer.plan = ["layer1"]
+    explorer.steps.value = 100000
+    explorer.launch()
+    assert "A run is still going" in (explorer.launch() or explorer.error)
+    deadline = time.time() + 120
+    while explorer.run.status != "running" and time.time() < deadline:
+        time.sleep(0.05)
+    explorer.stop_button.click()
+    assert explorer.wait(30) == "stopped" and "stopped" in explorer.progress.value
+
+
+def test_bad_launch_is_shown_before_any_process(explorer: pv.Explorer) -> None:
+    assert explorer.launch() is None and "a pipeline needs at least 2" in explorer.error
+    explorer.plan = ["layer0", "layer1"]
+    explorer.microbatches.value = 5
+    assert explorer.launch() is None and "microbatches=5" in explorer.error and explorer.run is None
+
+
+# --------------------------------------------------------------------------------------------- TimelineView
+def synthetic(n: int, ranks: int = 4, microbatches: int = 8) -> list[Event]:
+    events: list[Event] = []
+    step = 0
+    while len(events) < n:
+        for r in range(ranks):
+            for m in range(microbatches):
+                for k, kind in enumerate(("F", "B")):
+                    t = step + 0.01 * (r + 2 * m + k)
+                    events.append(Event(r, r, kind, m, t, t + 0.008, step))
+        step += 1
+    return events[:n]
+
+
+def test_timeline_view_draws_10000_events_quickly() -> None:
+    tl = Timeline(synthetic(10_000), 4, 4, 8, "1F1B")
+    view = pv.TimelineView(tl)
+    assert view.event_count == 10_000
+    t0 = time.perf_counter()
+    view.update(tl)
+    assert time.perf_counter() - t0 < 1.0 and view.last_redraw_s < 1.0
+    drawn = [t for t in view.figure.data if len(t.x)]
+    assert {t.type for t in drawn} == {"scattergl"}  # WebGL segments, one trace per kind, not 10,000 shapes
+    assert len(view.figure.data) <= 7 and sum(len(t.x) for t in drawn) == 3 * 10_000
+    small = Timeline(synthetic(64), 4, 4, 8, "1F1B")
+    view.update(small)
+    assert {t.type for t in view.figure.data} == {"bar"} and "0" in list(view.figure.data[0].text)
+
+
+def test_live_updates_are_throttled(classic_graph: pv.ModelGraph) -> None:
+    plan = classic_graph.split(["layer0", "layer1", "layer2"])
+    run = Run(plan, "1F1B", layout("1F1B", 4), 8, 1000, 60.0)  # fed by hand: no processes
+    view = pv.TimelineView(run, interval=0.25)
+    events = synthetic(10_000)
+    t0 = time.perf_counter()
+    for i in range(0, 10_000, 100):  # 100 batches as fast as they come
+        run._publish(events[i:i + 100])
+    elapsed = time.perf_counter() - t0
+    assert view.redraws <= 2 + elapsed / 0.25 and elapsed < 5, (view.redraws, elapsed)
+    time.sleep(1.3)  # the pending batch is drawn after the interval (1 s at 10,000 events) without another batch
+    assert view.event_count == 10_000
+    run._finish("done")
+    assert view.event_count == 10_000 and view.step_select.options[-1] == (f"step {events[-1].step}", events[-1].step)
+    view.step_select.value = 3  # zoom to one step
+    lo, hi = view.figure.layout.xaxis.range
+    assert 2990 < lo < 3000 < hi < 3200
+
+
+def test_timeline_figure_overlay_and_static() -> None:
+    measured = Timeline(synthetic(64 * 3), 4, 4, 8, "1F1B")
+    sim = Timeline(synthetic(64), 4, 4, 8, "1F1B", source="simulated")
+    fig = measured.figure(overlay=sim)
+    overlay = [t for t in fig.data if t.meta[0].endswith("(overlay)") and len(t.x)]
+    assert sum(len(t.x) for t in overlay) == 3 * 64  # the simulated step under each of 3 measured steps
+    assert fig.layout.yaxis.ticktext == ("rank 0", "rank 1", "rank 2", "rank 3")
+    with pytest.raises(TypeError, match=r"takes a pv\.Run or a pv\.Timeline"):
+        pv.TimelineView(42)
+
+
+def test_static_fallback_for_nbconvert(explorer: pv.Explorer) -> None:
+    explorer.click("layer1")
+    bundle = explorer._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    html = bundle["text/html"]
+    assert "pipeviz-stage-row" in html and "plotly" in html and "layer1" in html
+    figs = explorer.figures()
+    assert {"graph"} <= set(figs) and all(hasattr(f, "to_html") for f in figs.values())
+
+
+def test_views_load_only_on_use() -> None:
+    code = ("import sys, pipeviz, pipeviz.widgets, pipeviz.widgets.losses; "
+            "print([m for m in ('ipywidgets', 'plotly', 'anywidget') if m in sys.modules]); "
+            "pipeviz.TimelineView(None); print(all(m in sys.modules for m in ('ipywidgets', 'plotly', 'anywidget')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["[]", "True"]
+
+
+@pytest.mark.slow
+def test_nbconvert_html_renders_the_figures_without_widgets(tmp_path: object) -> None:
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    nbconvert = pytest.importorskip("nbconvert")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(
+        "import torch, pipeviz as pv\nfrom pipeviz.zoo import MyNetwork\ntorch.manual_seed(0)\n"
+        "pv.Explorer(MyNetwork(512, [512, 1024, 256]), example_args=(torch.randn(32, 512),), splits=['layer0'])")]
+    # As JupyterLab saves by default: outputs kept, widget state not saved, so viewers fall back to text/html.
+    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", store_widget_state=False,
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    html, _ = nbconvert.HTMLExporter().from_notebook_node(nb)
+    assert "pipeviz-static" in html and html.count("pipeviz-stage-row") == 2
+    assert html.count('class="plotly-graph-div"') == 2  # the layer graph and the simulated timeline
+    assert "Plotly.newPlot" in html
