@@ -1,72 +1,162 @@
-"""``pipeviz`` command line: ``pipeviz demo`` is the headless main job.
+"""``pipeviz`` command line.
 
-    pipeviz demo [--model classic|transformer|gpt2] [--stages 3]
+    pipeviz demo [--model classic|gpt2|all] [--stages N] [--schedule 1F1B] [--microbatches 4]
+                 [--steps 5] [--devices auto] [--output pipeviz-report.html]
+    pipeviz lab  [notebook]      # JupyterLab on the notebooks and tutorials
+
+``pipeviz demo`` is the headless main job: trace, auto-balance, simulate every schedule, launch a real
+run with a progress bar, check numerics against the unsplit model, write one HTML report.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 import pipeviz as pv
 from pipeviz import zoo
 
 
-def _model(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+def _lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1), target.flatten())
+
+
+def _model(name: str) -> tuple[str, torch.nn.Module, tuple[torch.Tensor, ...], torch.Tensor, Any, int]:
+    """(title, model, inputs, target, loss, default stages)."""
     torch.manual_seed(0)
     if name == "classic":
-        return zoo.MyNetwork(512, [512, 1024, 256]), (torch.randn(32, 512),)
-    if name == "transformer":
-        return zoo.TinyTransformer(depth=4), (torch.randint(0, 64, (8, 16)),)
+        x = torch.randn(64, 512)
+        return ("MyNetwork (the classic PiPPy example)", zoo.MyNetwork(512, [512, 1024, 256]), (x,),
+                torch.randint(0, 10, (64,)), F.cross_entropy, 3)
     if name == "gpt2":
-        return zoo.gpt2(n_layer=4), (torch.randint(0, 128, (8, 16)),)
-    raise SystemExit(f"Unknown model {name!r}; valid: classic, transformer, gpt2.")
+        ids = torch.randint(0, 512, (16, 32))
+        return ("GPT-2, tiny config (4 blocks, 128 wide, random weights)",
+                zoo.gpt2(n_layer=4, n_embd=128, n_head=4, vocab_size=512), (ids,), torch.randint(0, 512, (16, 32)),
+                _lm_loss, 4)
+    raise SystemExit(f"Unknown model {name!r}; valid: classic, gpt2, all.")
 
 
-def demo(args: argparse.Namespace) -> int:
-    """Trace a model, split it into ``--stages`` stages, print the stage table and check the Pipe."""
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    model, inputs = _model(args.model)
+def _progress(run: pv.Run, label: str) -> None:
+    """A text progress bar on stdout until the run ends (a new line per step when not on a terminal)."""
+    width, last = 30, ""
+    tty = sys.stdout.isatty()
+    while True:
+        finished = run.done
+        frac = run.step / run.steps
+        loss = f" loss {run.losses[-1]:.4f}" if run.losses else ""
+        bar = "#" * int(width * frac) + "-" * (width - int(width * frac))
+        text = f"  {label} [{bar}] step {run.step}/{run.steps}{loss} ({run.status})"
+        if text != last:
+            print(("\r" + text) if tty else text, end="" if tty else "\n", flush=True)
+            last = text
+        if finished:
+            break
+        run.wait(0.2)
+    if tty:
+        print()
+
+
+def _section(name: str, a: argparse.Namespace) -> Any:
+    from pipeviz.report import Section
+
+    title, model, inputs, target, loss, default_stages = _model(name)
+    stages = a.stages or default_stages
+    print(f"\n== {title}")
+    t = time.time()
     graph = pv.trace(model, example_args=inputs)
-    print(f"{graph!r}")
-    for layer in graph.layers:
-        print(f"  {layer.index:2d} {layer.name:<24} {layer.kind:<16} params={layer.params:>10,} "
-              f"flops={layer.flops:>12,} out={layer.out_bytes:>9,} B")
-    if args.model == "classic" and args.stages == 3:
-        plan = graph.split(["layer0", "layer1"])  # the classic PiPPy walkthrough
-    else:
-        cands = graph.split_candidates
-        if not 1 <= args.stages <= len(cands) + 1:
-            raise SystemExit(f"--stages must be between 1 and {len(cands) + 1} for this model, got {args.stages}.")
-        step = len(graph.layers) / args.stages
-        plan = graph.split([cands[round(step * (i + 1)) - 1] for i in range(args.stages - 1)])
-    print(f"\n{plan!r}\n{plan.table()}\n")
-    pipe = plan.pipe(microbatches=2)
-    (x, *rest), _ = plan.microbatch_inputs(2)
-    with torch.no_grad():
-        got = pipe(x, *rest)
-        want = model(x, *rest)
-    got = got[0] if isinstance(got, tuple) else got
-    want = want.logits if hasattr(want, "logits") else want
-    ok = torch.allclose(got, want, atol=1e-5)
-    print(f"torch Pipe built: {pipe.num_stages} stages; stages run in sequence {'match' if ok else 'DIFFER FROM'} "
-          "the unsplit model.")
+    print(f"  traced {len(graph.layers)} layers in {time.time() - t:.1f} s: {', '.join(graph.layer_names)}")
+    threads = max(1, (os.cpu_count() or 1) // stages)
+    pv.profile(graph, microbatches=a.microbatches, threads=threads, repeats=5)
+    plan = pv.balance(graph, stages, by="time")
+    print(f"  auto-balanced (measured time): {plan!r}")
+    print("\n".join("    " + line for line in plan.table().splitlines()))
+    cmp = pv.compare(plan, microbatches=a.microbatches)
+    print("  simulated schedules:\n" + "\n".join("    " + line for line in cmp.table().splitlines()))
+    spr = None if pv.schedules.canonical(a.schedule) in pv.schedules.SINGLE else 2
+    run_plan = plan
+    if spr is not None and plan.num_stages % 2:
+        run_plan = pv.balance(graph, plan.num_stages + 1, by="time")
+        print(f"  {a.schedule} needs an even stage count: running {run_plan!r}")
+    simulated = pv.simulate(run_plan, a.schedule, a.microbatches, stages_per_rank=spr)
+    run = pv.launch(run_plan, schedule=a.schedule, microbatches=a.microbatches, steps=a.steps, inputs=inputs,
+                    target=target, loss_fn=loss, devices=a.devices, stages_per_rank=spr,
+                    optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05))
+    _progress(run, f"{a.schedule} on {run.layout.num_ranks} processes")
+    if run.status != "done":
+        print(f"  run {run.status}: {run.error}")
+        return Section(title, run_plan, cmp, run.timeline(), simulated, {}, [f"The run {run.status}: {run.error}"])
+    ref_losses, ref_state = pv.train_reference(model, inputs, target, loss, lambda ps: torch.optim.SGD(ps, lr=0.05),
+                                               a.microbatches, a.steps, fixups=graph.capture.fixups)
+    state = run.state_dict()
+    check = {
+        "loss_diff": max(abs(x - y) for x, y in zip(run.losses, ref_losses, strict=True)),
+        "param_diff": max((state[k] - v).abs().max().item() for k, v in ref_state.items()),
+        "steps": a.steps,
+    }
+    check["ok"] = check["loss_diff"] < 1e-4 and check["param_diff"] < 1e-4
+    tl = run.timeline()
+    print(f"  measured step {tl.step_time * 1e3:.2f} ms (simulated {simulated.step_time * 1e3:.2f} ms), "
+          f"bubble {tl.bubble_fraction:.0%}; losses {', '.join(f'{x:.4f}' for x in run.losses)}")
+    print(f"  numerics vs the unsplit model: {'match' if check['ok'] else 'MISMATCH'} "
+          f"(loss diff {check['loss_diff']:.1e}, param diff {check['param_diff']:.1e})")
+    return Section(title, run_plan, cmp, tl, simulated, check, graph.notes)
+
+
+def demo(a: argparse.Namespace) -> int:
+    """Trace, balance, simulate, launch, check, report."""
+    warnings.filterwarnings("ignore")
+    from pipeviz.report import write_report
+
+    a.schedule = pv.schedules.canonical(a.schedule)  # bad options fail before any work
+
+    names = ["classic", "gpt2"] if a.model == "all" else [a.model]
+    sections = [_section(n, a) for n in names]
+    path = write_report(sections, a.output)
+    ok = all(s.check.get("ok") for s in sections)
+    print(f"\nreport: {path.resolve()}")
     return 0 if ok else 1
+
+
+def lab(a: argparse.Namespace) -> int:
+    """Start JupyterLab in the project's notebooks folder."""
+    here = Path(__file__).resolve().parent.parent
+    target = a.path or str(here / "notebooks")
+    return subprocess.call([sys.executable, "-m", "jupyterlab", target])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pipeviz", description="See, split, simulate and run pipeline parallelism.")
     sub = ap.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="headless main job: trace, split, preview, check")
-    d.add_argument("--model", default="classic", choices=["classic", "transformer", "gpt2"])
-    d.add_argument("--stages", type=int, default=3)
+    d = sub.add_parser("demo", help="headless main job: trace, balance, simulate, launch, check, HTML report")
+    d.add_argument("--model", default="all", choices=["classic", "gpt2", "all"])
+    d.add_argument("--stages", type=int, default=None, help="default: 3 for classic, 4 for gpt2")
+    d.add_argument("--schedule", default="1F1B", help=f"one of {', '.join(pv.schedules.ALL)}")
+    d.add_argument("--microbatches", type=int, default=4)
+    d.add_argument("--steps", type=int, default=5)
+    d.add_argument("--devices", default="auto", help="auto, cpu, cuda, or a comma-separated list per rank")
+    d.add_argument("--output", default="pipeviz-report.html")
     d.set_defaults(func=demo)
+    lb = sub.add_parser("lab", help="JupyterLab on the notebooks")
+    lb.add_argument("path", nargs="?")
+    lb.set_defaults(func=lab)
     args = ap.parse_args(argv)
-    return int(args.func(args))
+    if getattr(args, "devices", None) and "," in args.devices:
+        args.devices = args.devices.split(",")
+    try:
+        return int(args.func(args))
+    except (pv.PlanError, pv.ScheduleError, pv.LaunchError) as exc:
+        print(f"pipeviz: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

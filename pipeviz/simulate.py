@@ -225,7 +225,7 @@ class Comparison:
             mem = ", ".join(f"{b / 2**20:.1f}" for b in r["memory_bytes"])
             lines.append(f"{r['schedule']:<22}{r['ranks']:>6}{r['step_time'] * 1e3:>10.3f}ms{r['bubble']:>8.0%}  "
                          f"[{mem}] MiB")
-        lines += [f"{k:<22}skipped: {v}" for k, v in self.skipped.items()]
+        lines += [f"{k:<22}skipped: {v.split('. Fix:')[0]}" for k, v in self.skipped.items()]
         return "\n".join(lines)
 
     def __str__(self) -> str:

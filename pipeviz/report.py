@@ -1,0 +1,118 @@
+"""One self-contained HTML report: graph, stage table, simulated vs measured timelines, schedule comparison.
+
+Used by ``pipeviz demo``; figures are plotly (its JavaScript is embedded once, so the file opens offline).
+
+Example:
+    >>> from pipeviz.report import Section, write_report
+    >>> write_report([Section("MyNetwork", plan, comparison, run, simulated, check)], "report.html")
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeviz.plan import SplitPlan, _human
+from pipeviz.simulate import Comparison
+from pipeviz.timeline import Timeline
+
+
+@dataclass
+class Section:
+    """One model's part of the report."""
+
+    title: str
+    plan: SplitPlan
+    comparison: Comparison
+    measured: Timeline | None = None
+    simulated: Timeline | None = None
+    check: dict[str, Any] = field(default_factory=dict)  # numerics against the unsplit model
+    notes: list[str] = field(default_factory=list)
+
+
+_CSS = """
+body{font-family:system-ui,sans-serif;margin:24px auto;max-width:1100px;color:#222}
+h1{font-size:22px} h2{font-size:18px;margin-top:32px;border-bottom:1px solid #ddd}
+table{border-collapse:collapse;font-size:13px} td,th{padding:3px 10px;border-bottom:1px solid #eee;text-align:right}
+td:first-child,th:first-child,td.l,th.l{text-align:left}
+.ok{color:#1a7f37;font-weight:600} .bad{color:#c62828;font-weight:600}
+.note{color:#555;font-size:13px} .slow{background:#fff3cd}
+"""
+
+
+def stage_table(plan: SplitPlan, costs: Timeline | None = None) -> str:
+    """The stage preview as an HTML table; the slowest stage is highlighted."""
+    times: dict[int, float] = {}
+    if costs is not None:
+        for e in costs.events:
+            times[e.stage] = times.get(e.stage, 0.0) + e.duration
+    slow = max(times, key=times.__getitem__) if times else None
+    rows = []
+    for s in plan.stages:
+        names = ", ".join(s.layers) if len(s.layers) <= 4 else f"{s.layers[0]} … {s.layers[-1]} ({len(s.layers)})"
+        t = f"{times[s.index] * 1e3:.2f} ms" if s.index in times else "—"
+        cls = ' class="slow"' if s.index == slow and len(plan.stages) > 1 else ""
+        rows.append(f"<tr{cls}><td>{s.index}</td><td class=l>{html.escape(names)}</td><td>{s.params:,}</td>"
+                    f"<td>{s.flops / 1e6:,.1f}</td><td>{_human(s.send_bytes)}</td><td>{_human(s.memory_bytes)}</td>"
+                    f"<td>{t}</td></tr>")
+    return ("<table><tr><th>stage</th><th class=l>layers</th><th>params</th><th>MFLOPs</th><th>sends</th>"
+            "<th>memory</th><th>time/step (sim.)</th></tr>" + "".join(rows) + "</table>")
+
+
+def comparison_table(cmp: Comparison) -> str:
+    rows = "".join(
+        f"<tr><td>{r['schedule']}</td><td>{r['ranks']}</td><td>{r['step_time'] * 1e3:.2f} ms</td>"
+        f"<td>{r['bubble']:.0%}</td><td>{', '.join(_human(b) for b in r['memory_bytes'])}</td></tr>"
+        for r in cmp.rows
+    )
+    skipped = "".join(f"<li>{html.escape(k)}: {html.escape(v.split('. Fix:')[0])}.</li>"
+                      for k, v in cmp.skipped.items())
+    return ("<table><tr><th>schedule</th><th>ranks</th><th>step</th><th>bubble</th><th>memory per rank</th></tr>"
+            + rows + "</table>" + (f"<ul class=note>{skipped}</ul>" if skipped else ""))
+
+
+def _check_html(check: dict[str, Any]) -> str:
+    if not check:
+        return ""
+    ok = check.get("ok")
+    verdict = '<span class="ok">match</span>' if ok else '<span class="bad">MISMATCH</span>'
+    return (f"<p>Numerics against the unsplit model trained the same way: {verdict} — max loss difference "
+            f"{check['loss_diff']:.2e}, max parameter difference {check['param_diff']:.2e} "
+            f"({check['steps']} steps).</p>")
+
+
+def write_report(sections: list[Section], path: str | Path, title: str = "pipeviz demo") -> Path:
+    """Write the report; returns its path."""
+    import plotly.io as pio
+
+    from pipeviz.widgets.figures import graph_figure, timeline_figure
+
+    parts = [f"<!doctype html><html><head><meta charset=utf-8><title>{html.escape(title)}</title>"
+             f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>"]
+    first = True
+
+    def fig_html(fig: Any) -> str:
+        nonlocal first
+        out = pio.to_html(fig, full_html=False, include_plotlyjs=first, config={"displaylogo": False})
+        first = False
+        return out
+
+    for sec in sections:
+        parts.append(f"<h2>{html.escape(sec.title)}</h2>")
+        parts += [f"<p class=note>{html.escape(n)}</p>" for n in sec.notes]
+        parts.append(f"<p>{html.escape(repr(sec.plan))}</p>")
+        parts.append(stage_table(sec.plan, sec.simulated))
+        parts.append(fig_html(graph_figure(sec.plan, height=max(300, 34 * len(sec.plan.graph.layers)))))
+        if sec.measured is not None:
+            parts.append("<h3>Measured run (simulation overlaid)</h3>")
+            parts.append(fig_html(timeline_figure(sec.measured, overlay=sec.simulated)))
+            parts.append(_check_html(sec.check))
+        parts.append("<h3>Schedules compared (simulated)</h3>")
+        parts.append(comparison_table(sec.comparison))
+        parts.append(fig_html(sec.comparison.figure()))
+    parts.append("</body></html>")
+    out = Path(path)
+    out.write_text("\n".join(parts), encoding="utf-8")
+    return out

@@ -1,0 +1,35 @@
+"""`pipeviz demo`: the headless main job writes a report and checks numerics."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_demo_writes_a_self_contained_report(tmp_path: Path) -> None:
+    out = tmp_path / "report.html"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeviz.cli", "demo", "--model", "classic", "--steps", "2", "--output", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "numerics vs the unsplit model: match" in proc.stdout
+    assert f"report: {out.resolve()}" in proc.stdout
+    html = out.read_text()
+    assert "Plotly" in html and "<script src=" not in html  # plotly.js is embedded: opens offline
+    assert "Measured run (simulation overlaid)" in html and "Schedules compared" in html
+    assert html.count('class="plotly-graph-div"') == 3
+
+
+def test_demo_bad_option_is_a_clear_error(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeviz.cli", "demo", "--model", "classic", "--schedule", "gpipee",
+         "--output", str(tmp_path / "r.html")], capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2
+    assert "pipeviz: Unknown schedule 'gpipee'. Did you mean 'GPipe'?" in proc.stderr
