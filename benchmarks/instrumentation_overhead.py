@@ -39,6 +39,9 @@ def _plain_worker(rank: int, world: int, port: int, schedule: str, mb: int, step
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     warnings.filterwarnings("ignore")
+    from pipeviz._malloc import keep_heap
+
+    keep_heap()  # the same allocator setting pipeviz's workers use: this compares instrumentation only
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))

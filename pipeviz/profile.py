@@ -53,12 +53,13 @@ def _sync(device: torch.device) -> Callable[[], None]:
 
 def profile(graph: ModelGraph, device: str = "cpu", microbatches: int = 1, repeats: int = 7,
             warmup: int = 2, loss_fn: Callable[[Any], torch.Tensor] | None = None, threads: int | None = None,
-            ) -> Profile:
+            busy_cores: bool = True) -> Profile:
     """Time every layer's forward and backward for one microbatch on ``device`` and calibrate ``graph``.
 
     A deep copy of the model runs ``warmup + repeats`` forward/backward passes on one microbatch of the
     example inputs; module hooks time each layer (on a GPU after synchronising, so the time is when the
-    work ran). Medians are kept.
+    work ran). Medians are kept. Like pipeviz's workers, this process then keeps large freed CPU buffers
+    for reuse (``pipeviz._malloc``), so the times match what a run sees.
 
     Args:
         graph: the traced graph (its layers are what gets timed).
@@ -67,10 +68,16 @@ def profile(graph: ModelGraph, device: str = "cpu", microbatches: int = 1, repea
         loss_fn: ``output -> scalar`` for the backward (default: sum of the output's float tensors).
         threads: CPU threads while timing; use what each rank of the run gets (``pv.launch`` gives each
             ``cpu_count // ranks``). Default: torch's current setting.
+        busy_cores: on the CPU, keep the other cores busy with matrix products while timing, as the other
+            ranks of a run do (they share caches and memory bandwidth: measured here, an action takes
+            15-20 % longer than on an idle machine).
 
     Returns:
         The ``Profile`` (also stored in the graph for ``simulate``/``balance``).
     """
+    from pipeviz._malloc import keep_heap
+
+    keep_heap()  # time what pipeviz's workers will do (they keep large buffers in the heap)
     dev = torch.device(device)
     check_microbatches(graph.batch_size, microbatches)
     args, kwargs = graph.capture.example_args, graph.example_kwargs
@@ -110,9 +117,11 @@ def profile(graph: ModelGraph, device: str = "cpu", microbatches: int = 1, repea
     saved_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
+    load = _Load(dev.type == "cpu" and busy_cores, torch.get_num_threads())
     try:
         total_f, total_b = _passes(model, mb_args, mb_kwargs, loss_of, sync, warmup, repeats, fwd, bwd, grad_ready)
     finally:
+        load.stop()
         torch.set_num_threads(saved_threads)
     for h in handles:
         h.remove()
@@ -127,6 +136,30 @@ def profile(graph: ModelGraph, device: str = "cpu", microbatches: int = 1, repea
     )
     graph.capture.profiles[microbatches] = prof
     return prof
+
+
+class _Load:
+    """Background threads multiplying matrices on the cores this process's threads leave free."""
+
+    def __init__(self, on: bool, threads: int) -> None:
+        import os
+        import threading
+
+        self._stop = threading.Event()
+        n = max(0, (os.cpu_count() or 1) // max(1, threads) - 1) if on else 0
+        self._threads = [threading.Thread(target=self._spin, daemon=True) for _ in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def _spin(self) -> None:
+        a, b = torch.randn(512, 512), torch.randn(512, 512)
+        while not self._stop.is_set():
+            torch.mm(a, b)  # releases the GIL: a core's worth of load
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(5)
 
 
 def _now(sync: Callable[[], None]) -> float:

@@ -277,7 +277,7 @@ def test_timeline_figure_overlay_and_static() -> None:
     overlay = [t for t in fig.data if t.meta[0].endswith("(overlay)") and len(t.x)]
     assert sum(len(t.x) for t in overlay) == 3 * 64  # the simulated step under each of 3 measured steps
     assert fig.layout.yaxis.ticktext == ("rank 0", "rank 1", "rank 2", "rank 3")
-    with pytest.raises(TypeError, match=r"takes a pv\.Run or a pv\.Timeline"):
+    with pytest.raises(TypeError, match=r"takes a pv\.Run, a pv\.watch\(folder\) or a pv\.Timeline, got int\."):
         pv.TimelineView(42)
 
 

@@ -234,7 +234,7 @@ class Run:
                 self._kill_all()
                 return self._finish("stopped")
             try:
-                msg: tuple[Any, ...] | None = q.get(timeout=0.05)
+                msg: tuple[Any, ...] | None = q.get(timeout=0.2)  # blocking: the parent stays off the ranks' cores
             except queue_mod.Empty:
                 msg = None
             if msg is not None:

@@ -88,6 +88,9 @@ def _run(p: RankPayload, queue: Any) -> None:
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as torch_schedules
 
+    from pipeviz._malloc import keep_heap
+
+    keep_heap()
     torch.set_num_threads(max(1, p.threads))
     dist.init_process_group(
         p.backend, init_method=p.init_method or f"tcp://127.0.0.1:{p.port}", rank=p.rank, world_size=p.world,
