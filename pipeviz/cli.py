@@ -11,6 +11,7 @@ run with a progress bar, check numerics against the unsplit model, write one HTM
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import subprocess
 import sys
@@ -120,6 +121,9 @@ def demo(a: argparse.Namespace) -> int:
     a.schedule = pv.schedules.canonical(a.schedule)  # bad options fail before any work
 
     names = ["classic", "gpt2"] if a.model == "all" else [a.model]
+    if "gpt2" in names and importlib.util.find_spec("transformers") is None:
+        print("note: the GPT-2 part needs `transformers` (pip install transformers); running the classic model only.")
+        names = [n for n in names if n != "gpt2"] or ["classic"]
     sections = [_section(n, a) for n in names]
     path = write_report(sections, a.output)
     ok = all(s.check.get("ok") for s in sections)

@@ -189,7 +189,7 @@ class Run:
                 f"status={self.status!r}, step {self.step}/{self.steps}, {len(self.events)} events)")
 
     # ----------------------------------------------------------------- monitor
-    def _start(self, build: Callable[[], list[bytes]], backend_threads: int) -> None:
+    def _start(self, build: Callable[[], list[bytes]]) -> None:
         self._thread = threading.Thread(target=self._monitor, args=(build,), daemon=True, name="pipeviz-run")
         self._thread.start()
 
@@ -519,7 +519,7 @@ def launch(
         ]
 
     port = _free_port()
-    run._start(build, threads)
+    run._start(build)
     return run
 
 
