@@ -127,8 +127,14 @@ def _run(p: RankPayload, queue: Any) -> None:
     original_wait = torch_schedules._wait_batch_p2p
 
     def timed_wait(work: Any) -> Any:
-        with clock.span(p.rank, -1, "COMM", -1, step_box[0]):
+        if not work:  # torch waits on empty lists too: nothing to time
             return original_wait(work)
+        start = time.time()
+        out = original_wait(work)
+        end = time.time()
+        if end - start > 1e-4:  # only waits that block: keeps the event stream (and its cost) small
+            clock.record((p.rank, -1, "COMM", -1, start - clock.t0, end - clock.t0, step_box[0]))
+        return out
 
     torch_schedules._wait_batch_p2p = timed_wait
 
@@ -241,6 +247,12 @@ class _Clock:
 
     def span(self, rank: int, stage: int, kind: str, mb: int, step: int) -> _Span:
         return _Span(self, (rank, stage, kind, mb, step))
+
+    def record(self, event: tuple[Any, ...]) -> None:
+        """A host-timed event (communication waits), sent with the others."""
+        self.buffer.append(event)
+        if event[5] - self.sent_at > 0.025:
+            self.send()
 
     def send(self) -> None:
         if self.buffer:
