@@ -52,7 +52,6 @@ class Capture:
     param_numel: dict[str, int]  # canonical name -> elements
     param_bytes: dict[str, int]
     aliases: dict[str, tuple[str, ...]]  # canonical name -> every FQN of that tensor
-    input_bytes: dict[str, int]  # model input placeholder -> bytes
     batch_size: int | None
     fixups: dict[str, Any] = field(default_factory=dict)  # config attributes set on every copy
     notes: list[str] = field(default_factory=list)
@@ -170,8 +169,6 @@ def capture(
     output_index = _logits_index(ep.call_spec.out_spec)
 
     flat_inputs = pytree.tree_leaves((example_args, kwargs))
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    input_bytes = {p.name: _tensor_bytes(p.meta.get("val")) for p in placeholders}
     flops = _count_flops(gm, flat_inputs)
 
     ops: list[Op] = []
@@ -209,7 +206,7 @@ def capture(
     nbytes = {g: _lookup(model, g).numel() * _lookup(model, g).element_size() for g in groups}
     return Capture(
         model=model, example_args=example_args, example_kwargs=kwargs, ops=ops, modules=_module_table(model),
-        param_numel=numel, param_bytes=nbytes, aliases=groups, input_bytes=input_bytes,
+        param_numel=numel, param_bytes=nbytes, aliases=groups,
         batch_size=_batch_size(example_args, kwargs), fixups=fixups, notes=notes, output_index=output_index,
     )
 

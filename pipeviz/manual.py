@@ -140,6 +140,6 @@ def _capture_sequence(model: nn.Module, names: list[str], args: tuple[Any, ...],
         model=model, example_args=args, example_kwargs=kwargs, ops=ops, modules=_module_table(model),
         param_numel={g: tensor(g).numel() for g in groups},
         param_bytes={g: tensor(g).numel() * tensor(g).element_size() for g in groups},
-        aliases=groups, input_bytes={"input": _tensor_bytes((args, kwargs))}, batch_size=_batch_size(args, kwargs),
+        aliases=groups, batch_size=_batch_size(args, kwargs),
         traced=False,
     )

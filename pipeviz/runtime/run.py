@@ -29,6 +29,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from pipeviz import schedules as sched
+from pipeviz.capture import _batch_size
 from pipeviz.plan import SplitPlan
 from pipeviz.timeline import Event, Timeline
 
@@ -375,13 +376,6 @@ def _reap_all() -> None:
         run._kill_all()
 
 
-def _batch(tree: Any) -> int | None:
-    for leaf in pytree.tree_leaves(tree):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return int(leaf.shape[0])
-    return None
-
-
 @dataclass
 class LaunchSpec:
     """A validated launch: what ``launch`` and ``export_torchrun`` run."""
@@ -425,7 +419,7 @@ def validate_launch(
         raise LaunchError(f"input_kwargs {unknown} were not in the traced example_kwargs {order}. "
                           "Fix: trace with the same keyword inputs you launch with.")
     kwargs = {k: kwargs[k] for k in order if k in kwargs}
-    batch = _batch((args, kwargs))
+    batch = _batch_size(args, kwargs)
     if batch is None:
         raise LaunchError("inputs hold no tensor with a batch dimension.")
     for leaf in pytree.tree_leaves((args, kwargs)):
@@ -534,7 +528,7 @@ def _with_inputs(plan: SplitPlan, args: tuple[Any, ...], kwargs: dict[str, Any])
 
     cap = copy.copy(plan.graph.capture)
     cap.example_args, cap.example_kwargs = args, kwargs
-    cap.batch_size = _batch((args, kwargs))
+    cap.batch_size = _batch_size(args, kwargs)
     from pipeviz.graph import ModelGraph
 
     graph = ModelGraph(cap, plan.graph.layer_names)
