@@ -22,15 +22,18 @@ from torch.utils import _pytree as pytree
 from pipeviz.graph import ModelGraph
 from pipeviz.plan import check_microbatches
 
-# Fixed cost of one schedule action in a pipeviz run on CPU (PipelineStage bookkeeping, autograd set-up,
-# event timing), measured on the 2-core CI machine with benchmarks/simulator_accuracy.py.
-CPU_ACTION_OVERHEAD = 1.5e-4
+# Fixed cost of one schedule action in a run on CPU: the gap between one action's end and the next on the
+# same rank when the next one's input is already there (posting gloo sends and receives, PipelineStage
+# bookkeeping, event timing). Measured on the 2-core CI machine: median 0.4-0.6 ms per action
+# (benchmarks/simulator_accuracy.py).
+CPU_ACTION_OVERHEAD = 4e-4
 
 
 @dataclass
 class Profile:
     """Measured seconds per microbatch for each layer; ``glue_*`` is time between layers (ops outside any
-    layer); ``overhead`` the fixed cost per pipeline action assumed by the simulator."""
+    layer); ``loss_forward``/``loss_backward`` the loss and its gradient down to the model's output (the
+    last stage runs them); ``overhead`` the fixed cost per pipeline action assumed by the simulator."""
 
     device: str
     microbatches: int
@@ -40,6 +43,8 @@ class Profile:
     glue_backward: float
     total_forward: float
     total_backward: float
+    loss_forward: float = 0.0
+    loss_backward: float = 0.0
     overhead: float = CPU_ACTION_OVERHEAD
     peak_memory: int | None = None
     samples: dict[str, Any] = field(default_factory=dict)
@@ -119,7 +124,8 @@ def profile(graph: ModelGraph, device: str = "cpu", microbatches: int = 1, repea
         torch.set_num_threads(threads)
     load = _Load(dev.type == "cpu" and busy_cores, torch.get_num_threads())
     try:
-        total_f, total_b = _passes(model, mb_args, mb_kwargs, loss_of, sync, warmup, repeats, fwd, bwd, grad_ready)
+        total_f, loss_f, total_b = _passes(model, mb_args, mb_kwargs, loss_of, sync, warmup, repeats, fwd, bwd,
+                                           grad_ready, accumulate=microbatches > 1)
     finally:
         load.stop()
         torch.set_num_threads(saved_threads)
@@ -128,10 +134,14 @@ def profile(graph: ModelGraph, device: str = "cpu", microbatches: int = 1, repea
     med_f = {n: statistics.median(v) if v else 0.0 for n, v in fwd.items()}
     med_b = {n: statistics.median(v) if v else 0.0 for n, v in bwd.items()}
     tf, tb = statistics.median(total_f), statistics.median(total_b)
+    # The backward before the first layer's output gradient arrives: the loss's gradient and the ops
+    # after the last layer. The last stage runs it.
+    head_b = max(0.0, tb - sum(med_b.values()))
     prof = Profile(
         device=str(dev), microbatches=microbatches, forward=med_f, backward=med_b,
-        glue_forward=max(0.0, tf - sum(med_f.values())), glue_backward=max(0.0, tb - sum(med_b.values())),
-        total_forward=tf, total_backward=tb, overhead=CPU_ACTION_OVERHEAD if dev.type == "cpu" else 2e-5,
+        glue_forward=max(0.0, tf - sum(med_f.values())), glue_backward=0.0,
+        total_forward=tf, total_backward=tb, loss_forward=statistics.median(loss_f), loss_backward=head_b,
+        overhead=CPU_ACTION_OVERHEAD if dev.type == "cpu" else 2e-5,
         peak_memory=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
     )
     graph.capture.profiles[microbatches] = prof
@@ -169,10 +179,18 @@ def _now(sync: Callable[[], None]) -> float:
 
 def _passes(model: torch.nn.Module, args: Any, kwargs: Any, loss_of: Callable[[Any], torch.Tensor],
             sync: Callable[[], None], warmup: int, repeats: int, fwd: dict[str, list[float]],
-            bwd: dict[str, list[float]], grad_ready: dict[str, float]) -> tuple[list[float], list[float]]:
+            bwd: dict[str, list[float]], grad_ready: dict[str, float],
+            accumulate: bool) -> tuple[list[float], list[float], list[float]]:
     """Forward/backward passes; a layer's backward runs from its output gradient's arrival to the next
-    (earlier) layer's, the first layer's until the backward ends (so ops between layers count too)."""
+    (earlier) layer's, the first layer's until the backward ends (so ops between layers count too).
+
+    With ``accumulate`` gradients are added into the existing ``.grad`` as in a pipelined step, where all
+    microbatches but the first accumulate (measured here: 20 % of an MLP's backward on CPU, as every
+    gradient is read and written once more); otherwise each pass allocates them anew.
+    Returns the forward, loss and backward (loss gradient included) times.
+    """
     total_f: list[float] = []
+    total_l: list[float] = []
     total_b: list[float] = []
     for i in range(warmup + repeats):
         grad_ready.clear()
@@ -181,20 +199,24 @@ def _passes(model: torch.nn.Module, args: Any, kwargs: Any, loss_of: Callable[[A
         out = model(*args, **kwargs)
         sync()
         t1 = time.perf_counter()
-        loss_of(out).backward()
+        loss = loss_of(out)
+        t_loss = _now(sync)
+        loss.backward()
         sync()
         t2 = time.perf_counter()
-        model.zero_grad(set_to_none=True)
+        if not accumulate:
+            model.zero_grad(set_to_none=True)
         if i < warmup:  # warm-up passes are not kept
             for v in fwd.values():
                 v.clear()
             continue
         total_f.append(t1 - t0)
-        total_b.append(t2 - t1)
+        total_l.append(t_loss - t1)
+        total_b.append(t2 - t_loss)
         starts = sorted(grad_ready.items(), key=lambda kv: kv[1])
         for (name, t), nxt in zip(starts, [*starts[1:], (None, t2)], strict=True):
             bwd[name].append(nxt[1] - t)
-    return total_f, total_b
+    return total_f, total_l, total_b
 
 
 def _default_loss(out: Any) -> torch.Tensor:

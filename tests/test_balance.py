@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 
 import pytest
 import torch
 
 import pipeviz as pv
 from pipeviz.balance import partition
+from pipeviz.simulate import estimate_costs
 from pipeviz.zoo import MyNetwork
 
 
@@ -101,3 +103,27 @@ def test_balance_uses_measured_time(classic_graph: pv.ModelGraph) -> None:
     assert plan.num_stages == 2
     tl = pv.simulate(plan, "1F1B", 2)
     assert tl.meta["costs"] == "measured"
+
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.02)
+        return g
+
+
+def test_profile_puts_the_loss_on_the_last_stage(classic_graph: pv.ModelGraph) -> None:
+    def slow_loss(out: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.02)  # a loss whose forward and backward each take 20 ms
+        return _SlowBackward.apply(out).sum()
+
+    prof = pv.profile(classic_graph, microbatches=2, repeats=3, loss_fn=slow_loss)
+    assert prof.loss_forward >= 0.02 and prof.loss_backward >= 0.02
+    assert max(prof.forward.values()) < 0.02 and max(prof.backward.values()) < 0.02  # not blamed on a layer
+    costs = estimate_costs(classic_graph.split(["layer1"]), 2)
+    assert costs.forward[1] >= 0.02 > costs.forward[0]
+    assert costs.backward[1] >= 0.02 > costs.backward[0]
