@@ -241,7 +241,7 @@ class Run:
             if msg is not None:
                 last_progress = time.time()
                 kind = msg[0]
-                if kind == "events":  # workers batch them (at most 25 ms old)
+                if kind == "events":  # workers batch them (SEND_INTERVAL, 0.1 s)
                     self._publish([Event(*e) for e in msg[1]])
                 elif kind == "loss":
                     self.losses.append(msg[2])

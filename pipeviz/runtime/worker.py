@@ -7,6 +7,10 @@ notebook's ``__main__`` work), and everything it reports goes to the parent over
     ("events", [(rank, stage, kind, mb, start, end, step), ...])   ("loss", step, value)
     ("step", rank, step, time)   ("state", rank, bytes)   ("done", rank)   ("error", rank, traceback)
 
+Events, losses and step ends are sent together at most every ``SEND_INTERVAL`` seconds: each message wakes
+the parent (a notebook kernel), which then takes a core from the ranks; on the 2-core CI machine one
+message per rank per step cost more than the 2 % overhead budget.
+
 This module must stay importable without any view library.
 """
 
@@ -25,6 +29,8 @@ from typing import Any
 import torch
 
 from pipeviz.schedules import ZERO_BUBBLE
+
+SEND_INTERVAL = 0.1  # seconds: live enough to watch, rare enough not to disturb the ranks
 
 
 @dataclass
@@ -192,10 +198,10 @@ def _run(p: RankPayload, queue: Any) -> None:
         _sync_tied(local, tied, groups)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        clock.flush(queue)
         if last:
-            queue.put(("loss", step, float(torch.stack([x.detach().float() for x in losses]).mean())))
-        queue.put(("step", p.rank, step, time.time() - p.t0))
+            clock.post(("loss", step, float(torch.stack([x.detach().float() for x in losses]).mean())))
+        clock.post(("step", p.rank, step, time.time() - p.t0))
+        clock.flush(force=step == p.steps - 1)
 
     state: dict[str, torch.Tensor] = {}
     for s in mine:
@@ -234,13 +240,17 @@ def _sync_tied(local: dict[str, list[torch.Tensor]], tied: dict[str, list[int]],
 
 
 class _Clock:
-    """Timestamps on one clock across ranks (wall time minus the run's start). On a GPU, spans are timed
-    with CUDA events, so they mark when the work ran, not when it was queued, and are sent at step end."""
+    """Timestamps on one clock across ranks (wall time minus the run's start), and the rank's outbox.
+
+    On a GPU, spans are timed with CUDA events, so they mark when the work ran, not when it was queued;
+    they are read at step end. Events and posted messages leave together, at most every ``SEND_INTERVAL``.
+    """
 
     def __init__(self, t0: float, cuda: torch.device | None) -> None:
         self.t0, self.cuda = t0, cuda
         self.pending: list[tuple[Any, ...]] = []
         self.buffer: list[tuple[Any, ...]] = []
+        self.outbox: list[tuple[Any, ...]] = []
         self.sent_at = 0.0
         self.queue: Any = None
         self.anchor: tuple[float, Any] | None = None
@@ -251,26 +261,36 @@ class _Clock:
     def record(self, event: tuple[Any, ...]) -> None:
         """A host-timed event (communication waits), sent with the others."""
         self.buffer.append(event)
-        if event[5] - self.sent_at > 0.025:
+        if event[5] - self.sent_at > SEND_INTERVAL:
             self.send()
+
+    def post(self, msg: tuple[Any, ...]) -> None:
+        """A message (loss, step end) to send with the next batch of events."""
+        self.outbox.append(msg)
 
     def send(self) -> None:
         if self.buffer:
             self.queue.put(("events", self.buffer))
             self.buffer = []
+        for msg in self.outbox:
+            self.queue.put(msg)
+        self.outbox.clear()
         self.sent_at = time.time() - self.t0
 
-    def flush(self, queue: Any) -> None:
-        if self.cuda is None or not self.pending:
+    def flush(self, force: bool = False) -> None:
+        """At step end: read GPU timings, and send if the last send is ``SEND_INTERVAL`` old (or ``force``)."""
+        if self.cuda is not None and self.pending:
+            self._read_gpu_events()
+        if force or time.time() - self.t0 - self.sent_at > SEND_INTERVAL:
             self.send()
-            return
+
+    def _read_gpu_events(self) -> None:
         torch.cuda.synchronize(self.cuda)
         host, ev0 = self.anchor  # type: ignore[misc]
         for (rank, stage, kind, mb, step), a, b in self.pending:
             start = host + ev0.elapsed_time(a) / 1e3
             self.buffer.append((rank, stage, kind, mb, start, host + ev0.elapsed_time(b) / 1e3, step))
         self.pending.clear()
-        self.send()
         self.anchor = None
 
 
@@ -301,5 +321,5 @@ class _Span:
             rank, stage, kind, mb, step = self.key
             now = time.time() - c.t0
             c.buffer.append((rank, stage, kind, mb, self.start, now, step))
-            if now - c.sent_at > 0.025:  # batched: live within 25 ms, without a queue put per action
+            if now - c.sent_at > SEND_INTERVAL:  # batched: live, without a queue put per action
                 c.send()
