@@ -20,7 +20,7 @@ demo: setup
 	$(VENV)/bin/pipeviz demo
 
 test: setup
-	$(PY) -m ruff check pipeviz tests benchmarks
+	$(PY) -m ruff check .
 	$(PY) -m pytest
 
 bench: setup

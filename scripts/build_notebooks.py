@@ -138,7 +138,9 @@ QUICKSTART: list[Cell] = [
     `pv.TimelineView(run)` draws the measured events while they arrive, with the simulation as a thin overlay.
     """),
     code("""
-    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # built again on every rank
+    def sgd(params):  # built again on every rank
+        return torch.optim.SGD(params, lr=0.1)
+
     run = pv.launch(plan, schedule="1F1B", microbatches=4, steps=5, inputs=(x,), target=y,
                     loss_fn=F.cross_entropy, optimizer=sgd)
     view = pv.TimelineView(run, overlay=sim)
@@ -171,7 +173,7 @@ QUICKSTART: list[Cell] = [
     code("""
     ref_losses, ref_state = pv.train_reference(model, (x,), y, F.cross_entropy, sgd, microbatches=4, steps=5)
     trained = run.state_dict()  # gathered from all stages, keyed by the original model's names
-    loss_gap = max(abs(a - b) for a, b in zip(run.losses, ref_losses))
+    loss_gap = max(abs(a - b) for a, b in zip(run.losses, ref_losses, strict=True))
     param_gap = max((trained[name] - value).abs().max().item() for name, value in ref_state.items())
     print(f"largest loss difference {loss_gap:.1e}, largest parameter difference {param_gap:.1e}")
     assert loss_gap < 1e-5 and param_gap < 1e-5
@@ -430,14 +432,16 @@ SKIPS: list[Cell] = [
     import pipeviz as pv
     from pipeviz.zoo import SkipNet, TiedNet
 
-    sgd = lambda params: torch.optim.SGD(params, lr=0.1)
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.1)
 
 
     def gaps(run, reference):
         \"\"\"Largest loss and parameter differences between a finished run and the reference training.\"\"\"
         ref_losses, ref_state = reference
         trained = run.state_dict()
-        loss_gap = max(abs(a - b) for a, b in zip(run.losses, ref_losses))
+        loss_gap = max(abs(a - b) for a, b in zip(run.losses, ref_losses, strict=True))
         param_gap = max((trained[k] - v).abs().max().item() for k, v in ref_state.items())
         return loss_gap, param_gap
     """),
@@ -593,7 +597,7 @@ SCALE_OUT: list[Cell] = [
     code("""
     run = pv.launch(plan, schedule="1F1B", microbatches=4, steps=10, inputs=(x,), target=y, loss_fn=F.cross_entropy)
     assert run.wait(180) == "done", run.error
-    gap = max(abs(a - b) for a, b in zip(watch.losses, run.losses))
+    gap = max(abs(a - b) for a, b in zip(watch.losses, run.losses, strict=True))
     print(f"largest loss difference, torchrun vs pv.launch: {gap:.1e}")
     assert gap < 1e-6
     """),
@@ -1154,7 +1158,7 @@ BALANCING: list[Cell] = [
     code("""
     naive = graph.split(["layer2"])                      # layers 0-2 | layers 3-5 + output_proj
     balanced = pv.balance(graph, num_stages=2, by="time")
-    cost = dict(zip(graph.layer_names, layer_costs(graph, by="time")))
+    cost = dict(zip(graph.layer_names, layer_costs(graph, by="time"), strict=True))
     predicted = {}
     for name, plan in (("naive", naive), ("balanced", balanced)):
         stage_ms = [sum(cost[layer] for layer in stage.layers) * 1e3 for stage in plan.stages]
@@ -1202,7 +1206,7 @@ BALANCING: list[Cell] = [
     code("""
     def check(answer):
         \"\"\"Compare your split's slowest stage with the optimum pv.balance finds for the same measured costs.\"\"\"
-        per_layer = dict(zip(graph.layer_names, layer_costs(graph, by="time")))
+        per_layer = dict(zip(graph.layer_names, layer_costs(graph, by="time"), strict=True))
 
         def slowest(plan):
             return max(sum(per_layer[layer] for layer in stage.layers) for stage in plan.stages)
@@ -1307,7 +1311,7 @@ MULTI_HOST: list[Cell] = [
     view
     """),
     code("""
-    for node_rank, agent in enumerate(agents):
+    for agent in agents:
         output, _ = agent.communicate(timeout=240)
         assert agent.returncode == 0, output
     assert watch.wait(60) == "done", watch.error
@@ -1324,7 +1328,7 @@ MULTI_HOST: list[Cell] = [
     """),
     code("""
     ref_losses, _ = pv.train_reference(model, (x,), y, F.cross_entropy, None, microbatches=4, steps=5)
-    gap = max(abs(a - b) for a, b in zip(watch.losses, ref_losses))
+    gap = max(abs(a - b) for a, b in zip(watch.losses, ref_losses, strict=True))
     print(f"largest loss difference against the unsplit model: {gap:.1e}")
     assert gap < 1e-5
     """),
