@@ -113,8 +113,8 @@ def main() -> None:
                             loss_fn=lm_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3))
             assert run.wait(600) == "done", run.error
             times[name] += run.step_walltimes[2:]
-    print(f"GPT-2 style: {a.layers} blocks x {a.width}, vocab {a.vocab} (tied embedding/head), batch 16 x 64, {k} stages, "
-          f"1F1B, {m} microbatches, {a.rounds} rounds x {a.steps} steps")
+    print(f"GPT-2 style: {a.layers} blocks x {a.width}, vocab {a.vocab} (tied embedding/head), batch 16 x 64, "
+          f"{k} stages, 1F1B, {m} microbatches, {a.rounds} rounds x {a.steps} steps")
     med = {name: statistics.median(v) for name, v in times.items()}
     for name, plan in plans.items():
         cut = " | ".join(f"{s.layers[0]}…{s.layers[-1]}" for s in plan.stages)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -140,3 +143,29 @@ def test_second_launch_right_after_the_first() -> None:
             for _ in range(2)]
     assert [r.wait(120) for r in runs] == ["done", "done"]
     assert runs[0].losses == runs[1].losses
+
+
+@pytest.mark.skipif(len(getattr(os, "sched_getaffinity", lambda _: ())(0)) < 2, reason="needs 2 usable cores")
+def test_ranks_get_their_own_cores_on_cpu() -> None:
+    model, inputs, target, loss_fn = _case("mlp")
+    plan = pv.trace(model, example_args=inputs).split(["layer1"])
+    run = pv.launch(plan, schedule="1F1B", microbatches=4, steps=10_000, inputs=inputs, target=target,
+                    loss_fn=loss_fn)
+    try:
+        deadline = time.time() + 60
+        while run.step < 1 and run.status in ("starting", "running") and time.time() < deadline:
+            time.sleep(0.05)
+        assert run.status == "running", run.error
+        allowed = sorted(os.sched_getaffinity(0))
+        t = len(allowed) // 2  # threads per rank
+        assert run.cpus == [tuple(allowed[:t]), tuple(allowed[t:2 * t])]
+        for pid, cores in zip(run.pids, run.cpus, strict=True):
+            threads = os.listdir(f"/proc/{pid}/task")
+            assert len(threads) > 2  # gloo's threads are there too, and pinned like the main thread
+            assert {tuple(sorted(os.sched_getaffinity(int(t)))) for t in threads} == {cores}
+        assert not set(run.cpus[0]) & set(run.cpus[1])
+    finally:
+        run.stop()
+    unpinned = pv.launch(plan, schedule="1F1B", microbatches=4, steps=1, inputs=inputs, target=target,
+                         loss_fn=loss_fn, pin_cpus=False)
+    assert unpinned.wait(60) == "done" and unpinned.cpus is None

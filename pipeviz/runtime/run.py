@@ -108,6 +108,7 @@ class Run:
         self.error: str | None = None
         self.step = 0
         self.devices: list[str] = []
+        self.cpus: list[tuple[int, ...]] | None = None  # each rank's cores when pinned (CPU runs)
         self.started_at = time.time()
         self.first_event_at: float | None = None
         self._state: dict[str, torch.Tensor] = {}
@@ -458,6 +459,7 @@ def launch(
     devices: str | Sequence[str] = "auto",
     stages_per_rank: int | None = None,
     timeout: float = 120.0,
+    pin_cpus: bool = True,
 ) -> Run:
     """Start the plan's stages as processes running torch's ``schedule``; returns a ``Run`` at once.
 
@@ -479,6 +481,9 @@ def launch(
         devices: ``"auto"``, ``"cpu"``, ``"cuda"`` or one device per rank.
         stages_per_rank: for multi-stage schedules (default 2).
         timeout: seconds without progress before the run is declared hung and stopped.
+        pin_cpus: on the CPU, give each rank its own cores (``run.cpus``) when there are enough: its
+            compute and gloo's threads then never wait behind another rank's. Measured on 2 cores:
+            LoopedBFS 215 -> 192 ms and Interleaved1F1B 66 -> 58 ms per step, 1F1B unchanged.
 
     Raises:
         LaunchError, ScheduleError, PlanError: before any process starts, naming the bad value and the fix.
@@ -490,10 +495,12 @@ def launch(
     name, lay, args, kwargs = spec.schedule, spec.layout, spec.args, spec.kwargs
     loss_fn, optimizer, target = spec.loss_fn, spec.optimizer, spec.target
     stage_devices, backend, compute = resolve_devices(devices, lay.num_ranks)
-    threads = max(1, (os.cpu_count() or 1) // lay.num_ranks)
+    on_cpu = all(d == "cpu" for d in stage_devices) and not any(compute)
+    threads, cpus = _cpu_sets(lay.num_ranks, pin_cpus and on_cpu)
 
     run = Run(plan, name, lay, microbatches, steps, timeout)
     run.devices = [c or d for c, d in zip(compute, stage_devices, strict=True)]
+    run.cpus = cpus
     t0 = run.started_at
 
     def build() -> list[bytes]:
@@ -507,7 +514,7 @@ def launch(
                 compute_device=compute[rank], schedule=name, stage_ranks=lay.stage_ranks, microbatches=microbatches,
                 steps=steps, plan=mb_plan, loss_fn=loss_fn, optimizer=optimizer,
                 target=target if lay.stage_ranks[last] == rank else None, t0=t0, parent_pid=os.getpid(),
-                timeout_s=max(timeout, 30.0), threads=threads,
+                timeout_s=max(timeout, 30.0), threads=threads, cpus=cpus[rank] if cpus else None,
             ))
             for rank in range(lay.num_ranks)
         ]
@@ -515,6 +522,21 @@ def launch(
     port = _free_port()
     run._start(build)
     return run
+
+
+def _cpu_sets(ranks: int, pin: bool) -> tuple[int, list[tuple[int, ...]] | None]:
+    """Threads per rank, and with ``pin`` each rank's own cores out of those this process may use.
+
+    Why pin: with every core computing, a gloo thread that a rank needs (to post a send or a receive) can
+    be queued behind another rank's compute thread until the next scheduler tick (4 ms at 250 Hz); on its
+    own cores it runs as soon as its rank waits. No pinning when ranks outnumber the cores.
+    """
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    count = len(allowed) or os.cpu_count() or 1
+    threads = max(1, count // ranks)
+    if not pin or not allowed or ranks > len(allowed):
+        return threads, None
+    return threads, [tuple(allowed[r * threads:(r + 1) * threads]) for r in range(ranks)]
 
 
 def _default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

@@ -53,6 +53,7 @@ class RankPayload:
     parent_pid: int
     timeout_s: float
     threads: int = 1
+    cpus: tuple[int, ...] | None = None  # cores of this rank's threads (pv.launch on CPU; see run._cpu_sets)
     init_method: str | None = None  # default: tcp://127.0.0.1:port; "env://" under torchrun
 
 
@@ -102,6 +103,8 @@ def _run(p: RankPayload, queue: Any) -> None:
         p.backend, init_method=p.init_method or f"tcp://127.0.0.1:{p.port}", rank=p.rank, world_size=p.world,
         timeout=timedelta(seconds=p.timeout_s),
     )
+    if p.cpus:
+        _pin(p.cpus)
     if p.t0 < 0:  # under torchrun: one clock for every rank, rank 0's start (hosts' clocks assumed synced)
         t0 = torch.tensor([time.time()], dtype=torch.float64)
         dist.broadcast(t0, src=0)
@@ -216,6 +219,16 @@ def _run(p: RankPayload, queue: Any) -> None:
     queue.put(("state", p.rank, buf.getvalue()))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _pin(cpus: tuple[int, ...]) -> None:
+    """Keep every thread of this process (compute, gloo's, started after init) on ``cpus``; threads
+    started later inherit it from the thread that starts them."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # a thread that just ended
+            pass
 
 
 def _like(t: torch.Tensor, device: torch.device, grad: bool) -> torch.Tensor:
