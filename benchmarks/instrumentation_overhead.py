@@ -1,9 +1,10 @@
 """What pipeviz's runtime costs: the same plan and schedule through ``pv.launch`` and through a plain torch
 schedule loop without pipeviz (torch's ``pipeline()`` + ``build_stage`` + the schedule), runs interleaved.
 
-Two plain loops run: torch as shipped, and torch with the one speed fix pipeviz applies to torch's stage
-modules (generated code instead of ``fx.Interpreter``, ``pipeviz.runtime.stages._compiled_forward``). The
-second isolates what pipeviz's instrumentation, relays and event streaming cost. Prints the median step
+Two plain loops run: torch as shipped, and torch with the two speed fixes pipeviz's runtime applies (stage
+modules run as generated code instead of through ``fx.Interpreter``, ``pipeviz.runtime.stages._compiled_forward``;
+each rank's threads on its own cores, ``pipeviz.runtime.run._cpu_sets``). The second isolates what
+pipeviz's instrumentation, relays and event streaming cost. Prints the median step
 wall time of each, the ratios (goal <= 1.02), and launch -> first event (goal < 5 s on CPU).
 
     python benchmarks/instrumentation_overhead.py [--rounds 6] [--steps 30] [--schedule 1F1B]
@@ -35,7 +36,7 @@ def _model() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
 
 
 def _plain_worker(rank: int, world: int, port: int, schedule: str, mb: int, steps: int, out: Any,
-                  codegen: bool) -> None:
+                  fixes: bool) -> None:
     """torch's own pipelining, no pipeviz: pipeline() + build_stage + schedule, timed per step."""
     import torch.distributed as dist
     from torch.distributed.pipelining import SplitPoint, pipeline
@@ -48,10 +49,17 @@ def _plain_worker(rank: int, world: int, port: int, schedule: str, mb: int, step
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
+    if fixes:
+        from pipeviz.runtime.run import _cpu_sets
+        from pipeviz.runtime.worker import _pin
+
+        cpus = _cpu_sets(world, True)[1]
+        if cpus:
+            _pin(cpus[rank])
     model, x, y = _model()
     pipe = pipeline(model, mb_args=(x[: BATCH // mb],), split_spec={"layer1": SplitPoint.END})
     stage = pipe.build_stage(rank, torch.device("cpu"))
-    if codegen:
+    if fixes:
         from pipeviz.runtime.stages import _compiled_forward
 
         _compiled_forward(stage.submod)
@@ -70,7 +78,7 @@ def _plain_worker(rank: int, world: int, port: int, schedule: str, mb: int, step
     dist.destroy_process_group()
 
 
-def plain(schedule: str, mb: int, steps: int, codegen: bool = False) -> list[float]:
+def plain(schedule: str, mb: int, steps: int, fixes: bool = False) -> list[float]:
     import torch.multiprocessing as mp
 
     from pipeviz.runtime.run import _free_port
@@ -78,7 +86,7 @@ def plain(schedule: str, mb: int, steps: int, codegen: bool = False) -> list[flo
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_plain_worker, args=(r, 2, port, schedule, mb, steps, q, codegen)) for r in range(2)]
+    procs = [ctx.Process(target=_plain_worker, args=(r, 2, port, schedule, mb, steps, q, fixes)) for r in range(2)]
     for p in procs:
         p.start()
     ends = dict(q.get(timeout=300) for _ in procs)
@@ -114,7 +122,7 @@ def main() -> None:
     warm = 5  # leave out start-up steps
     for _ in range(a.rounds):  # interleaved, so machine noise hits all three alike
         b_round = plain(a.schedule, a.microbatches, a.steps)[warm:]
-        f_round = plain(a.schedule, a.microbatches, a.steps, codegen=True)[warm:]
+        f_round = plain(a.schedule, a.microbatches, a.steps, fixes=True)[warm:]
         steps, fe = with_pipeviz(a.schedule, a.microbatches, a.steps)
         o_round = steps[warm:]
         base += b_round
@@ -127,11 +135,11 @@ def main() -> None:
     print(f"MyNetwork({WIDTH}, [{WIDTH}]*4), batch {BATCH}, 2 stages / 2 processes, {a.schedule}, "
           f"{a.microbatches} microbatches, {a.rounds} rounds x {a.steps} steps, interleaved")
     print(f"plain torch schedule loop, median step:          {b * 1e3:8.2f} ms")
-    print(f"plain loop + pipeviz's codegen fix, median step: {f * 1e3:8.2f} ms")
+    print(f"plain loop + pipeviz's fixes, median step:       {f * 1e3:8.2f} ms")
     print(f"pv.launch (instrumented), median step:           {o * 1e3:8.2f} ms")
     print(f"pipeviz / plain torch: pooled {o / b:.3f}; per round {', '.join(f'{r:.3f}' for r in paired)}; "
           f"median {statistics.median(paired):.3f}   (goal <= 1.02)")
-    print(f"pipeviz / plain + same fix (instrumentation alone): pooled {o / f:.3f}; per round "
+    print(f"pipeviz / plain + same fixes (instrumentation alone): pooled {o / f:.3f}; per round "
           f"{', '.join(f'{r:.3f}' for r in paired_fixed)}; median {statistics.median(paired_fixed):.3f}"
           "   (goal <= 1.02)")
     print(f"launch -> first event, median:          {statistics.median(first):8.2f} s    (goal < 5 s)")
