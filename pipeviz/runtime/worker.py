@@ -8,8 +8,9 @@ notebook's ``__main__`` work), and everything it reports goes to the parent over
     ("step", rank, step, time)   ("state", rank, bytes)   ("done", rank)   ("error", rank, traceback)
 
 Events, losses and step ends are sent together at most every ``SEND_INTERVAL`` seconds: each message wakes
-the parent (a notebook kernel), which then takes a core from the ranks; on the 2-core CI machine one
-message per rank per step cost more than the 2 % overhead budget.
+the parent (a notebook kernel), which then takes a core from the ranks. Measured on 2 cores, 60 steps of
+47 ms: sending at every step end kept the parent busy 2-3 % of a core with about 350 wake-ups; batching
+brought that to 1.3-1.8 % and 150-220.
 
 This module must stay importable without any view library.
 """
