@@ -164,8 +164,23 @@ def test_ranks_get_their_own_cores_on_cpu() -> None:
             assert len(threads) > 2  # gloo's threads are there too, and pinned like the main thread
             assert {tuple(sorted(os.sched_getaffinity(int(t)))) for t in threads} == {cores}
         assert not set(run.cpus[0]) & set(run.cpus[1])
+        second = pv.launch(plan, schedule="1F1B", microbatches=4, steps=1, inputs=inputs, target=target,
+                           loss_fn=loss_fn)
+        assert second.cpus is None  # a run at the same time would share the first one's cores
+        assert second.wait(60) == "done", second.error
     finally:
         run.stop()
     unpinned = pv.launch(plan, schedule="1F1B", microbatches=4, steps=1, inputs=inputs, target=target,
                          loss_fn=loss_fn, pin_cpus=False)
     assert unpinned.wait(60) == "done" and unpinned.cpus is None
+
+
+def test_wait_returns_after_the_monitor_thread_is_gone() -> None:
+    # A monitor thread still running at interpreter exit aborted the process (freeing the plan's tensors
+    # there); wait() must not return before it is gone. A slow last callback keeps it alive a while.
+    model, inputs, target, loss_fn = _case("mlp")
+    plan = pv.trace(model, example_args=inputs).split(["layer1"])
+    run = pv.launch(plan, schedule="1F1B", microbatches=4, steps=1, inputs=inputs, target=target, loss_fn=loss_fn)
+    run.subscribe(lambda events: None if events else time.sleep(0.5))  # [] marks the end
+    assert run.wait(60) == "done", run.error
+    assert not run._thread.is_alive()
