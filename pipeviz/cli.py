@@ -110,7 +110,14 @@ def _section(name: str, a: argparse.Namespace) -> Any:
           f"bubble {tl.bubble_fraction:.0%}; losses {', '.join(f'{x:.4f}' for x in run.losses)}")
     print(f"  numerics vs the unsplit model: {'match' if check['ok'] else 'MISMATCH'} "
           f"(loss diff {check['loss_diff']:.1e}, param diff {check['param_diff']:.1e})")
-    return Section(title, run_plan, cmp, tl, simulated, check, graph.notes)
+    notes = list(graph.notes)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    ranks = run.layout.num_ranks
+    if all(d == "cpu" for d in run.devices) and ranks > cores:
+        notes.append(f"{ranks} processes shared {cores} CPU cores; the simulation gives each rank a core of its "
+                     "own, so the measured step is longer. Use --stages at most the core count to compare.")
+        print("  note: " + notes[-1])
+    return Section(title, run_plan, cmp, tl, simulated, check, notes)
 
 
 def demo(a: argparse.Namespace) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +22,9 @@ def test_demo_writes_a_self_contained_report(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "numerics vs the unsplit model: match" in proc.stdout
     assert f"report: {out.resolve()}" in proc.stdout
+    ranks = int(re.search(r"on (\d+) processes", proc.stdout).group(1))  # type: ignore[union-attr]
+    cores = len(os.sched_getaffinity(0))
+    assert (f"{ranks} processes shared {cores} CPU cores" in proc.stdout) == (ranks > cores)
     html = out.read_text()
     assert "Plotly" in html and "<script src=" not in html  # plotly.js is embedded: opens offline
     assert "Measured run (simulation overlaid)" in html and "Schedules compared" in html

@@ -145,12 +145,13 @@ class Run:
 
     def stop(self, timeout: float = 5.0) -> str:
         """Stop every process (within ``timeout`` seconds) and mark the run ``stopped``."""
+        end = time.time() + timeout
         if not self._finished.is_set():
             self._stop.set()
             self._finished.wait(timeout)
             if not self._finished.is_set():  # the monitor is stuck; reap here
                 self._kill_all()
-        self._join_monitor()
+        self._join_monitor(max(0.1, end - time.time()))  # within the same timeout
         return self.status
 
     def _join_monitor(self, timeout: float = 2.0) -> None:
