@@ -1,8 +1,8 @@
 """What pipeviz's runtime costs: the same plan and schedule through ``pv.launch`` and through a plain torch
 schedule loop without pipeviz (torch's ``pipeline()`` + ``build_stage`` + the schedule), runs interleaved.
 
-Two plain loops run: torch as shipped, and torch with the two speed fixes pipeviz's runtime applies (stage
-modules run as generated code instead of through ``fx.Interpreter``, ``pipeviz.runtime.stages._compiled_forward``;
+Two plain loops run: torch as shipped, and torch with the two speed fixes pipeviz's runtime applies (each
+stage runs as one flat generated-code graph instead of through ``fx.Interpreter``, ``pipeviz.adapter.flatten_stage``;
 each rank's threads on its own cores, ``pipeviz.runtime.run._cpu_sets``). The second isolates what
 pipeviz's instrumentation, relays and event streaming cost. Prints the median step
 wall time of each, the ratios (goal <= 1.02), and launch -> first event (goal < 5 s on CPU).
@@ -60,9 +60,9 @@ def _plain_worker(rank: int, world: int, port: int, schedule: str, mb: int, step
     pipe = pipeline(model, mb_args=(x[: BATCH // mb],), split_spec={"layer1": SplitPoint.END})
     stage = pipe.build_stage(rank, torch.device("cpu"))
     if fixes:
-        from pipeviz.runtime.stages import _compiled_forward
+        from pipeviz.adapter import flatten_stage
 
-        _compiled_forward(stage.submod)
+        stage.submod = flatten_stage(stage.submod, {})
     sched = get_schedule_class(schedule)(stage, n_microbatches=mb, loss_fn=F.cross_entropy)
     opt = torch.optim.SGD(stage.submod.parameters(), lr=0.01)
     ends = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import re
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,10 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
+
+# torch.export keeps global tracing state: traces from two threads (a run starting in the background while a
+# notebook traces or builds a Pipe) take turns.
+TRACE_LOCK = threading.RLock()
 
 
 class TraceError(ValueError):
@@ -53,6 +58,9 @@ class Capture:
     param_bytes: dict[str, int]
     aliases: dict[str, tuple[str, ...]]  # canonical name -> every FQN of that tensor
     batch_size: int | None
+    buffers: frozenset[str] = frozenset()  # canonical names (in param_numel) that are buffers, not parameters
+    mutated: frozenset[str] = frozenset()  # buffers the forward updates in place (BatchNorm statistics)
+    elementwise: frozenset[str] = frozenset()  # parameter-free activation / dropout / identity modules
     fixups: dict[str, Any] = field(default_factory=dict)  # config attributes set on every copy
     notes: list[str] = field(default_factory=list)
     traced: bool = True  # False for the manual route (no torch.export graph)
@@ -97,7 +105,8 @@ def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
 
 def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.export.ExportedProgram:
     try:
-        return torch.export.export(model, args, kwargs)
+        with TRACE_LOCK:
+            return torch.export.export(model, args, kwargs)
     except Exception as exc:  # torch raises many types here; all mean "cannot capture"
         text = f"{type(exc).__name__}: {exc}".strip()
         first = text.splitlines()[0][:300]
@@ -169,7 +178,12 @@ def capture(
     output_index = _logits_index(ep.call_spec.out_spec)
 
     flat_inputs = pytree.tree_leaves((example_args, kwargs))
+    before = {name: b.detach().clone() for name, b in gm.named_buffers()}
     flops = _count_flops(gm, flat_inputs)
+    # Whatever the forward updated in place (running statistics, counters) is state a pipeline must keep
+    # exactly where the unsplit model keeps it.
+    mutated = frozenset(canonical.get(name, name) for name, b in gm.named_buffers()
+                        if name in before and not torch.equal(before[name], b))
 
     ops: list[Op] = []
     index_of: dict[str, int] = {}
@@ -208,7 +222,33 @@ def capture(
         model=model, example_args=example_args, example_kwargs=kwargs, ops=ops, modules=_module_table(model),
         param_numel=numel, param_bytes=nbytes, aliases=groups,
         batch_size=_batch_size(example_args, kwargs), fixups=fixups, notes=notes, output_index=output_index,
+        buffers=buffer_names(model), mutated=mutated, elementwise=elementwise_modules(model),
     )
+
+
+def buffer_names(model: nn.Module) -> frozenset[str]:
+    """Canonical names of the model's buffers (every alias group whose tensor is a buffer)."""
+    canonical, _ = _alias_groups(model)
+    return frozenset(canonical[name] for name, _ in model.named_buffers(remove_duplicate=False))
+
+
+_ELEMENTWISE_HOMES = ("torch.nn.modules.activation", "torch.nn.modules.dropout")
+
+
+def elementwise_modules(model: nn.Module) -> frozenset[str]:
+    """FQNs of parameter-free elementwise modules (activations, dropout, identity): glue between layers,
+    never a layer of their own in the default view (they stay valid split points)."""
+    out = set()
+    for fqn, mod in model.named_modules(remove_duplicate=False):
+        if not fqn or next(mod.children(), None) is not None:
+            continue
+        if next(mod.parameters(), None) is not None or next(mod.buffers(), None) is not None:
+            continue
+        home = type(mod).__module__
+        if (isinstance(mod, nn.Identity) or home in _ELEMENTWISE_HOMES
+                or home.rsplit(".", 1)[-1] in ("activations", "activation")) and "attention" not in home.lower():
+            out.add(fqn)
+    return frozenset(out)
 
 
 def _logits_index(spec: Any) -> int | None:

@@ -65,16 +65,19 @@ def export_torchrun(
     import cloudpickle
 
     from pipeviz.runtime.run import _with_inputs, validate_launch
+    from pipeviz.runtime.stages import build_stages, tied_ranks
 
     spec = validate_launch(plan, schedule, microbatches, steps, inputs, input_kwargs, target, loss_fn, optimizer,
                            stages_per_rank)
     script = Path(path)
     payload = script.with_suffix(".payload.pkl")
     events = events_dir or f"{script.stem}_events"
+    stages = build_stages(_with_inputs(plan, spec.args, spec.kwargs), microbatches)
     job = {
-        "plan": _with_inputs(plan, spec.args, spec.kwargs), "schedule": spec.schedule,
+        "stages": stages, "tied": tied_ranks(stages, spec.layout.stage_ranks), "schedule": spec.schedule,
         "stage_ranks": spec.layout.stage_ranks, "microbatches": microbatches, "steps": steps,
-        "loss_fn": spec.loss_fn, "optimizer": spec.optimizer, "target": spec.target, "timeout": timeout,
+        "loss_fn": spec.loss_fn, "optimizer": spec.optimizer, "args": spec.args, "kwargs": spec.kwargs,
+        "target": spec.target, "timeout": timeout,
     }
     payload.write_bytes(cloudpickle.dumps(job))
     from pipeviz import __version__
@@ -121,6 +124,7 @@ def run_rank(payload_path: str, events_dir: str) -> int:
     import cloudpickle
 
     from pipeviz.runtime.run import resolve_devices
+    from pipeviz.runtime.stages import rank_stages
     from pipeviz.runtime.worker import RankPayload, _run
 
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -141,12 +145,14 @@ def run_rank(payload_path: str, events_dir: str) -> int:
                 devices, backend, compute = ["cpu"] * world, "gloo", [f"cuda:{local % local_gpus}"] * world
         else:
             devices, backend, compute = ["cpu"] * world, "gloo", [None] * world
-        last = len(job["stage_ranks"]) - 1
+        ranks_of = job["stage_ranks"]
+        first, last = ranks_of[0] == rank, ranks_of[-1] == rank
         payload = RankPayload(
             rank=rank, world=world, port=0, backend=backend, device=devices[rank], compute_device=compute[rank],
-            schedule=job["schedule"], stage_ranks=job["stage_ranks"], microbatches=job["microbatches"],
-            steps=job["steps"], plan=job["plan"], loss_fn=job["loss_fn"], optimizer=job["optimizer"],
-            target=job["target"] if job["stage_ranks"][last] == rank else None, t0=-1.0,
+            schedule=job["schedule"], stage_ranks=ranks_of, microbatches=job["microbatches"],
+            steps=job["steps"], stages=rank_stages(job["stages"], ranks_of, rank), tied=job["tied"],
+            loss_fn=job["loss_fn"], optimizer=job["optimizer"], args=job["args"] if first else (),
+            kwargs=job["kwargs"] if first else {}, target=job["target"] if last else None, t0=-1.0,
             parent_pid=os.getppid(), timeout_s=job["timeout"],
             threads=max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))),
             init_method="env://",

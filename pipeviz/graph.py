@@ -11,38 +11,41 @@ Example:
 
 from __future__ import annotations
 
-import bisect
 import difflib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from functools import cached_property
+from typing import Any
 
 from torch import nn
+from torch.distributed.pipelining import SplitPoint
 
 from pipeviz.capture import Capture, capture
+from pipeviz.plan import GraphIndex, PlanError, SplitPlan
+from pipeviz.units import ROOT, CallTree, Unit
 
-if TYPE_CHECKING:
-    from pipeviz.plan import SplitPlan
-
-_CONTAINERS = ("ModuleList", "ModuleDict", "Sequential")
+__all__ = ["Layer", "ModelGraph", "trace"]
 
 
 @dataclass(frozen=True)
 class Layer:
-    """One layer of a ``ModelGraph``: a module called in the model's forward.
+    """One layer of a ``ModelGraph``: one call of a module in the model's forward.
 
     Attributes:
-        name: the module's FQN in the original model (``"transformer.h.3"``).
+        name: the module's FQN in the original model (``"transformer.h.3"``); ``fqn@k`` for call ``k`` of
+            a module that runs several times (``"shared@1"``).
         kind: the module's class name.
         index: position in execution order.
-        params: parameter elements; a tensor shared by several layers counts once, in the first.
+        params: parameter elements (buffers excluded); a tensor shared by several layers counts once, in
+            the first.
         param_bytes: bytes of those parameters.
         flops: forward FLOPs for the example batch (``torch.utils.flop_counter``).
         out_bytes: bytes of the activations this layer hands to the rest of the model.
-        shared: canonical names of parameters this layer shares with other layers (tied weights).
-        calls: how many times forward calls the module (more than 1: not a split point).
+        shared: canonical names of parameters this layer shares with other layers (tied or reused weights).
+        calls: how many times forward calls the module (more than 1: each call is a layer of its own).
         expandable: whether ``graph.expand(name)`` can show its children.
         activation_bytes: bytes of every activation the layer produces (what backward keeps alive).
+        buffer_bytes: bytes of the buffers (running statistics, ``inv_freq``, ...) first used here.
     """
 
     name: str
@@ -56,6 +59,7 @@ class Layer:
     calls: int
     expandable: bool
     activation_bytes: int = 0
+    buffer_bytes: int = 0
 
 
 def trace(
@@ -68,26 +72,26 @@ def trace(
     """Capture ``model`` once with torch.export and return its layer graph.
 
     The user's model is never modified: pipeviz traces a deep copy. HF models with ``use_cache`` get
-    ``use_cache=False`` on pipeviz's copies, with a warning (a KV cache cannot be exported or pipelined).
+    ``use_cache=False`` on pipeviz's copies (a KV cache cannot be exported or pipelined; ``graph.notes``
+    says so).
 
     Example:
         >>> graph = pv.trace(model, example_args=(x,))            # natural blocks
         >>> graph = pv.trace(model, example_args=(x,), depth=3)   # every module down to depth 3
 
     Args:
-        model: any ``nn.Module``.
+        model: any ``nn.Module`` (on the meta device too: nothing is allocated).
         example_args: positional inputs for one full batch (a single tensor is accepted too).
         example_kwargs: keyword inputs (attention masks, ...).
-        depth: ``None`` for the natural blocks (containers such as ``ModuleList`` are opened, blocks are
-            kept whole); an int for every module down to that depth. ``graph.expand`` / ``graph.collapse``
-            change it later without tracing again.
+        depth: ``None`` for the natural blocks (lists of repeated blocks are opened, blocks are kept whole,
+            parameter-free activations and dropout are glue, not layers); an int for every module down to
+            that depth. ``graph.expand`` / ``graph.collapse`` change it later without tracing again.
 
     Returns:
         The ``ModelGraph``.
 
     Raises:
-        TraceError: torch.export cannot capture the forward; the message names the cause and the manual
-            route (``pv.manual_plan``).
+        TraceError: torch.export cannot capture the forward; the message names the cause and the fix.
     """
     return ModelGraph(capture(model, example_args, example_kwargs), depth=depth)
 
@@ -96,21 +100,15 @@ class ModelGraph:
     """Layers of a traced model at one granularity, with edges, costs and valid split points.
 
     Build it with ``pv.trace``. Views at other granularities (``expand``, ``collapse``, ``regroup``) share
-    the same capture, so they cost no tracing.
+    the same capture, so they cost no tracing. Splits may name any module at any depth (``split_candidates``),
+    whatever the granularity shown.
     """
 
-    def __init__(self, cap: Capture, layer_names: Sequence[str] | None = None, *, depth: int | None = None) -> None:
+    def __init__(self, cap: Capture, layer_names: Sequence[str] | None = None, *, depth: int | None = None,
+                 tree: CallTree | None = None) -> None:
         self._cap = cap
-        used: dict[str, int] = {}  # module fqn -> number of calls
-        for op in cap.ops:
-            for fqn, call in zip(op.stack, op.calls, strict=True):
-                used[fqn] = max(used.get(fqn, 0), call + 1)
-        for fqn in list(used):  # containers (a ModuleList) are never called but hold called modules
-            while "." in fqn:
-                fqn = fqn.rpartition(".")[0]
-                used.setdefault(fqn, 1)
-        self._calls = used
-        names = list(layer_names) if layer_names is not None else self._choose(depth)
+        self._tree = tree or CallTree(cap)
+        names = list(layer_names) if layer_names is not None else self._tree.natural(depth)
         if not names:
             raise ValueError(
                 f"{type(cap.model).__name__} has no submodules that run in forward, so there is nothing to split. "
@@ -119,172 +117,145 @@ class ModelGraph:
         self._build(names)
 
     # ----------------------------------------------------------------- granularity
-    def _children(self, fqn: str) -> list[str]:
-        return [c for c in self._cap.modules.get(fqn, ("", ()))[1] if c in self._calls]
-
-    def _choose(self, depth: int | None) -> list[str]:
-        mods = self._cap.modules
-
-        def is_block_list(fqn: str) -> bool:
-            # Repeated blocks (GPT-2's h, BERT's encoder.layer): a container of >= 2 composite modules of
-            # one class. A container of different parts (T5Block.layer: attention, then MLP) is not one.
-            kids = self._children(fqn)
-            return (mods[fqn][0] in _CONTAINERS and len(kids) >= 2 and len({mods[k][0] for k in kids}) == 1
-                    and any(self._children(k) for k in kids))
-
-        def holds_block_list(fqn: str) -> bool:
-            return is_block_list(fqn) or any(holds_block_list(k) for k in self._children(fqn))
-
-        def opens(fqn: str) -> bool:
-            if not self._children(fqn):
-                return False
-            if depth is not None:
-                return fqn == "" or fqn.count(".") + 1 < depth
-            return fqn == "" or mods[fqn][0] in _CONTAINERS or holds_block_list(fqn)
-
-        out: list[str] = []
-
-        def walk(fqn: str) -> None:
-            if opens(fqn):
-                for kid in self._children(fqn):
-                    walk(kid)
-            else:
-                out.append(fqn)
-
-        walk("")
-        # A wrapper with a single child says nothing: open it until there is something to split.
-        while len(out) == 1 and self._children(out[0]) and depth is None:
-            out = self._children(out[0])
-        return out
-
     def expand(self, name: str) -> ModelGraph:
         """A new graph with layer ``name`` replaced by its child modules (no re-tracing)."""
         self._require_layer(name)
-        kids = self._children(name)
+        kids = self._tree.visible_children(name)
         if not kids:
             raise ValueError(f"Layer {name!r} has no child modules to expand. Expandable: {self._expandable()}.")
         names = [n for layer in self.layers for n in (kids if layer.name == name else [layer.name])]
-        return ModelGraph(self._cap, names)
+        return self._view(names)
 
     def collapse(self, name: str) -> ModelGraph:
-        """A new graph with every layer inside module ``name`` merged into one layer ``name``."""
-        if name not in self._calls or name == "":
-            raise ValueError(f"Unknown module {name!r}. {self._suggest(name, list(self._calls))}")
-        inside = [layer.name for layer in self.layers if layer.name.startswith(name + ".")]
-        if not inside:
-            raise ValueError(f"No layer lies inside {name!r}; layers: {', '.join(self._names)}.")
+        """A new graph with every layer inside module ``name`` merged into one layer ``name`` (one per call
+        for a module that runs several times)."""
+        targets = set(self._units_named(name))
         names: list[str] = []
         for layer in self.layers:
-            if layer.name.startswith(name + "."):
-                if name not in names:
-                    names.append(name)
-            else:
-                names.append(layer.name)
-        return ModelGraph(self._cap, names)
+            outer = next((u for u in reversed(self._tree.ancestors(layer.name)) if u in targets), None)
+            pick = outer if outer is not None else layer.name
+            if pick not in names:
+                names.append(pick)
+        if list(names) == list(self._names):
+            raise ValueError(f"No layer lies inside {name!r}; layers: {', '.join(self._names)}.")
+        return self._view(names)
 
     def regroup(self, depth: int | None = None) -> ModelGraph:
         """A new graph at another granularity: ``None`` for natural blocks, an int for a module depth."""
-        return ModelGraph(self._cap, depth=depth)
+        return ModelGraph(self._cap, depth=depth, tree=self._tree)
+
+    def _view(self, names: Sequence[str]) -> ModelGraph:
+        return ModelGraph(self._cap, names, tree=self._tree)
 
     def _expandable(self) -> str:
         return ", ".join(layer.name for layer in self.layers if layer.expandable) or "none"
 
+    def _units_named(self, name: str) -> tuple[str, ...]:
+        """Units for a unit name, or every call's unit for a module FQN."""
+        if not isinstance(name, str):
+            raise TypeError(f"Module names are strings, got {name!r} ({type(name).__name__}).")
+        if name in self._tree.units and name != ROOT:
+            return (name,)
+        if name in self._tree.by_fqn:
+            return self._tree.by_fqn[name]
+        hint = self._suggest(name, [n for n in self._tree.units if n])
+        raise PlanError(f"Unknown module {name!r}. {hint + ' ' if hint else ''}{self.valid_splits_text()}")
+
     # ----------------------------------------------------------------- build
     def _build(self, names: Sequence[str]) -> None:
-        cap = self._cap
+        cap, tree = self._cap, self._tree
+        for name in names:
+            if name not in tree.units or name == ROOT:
+                raise ValueError(f"Modules [{name!r}] run no ops in forward and cannot be layers.")
         chosen = set(names)
-        owners: dict[tuple[str, ...], str | None] = {}
-
-        def owner_of(stack: tuple[str, ...]) -> str | None:
-            # Outermost first: the first chosen module, or chosen ancestor (an uncalled container such as
-            # a ModuleList never appears in the stack itself), owns the op.
-            for fqn in stack:
-                atoms = fqn.split(".")
-                for k in range(1, len(atoms) + 1):
-                    if ".".join(atoms[:k]) in chosen:
-                        return ".".join(atoms[:k])
-            return None
-
-        op_layer: list[str | None] = []
-        for op in cap.ops:
-            if op.stack not in owners:
-                owners[op.stack] = owner_of(op.stack)
-            op_layer.append(owners[op.stack])
-        first: dict[str, int] = {}
-        last: dict[str, int] = {}
-        for i, owner in enumerate(op_layer):
-            if owner is not None:
-                first.setdefault(owner, i)
-                last[owner] = i
-        missing = [n for n in names if n not in first]
+        op_layer_name = [next((u for u in path if u in chosen), None) for path in tree.paths]
+        order = sorted(chosen, key=lambda n: tree.units[n].first)
+        owned = {n for n in op_layer_name if n is not None}
+        missing = [n for n in order if n not in owned]
         if missing:
-            raise ValueError(f"Modules {missing} run no ops in forward and cannot be layers.")
-        order = sorted(first, key=first.__getitem__)
+            raise ValueError(f"Modules {missing} run no ops in forward at this granularity (another chosen "
+                             "module contains them), so they cannot be layers.")
         self._names: tuple[str, ...] = tuple(order)
         self._pos = {n: i for i, n in enumerate(order)}
-        self._first = [first[n] for n in order]
-        self._last = [last[n] for n in order]
-        self._op_layer = [self._pos[o] if o is not None else -1 for o in op_layer]
-
-        # Values: (producer op, last consumer op, bytes); used for send_bytes and layer out_bytes.
-        last_use: dict[int, int] = {}
-        out_layers: dict[int, set[int]] = {}
+        self._op_layer = [self._pos[o] if o is not None else -1 for o in op_layer_name]
+        self._first = [tree.units[n].first for n in order]
+        self._last = [tree.units[n].last for n in order]
+        n = len(order)
+        flops, out_bytes, acts = [0] * n, [0] * n, [0] * n
+        readers: dict[int, set[int]] = {}
         for op in cap.ops:
             for src in op.inputs:
-                last_use[src] = max(last_use.get(src, -1), op.index)
-                out_layers.setdefault(src, set()).add(self._op_layer[op.index])
-        self._values = [(src, end, cap.ops[src].out_bytes) for src, end in sorted(last_use.items())]
-        self._flops_prefix = [0]
-        for op in cap.ops:
-            self._flops_prefix.append(self._flops_prefix[-1] + op.flops)
-        self._param_uses: dict[str, list[int]] = {}
-        self._input_uses: dict[str, list[int]] = {}
-        for op in cap.ops:
-            for p in op.params:
-                self._param_uses.setdefault(p, []).append(op.index)
-            for x in op.model_inputs:
-                self._input_uses.setdefault(x, []).append(op.index)
-
-        n = len(order)
-        flops = [0] * n
-        out_bytes = [0] * n
-        acts = [0] * n
+                readers.setdefault(src, set()).add(self._op_layer[op.index])
+        outputs = self._graph_outputs()
         for op in cap.ops:
             li = self._op_layer[op.index]
             if li >= 0:
                 flops[li] += op.flops
                 acts[li] += op.out_bytes
-                if any(dst != li for dst in out_layers.get(op.index, ())) or op.index in self._graph_outputs():
+                if any(dst != li for dst in readers.get(op.index, ())) or op.index in outputs:
                     out_bytes[li] += op.out_bytes
-        layer_params: list[list[str]] = [[] for _ in range(n)]
-        owner_of: dict[str, int] = {}
+        idx = self.index
         users: dict[str, set[int]] = {}
-        for p, uses in self._param_uses.items():
-            ls = {self._op_layer[u] for u in uses if self._op_layer[u] >= 0}
-            users[p] = ls
-            if ls:
-                owner_of[p] = min(ls)
-                layer_params[min(ls)].append(p)
-        self._param_owner = owner_of
+        for p, uses in [*idx.param_uses.items(), *idx.buffer_uses.items()]:
+            users[p] = {self._op_layer[u] for u in uses if self._op_layer[u] >= 0}
+        first_user = {p: min(ls) for p, ls in users.items() if ls}
+        params, pbytes, bbytes = [0] * n, [0] * n, [0] * n
+        for p, li in first_user.items():
+            if p in idx.buffer_uses:
+                bbytes[li] += idx.nbytes.get(p, 0)
+            else:
+                params[li] += idx.numel.get(p, 0)
+                pbytes[li] += idx.nbytes.get(p, 0)
         self.layers: list[Layer] = [
             Layer(
-                name=name, kind=cap.modules[name][0], index=i,
-                params=sum(cap.param_numel.get(p, 0) for p in layer_params[i] if p in cap.param_numel),
-                param_bytes=sum(cap.param_bytes.get(p, 0) for p in layer_params[i]),
+                name=name, kind=tree.units[name].kind, index=i, params=params[i], param_bytes=pbytes[i],
                 flops=flops[i], out_bytes=out_bytes[i],
-                shared=tuple(sorted(p for p, ls in users.items() if i in ls and len(ls) > 1)),
-                calls=self._calls[name], expandable=bool(self._children(name)), activation_bytes=acts[i],
+                shared=tuple(sorted(p for p, ls in users.items() if i in ls and len(ls) > 1 and p in idx.param_uses)),
+                calls=tree.units[name].calls, expandable=bool(tree.units[name].children), activation_bytes=acts[i],
+                buffer_bytes=bbytes[i],
             )
             for i, name in enumerate(order)
         ]
         self.edges: list[tuple[str, str]] = self._edges()
 
+    @cached_property
+    def index(self) -> GraphIndex:
+        """What a ``SplitPlan`` reads: op-level costs, values crossing each point and tensor uses."""
+        cap = self._cap
+        last_use: dict[int, int] = {}
+        for op in cap.ops:
+            for src in op.inputs:
+                last_use[src] = max(last_use.get(src, -1), op.index)
+        for out in self._graph_outputs():  # the model's outputs leave from the last stage
+            last_use[out] = len(cap.ops) - 1
+        flops, acts = [0], [0]
+        for op in cap.ops:
+            flops.append(flops[-1] + op.flops)
+            acts.append(acts[-1] + op.out_bytes)
+        param_uses: dict[str, list[int]] = {}
+        buffer_uses: dict[str, list[int]] = {}
+        input_uses: dict[str, list[int]] = {}
+        for op in cap.ops:
+            for p in op.params:
+                (buffer_uses if p in cap.buffers else param_uses).setdefault(p, []).append(op.index)
+            for x in op.model_inputs:
+                input_uses.setdefault(x, []).append(op.index)
+
+        def frozen(d: dict[str, list[int]]) -> dict[str, tuple[int, ...]]:
+            return {k: tuple(v) for k, v in d.items()}
+
+        return GraphIndex(
+            num_ops=len(cap.ops), layer_names=self._names, layer_first=tuple(self._first),
+            layer_last=tuple(self._last), flops_prefix=tuple(flops), act_prefix=tuple(acts),
+            values=tuple((src, end, cap.ops[src].out_bytes) for src, end in sorted(last_use.items())),
+            param_uses=frozen(param_uses), buffer_uses=frozen(buffer_uses), input_uses=frozen(input_uses),
+            numel=dict(cap.param_numel), nbytes=dict(cap.param_bytes), mutated=cap.mutated,
+        )
+
     def _graph_outputs(self) -> set[int]:
         # Ops nobody reads inside the graph are the model's outputs.
-        if not hasattr(self, "_outputs"):
-            read = {src for op in self._cap.ops for src in op.inputs}
-            self._outputs = {op.index for op in self._cap.ops if op.index not in read and op.out_bytes}
-        return self._outputs
+        read = {src for op in self._cap.ops for src in op.inputs}
+        return {op.index for op in self._cap.ops if op.index not in read and op.out_bytes}
 
     def _edges(self) -> list[tuple[str, str]]:
         # Sources of each op's value: its own layer, or for glue ops the layers feeding them.
@@ -299,6 +270,85 @@ class ModelGraph:
             else:
                 sources.append(feeding)
         return [(self._names[a], self._names[b]) for a, b in sorted(edges)]
+
+    # ----------------------------------------------------------------- split points
+    def position(self, name: str, point: SplitPoint = SplitPoint.END) -> float:
+        """Where a split at ``name`` (any module, any depth; ``fqn@k`` for one call) falls among the ops:
+        between the op indices ``floor`` and ``ceil`` of the result.
+
+        Raises:
+            PlanError: unknown name, or a module that runs several times named without its call.
+        """
+        units = self._units_named(name)
+        if len(units) > 1:
+            raise PlanError(
+                f"Module {name!r} runs {len(units)} times in forward, so a split there is ambiguous. "
+                f"Fix: name one call: {', '.join(units)}."
+            )
+        unit = self._tree.units[units[0]]
+        return unit.last + 0.5 if point is SplitPoint.END else unit.first - 0.5
+
+    def unit(self, name: str) -> Unit:
+        """The module call (or container) ``name`` refers to."""
+        units = self._units_named(name)
+        return self._tree.units[units[0]]
+
+    @cached_property
+    def split_candidates(self) -> list[str]:
+        """Every module name a split can be placed after (``SplitPoint.END``), at any depth and in execution
+        order: the layers of this view and the modules inside and around them. ``graph.split([...])``
+        accepts each of them (and ``{name: SplitPoint.BEGINNING}`` for modules that do not start the model)."""
+        last = len(self._cap.ops) - 1
+        tail_ok = [False] * (last + 2)  # is there a module op after position i?
+        seen = False
+        for i in range(last, -1, -1):
+            seen = seen or bool(self._tree.paths[i])
+            tail_ok[i] = seen
+        names = [u for u in self._tree.units.values() if u.name != ROOT and u.last < last and tail_ok[u.last + 1]]
+        names.sort(key=lambda u: (u.last, -u.first, self._tree.depth(u.name)))
+        return [u.name for u in names]
+
+    def refine(self, positions: Sequence[float]) -> ModelGraph:
+        """This view, with every layer that a split position falls inside opened up, and stages that would
+        hold only glue given the modules they run; ``self`` when nothing changes.
+
+        Raises:
+            PlanError: a stage between two positions runs no module at all (only ops between modules).
+        """
+        tree = self._tree
+        names = list(self._names)
+        while True:
+            cut = next((n for n in names for p in positions
+                        if tree.units[n].first < p < tree.units[n].last and tree.units[n].children), None)
+            if cut is None:
+                break
+            i = names.index(cut)
+            names[i:i + 1] = list(tree.units[cut].children)
+        bounds = [-1.0, *positions, float(len(self._cap.ops))]
+        for s in range(len(bounds) - 1):
+            lo, hi = bounds[s], bounds[s + 1]
+            if any(lo < tree.units[n].first < hi for n in names):
+                continue
+            inside = self._outermost_within(lo, hi)
+            if not inside:
+                raise PlanError(
+                    f"Stage {s} would hold no module, only the ops between modules (positions {lo:g}..{hi:g}). "
+                    "Fix: drop one of the two split points around it."
+                )
+            names += inside
+        if sorted(names) == sorted(self._names):
+            return self
+        return self._view(sorted(set(names), key=lambda n: tree.units[n].first))
+
+    def _outermost_within(self, lo: float, hi: float) -> list[str]:
+        out: list[str] = []
+        for unit in self._tree.units.values():
+            if unit.name == ROOT or not (lo < unit.first and unit.last < hi):
+                continue
+            if not any(lo < self._tree.units[a].first and self._tree.units[a].last < hi
+                       for a in self._tree.ancestors(unit.name)):
+                out.append(unit.name)
+        return out
 
     # ----------------------------------------------------------------- queries
     @property
@@ -334,43 +384,67 @@ class ModelGraph:
 
     @property
     def total_params(self) -> int:
-        """Parameter elements of the whole model, shared tensors counted once."""
-        return sum(self._cap.param_numel.get(p, 0) for p in self._param_uses)
+        """Parameter elements of the whole model (buffers excluded), shared tensors counted once."""
+        return sum(self.index.numel.get(p, 0) for p in self.index.param_uses)
+
+    @property
+    def total_buffer_bytes(self) -> int:
+        """Bytes of every buffer the forward reads (running statistics, ``inv_freq``, ...)."""
+        return sum(self.index.nbytes.get(p, 0) for p in self.index.buffer_uses)
 
     @property
     def total_flops(self) -> int:
-        return self._flops_prefix[-1]
+        return self.index.flops_prefix[-1]
 
     @property
     def skip_edges(self) -> list[tuple[str, str]]:
         """Edges that jump over at least one layer (skip / residual connections between layers)."""
         return [(a, b) for a, b in self.edges if self._pos[b] - self._pos[a] > 1]
 
-    @property
-    def split_candidates(self) -> list[str]:
-        """Layer names after which a split is valid (``graph.split([...])`` accepts these)."""
-        return [layer.name for layer in self.layers[:-1] if layer.calls == 1]
-
     def layer(self, name: str) -> Layer:
         """The ``Layer`` called ``name``."""
         self._require_layer(name)
         return self.layers[self._pos[name]]
 
+    def can_split_after(self, name: str) -> bool:
+        """Whether a split after layer ``name`` is valid (every layer but the last, and not before glue only)."""
+        self._require_layer(name)
+        return name in self._split_after
+
+    def valid_splits_text(self) -> str:
+        """One sentence for error messages: the layers a split can follow, and where the rest are listed."""
+        layers = [n for n in self._names if n in self._split_after]
+        inner = " (and the modules inside them: graph.split_candidates)" if len(self.split_candidates) > len(layers) \
+            else ""
+        return f"Valid split points: {self._listed(layers) or 'none (one layer)'}{inner}."
+
+    @cached_property
+    def _split_after(self) -> frozenset[str]:
+        candidates = set(self.split_candidates)
+        return frozenset(n for n in self._names[:-1] if n in candidates)
+
     def split(self, spec: Iterable[str] | Mapping[str, Any]) -> SplitPlan:
-        """Split after each named layer (or as a ``{name: SplitPoint}`` map) and return the ``SplitPlan``.
+        """Split after each named module (or as a ``{name: SplitPoint}`` map) and return the ``SplitPlan``.
+
+        Any name in ``split_candidates`` works, at any depth, whatever this view's granularity: the plan's
+        graph opens the layers a split falls inside.
 
         Example:
             >>> plan = graph.split(["layer0", "layer1"])
             >>> plan = graph.split({"layer1": pv.SplitPoint.BEGINNING})
         """
-        from pipeviz.plan import SplitPlan
-
         return SplitPlan.from_spec(self, spec)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ModelGraph) and other._cap is self._cap and other._names == self._names
+
+    def __hash__(self) -> int:
+        return hash((id(self._cap), self._names))
 
     def __repr__(self) -> str:
         return f"ModelGraph({type(self.model).__name__}, {len(self.layers)} layers, {len(self.edges)} edges)"
 
-    # ----------------------------------------------------------------- helpers for plans
+    # ----------------------------------------------------------------- errors
     def _require_layer(self, name: Any) -> None:
         if not isinstance(name, str):
             raise TypeError(f"Layer names are strings, got {name!r} ({type(name).__name__}).")
@@ -379,32 +453,21 @@ class ModelGraph:
         raise ValueError(self._not_a_layer(name))
 
     def _not_a_layer(self, name: str) -> str:
-        choices = self.split_candidates
-        listed = ", ".join(choices[:20]) + (f", … ({len(choices)} in all)" if len(choices) > 20 else "")
-        if name in self._cap.modules and name:
-            outer = next((n for n in self._names if name.startswith(n + ".")), None)
+        listed = self._listed(list(self._names))
+        if name in self._tree.units and name:
+            outer = next((n for n in self._names if n in self._tree.ancestors(name)), None)
             if outer is not None:
-                return (
-                    f"{name!r} is inside layer {outer!r}, not a layer at this granularity. "
-                    f"Fix: split at {outer!r}, or go deeper first: graph = graph.expand({outer!r}). "
-                    f"Valid split points: {listed}."
-                )
-            inner = [n for n in self._names if n.startswith(name + ".")]
-            if inner:
-                return (
-                    f"{name!r} is a container of layers ({inner[0]} … {inner[-1]}), not one layer. "
-                    f"Fix: split at one of its layers, or graph = graph.collapse({name!r}). "
-                    f"Valid split points: {listed}."
-                )
-            return (f"Module {name!r} runs no ops in forward, so it cannot be a split point. "
-                    f"Valid split points: {listed}.")
+                return (f"{name!r} is inside layer {outer!r}, not a layer at this granularity. Fix: "
+                        f"graph.expand({outer!r}) to see it, or split at it directly. Layers: {listed}.")
+            return f"{name!r} holds several layers, not one. Fix: graph.collapse({name!r}). Layers: {listed}."
         hint = self._suggest(name, list(self._names))
-        return f"Unknown layer {name!r}. {hint + ' ' if hint else ''}Valid split points: {listed}."
+        return f"Unknown layer {name!r}. {hint + ' ' if hint else ''}Layers: {listed}."
+
+    @staticmethod
+    def _listed(names: Sequence[str]) -> str:
+        return ", ".join(names[:20]) + (f", … ({len(names)} in all)" if len(names) > 20 else "")
 
     @staticmethod
     def _suggest(name: str, pool: list[str]) -> str:
         close = difflib.get_close_matches(name, pool, n=3, cutoff=0.8)
         return f"Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-
-    def _stage_of(self, markers: Sequence[float], pos: int) -> int:
-        return bisect.bisect_left(markers, pos)

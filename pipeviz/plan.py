@@ -1,8 +1,8 @@
 """``SplitPlan``: where a model is cut into pipeline stages, its per-stage preview and the real ``Pipe``.
 
 A plan is data: the split points plus the graph they refer to. It is immutable (``toggle`` returns a new
-plan), validated on construction, round-trips through JSON, and previews every stage from the graph
-without tracing again.
+plan), validated on construction, round-trips through JSON, and previews every stage from the graph's
+``GraphIndex`` without tracing again.
 
 Example:
     >>> plan = graph.split(["layer0", "layer1"])
@@ -17,38 +17,77 @@ from __future__ import annotations
 
 import bisect
 import json
+import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.pipelining import SplitPoint
 
-from pipeviz.graph import ModelGraph
+from pipeviz.capture import TRACE_LOCK
+
+if TYPE_CHECKING:
+    from pipeviz.graph import ModelGraph
+
+__all__ = ["GraphIndex", "PlanError", "SplitPlan", "StageInfo", "check_microbatches", "human_bytes"]
 
 
 class PlanError(ValueError):
-    """An invalid split; the message names the bad value, the valid choices and the fix."""
+    """An invalid split plan; the message names the bad value, the valid choices and the fix."""
+
+
+@dataclass(frozen=True)
+class GraphIndex:
+    """The part of a ``ModelGraph`` a plan reads: ops in execution order with prefix sums, the values
+    crossing each point, and where every tensor and model input is used. Positions are op indices; a split
+    sits between two ops (``k + 0.5``).
+
+    Attributes:
+        num_ops: ops in the captured forward.
+        layer_names, layer_first, layer_last: the view's layers and their op spans.
+        flops_prefix, act_prefix: prefix sums of FLOPs and output bytes over ops (length ``num_ops + 1``).
+        values: ``(producer op, last reader op, bytes)`` of every value read after it is made.
+        param_uses, buffer_uses, input_uses: canonical name -> ops reading it.
+        numel, nbytes: per canonical tensor name.
+        mutated: buffers the forward updates in place.
+    """
+
+    num_ops: int
+    layer_names: tuple[str, ...]
+    layer_first: tuple[int, ...]
+    layer_last: tuple[int, ...]
+    flops_prefix: tuple[int, ...]
+    act_prefix: tuple[int, ...]
+    values: tuple[tuple[int, int, int], ...]
+    param_uses: Mapping[str, tuple[int, ...]]
+    buffer_uses: Mapping[str, tuple[int, ...]]
+    input_uses: Mapping[str, tuple[int, ...]]
+    numel: Mapping[str, int]
+    nbytes: Mapping[str, int]
+    mutated: frozenset[str] = field(default_factory=frozenset)
 
 
 @dataclass(frozen=True)
 class StageInfo:
-    """Preview of one pipeline stage, computed from the graph.
+    """Preview of one pipeline stage, computed from the graph (no tracing).
 
     Attributes:
         index: stage number.
         layers: layer names in execution order.
-        params: parameter elements owned by this stage (a tied tensor counts once, in its first stage).
-        flops: forward FLOPs for the example batch, glue ops between layers included.
-        send_bytes: bytes this stage passes to later stages for the example batch: every activation
+        params: parameter elements the stage owns (buffers excluded; a tensor shared with an earlier stage
+            counts there).
+        flops: forward FLOPs for the example batch.
+        send_bytes: bytes this stage sends to the next one per example batch: every activation
             produced here or earlier that a later stage reads (skip connections included).
         recv_bytes: bytes arriving from earlier stages.
         inputs: model inputs (placeholder names) this stage reads.
-        shared_params: tied parameters this stage holds a copy of that other stages hold too.
-        param_bytes: bytes of every parameter the stage holds (tied copies included).
+        shared_params: parameters this stage holds a copy of that other stages hold too (tied or reused).
+        param_bytes: bytes of every parameter the stage holds (shared copies included).
         activation_bytes: bytes of all activations the stage produces for the example batch (what
             backward keeps alive, roughly).
-        memory_bytes: rough training footprint: parameters + gradients + activations.
+        buffer_bytes: bytes of the buffers the stage holds (running statistics, ``inv_freq``, ...).
+        memory_bytes: rough training footprint: parameters + gradients + buffers + activations.
     """
 
     index: int
@@ -61,10 +100,11 @@ class StageInfo:
     shared_params: tuple[str, ...]
     param_bytes: int
     activation_bytes: int
+    buffer_bytes: int = 0
 
     @property
     def memory_bytes(self) -> int:
-        return 2 * self.param_bytes + self.activation_bytes
+        return 2 * self.param_bytes + self.buffer_bytes + self.activation_bytes
 
 
 _POINTS = {"end": SplitPoint.END, "beginning": SplitPoint.BEGINNING}
@@ -82,13 +122,17 @@ def _point(value: Any, name: str) -> SplitPoint:
     )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SplitPlan:
     """An immutable set of split points over a ``ModelGraph``. Build with ``graph.split(...)``.
 
+    Split points name any module at any depth (``graph.split_candidates``), ``fqn@k`` for one call of a
+    module that runs several times. The plan's ``graph`` is the view it was made on, with any layer a split
+    falls inside opened up, so every stage is a run of whole layers.
+
     Attributes:
-        graph: the graph the names refer to.
-        splits: ``(layer name, SplitPoint)`` pairs in execution order.
+        graph: the graph the stages are listed over.
+        splits: ``(module name, SplitPoint)`` pairs in execution order.
     """
 
     graph: ModelGraph
@@ -100,18 +144,18 @@ class SplitPlan:
         """Validate ``spec`` (names split at END, or ``{name: SplitPoint}``) and build the plan.
 
         Raises:
-            PlanError: unknown name, a name that is not a split point at this granularity, a split
-                before the first or after the last layer, or two splits on one boundary.
+            PlanError: unknown name, a split before the first or after the last module, two splits on one
+                boundary, a stage that would run no module, or state a pipeline cannot keep exact.
             TypeError: ``spec`` is neither a list of names nor a mapping.
         """
         if isinstance(spec, str):
-            raise TypeError(f"split() takes a list of layer names, got the string {spec!r}. Fix: split([{spec!r}]).")
+            raise TypeError(f"split() takes a list of module names, got the string {spec!r}. Fix: split([{spec!r}]).")
         if isinstance(spec, Mapping):
             items = [(name, _point(pt, name)) for name, pt in spec.items()]
         elif isinstance(spec, Iterable):
             items = [(name, SplitPoint.END) for name in spec]
         else:
-            raise TypeError(f"split() takes a list of layer names or a {{name: SplitPoint}} dict, got {spec!r}.")
+            raise TypeError(f"split() takes a list of module names or a {{name: SplitPoint}} dict, got {spec!r}.")
         return cls(graph, tuple(items))
 
     @classmethod
@@ -128,57 +172,82 @@ class SplitPlan:
 
     def __post_init__(self) -> None:
         g = self.graph
+        idx = g.index
+        last_op = idx.num_ops - 1
+        first_layer, last_layer = idx.layer_first[0], idx.layer_last[-1]
         seen: dict[float, str] = {}
+        placed: list[tuple[float, str, SplitPoint]] = []
         for name, point in self.splits:
             if not isinstance(name, str):
-                raise TypeError(f"Layer names are strings, got {name!r} ({type(name).__name__}).")
-            if name not in g.layer_names:
-                raise PlanError(g._not_a_layer(name))
-            layer = g.layer(name)
-            valid = ", ".join(g.split_candidates)
-            if layer.calls > 1:
+                raise TypeError(f"Module names are strings, got {name!r} ({type(name).__name__}).")
+            pos = g.position(name, point)
+            if pos > last_layer or pos >= last_op:
                 raise PlanError(
-                    f"Layer {name!r} runs {layer.calls} times in forward, so a split marker there would fire "
-                    f"{layer.calls} times. Valid split points: {valid}."
+                    f"Cannot split at the {point.name} of {name!r}: no module runs after it, so the last stage would "
+                    f"be empty. {g.valid_splits_text()}"
                 )
-            if point is SplitPoint.END and layer.index == len(g.layers) - 1:
+            if pos < first_layer or pos <= 0:
                 raise PlanError(
-                    f"Cannot split at the END of {name!r}: it is the last layer, so the last stage would be empty. "
-                    f"Valid split points: {valid}."
+                    f"Cannot split at the {point.name} of {name!r}: no module runs before it, so stage 0 would be "
+                    f"empty. {g.valid_splits_text()}"
                 )
-            if point is SplitPoint.BEGINNING and layer.index == 0:
+            if pos in seen:
                 raise PlanError(
-                    f"Cannot split at the BEGINNING of {name!r}: it is the first layer, so stage 0 would be empty. "
-                    f"Valid split points: {valid}."
+                    f"Splits {seen[pos]} and {name!r} at {point.name} fall on the same boundary, which would leave "
+                    "a stage empty. Fix: keep only one of them."
                 )
-            # A boundary is identified by the layer it follows.
-            boundary = layer.index if point is SplitPoint.END else layer.index - 1
-            if boundary in seen:
-                other = seen[boundary]
-                raise PlanError(
-                    f"Splits {other} and {name!r} at {point.name} fall on the same boundary (after "
-                    f"{g.layers[boundary].name!r}), which would leave a stage empty. Fix: keep only one of them."
-                )
-            seen[boundary] = f"{name!r} at {point.name}"
-        ordered = tuple(sorted(self.splits, key=lambda s: self._marker(*s)))
-        object.__setattr__(self, "splits", ordered)
+            seen[pos] = f"{name!r} at {point.name}"
+            placed.append((pos, name, point))
+        placed.sort()
+        refined = g.refine([p for p, _, _ in placed])
+        object.__setattr__(self, "graph", refined)
+        object.__setattr__(self, "splits", tuple((n, p) for _, n, p in placed))
+        object.__setattr__(self, "_positions", [p for p, _, _ in placed])
+        self._check_state()
 
-    def _marker(self, name: str, point: SplitPoint) -> float:
-        # Markers sit between ops, where torch's pipe_split() lands: after a layer's last op (END) or
-        # before its first op (BEGINNING). Glue ops between layers go to whichever side they fall on.
-        i = self.graph._pos[name]
-        return self.graph._last[i] + 0.5 if point is SplitPoint.END else self.graph._first[i] - 0.5
+    def _check_state(self) -> None:
+        # A buffer the forward updates (BatchNorm statistics) held by two stages would be updated in two
+        # places, each seeing only its own calls: the unsplit model's sequence of updates cannot be rebuilt.
+        idx = self.graph.index
+        for b in sorted(idx.mutated):
+            stages = sorted({self._stage_of_op(u) for u in idx.buffer_uses.get(b, ())})
+            if len(stages) > 1:
+                raise PlanError(
+                    f"Buffer {b!r} is updated during forward and used in stages {stages}: each stage would update "
+                    "its own copy, so training could not match the unsplit model. Fix: keep every use of its "
+                    "module in one stage (a module called twice: both calls on the same side of the split)."
+                )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SplitPlan) and other.graph == self.graph and other.splits == self.splits
+
+    def __hash__(self) -> int:
+        return hash((self.graph, self.splits))
 
     # ----------------------------------------------------------------- edits
+    def onto(self, graph: ModelGraph) -> SplitPlan:
+        """This plan over another view of the same model (after ``expand``, ``collapse``, ``regroup``): every
+        split that falls between two of ``graph``'s layers is kept (under its own name); a split that falls
+        inside one of them is dropped, so a collapsed block stays collapsed."""
+        if graph.capture is not self.graph.capture:
+            raise PlanError("onto() moves a plan between views of the same traced model; this graph comes from "
+                            "another trace. Fix: SplitPlan.from_json(plan.to_json(), graph).")
+        idx = graph.index
+        spans = list(zip(idx.layer_first, idx.layer_last, strict=True))
+        kept = tuple(s for s, p in zip(self.splits, self.positions, strict=True)
+                     if not any(a < p < b for a, b in spans))
+        return SplitPlan(graph, kept)
+
     def toggle(self, name: str) -> SplitPlan:
-        """A new plan with the split after layer ``name`` added, or removed if it is there."""
+        """A new plan with a split after layer ``name`` added, or removed if one is there (a split between
+        this layer and the next, by whatever module it was named)."""
         g = self.graph
         g._require_layer(name)
-        i = g._pos[name]
-        kept = tuple(
-            (n, p) for n, p in self.splits
-            if not ((n == name and p is SplitPoint.END) or (p is SplitPoint.BEGINNING and g._pos[n] == i + 1))
-        )
+        idx = g.index
+        i = idx.layer_names.index(name)
+        lo = idx.layer_last[i]
+        hi = idx.layer_first[i + 1] if i + 1 < len(idx.layer_names) else idx.num_ops
+        kept = tuple(s for s, p in zip(self.splits, self._positions, strict=True) if not lo < p < hi)
         if len(kept) != len(self.splits):
             return SplitPlan(g, kept)
         return SplitPlan(g, (*self.splits, (name, SplitPoint.END)))
@@ -189,47 +258,49 @@ class SplitPlan:
         return len(self.splits) + 1
 
     @property
+    def positions(self) -> list[float]:
+        """Op positions of the splits (``k + 0.5``: between ops ``k`` and ``k + 1``), in order."""
+        return list(self._positions)  # type: ignore[attr-defined]
+
+    @property
     def split_spec(self) -> dict[str, SplitPoint]:
-        """The ``split_spec`` torch's ``pipeline()`` takes."""
+        """The split points as torch's ``split_spec`` dict (``fqn@k`` names are pipeviz's per-call splits,
+        placed by ``pipe()`` itself since torch's ``split_spec`` cannot name one call)."""
         return dict(self.splits)
 
-    @cached_property
-    def _markers(self) -> list[float]:
-        return [self._marker(n, p) for n, p in self.splits]
+    def _stage_of_op(self, op: int) -> int:
+        return bisect.bisect_left(self._positions, op)  # type: ignore[attr-defined]
 
     @cached_property
     def stages(self) -> list[StageInfo]:
-        """Per-stage preview (layers, params, FLOPs, bytes sent), computed from the graph."""
-        g, cap, markers = self.graph, self.graph.capture, self._markers
+        """Per-stage preview (layers, params, FLOPs, bytes sent), computed from the graph's index."""
+        idx = self.graph.index
         n = self.num_stages
-
-        def stage(pos: int) -> int:
-            return bisect.bisect_left(markers, pos)
-
+        stage = self._stage_of_op
         layers: list[list[str]] = [[] for _ in range(n)]
-        for i, name in enumerate(g.layer_names):
-            layers[stage(g._first[i])].append(name)
-        cuts = [0, *(int(m + 0.5) for m in markers), len(cap.ops)]
-        flops = [g._flops_prefix[cuts[s + 1]] - g._flops_prefix[cuts[s]] for s in range(n)]
-        act = [0] * n
-        for s in range(n):
-            act[s] = sum(op.out_bytes for op in cap.ops[cuts[s]:cuts[s + 1]])
-        send = [0] * n
-        recv = [0] * n
-        for src, end, nbytes in g._values:
-            a, b = stage(src), stage(end)
-            for s in range(a, b):  # relayed through every stage in between
+        for name, first in zip(idx.layer_names, idx.layer_first, strict=True):
+            layers[stage(first)].append(name)
+        cuts = [0, *(int(p + 0.5) for p in self.positions), idx.num_ops]
+        flops = [idx.flops_prefix[cuts[s + 1]] - idx.flops_prefix[cuts[s]] for s in range(n)]
+        act = [idx.act_prefix[cuts[s + 1]] - idx.act_prefix[cuts[s]] for s in range(n)]
+        send, recv = [0] * n, [0] * n
+        for src, end, nbytes in idx.values:
+            for s in range(stage(src), stage(end)):  # relayed through every stage in between
                 send[s] += nbytes
                 recv[s + 1] += nbytes
         owned = [0] * n
         held: list[set[str]] = [set() for _ in range(n)]
-        for p, uses in g._param_uses.items():
-            stages_using = {stage(u) for u in uses}
-            owned[min(stages_using)] += cap.param_numel.get(p, 0)
-            for s in stages_using:
+        bufs: list[set[str]] = [set() for _ in range(n)]
+        for p, uses in idx.param_uses.items():
+            using = {stage(u) for u in uses}
+            owned[min(using)] += idx.numel.get(p, 0)
+            for s in using:
                 held[s].add(p)
+        for b, uses in idx.buffer_uses.items():
+            for s in {stage(u) for u in uses}:
+                bufs[s].add(b)
         inputs: list[list[str]] = [[] for _ in range(n)]
-        for x, uses in g._input_uses.items():
+        for x, uses in idx.input_uses.items():
             for s in sorted({stage(u) for u in uses}):
                 inputs[s].append(x)
         return [
@@ -237,7 +308,8 @@ class SplitPlan:
                 index=s, layers=tuple(layers[s]), params=owned[s], flops=flops[s], send_bytes=send[s],
                 recv_bytes=recv[s], inputs=tuple(inputs[s]),
                 shared_params=tuple(sorted(p for p in held[s] if any(p in held[t] for t in range(n) if t != s))),
-                param_bytes=sum(cap.param_bytes.get(p, 0) for p in held[s]), activation_bytes=act[s],
+                param_bytes=sum(idx.nbytes.get(p, 0) for p in held[s]), activation_bytes=act[s],
+                buffer_bytes=sum(idx.nbytes.get(b, 0) for b in bufs[s]),
             )
             for s in range(n)
         ]
@@ -252,8 +324,8 @@ class SplitPlan:
         rows = [("stage", "layers", "params", "GFLOPs", "sends", "memory")]
         for s in self.stages:
             names = ", ".join(s.layers) if len(s.layers) <= 4 else f"{s.layers[0]} … {s.layers[-1]} ({len(s.layers)})"
-            rows.append((str(s.index), names, f"{s.params:,}", f"{s.flops / 1e9:.3f}", _human(s.send_bytes),
-                         _human(s.memory_bytes)))
+            rows.append((str(s.index), names, f"{s.params:,}", f"{s.flops / 1e9:.3f}", human_bytes(s.send_bytes),
+                         human_bytes(s.memory_bytes)))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
@@ -277,14 +349,19 @@ class SplitPlan:
 
     @classmethod
     def from_json(cls, text: str, graph: ModelGraph) -> SplitPlan:
-        """Rebuild a plan saved with ``to_json`` over ``graph`` (the same model at the same granularity)."""
+        """Rebuild a plan saved with ``to_json`` over ``graph`` (the same model, any granularity)."""
         data = json.loads(text)
-        if list(data.get("layers", [])) != list(graph.layer_names):
+        try:
+            plan = cls.from_spec(graph, {s["layer"]: s["point"] for s in data["splits"]})
+        except (PlanError, ValueError) as exc:
+            raise PlanError(f"The saved plan does not fit this graph ({exc}). Fix: trace the same model.") from exc
+        saved = list(data.get("layers", []))
+        if saved and saved not in (list(graph.layer_names), list(plan.graph.layer_names)):
             raise PlanError(
                 "The saved plan refers to other layers than this graph. Fix: trace the same model at the same "
-                f"granularity. Saved: {data.get('layers')}; graph: {list(graph.layer_names)}."
+                f"granularity. Saved: {data.get('layers')}; graph: {list(plan.graph.layer_names)}."
             )
-        return cls.from_spec(graph, {s["layer"]: s["point"] for s in data["splits"]})
+        return plan
 
     # ----------------------------------------------------------------- the real Pipe
     def microbatch_inputs(self, microbatches: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -300,15 +377,18 @@ class SplitPlan:
 
         The user's model is never patched (torch's ``pipeline()`` patches ``forward`` in place, so calling
         it twice on one model adds stale split markers). The Pipe is traced with one microbatch of the
-        example inputs, the shape every stage will then expect.
+        example inputs, the shape every stage will then expect. Splits on one call of a module that runs
+        several times (``fqn@k``) are marked with torch's ``pipe_split()`` at that call.
 
         Returns:
             ``torch.distributed.pipelining.Pipe`` with ``num_stages == plan.num_stages``.
 
         Raises:
-            PlanError: ``microbatches`` does not divide the example batch.
+            PlanError: ``microbatches`` does not divide the example batch, or a manual plan.
         """
         from torch.distributed.pipelining import pipeline
+
+        from pipeviz.split_marks import mark_calls
 
         if not self.graph.capture.traced:
             raise PlanError(
@@ -317,12 +397,34 @@ class SplitPlan:
             )
         mb_args, mb_kwargs = self.microbatch_inputs(microbatches)
         model = self.graph.capture.fresh_copy()
-        pipe = pipeline(model, mb_args=mb_args, mb_kwargs=mb_kwargs or None, split_spec=self.split_spec or None)
+        spec, per_call = self._torch_splits()
+        mark_calls(model, per_call)
+        with TRACE_LOCK, warnings.catch_warnings():
+            # torch 2.13's own pytree deprecation notice, raised inside pipeline(): nothing a user can act on.
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            pipe = pipeline(model, mb_args=mb_args, mb_kwargs=mb_kwargs or None, split_spec=spec or None)
         if pipe.num_stages != self.num_stages:  # a disagreement would be a pipeviz bug, never silently accepted
             raise RuntimeError(
                 f"torch built {pipe.num_stages} stages for a {self.num_stages}-stage plan {self!r}; please report."
             )
         return pipe
+
+    def _torch_splits(self) -> tuple[dict[str, SplitPoint], list[tuple[str, int, SplitPoint]]]:
+        """torch's ``split_spec`` for modules called once, and (fqn, call, point) marks for the others.
+        A container (never called itself) is marked at its last (END) or first (BEGINNING) called module."""
+        g = self.graph
+        spec: dict[str, SplitPoint] = {}
+        per_call: list[tuple[str, int, SplitPoint]] = []
+        for name, point in self.splits:
+            unit = g.unit(name)
+            while not unit.called:
+                unit = g.unit(unit.children[-1] if point is SplitPoint.END else unit.children[0])
+            if unit.calls == 1:
+                spec[unit.fqn] = point
+            else:
+                call = int(unit.name.rpartition("@")[2])
+                per_call.append((unit.fqn, call, point))
+        return spec, per_call
 
     def stage_modules(self, microbatches: int = 1) -> list[Any]:
         """One ``nn.Module`` per stage, built from fresh copies: the Pipe's submodules for a traced plan,
@@ -347,11 +449,12 @@ def check_microbatches(batch_size: int | None, microbatches: Any) -> None:
         )
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
+def human_bytes(n: float) -> str:
+    """Bytes in IEC units: ``65536`` -> ``"64.0 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} GB"
+    return f"{n:.1f} TiB"
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeviz.plan import SplitPlan, _human
+from pipeviz.plan import SplitPlan, human_bytes
 from pipeviz.simulate import Comparison
 from pipeviz.timeline import Timeline
 
@@ -55,7 +55,8 @@ def stage_table(plan: SplitPlan, costs: Timeline | None = None) -> str:
         t = f"{times[s.index] * 1e3:.2f} ms" if s.index in times else "—"
         cls = ' class="slow"' if s.index == slow and len(plan.stages) > 1 else ""
         rows.append(f"<tr{cls}><td>{s.index}</td><td class=l>{html.escape(names)}</td><td>{s.params:,}</td>"
-                    f"<td>{s.flops / 1e6:,.1f}</td><td>{_human(s.send_bytes)}</td><td>{_human(s.memory_bytes)}</td>"
+                    f"<td>{s.flops / 1e6:,.1f}</td><td>{human_bytes(s.send_bytes)}</td>"
+                    f"<td>{human_bytes(s.memory_bytes)}</td>"
                     f"<td>{t}</td></tr>")
     return ("<table><tr><th>stage</th><th class=l>layers</th><th>params</th><th>MFLOPs</th><th>sends</th>"
             "<th>memory</th><th>time/step (sim.)</th></tr>" + "".join(rows) + "</table>")
@@ -64,7 +65,7 @@ def stage_table(plan: SplitPlan, costs: Timeline | None = None) -> str:
 def comparison_table(cmp: Comparison) -> str:
     rows = "".join(
         f"<tr><td>{r['schedule']}</td><td>{r['ranks']}</td><td>{r['step_time'] * 1e3:.2f} ms</td>"
-        f"<td>{r['bubble']:.0%}</td><td>{', '.join(_human(b) for b in r['memory_bytes'])}</td></tr>"
+        f"<td>{r['bubble']:.0%}</td><td>{', '.join(human_bytes(b) for b in r['memory_bytes'])}</td></tr>"
         for r in cmp.rows
     )
     skipped = "".join(f"<li>{html.escape(k)}: {html.escape(v.split('. Fix:')[0])}.</li>"

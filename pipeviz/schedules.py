@@ -172,29 +172,9 @@ def orders(schedule: str, num_stages: int, microbatches: int, stages_per_rank: i
         return [_gpipe(r, num_stages, microbatches) for r in range(num_stages)]
     if lay.schedule == "1F1B":
         return [_one_f_one_b(r, num_stages, microbatches) for r in range(num_stages)]
-    from unittest import mock
+    from pipeviz.adapter import schedule_actions
 
-    from torch.distributed.pipelining.schedules import get_schedule_class
-    from torch.distributed.pipelining.stage import PipelineStage
-
-    # torch builds pipeline_order in the constructor from a few stage attributes; a spec'd stand-in for
-    # the stage objects is enough (torch's own _schedule_visualizer does the same).
-    stage = mock.create_autospec(PipelineStage, instance=True)
-    stage.group_rank, stage.group_size, stage.submod, stage.num_stages = 0, lay.num_ranks, None, num_stages
-    sched = get_schedule_class(lay.schedule)([stage] * (num_stages // lay.num_ranks), microbatches)
-    out: list[list[str]] = []
-    for rank in range(lay.num_ranks):
-        acts: list[str] = []
-        for action in sched.pipeline_order[rank]:
-            if action is None:
-                continue
-            subs = getattr(action, "sub_actions", None) or [action]
-            for a in subs:
-                kind = a.computation_type.value if hasattr(a.computation_type, "value") else str(a.computation_type)
-                if kind in ("F", "B", "I", "W"):
-                    acts.append(f"{a.stage_index}{kind}{a.microbatch_index}")
-        out.append(acts)
-    return out
+    return schedule_actions(lay.schedule, lay.num_ranks, num_stages, microbatches)
 
 
 def parse(action: str) -> tuple[int, str, int]:

@@ -22,7 +22,7 @@ def _plan(stages: int) -> tuple[pv.SplitPlan, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     model, x, y = MyNetwork(8, [8, 8, 8]), torch.randn(8, 8), torch.randint(0, 10, (8,))
     graph = pv.trace(model, example_args=(x,))
-    return graph.split(graph.split_candidates[: stages - 1]), x, y
+    return graph.split(list(graph.layer_names[: stages - 1])), x, y
 
 
 def _torchrun(script: Path, *args: str) -> subprocess.Popen:

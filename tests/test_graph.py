@@ -15,7 +15,9 @@ def test_classic_layers_in_order(classic_graph: pv.ModelGraph) -> None:
     g = classic_graph
     assert [layer.name for layer in g.layers] == ["layer0", "layer1", "layer2", "output_proj"]
     assert [layer.kind for layer in g.layers] == ["MyNetworkBlock"] * 3 + ["Linear"]
-    assert g.split_candidates == ["layer0", "layer1", "layer2"]
+    # Any module can be split after, at any depth: the blocks and the Linear inside each.
+    assert g.split_candidates == ["layer0.lin", "layer0", "layer1.lin", "layer1", "layer2.lin", "layer2"]
+    assert [n for n in g.layer_names if g.can_split_after(n)] == ["layer0", "layer1", "layer2"]
     assert g.edges == [("layer0", "layer1"), ("layer1", "layer2"), ("layer2", "output_proj")]
 
 

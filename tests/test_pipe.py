@@ -31,7 +31,7 @@ def test_classic_pipe_matches_preview(classic_graph: pv.ModelGraph) -> None:
 @pytest.mark.parametrize("graph_name", ["classic_graph", "skip_graph", "tied_graph"])
 def test_pipe_output_equals_model_output(graph_name: str, request: pytest.FixtureRequest) -> None:
     graph: pv.ModelGraph = request.getfixturevalue(graph_name)
-    for splits in ([graph.split_candidates[0]], graph.split_candidates[:2]):
+    for splits in ([graph.layer_names[0]], list(graph.layer_names[:2])):
         plan = graph.split(splits)
         pipe = plan.pipe(microbatches=2)
         (x,), _ = plan.microbatch_inputs(2)
@@ -56,7 +56,7 @@ def test_hundred_different_splits_on_one_model() -> None:
     # torch's own pipeline() keeps stale markers on a reused model (2 stages became 3); pipeviz copies.
     model = MyNetwork(8, [8, 8, 8, 8, 8])
     graph = pv.trace(model, example_args=(torch.randn(4, 8),))
-    cands = graph.split_candidates
+    cands = graph.layer_names[:-1]
     combos = [c for r in range(len(cands) + 1) for c in itertools.combinations(cands, r)]
     for i in range(100):
         splits = combos[(i * 13) % len(combos)]

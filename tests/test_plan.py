@@ -41,7 +41,7 @@ def test_tied_weights_flagged_per_stage(tied_graph: pv.ModelGraph) -> None:
 
 def test_hundred_toggles(classic_graph: pv.ModelGraph) -> None:
     plan = classic_graph.split([])
-    names = classic_graph.split_candidates
+    names = ["layer0", "layer1", "layer2"]
     expected: set[str] = set()
     for i in range(100):
         name = names[(i * 7) % len(names)]
@@ -78,23 +78,23 @@ def test_from_stages(classic_graph: pv.ModelGraph) -> None:
         pv.SplitPlan.from_stages(classic_graph, [["layer1", "layer0"], ["layer2", "output_proj"]])
 
 
-VALID = "Valid split points: layer0, layer1, layer2."
+VALID = "Valid split points: layer0, layer1, layer2 (and the modules inside them: graph.split_candidates)."
 
 
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        (["layr0"], f"Unknown layer 'layr0'. Did you mean 'layer0'? {VALID}"),
-        (["nothing_like_it"], f"Unknown layer 'nothing_like_it'. {VALID}"),
-        (["layer0.lin"], "'layer0.lin' is inside layer 'layer0', not a layer at this granularity. "
-                         "Fix: split at 'layer0', or go deeper first: graph = graph.expand('layer0'). " + VALID),
-        (["output_proj"], "Cannot split at the END of 'output_proj': it is the last layer, so the last stage would "
-                          "be empty. " + VALID),
-        ({"layer0": pv.SplitPoint.BEGINNING}, "Cannot split at the BEGINNING of 'layer0': it is the first layer, "
+        (["layr0"], f"Unknown module 'layr0'. Did you mean 'layer0'? {VALID}"),
+        (["nothing_like_it"], f"Unknown module 'nothing_like_it'. {VALID}"),
+        (["output_proj"], "Cannot split at the END of 'output_proj': no module runs after it, so the last stage "
+                          "would be empty. " + VALID),
+        ({"layer0": pv.SplitPoint.BEGINNING}, "Cannot split at the BEGINNING of 'layer0': no module runs before it, "
                                               "so stage 0 would be empty. " + VALID),
         ({"layer0": "end", "layer1": "beginning"}, "Splits 'layer0' at END and 'layer1' at BEGINNING fall on the same "
-                                                   "boundary (after 'layer0'), which would leave a stage empty. "
+                                                   "boundary, which would leave a stage empty. "
                                                    "Fix: keep only one of them."),
+        (["layer0.lin", "layer0"], "Stage 1 would hold no module, only the ops between modules (positions 0.5..1.5). "
+                                   "Fix: drop one of the two split points around it."),
         ({"layer0": "middle"}, "Split point for 'layer0' is 'middle'; valid: SplitPoint.END, SplitPoint.BEGINNING, "
                                "'end', 'beginning'."),
     ],
@@ -105,17 +105,22 @@ def test_validation_messages(classic_graph: pv.ModelGraph, spec: object, message
     assert str(info.value) == message
 
 
-def test_container_name_message(tied_graph: pv.ModelGraph) -> None:
-    with pytest.raises(pv.PlanError) as info:
-        tied_graph.split(["blocks"])
-    assert str(info.value).startswith("'blocks' is a container of layers (blocks.0 … blocks.1), not one layer. "
-                                      "Fix: split at one of its layers, or graph = graph.collapse('blocks').")
+def test_any_module_name_splits_whatever_the_view(classic_graph: pv.ModelGraph, tied_graph: pv.ModelGraph) -> None:
+    # A container (the ModuleList `blocks`) splits at its end, as its last block would.
+    assert tied_graph.split(["blocks"]).stages == tied_graph.split(["blocks.1"]).stages
+    # A module inside a layer: the plan's graph opens that layer, so stages stay runs of whole layers.
+    plan = classic_graph.split(["layer0.lin"])
+    assert plan.graph.layer_names == ("layer0.lin", "layer1", "layer2", "output_proj")
+    assert [s.layers for s in plan.stages] == [("layer0.lin",), ("layer1", "layer2", "output_proj")]
+    assert plan.stages[0].send_bytes == 32 * 512 * 4  # the pre-activation: the ReLU runs in stage 1, as in torch
+    assert plan.pipe(2).num_stages == 2
+    assert plan.onto(classic_graph).num_stages == 1  # that split falls inside a layer of the coarser view
 
 
 def test_type_errors(classic_graph: pv.ModelGraph) -> None:
     with pytest.raises(TypeError, match=r"got the string 'layer0'. Fix: split\(\['layer0'\]\)"):
         classic_graph.split("layer0")
-    with pytest.raises(TypeError, match="Layer names are strings, got 3"):
+    with pytest.raises(TypeError, match="Module names are strings, got 3"):
         classic_graph.split([3])  # type: ignore[list-item]
 
 
@@ -133,9 +138,19 @@ def test_reused_module_is_not_a_split_point() -> None:
             return self.c(self.b(self.b(self.a(x))))
 
     g = pv.trace(Twice(), example_args=(torch.randn(2, 4),))
-    assert g.split_candidates == ["a"]
-    with pytest.raises(pv.PlanError, match="Layer 'b' runs 2 times in forward, so a split marker there would fire 2"):
+    assert g.layer_names == ("a", "b@0", "b@1", "c")  # one layer per call
+    assert g.split_candidates == ["a", "b@0", "b@1"] and g.layer("b@1").calls == 2
+    with pytest.raises(pv.PlanError, match=r"Module 'b' runs 2 times in forward, so a split there is ambiguous. "
+                                           r"Fix: name one call: b@0, b@1."):
         g.split(["b"])
+    plan = g.split(["b@0"])  # between the two calls: b's weights live in both stages
+    assert [s.layers for s in plan.stages] == [("a", "b@0"), ("b@1", "c")]
+    assert plan.stages[0].shared_params == ("b.bias", "b.weight") == plan.stages[1].shared_params
+    pipe = plan.pipe(2)
+    assert pipe.num_stages == 2
+    x = torch.randn(1, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x)[0], g.model(x))
 
 
 def test_microbatches_must_divide_the_batch(classic_graph: pv.ModelGraph) -> None:

@@ -90,7 +90,7 @@ def test_order_matches_a_real_run(schedule: str) -> None:
     model, x, y = MyNetwork(8, [8, 8, 8, 8]), torch.randn(8, 8), torch.randint(0, 10, (8,))
     graph = pv.trace(model, example_args=(x,))
     stages = 3 if schedule in sched.SINGLE else 4
-    plan = graph.split(graph.split_candidates[: stages - 1])
+    plan = graph.split(list(graph.layer_names[: stages - 1]))
     run = pv.launch(plan, schedule=schedule, microbatches=4, steps=1, inputs=(x,), target=y, loss_fn=F.cross_entropy)
     assert run.wait(120) == "done", run.error
     measured = [run.timeline().order(r) for r in range(run.layout.num_ranks)]

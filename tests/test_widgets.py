@@ -72,7 +72,7 @@ def test_invalid_clicks_show_the_validation_message(explorer: pv.Explorer) -> No
     before = explorer.plan
     assert explorer.click("output_proj") is None  # no exception escapes a UI handler
     assert explorer.plan is before
-    assert "Cannot split at the END of 'output_proj': it is the last layer" in explorer.error
+    assert "Cannot split at the END of 'output_proj': no module runs after it" in explorer.error
     assert "Valid split points: layer0, layer1, layer2" in explorer.errors.value
     explorer.clicked = "layr1"
     assert "Did you mean 'layer1'?" in explorer.error and explorer.plan is before
@@ -139,18 +139,19 @@ def test_expand_and_collapse_keep_deep_models_readable() -> None:
     ex = pv.Explorer(gpt2(12, 32, 2, 64, 32), example_args=(torch.randint(0, 64, (4, 8)),),
                      splits=["transformer.h.3", "transformer.h.7"])
     names = ex.graph.layer_names
-    assert len(names) == 17 and ex.graph_figure.layout.height >= 30 * 17  # one readable row per layer
+    assert len(names) == 16 and ex.graph_figure.layout.height >= 30 * 16  # one readable row per layer
     assert list(ex.graph_figure.data[-1].text) == list(names)
     choices = dict((v, k) for k, v in ex.granularity.options)
     assert "expand:transformer.h.3" in choices and "collapse:transformer.h" in choices
-    ex.granularity.value = "expand:transformer.h.3"  # the split after h.3 moves to its last child
+    ex.granularity.value = "expand:transformer.h.3"  # the split after h.3 stays where it was
     assert "transformer.h.3.mlp" in ex.graph.layer_names and ex.granularity.value == ""
-    assert ex.plan.split_spec == {"transformer.h.3.mlp": pv.SplitPoint.END, "transformer.h.7": pv.SplitPoint.END}
-    assert len(ex.graph_figure.data[-1].text) == 20
+    assert ex.plan.split_spec == {"transformer.h.3": pv.SplitPoint.END, "transformer.h.7": pv.SplitPoint.END}
+    assert ex.plan.stages[0].layers[-1] == "transformer.h.3.mlp"
+    assert len(ex.graph_figure.data[-1].text) == 19
     ex.collapse("transformer.h")  # both splits fall inside the collapsed blocks
-    assert ex.plan.num_stages == 1 and len(ex.graph.layers) == 6 and ex.error == ""
+    assert ex.plan.num_stages == 1 and len(ex.graph.layers) == 5 and ex.error == ""
     ex.regroup()
-    assert len(ex.graph.layers) == 17
+    assert len(ex.graph.layers) == 16
     ex.expand("lm_head")
     assert "has no child modules to expand" in ex.error
 

@@ -29,7 +29,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from pipeviz import schedules as sched
-from pipeviz.capture import _batch_size
+from pipeviz.capture import TRACE_LOCK, _batch_size
 from pipeviz.plan import SplitPlan
 from pipeviz.timeline import Event, Timeline
 
@@ -209,13 +209,11 @@ class Run:
         self._thread.start()
 
     def _monitor(self, build: Callable[[], list[bytes]]) -> None:
-        import torch.multiprocessing as mp
-
         try:
+            ctx = _context()
             payloads = build()
             if self._stop.is_set():
                 return self._finish("stopped")
-            ctx = mp.get_context("spawn")
             q = ctx.Queue()
             from pipeviz.runtime import worker
 
@@ -357,31 +355,54 @@ class Run:
 
 
 _SPAWN_LOCK = threading.Lock()
+_SERVER_LOCK = threading.Lock()
+
+
+def _context() -> Any:
+    """Where rank processes come from: a fork server that has imported torch and pipeviz's worker once per
+    session, so each launch forks ready processes instead of spawning fresh interpreters (each of which
+    would import torch and torch.distributed again: seconds per rank). Started in the background on the
+    first launch, while the parent builds the stages."""
+    import multiprocessing.forkserver as fs
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    with _SERVER_LOCK:
+        ctx.set_forkserver_preload(["pipeviz.runtime.worker"])
+        with _SPAWN_LOCK, _without_main():
+            fs.ensure_running()
+    return ctx
 
 
 def _start_without_main(proc: Any) -> None:
-    """Start a spawned process without re-running the caller's ``__main__`` in it.
+    """Start a rank process without re-running the caller's ``__main__`` in it.
 
-    spawn normally re-imports the parent's main script in each child, so a script without an
+    multiprocessing normally re-imports the parent's main script in each child, so a script without an
     ``if __name__ == "__main__"`` guard would launch again from every worker. Workers need nothing from
     it: everything arrives cloudpickled (objects from ``__main__`` by value).
     """
+    with _SPAWN_LOCK, _without_main():
+        proc.start()
+
+
+@contextlib.contextmanager
+def _without_main() -> Any:
     import multiprocessing.spawn as mp_spawn
 
-    with _SPAWN_LOCK:
-        original = mp_spawn.get_preparation_data
+    original = mp_spawn.get_preparation_data
 
-        def prep(name: str) -> dict[str, Any]:
-            data = original(name)
-            data.pop("init_main_from_path", None)
-            data.pop("init_main_from_name", None)
-            return data
+    def prep(name: str) -> dict[str, Any]:
+        data = original(name)
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+        return data
 
-        mp_spawn.get_preparation_data = prep
-        try:
-            proc.start()
-        finally:
-            mp_spawn.get_preparation_data = original
+    mp_spawn.get_preparation_data = prep
+    try:
+        yield
+    finally:
+        mp_spawn.get_preparation_data = original
 
 
 @atexit.register
@@ -403,6 +424,8 @@ class LaunchSpec:
     target: torch.Tensor
     loss_fn: Callable[..., torch.Tensor]
     optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+    microbatches: int = 1
+    steps: int = 1
 
 
 def validate_launch(
@@ -458,7 +481,7 @@ def validate_launch(
         except Exception as exc:
             raise LaunchError(f"{label} cannot be sent to the stage processes ({exc}). Fix: define it as a plain "
                               "function or lambda, without open files, locks or CUDA state.") from exc
-    return LaunchSpec(name, lay, args, kwargs, target, loss_fn, optimizer)
+    return LaunchSpec(name, lay, args, kwargs, target, loss_fn, optimizer, microbatches, steps)
 
 
 def launch(
@@ -504,12 +527,9 @@ def launch(
     Raises:
         LaunchError, ScheduleError, PlanError: before any process starts, naming the bad value and the fix.
     """
-    import cloudpickle
-
     spec = validate_launch(plan, schedule, microbatches, steps, inputs, input_kwargs, target, loss_fn, optimizer,
                            stages_per_rank)
-    name, lay, args, kwargs = spec.schedule, spec.layout, spec.args, spec.kwargs
-    loss_fn, optimizer, target = spec.loss_fn, spec.optimizer, spec.target
+    name, lay = spec.schedule, spec.layout
     stage_devices, backend, compute = resolve_devices(devices, lay.num_ranks)
     on_cpu = all(d == "cpu" for d in stage_devices) and not any(compute)
     # Two runs at once would be pinned to the same cores: the second one is left to the scheduler.
@@ -522,24 +542,39 @@ def launch(
     t0 = run.started_at
 
     def build() -> list[bytes]:
-        from pipeviz.runtime.worker import RankPayload
-
-        mb_plan = _with_inputs(plan, args, kwargs)
-        last = plan.num_stages - 1
-        return [
-            cloudpickle.dumps(RankPayload(
-                rank=rank, world=lay.num_ranks, port=port, backend=backend, device=stage_devices[rank],
-                compute_device=compute[rank], schedule=name, stage_ranks=lay.stage_ranks, microbatches=microbatches,
-                steps=steps, plan=mb_plan, loss_fn=loss_fn, optimizer=optimizer,
-                target=target if lay.stage_ranks[last] == rank else None, t0=t0, parent_pid=os.getpid(),
-                timeout_s=max(timeout, 30.0), threads=threads, cpus=cpus[rank] if cpus else None,
-            ))
-            for rank in range(lay.num_ranks)
-        ]
+        return rank_payloads(plan, spec, stage_devices, compute, backend, port, t0, timeout, threads, cpus)
 
     port = _free_port()
     run._start(build)
     return run
+
+
+def rank_payloads(plan: SplitPlan, spec: LaunchSpec, devices: list[str], compute: list[str | None], backend: str,
+                  port: int, t0: float, timeout: float, threads: int,
+                  cpus: list[tuple[int, ...]] | None) -> list[bytes]:
+    """Build the stages once (here, not in every rank) and pickle each rank's share of the run."""
+    import cloudpickle
+
+    from pipeviz.runtime.stages import build_stages, rank_stages, tied_ranks
+    from pipeviz.runtime.worker import RankPayload
+
+    lay = spec.layout
+    with TRACE_LOCK:  # torch.export keeps global tracing state: two runs starting at once trace in turn
+        stages = build_stages(_with_inputs(plan, spec.args, spec.kwargs), spec.microbatches)
+    tied = tied_ranks(stages, lay.stage_ranks)
+    first, last = lay.stage_ranks[0], lay.stage_ranks[-1]
+    return [
+        cloudpickle.dumps(RankPayload(
+            rank=rank, world=lay.num_ranks, port=port, backend=backend, device=devices[rank],
+            compute_device=compute[rank], schedule=spec.schedule, stage_ranks=lay.stage_ranks,
+            microbatches=spec.microbatches, steps=spec.steps, stages=rank_stages(stages, lay.stage_ranks, rank),
+            tied=tied, loss_fn=spec.loss_fn, optimizer=spec.optimizer,
+            args=spec.args if rank == first else (), kwargs=spec.kwargs if rank == first else {},
+            target=spec.target if rank == last else None, t0=t0, parent_pid=os.getpid(),
+            timeout_s=max(timeout, 30.0), threads=threads, cpus=cpus[rank] if cpus else None,
+        ))
+        for rank in range(lay.num_ranks)
+    ]
 
 
 def _cpu_sets(ranks: int, pin: bool) -> tuple[int, list[tuple[int, ...]] | None]:
@@ -571,5 +606,5 @@ def _with_inputs(plan: SplitPlan, args: tuple[Any, ...], kwargs: dict[str, Any])
     cap.batch_size = _batch_size(args, kwargs)
     from pipeviz.graph import ModelGraph
 
-    graph = ModelGraph(cap, plan.graph.layer_names)
+    graph = ModelGraph(cap, plan.graph.layer_names, tree=plan.graph._tree)
     return SplitPlan(graph, plan.splits)

@@ -1,17 +1,21 @@
-"""Stage modules that torch's schedules can train correctly: relays, model inputs, tied parameters.
+"""Stage modules that torch's schedules can train exactly: relays, model inputs, shared parameters, state.
 
-torch 2.13 builds stage graphs from a ``Pipe`` but (DESIGN.md facts 4, 5, 11, 12):
-- a value used two or more stages later is sent directly, which no multi-stage schedule accepts and
-  whose backward raises "Backward of skip connections not supported yet";
-- model inputs are accepted only by the first stage;
-- tied parameters are copied into each stage and their gradients never meet;
-- stage state dicts hold stale alias copies.
+Built once, in the launching process, from torch's ``Pipe`` (the real split), then pickled per rank: each
+rank receives only its own stages as flat ``fx.GraphModule``s (``pipeviz.adapter.flatten_stage``), so no rank
+re-traces the model or imports the model's library. torch 2.13's stage graphs need these fixes
+(README, "What pipeviz fixes"):
 
-``build_stages`` wraps each of torch's stage submodules (the real graph torch split) in a
-``StageRunner`` whose inputs are exactly what the previous stage sends: every value still needed later
-is relayed stage by stage, model inputs included, so all communication is between neighbours. It also
-names, for each stage, the parameters it really uses (under the original model's names) and which of
-them are tied to other stages.
+- a value used two or more stages later is sent directly, which no multi-stage schedule accepts and whose
+  backward raises "Backward of skip connections not supported yet": ``StageRunner`` relays every value
+  stage by stage, model inputs included, so all communication is between neighbours;
+- a parameter used by several stages (tied embeddings, a module called in two stages) is copied into each
+  and its gradients never meet: ``StageSet.tied`` names the holders, the worker sums their gradients;
+- torch names the copies a second call makes ``shared@1.0@1.weight`` and may keep stale alias copies: the
+  flat stages use the original model's canonical names, each tensor once.
+
+Example:
+    >>> stages = build_stages(plan, microbatches=4)
+    >>> stages.runners[1](*stages.inputs[1])          # what stage 1 computes for one microbatch
 """
 
 from __future__ import annotations
@@ -24,13 +28,16 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from pipeviz.adapter import canonical_name, flatten_stage, split_graph
 from pipeviz.plan import SplitPlan
+
+__all__ = ["RankStage", "StageRunner", "StageSet", "build_stages", "rank_stages", "tied_ranks"]
 
 Value = tuple[Any, ...]  # ("in", placeholder) | ("s", stage, index or None)
 
 
 class StageRunner(nn.Module):
-    """One pipeline stage: torch's stage submodule plus the relay of values later stages need.
+    """One pipeline stage: the stage's module plus the relay of values later stages need.
 
     ``forward`` takes what the previous stage sent (the first stage: the model's args and kwargs) and
     returns what the next stage needs, as a tuple of contiguous tensors; the last stage returns the
@@ -96,7 +103,7 @@ def _is_value(x: Any) -> bool:
 
 @dataclass
 class StageSet:
-    """What ``build_stages`` returns: runners, per-stage used parameters, tied groups, example tensors."""
+    """What ``build_stages`` returns: runners, the model tensors each stage holds, shared ones, examples."""
 
     runners: list[StageRunner]
     params: list[dict[str, str]]  # per stage: canonical name -> name inside runner.stage
@@ -107,61 +114,53 @@ class StageSet:
     outputs: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
 
 
-def _used_names(mod: nn.Module, prefix: str = "") -> list[str]:
-    """Parameter/buffer names a stage's graph really reads (stale alias copies are never read)."""
-    if not isinstance(mod, fx.GraphModule):
-        return [prefix + n for n, _ in [*mod.named_parameters(), *mod.named_buffers()]]
-    names: list[str] = []
-    for node in mod.graph.nodes:
-        if node.op == "get_attr":
-            names.append(prefix + str(node.target))
-        elif node.op == "call_module":
-            names.extend(_used_names(mod.get_submodule(str(node.target)), prefix + str(node.target) + "."))
-    return names
-
-
 def _top_level(pipe: Any) -> tuple[list[str], list[list[Value]], Any]:
-    """Placeholders, per-stage call arguments and the output structure of torch's split graph."""
+    """Placeholders, per-stage call arguments and the output structure of torch's split graph.
+
+    Stages are numbered by their submodule's name (``submod_pp_2`` is stage 2), not by where the call sits
+    in the graph: a stage that reads no input (HF GPT-2's position ids, LLaMA's rotary tables) can be
+    called before stage 0.
+    """
     ref: dict[fx.Node, Value] = {}
     placeholders: list[str] = []
-    calls: list[list[Value]] = []
+    calls: dict[int, list[Value]] = {}
     output: Any = None
-    for node in pipe.split_gm.graph.nodes:
+    for node in split_graph(pipe).nodes:
         if node.op == "placeholder":
             placeholders.append(node.name)
             ref[node] = ("in", node.name)
         elif node.op == "call_module":
             if node.kwargs:
                 raise RuntimeError(f"Unexpected kwargs in torch's stage call {node.format_node()}; please report.")
-            ref[node] = ("s", len(calls), None)
-            calls.append([ref[a] for a in node.args])
+            index = int(str(node.target).rpartition("_")[2])
+            ref[node] = ("s", index, None)
+            calls[index] = [ref[a] for a in node.args]
         elif node.op == "call_function" and node.target is operator.getitem:
             src = ref[node.args[0]]
             ref[node] = ("s", src[1], node.args[1])
         elif node.op == "output":
             output = pytree.tree_map(lambda n: ref[n] if isinstance(n, fx.Node) else n, node.args[0])
-    return placeholders, calls, output
+    return placeholders, [calls[i] for i in range(len(calls))], output
 
 
 def build_stages(plan: SplitPlan, microbatches: int) -> StageSet:
     """Build one ``StageRunner`` per stage from torch's ``Pipe`` (or, for a manual plan, the pruned
-    module copies), and run one microbatch through them in sequence to record example tensors."""
+    module copies) and record every stage's example inputs and outputs for one microbatch (no model
+    buffer is touched: BatchNorm statistics see only the training run's forwards)."""
     cap = plan.graph.capture
     n = plan.num_stages
-    canonical = {alias: name for name, group in cap.aliases.items() for alias in group}
+    aliases = {alias: name for name, group in cap.aliases.items() for alias in group}
     kwarg_names = list(cap.example_kwargs)
     if cap.traced:
         pipe = plan.pipe(microbatches)
         placeholders, calls, output = _top_level(pipe)
-        modules = [pipe.get_stage_module(i) for i in range(n)]
-        for mod in modules:
-            _compiled_forward(mod)
+        modules: list[nn.Module] = [flatten_stage(pipe.get_stage_module(i), aliases) for i in range(n)]
     else:
         modules = plan.stage_modules()
         placeholders = ["input"]
         calls = [[("in", "input")]] + [[("s", i - 1, None)] for i in range(1, n)]
         output = ("s", n - 1, None)
-    # Who reads each value: stage i reads calls[i]; the output counts as read by stage n (past the end).
+    # Who reads each value: stage i reads calls[i]; the output counts as read by the last stage.
     last_read: dict[Value, int] = {}
     for i, args in enumerate(calls):
         for v in args:
@@ -181,13 +180,21 @@ def build_stages(plan: SplitPlan, microbatches: int) -> StageSet:
         for i in range(n)
     ]
     runners[-1].output_index = cap.output_index
+    known = set(cap.param_numel)
     params: list[dict[str, str]] = []
     buffers: list[dict[str, str]] = []
     for mod in modules:
-        used = dict.fromkeys(_used_names(mod))
-        pnames = {name for name, _ in mod.named_parameters(remove_duplicate=False)}
-        params.append({canonical.get(u, u): u for u in used if u in pnames})
-        buffers.append({canonical.get(u, u): u for u in used if u not in pnames})
+        ps: dict[str, str] = {}
+        bs: dict[str, str] = {}
+        seen: set[int] = set()
+        for inner, t in [*mod.named_parameters(remove_duplicate=False), *mod.named_buffers(remove_duplicate=False)]:
+            canon = canonical_name(inner, aliases)
+            if canon not in known or id(t) in seen:
+                continue  # torch's lifted constants, or a second name of one tensor
+            seen.add(id(t))
+            (bs if canon in cap.buffers else ps).setdefault(canon, inner)
+        params.append(ps)
+        buffers.append(bs)
     holders: dict[str, list[int]] = {}
     for i, ps in enumerate(params):
         for p in ps:
@@ -202,32 +209,72 @@ def build_stages(plan: SplitPlan, microbatches: int) -> StageSet:
     return stage_set
 
 
-def _compiled_forward(mod: nn.Module) -> None:
-    """Run torch's unflattened submodules as generated Python code instead of through ``fx.Interpreter``.
-
-    torch 2.13's ``InterpreterModule`` interprets its graph node by node by default; measured here that adds
-    1.7 ms to a 12 ms transformer stage forward (0.3 ms to an MLP stage) on CPU. The generated code runs the
-    same ops in the same order (the unflatten module's own fallback, used under dynamo). A graph that calls
-    a submodule named ``self`` (HF BERT's ``attention.self``) keeps the interpreter: its generated code would
-    assign a local ``self`` and then fail on ``self.output``.
-    """
-    for sub in mod.modules():
-        graph = getattr(sub, "graph", None)
-        if hasattr(sub, "_run_with_interpreter") and graph is not None:
-            sub._run_with_interpreter = any(node.name == "self" for node in graph.nodes)
-
-
 def _record_examples(stages: StageSet, plan: SplitPlan, microbatches: int) -> None:
-    """Run one microbatch through the runners in sequence: torch's stages get static shapes from it, so
-    they never run shape inference (which would run an extra forward/backward inside the first step)."""
+    """Run one microbatch through the runners in sequence to learn every stage's input and output shapes:
+    torch's stages get static shapes from it, so they never run shape inference (an extra forward and
+    backward inside the first step). Fake tensors first (no compute); a forward that branches on values
+    (a manual plan's data-dependent model) runs for real instead. Either way every buffer is put back, so
+    BatchNorm statistics see only the training run's forwards."""
+    from pipeviz.adapter import fake_tensors
+
     args, kwargs = plan.microbatch_inputs(microbatches)
+    saved = [(b, b.detach().clone()) for r in stages.runners for b in r.buffers()]
+    try:
+        with fake_tensors() as fake:
+            _chain(stages, *fake((args, kwargs)))
+    except Exception:
+        stages.inputs.clear()
+        stages.outputs.clear()
+        with torch.no_grad():
+            _chain(stages, args, kwargs)
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
+    stages.inputs[:] = [tuple(_empty_like(t) for t in ts) for ts in stages.inputs]
+    stages.outputs[:] = [tuple(_empty_like(t) for t in ts) for ts in stages.outputs]
+
+
+def _chain(stages: StageSet, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     x: Any = None
-    with torch.no_grad():
-        for i, runner in enumerate(stages.runners):
-            training = runner.training
-            runner.eval()  # no dropout or BatchNorm update while recording shapes
-            out = runner(*args, **kwargs) if i == 0 else runner(*x)
-            runner.train(training)
-            stages.inputs.append(tuple(args) if i == 0 else tuple(x))
-            x = out if isinstance(out, tuple) else (out,)
-            stages.outputs.append(x)
+    for i, runner in enumerate(stages.runners):
+        out = runner(*args, **kwargs) if i == 0 else runner(*x)
+        stages.inputs.append(tuple(args) if i == 0 else tuple(x))
+        x = out if isinstance(out, tuple) else (out,)
+        stages.outputs.append(x)
+
+
+def _empty_like(t: Any) -> Any:
+    # Plain meta tensors: picklable descriptions of a shape and dtype, cheap to send.
+    return torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t
+
+
+@dataclass
+class RankStage:
+    """One stage as a rank receives it: the runner, the model tensors it holds, example shapes, and which
+    of its tensors it reports in the run's state (the stage that owns them)."""
+
+    index: int
+    runner: StageRunner
+    params: dict[str, str]
+    buffers: dict[str, str]
+    reports: tuple[str, ...]
+    inputs: tuple[torch.Tensor, ...]
+    outputs: tuple[torch.Tensor, ...]
+
+
+def rank_stages(stages: StageSet, stage_ranks: tuple[int, ...], rank: int) -> list[RankStage]:
+    """The stages ``rank`` holds (``stage_ranks[s]`` is the rank of stage ``s``), ready to pickle."""
+    return [
+        RankStage(
+            index=s, runner=stages.runners[s], params=stages.params[s], buffers=stages.buffers[s],
+            reports=tuple(c for c in [*stages.params[s], *stages.buffers[s]] if stages.owner.get(c) == s),
+            inputs=stages.inputs[s], outputs=stages.outputs[s],
+        )
+        for s, r in enumerate(stage_ranks) if r == rank
+    ]
+
+
+def tied_ranks(stages: StageSet, stage_ranks: tuple[int, ...]) -> dict[str, list[int]]:
+    """Shared parameters -> the ranks holding a copy (every rank builds the same groups from this)."""
+    return {name: sorted({stage_ranks[s] for s in held}) for name, held in stages.tied.items()}

@@ -1,16 +1,19 @@
 """The process that runs one rank: its stages, torch's schedule, the fixes torch lacks, and events.
 
-Started by ``pipeviz.runtime.run`` through ``torch.multiprocessing`` (spawn). Everything it needs
-arrives as one cloudpickled ``RankPayload`` (so models, losses and optimizer factories defined in a
-notebook's ``__main__`` work), and everything it reports goes to the parent over one queue:
+Started by ``pipeviz.runtime.run`` through ``torch.multiprocessing`` (spawn), or by an exported torchrun
+script. Everything it needs arrives as one cloudpickled ``RankPayload`` holding only this rank's stages
+(flat ``fx.GraphModule``s built by the launching process), and everything it reports goes to the parent
+over one queue:
 
     ("events", [(rank, stage, kind, mb, start, end, step), ...])   ("loss", step, value)
     ("step", rank, step, time)   ("state", rank, bytes)   ("done", rank)   ("error", rank, traceback)
 
-Events, losses and step ends are sent together at most every ``SEND_INTERVAL`` seconds: each message wakes
-the parent (a notebook kernel), which then takes a core from the ranks. Measured on 2 cores, 60 steps of
-47 ms: sending at every step end kept the parent busy 2-3 % of a core with about 350 wake-ups; batching
-brought that to 1.3-1.8 % and 150-220.
+Events, losses and step ends leave together at most every ``SEND_INTERVAL`` seconds: each message wakes
+the parent (a notebook kernel), which shares the ranks' cores.
+
+The loop has four parts: ``_connect`` (process group, cores, clock), ``_stages`` (torch's
+``PipelineStage`` around each runner, with static shapes), ``_schedule`` and ``_train`` (steps, shared
+gradients summed, optimizer), then ``_state`` (trained tensors under the original names).
 
 This module must stay importable without any view library.
 """
@@ -23,19 +26,21 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 
-from pipeviz.schedules import ZERO_BUBBLE
+from pipeviz.schedules import SINGLE, ZERO_BUBBLE
 
 SEND_INTERVAL = 0.1  # seconds: live enough to watch, rare enough not to disturb the ranks
 
 
 @dataclass
 class RankPayload:
+    """Everything one rank needs (pickled by the parent, read once by the worker)."""
+
     rank: int
     world: int
     port: int
@@ -46,23 +51,31 @@ class RankPayload:
     stage_ranks: tuple[int, ...]  # rank of every stage
     microbatches: int
     steps: int
-    plan: Any  # SplitPlan whose example inputs are the launch's batch
+    stages: list[Any]  # this rank's pipeviz.runtime.stages.RankStage list
+    tied: dict[str, list[int]]  # shared parameter -> ranks holding a copy
     loss_fn: Any
     optimizer: Any
-    target: Any  # only for the rank holding the last stage
-    t0: float
-    parent_pid: int
-    timeout_s: float
+    args: tuple[Any, ...] = ()  # the first stage's inputs (full batch)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    target: Any = None  # only for the rank holding the last stage
+    t0: float = 0.0
+    parent_pid: int = 0
+    timeout_s: float = 120.0
     threads: int = 1
     cpus: tuple[int, ...] | None = None  # cores of this rank's threads (pv.launch on CPU; see run._cpu_sets)
     init_method: str | None = None  # default: tcp://127.0.0.1:port; "env://" under torchrun
 
 
 def _watch_parent(parent_pid: int) -> None:
-    # No orphans: a killed kernel cannot reap us, so leave as soon as the parent is gone.
+    # No orphans: a killed kernel cannot reap us, so leave as soon as the launching process is gone. (Ranks
+    # are forked by a fork server, so the launching process is not our parent: check that it is alive.)
     while True:
-        if os.getppid() != parent_pid:
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
             os._exit(3)
+        except PermissionError:  # alive, under another user (pid reuse): keep going
+            pass
         time.sleep(0.5)
 
 
@@ -93,8 +106,32 @@ def main(payload_path: str, queue: Any) -> None:
 
 def _run(p: RankPayload, queue: Any) -> None:
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining import schedules as torch_schedules
+
+    from pipeviz.adapter import exact_split_backward, timed_waits
+
+    clock, device, compute = _connect(p, queue)
+    step_box = [0]
+    stages, params, local = _stages(p, clock, step_box, device, compute)
+    groups = {name: dist.new_group(ranks) if len(ranks) > 1 else None  # same groups, same order, every rank
+              for name, ranks in sorted(p.tied.items())}
+    schedule = _schedule(p, stages)
+    optimizer = p.optimizer(params)
+
+    def comm(start: float, end: float) -> None:
+        clock.record((p.rank, -1, "COMM", -1, start - clock.t0, end - clock.t0, step_box[0]))
+
+    with timed_waits(comm), exact_split_backward():
+        _train(p, schedule, optimizer, local, groups, clock, step_box, device)
+    buf = io.BytesIO()
+    torch.save(_state(p), buf)
+    queue.put(("state", p.rank, buf.getvalue()))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _connect(p: RankPayload, queue: Any) -> tuple[_Clock, torch.device, torch.device]:
+    """Join the process group, take this rank's cores, agree on one clock."""
+    import torch.distributed as dist
 
     from pipeviz._malloc import keep_heap
 
@@ -116,7 +153,14 @@ def _run(p: RankPayload, queue: Any) -> None:
     compute = torch.device(p.compute_device) if p.compute_device else device
     clock = _Clock(p.t0, compute if compute.type == "cuda" else None)
     clock.queue = queue
-    step_box = [0]
+    return clock, device, compute
+
+
+def _stages(p: RankPayload, clock: _Clock, step_box: list[int], device: torch.device,
+            compute: torch.device) -> tuple[list[Any], list[torch.nn.Parameter], dict[str, list[torch.Tensor]]]:
+    """torch's ``PipelineStage`` around each of this rank's runners (timed), the parameters to optimize
+    and, per shared parameter, this rank's copies."""
+    from torch.distributed.pipelining import PipelineStage
 
     class Stage(PipelineStage):
         """torch's PipelineStage, timing every forward, backward, input-grad and weight-grad action."""
@@ -133,65 +177,45 @@ def _run(p: RankPayload, queue: Any) -> None:
             with clock.span(p.rank, self.stage_index, "W", bwd_chunk_id, step_box[0]):
                 return super().backward_weight_one_chunk(bwd_chunk_id, *a, **k)
 
-    # Time spent blocked on communication, as torch's schedules wait for batched sends/receives.
-    original_wait = torch_schedules._wait_batch_p2p
-
-    def timed_wait(work: Any) -> Any:
-        if not work:  # torch waits on empty lists too: nothing to time
-            return original_wait(work)
-        start = time.time()
-        out = original_wait(work)
-        end = time.time()
-        if end - start > 1e-4:  # only waits that block: keeps the event stream (and its cost) small
-            clock.record((p.rank, -1, "COMM", -1, start - clock.t0, end - clock.t0, step_box[0]))
-        return out
-
-    torch_schedules._wait_batch_p2p = timed_wait
-
-    # Every rank builds the stages from the same plan: torch's stage graphs cannot be pickled (their
-    # unflattened submodules hold fx graphs), and building here gives each rank its own parameters.
-    from pipeviz.runtime.stages import build_stages
-
-    built = build_stages(p.plan, p.microbatches)
-    num_stages = len(built.runners)
-    mine = [s for s, r in enumerate(p.stage_ranks) if r == p.rank]
-    tied = {name: sorted({p.stage_ranks[s] for s in ss}) for name, ss in built.tied.items()}
+    num_stages = len(p.stage_ranks)
     stages = []
     params: list[torch.nn.Parameter] = []
-    local: dict[str, list[torch.Tensor]] = {}  # canonical tied name -> local copies
-    for s in mine:
-        runner = built.runners[s].to(compute)
+    local: dict[str, list[torch.Tensor]] = {}
+    for st in p.stages:
+        runner = st.runner.to(compute)
         runner.compute_device = compute if compute != device else None
         runner.fresh_outputs = p.schedule in ZERO_BUBBLE
         # Static shapes, so torch never runs its shape inference (an extra forward/backward in step 1).
         # Activations from another stage need grads; model inputs and integer tensors (masks) do not.
-        ins = tuple(_like(t, device, grad=s > 0 and t.is_floating_point()) for t in built.inputs[s])
-        outs = tuple(_like(t, device, grad=t.is_floating_point()) for t in built.outputs[s])
-        stages.append(Stage(runner, s, num_stages, device, input_args=ins, output_args=outs))
+        ins = tuple(_like(t, device, grad=st.index > 0 and t.is_floating_point()) for t in st.inputs)
+        outs = tuple(_like(t, device, grad=t.is_floating_point()) for t in st.outputs)
+        stages.append(Stage(runner, st.index, num_stages, device, input_args=ins, output_args=outs))
         named = dict(runner.stage.named_parameters(remove_duplicate=False))
-        for canon, inner in built.params[s].items():
+        for canon, inner in st.params.items():
             t = named[inner]
             if all(t is not q for q in params):
                 params.append(t)
-            if canon in tied:
+            if canon in p.tied:
                 local.setdefault(canon, []).append(t)
-    groups = {}
-    for canon in sorted(tied):  # every rank creates the same groups in the same order
-        ranks = tied[canon]
-        groups[canon] = dist.new_group(ranks) if len(ranks) > 1 else None
+    return stages, params, local
+
+
+def _schedule(p: RankPayload, stages: list[Any]) -> Any:
+    from torch.distributed.pipelining import schedules as torch_schedules
 
     cls = torch_schedules.get_schedule_class(p.schedule)
-    if p.schedule in ("GPipe", "1F1B"):
-        schedule = cls(stages[0], n_microbatches=p.microbatches, loss_fn=p.loss_fn)  # one stage per rank
-    else:
-        schedule = cls(stages, n_microbatches=p.microbatches, loss_fn=p.loss_fn)
-    optimizer = p.optimizer(params)
-    first, last = 0 in mine, num_stages - 1 in mine
-    graph = p.plan.graph
-    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in graph.example_args)
-    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in graph.example_kwargs.items()}
-    target = p.target.to(device) if isinstance(p.target, torch.Tensor) else p.target
+    if p.schedule in SINGLE:
+        return cls(stages[0], n_microbatches=p.microbatches, loss_fn=p.loss_fn)  # one stage per rank
+    return cls(stages, n_microbatches=p.microbatches, loss_fn=p.loss_fn)
 
+
+def _train(p: RankPayload, schedule: Any, optimizer: torch.optim.Optimizer, local: dict[str, list[torch.Tensor]],
+           groups: dict[str, Any], clock: _Clock, step_box: list[int], device: torch.device) -> None:
+    first = any(st.index == 0 for st in p.stages)
+    last = any(st.index == len(p.stage_ranks) - 1 for st in p.stages)
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in p.args)
+    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in p.kwargs.items()}
+    target = p.target.to(device) if isinstance(p.target, torch.Tensor) else p.target
     for step in range(p.steps):
         step_box[0] = step
         losses: list[torch.Tensor] = []
@@ -199,7 +223,7 @@ def _run(p: RankPayload, queue: Any) -> None:
         if last:
             call_kwargs.update(target=target, losses=losses)
         schedule.step(*(args if first else ()), **call_kwargs)
-        _sync_tied(local, tied, groups)
+        _sync_tied(local, p.tied, groups)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if last:
@@ -207,19 +231,18 @@ def _run(p: RankPayload, queue: Any) -> None:
         clock.post(("step", p.rank, step, time.time() - p.t0))
         clock.flush(force=step == p.steps - 1)
 
+
+def _state(p: RankPayload) -> dict[str, torch.Tensor]:
+    """The tensors this rank's stages own, on the CPU, under the original model's canonical names."""
     state: dict[str, torch.Tensor] = {}
-    for s in mine:
-        stage_mod = built.runners[s].stage
-        named = {**dict(stage_mod.named_parameters(remove_duplicate=False)),
-                 **dict(stage_mod.named_buffers(remove_duplicate=False))}
-        for canon, inner in {**built.params[s], **built.buffers[s]}.items():
-            if built.owner.get(canon) == s and canon not in state:
-                state[canon] = named[inner].detach().cpu().clone()
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    queue.put(("state", p.rank, buf.getvalue()))
-    dist.barrier()
-    dist.destroy_process_group()
+    for st in p.stages:
+        mod = st.runner.stage
+        named = {**dict(mod.named_parameters(remove_duplicate=False)),
+                 **dict(mod.named_buffers(remove_duplicate=False))}
+        inner = {**st.params, **st.buffers}
+        for canon in st.reports:
+            state[canon] = named[inner[canon]].detach().cpu().clone()
+    return state
 
 
 def _pin(cpus: tuple[int, ...]) -> None:
@@ -237,8 +260,9 @@ def _like(t: torch.Tensor, device: torch.device, grad: bool) -> torch.Tensor:
 
 
 def _sync_tied(local: dict[str, list[torch.Tensor]], tied: dict[str, list[int]], groups: dict[str, Any]) -> None:
-    """Sum the gradients of every copy of a tied parameter, then give each copy the sum (as DeepSpeed
-    does), so tied copies stay identical and match the unsplit model."""
+    """Sum the gradients of every copy of a shared parameter (on this rank, then across the ranks holding
+    one), then give each copy the sum (as DeepSpeed does for tied weights): copies stay identical and take
+    one update, like the unsplit model's one tensor."""
     import torch.distributed as dist
 
     for canon in sorted(tied):

@@ -345,7 +345,7 @@ class Explorer(W.VBox):
 
     # ----------------------------------------------------------------- drawing
     def _set_graph(self, graph: ModelGraph) -> None:
-        self.plan = panels.carry_splits(self._plan, graph)
+        self.plan = self._plan.onto(graph)
 
     def _redraw_graph(self) -> None:
         fig, traces = self.graph_figure, graph_traces(self._plan)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import plotly.graph_objects as go
 
+from pipeviz.plan import human_bytes
 from pipeviz.timeline import COMPUTE, KINDS, Timeline
 
 if TYPE_CHECKING:
@@ -39,12 +40,13 @@ def stage_color(stage: int) -> str:
     return STAGE_COLORS[stage % len(STAGE_COLORS)]
 
 
-def _human(n: float) -> str:
-    for unit in ("", "K", "M", "G", "T"):
-        if abs(n) < 1000 or unit == "T":
-            return f"{n:.0f}{unit}" if unit == "" else f"{n:.1f}{unit}"
+def _count(n: float) -> str:
+    """A count in SI units (FLOPs): ``2.1e9`` -> ``"2.1 G"``."""
+    for unit in ("", "K", "M", "G", "T", "P"):
+        if abs(n) < 1000 or unit == "P":
+            return f"{n:.0f}" if unit == "" else f"{n:.1f} {unit}"
         n /= 1000
-    return f"{n:.1f}T"
+    return f"{n:.1f} P"
 
 
 # --------------------------------------------------------------------------------------------- timeline
@@ -229,8 +231,8 @@ def graph_layers(plan: SplitPlan) -> dict[str, Any]:
         "stages": [stage_of[la.name] for la in layers],
         "y": list(range(len(layers))),
         "size": [11 + 21 * float(np.sqrt(la.flops / max_flops)) for la in layers],
-        "custom": [[la.name, la.kind + (" ⊕" if la.expandable else ""), f"{la.params:,}", _human(la.flops),
-                    _human(la.out_bytes) + "B", stage_of[la.name]] for la in layers],
+        "custom": [[la.name, la.kind + (" ⊕" if la.expandable else ""), f"{la.params:,}", _count(la.flops),
+                    human_bytes(la.out_bytes), stage_of[la.name]] for la in layers],
     }
 
 

@@ -1,5 +1,5 @@
 """HTML panels and small helpers behind ``Explorer``: the stage preview, run progress, the numerics check,
-error boxes, granularity choices, carrying splits across a change of granularity, and handler plumbing.
+error boxes, granularity choices, and handler plumbing.
 
 Everything here takes core objects and returns text or core objects, so it is testable without a browser.
 """
@@ -15,7 +15,7 @@ import torch
 
 import pipeviz as pv
 from pipeviz.graph import ModelGraph
-from pipeviz.plan import PlanError, SplitPlan, _human
+from pipeviz.plan import SplitPlan, human_bytes
 from pipeviz.timeline import COMPUTE, Timeline
 from pipeviz.widgets.figures import stage_color
 
@@ -90,9 +90,9 @@ def preview_html(plan: SplitPlan, sim: Timeline | None, microbatches: int, note:
         rows.append(
             f"<tr class='pipeviz-stage-row'{style}><td style='{cell}'>{swatch} {s.index}</td>"
             f"<td style='padding:2px 8px'>{html.escape(names)}</td><td style='{cell}'>{s.params:,}</td>"
-            f"<td style='{cell}'>{s.flops / 1e9:.3f}</td><td style='{cell}'>{_human(s.send_bytes)}</td>"
+            f"<td style='{cell}'>{s.flops / 1e9:.3f}</td><td style='{cell}'>{human_bytes(s.send_bytes)}</td>"
             f"<td style='{cell}'>{t * 1e3:.3f} ms{' ⚠' if hot else ''}</td>"
-            f"<td style='{cell}'>{_human(s.memory_bytes)}</td></tr>")
+            f"<td style='{cell}'>{human_bytes(s.memory_bytes)}</td></tr>")
     table = "<table style='border-collapse:collapse;font-size:12px'>" + "".join(rows) + "</table>"
     if len(stages) < 2:
         verdict = "One stage: click a layer (or set stages and Auto-balance) to split."
@@ -105,7 +105,7 @@ def preview_html(plan: SplitPlan, sim: Timeline | None, microbatches: int, note:
     if sim is not None:
         mem = sim.meta.get("memory_bytes")
         if mem:
-            extra = " · memory per rank (simulated): " + ", ".join(f"r{r} {_human(m)}" for r, m in enumerate(mem))
+            extra = " · memory per rank (simulated): " + ", ".join(f"r{r} {human_bytes(m)}" for r, m in enumerate(mem))
         extra = (f"<div>simulated step {sim.step_time * 1e3:.3f} ms · bubble {sim.bubble_fraction:.0%}{extra}</div>")
     if note:
         extra += f"<div><i>{html.escape(note)}</i></div>"
@@ -156,40 +156,6 @@ def granularity_options(graph: ModelGraph) -> list[tuple[str, str]]:
     options += [(f"⊖ collapse {p}", f"collapse:{p}") for p, count in containers.items() if count >= 2]
     options += [("natural blocks", "regroup:")] + [(f"every module to depth {d}", f"regroup:{d}") for d in (2, 3, 4, 5)]
     return options
-
-
-def carry_splits(plan: SplitPlan, graph: ModelGraph) -> SplitPlan:
-    """The plan's stage boundaries moved onto ``graph`` (another granularity of the same model): a split
-    after an expanded layer moves to its last child; one inside a collapsed layer is dropped unless it was
-    that layer's end."""
-    old = plan.graph
-    afters: list[str] = []
-    for name, point in plan.splits:
-        i = old.layer_names.index(name)
-        afters.append(name if point is pv.SplitPoint.END else old.layer_names[i - 1])
-    new_names = list(graph.layer_names)
-    kept: list[str] = []
-    for name in afters:
-        if name in new_names:
-            kept.append(name)
-            continue
-        inside = [n for n in new_names if n.startswith(name + ".")]
-        if inside:
-            kept.append(inside[-1])
-            continue
-        outer = next((n for n in new_names if name.startswith(n + ".")), None)
-        if outer is not None:
-            members = [n for n in old.layer_names if n == outer or n.startswith(outer + ".")]
-            if members and members[-1] == name:
-                kept.append(outer)
-    good: list[str] = []
-    for name in dict.fromkeys(kept):
-        try:
-            graph.split([*good, name])
-            good.append(name)
-        except (PlanError, ValueError):
-            continue
-    return graph.split(good)
 
 
 def static_html(explorer: Explorer) -> str:

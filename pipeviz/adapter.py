@@ -1,0 +1,343 @@
+"""Every place pipeviz touches torch internals (torch 2.13), in one module.
+
+- ``flatten_stage``: torch's stage submodules are unflattened ``InterpreterModule`` trees that cannot be
+  pickled; each is turned into one flat ``fx.GraphModule`` (pure torch: no model class needed to run it),
+  so the parent traces once and each rank receives only its own stage. Parameters get the original model's
+  canonical names, so a tensor used twice in a stage (T5's shared embedding) is one parameter.
+- ``split_graph``: the top-level graph of a ``Pipe`` (which stage reads which value).
+- ``timed_waits``: times blocking communication waits inside torch's schedules.
+- ``fake_tensors``: run stages on fake tensors to learn their shapes without computing or touching any
+  real tensor (BatchNorm statistics stay as they are).
+- ``exact_split_backward``: zero-bubble schedules split a backward into input grads (I) and weight grads
+  (W); torch 2.13 gives no gradient at all to a weight whose path to the stage's outputs never meets the
+  inputs' path (OPT's and BART's learned positions, a stage computing only position embeddings), and its W
+  pass frees graph parts that another weight group still needs (T5's relative attention bias).
+- ``schedule_actions``: the action order torch's multi-stage schedules build in their constructor.
+
+``tests/test_adapter.py`` checks each against the installed torch, so a torch whose internals changed
+fails there loudly, not in a worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+__all__ = ["FlatStage", "canonical_name", "exact_split_backward", "fake_tensors", "flatten_stage", "schedule_actions",
+           "split_graph", "timed_waits"]
+
+_CALL = re.compile(r"@\d+")
+
+
+def canonical_name(path: str, aliases: dict[str, str]) -> str:
+    """The original model's name for a stage attribute: torch names the copies a second call of a module
+    makes ``shared@1.0@1.weight``; those are ``shared.0.weight``, under its canonical alias."""
+    plain = _CALL.sub("", path)
+    return aliases.get(plain, plain)
+
+
+class FlatStage(fx.GraphModule):
+    """A flat stage graph that pickles as its node list (fx's own pickling re-traces the generated code and
+    loses in-place ops whose result is unused, such as BatchNorm's ``num_batches_tracked.add_(1)``)."""
+
+    def __reduce__(self) -> Any:
+        attrs: dict[str, Any] = {}
+        for node in self.graph.nodes:
+            if node.op in ("get_attr", "call_module"):
+                value: Any = self
+                for atom in str(node.target).split("."):
+                    value = getattr(value, atom)
+                attrs[str(node.target)] = value
+        return (_rebuild, (attrs, [_node_record(n) for n in self.graph.nodes]))
+
+
+class _Ref:
+    """A reference to an earlier node, by name, in a pickled node list."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _target_record(target: Any) -> Any:
+    if isinstance(target, torch._ops.OpOverload):
+        # A custom op (transformers' grouped_mm_fallback in Mixtral) exists only once the module defining it
+        # is imported: remember which, so a rank imports just that module.
+        from torch._library.custom_ops import OPDEFS
+
+        qualname = target._schema.name
+        init = getattr(OPDEFS.get(qualname), "_init_fn", None)
+        home = getattr(init, "__module__", None)
+        return ("op", target.namespace, qualname.split("::")[-1], target._overloadname, home)
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return ("hop", target.name())
+    return ("py", target)
+
+
+def _node_record(node: fx.Node) -> tuple[Any, ...]:
+    return (node.op, node.name, _target_record(node.target), fx.node.map_aggregate(node.args, _ref_of),
+            fx.node.map_aggregate(node.kwargs, _ref_of))
+
+
+def _ref_of(x: Any) -> Any:
+    return _Ref(x.name) if isinstance(x, fx.Node) else x
+
+
+def _resolve_target(record: Any) -> Any:
+    kind = record[0]
+    if kind == "op":
+        _, ns, name, overload, home = record
+        if home and not hasattr(getattr(torch.ops, ns), name):
+            import importlib
+
+            importlib.import_module(home)
+        packet = getattr(getattr(torch.ops, ns), name)
+        return getattr(packet, overload or "default")
+    if kind == "hop":
+        return getattr(torch.ops.higher_order, record[1])
+    return record[1]
+
+
+def _rebuild(attrs: dict[str, Any], records: list[tuple[Any, ...]]) -> FlatStage:
+    root = nn.Module()
+    _register(root, attrs)
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+
+    def back(x: Any) -> Any:
+        return env[x.name] if isinstance(x, _Ref) else x
+
+    for op, name, target, args, kwargs in records:
+        node = graph.create_node(op, _resolve_target(target), fx.node.map_aggregate(args, back),
+                                 fx.node.map_aggregate(kwargs, back), name=name)
+        env[name] = node
+    return FlatStage(root, graph, class_name="PipevizStage")
+
+
+def _register(root: nn.Module, attrs: dict[str, Any]) -> None:
+    for name, value in attrs.items():
+        *path, leaf = name.split(".")
+        parent = root
+        for atom in path:
+            if atom not in parent._modules:
+                parent.add_module(atom, nn.Module())
+            parent = parent._modules[atom]  # type: ignore[assignment]
+        if isinstance(value, nn.Parameter):
+            parent.register_parameter(leaf, value)
+        elif isinstance(value, nn.Module):
+            parent.add_module(leaf, value)
+        else:
+            parent.register_buffer(leaf, value)
+
+
+def flatten_stage(stage: nn.Module, aliases: dict[str, str]) -> FlatStage:
+    """One flat ``fx.GraphModule`` computing what torch's stage module ``stage`` computes.
+
+    Every submodule call is inlined (torch's unflattened submodules hold an fx graph each); attributes are
+    registered under canonical names (``canonical_name``), each tensor once; the inputs are the stage's
+    placeholders in order.
+    """
+    new = fx.Graph()
+    attrs: dict[str, Any] = {}
+    nodes: dict[str, fx.Node] = {}
+
+    model_names = set(aliases.values())
+
+    def attribute(path: str, value: Any) -> fx.Node:
+        name = canonical_name(path, aliases)
+        # torch copies a module's tensors for each of its calls (ALBERT's one layer, called 12 times): one
+        # model tensor is one parameter again. Other attributes (lifted constants) stay apart.
+        if name in attrs and attrs[name] is not value and name not in model_names:
+            name = path.replace("@", "_at_")
+        if name not in nodes:
+            attrs[name] = value
+            nodes[name] = new.get_attr(name)
+        return nodes[name]
+
+    def inline(mod: nn.Module, prefix: str, args: list[Any]) -> Any:
+        env: dict[fx.Node, Any] = {}
+        placeholders = [n for n in mod.graph.nodes if n.op == "placeholder"]
+        for i, ph in enumerate(placeholders):
+            env[ph] = args[i] if i < len(args) else (ph.args[0] if ph.args else None)
+        for n in mod.graph.nodes:
+            if n.op == "placeholder":
+                continue
+            if n.op == "output":
+                return fx.node.map_arg(n.args[0], lambda x: env[x])
+            if n.op == "get_attr":
+                value: Any = mod
+                for atom in str(n.target).split("."):
+                    value = getattr(value, atom)
+                if isinstance(getattr(value, "graph", None), fx.Graph):  # a higher-order op's body
+                    value = flatten_stage(value, {})
+                env[n] = attribute(prefix + str(n.target), value) if isinstance(value, torch.Tensor | nn.Module) \
+                    else value
+            elif n.op == "call_module":
+                sub = mod.get_submodule(str(n.target))
+                call_args = fx.node.map_arg(n.args, lambda x: env[x])
+                if isinstance(getattr(sub, "graph", None), fx.Graph):
+                    env[n] = inline(sub, f"{prefix}{n.target}.", list(call_args))
+                else:  # a leaf module the exporter kept whole
+                    target = attribute(f"{prefix}{n.target}", sub).target
+                    env[n] = new.call_module(str(target), call_args, fx.node.map_arg(n.kwargs, lambda x: env[x]))
+            elif n.op == "call_function" and n.target is operator.getitem and isinstance(env[n.args[0]], list | tuple):
+                env[n] = env[n.args[0]][n.args[1]]  # an inlined call's output is a Python tuple of nodes
+            elif n.op == "call_function" and getattr(n.target, "__name__", "") == "tree_flatten_spec":
+                env[n] = pytree.tree_leaves(fx.node.map_arg(n.args[0], lambda x: env[x]))
+            else:
+                env[n] = new.node_copy(n, lambda x: env[x])
+        raise RuntimeError(f"torch's stage graph of {type(mod).__name__} has no output; please report.")
+
+    inputs = [new.placeholder(n.name) for n in stage.graph.nodes if n.op == "placeholder"]
+    out = inline(stage, "", inputs)
+    if isinstance(out, list):
+        out = tuple(out)
+    new.output(out)
+    root = nn.Module()
+    _register(root, attrs)
+    return FlatStage(root, new, class_name="PipevizStage")
+
+
+@contextlib.contextmanager
+def fake_tensors() -> Iterator[Callable[[Any], Any]]:
+    """Inside the block, run code on fake tensors: ``fake(tree)`` turns the tensors of ``tree`` into fake
+    ones; real parameters and buffers met along the way are used as fakes too, so nothing real changes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(tree: Any) -> Any:
+        return pytree.tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, tree)
+
+    with torch.no_grad(), mode:
+        yield fake
+
+
+@contextlib.contextmanager
+def exact_split_backward() -> Iterator[None]:
+    """Inside the block, torch's zero-bubble input-grad / weight-grad split gives every weight its exact
+    gradient: weights off the inputs' path get theirs during the input-grad pass (there is nothing to share
+    with it), and the weight-grad pass keeps the graph until every weight group is done."""
+    from torch.distributed.pipelining import stage as torch_stage
+
+    original_input, original_weight = torch_stage.stage_backward_input, torch_stage.stage_backward_weight
+
+    def backward_input(outputs: list[Any], output_grads: Any, input_values: list[Any], weights: Any) -> Any:
+        weights = list(weights)
+        _grads_off_the_input_path(outputs, output_grads, input_values, weights)
+        return original_input(outputs, output_grads, input_values, iter(weights))
+
+    def backward_weight(weights: Any, param_groups: Any, retain_graph: bool = False) -> Any:
+        return original_weight(weights, param_groups, retain_graph=True)
+
+    torch_stage.stage_backward_input, torch_stage.stage_backward_weight = backward_input, backward_weight
+    try:
+        yield
+    finally:
+        torch_stage.stage_backward_input, torch_stage.stage_backward_weight = original_input, original_weight
+
+
+def _grads_off_the_input_path(outputs: list[Any], output_grads: Any, input_values: list[Any],
+                              weights: list[torch.Tensor]) -> None:
+    from torch.distributed.pipelining._backward import (
+        _get_grad_fn_or_grad_acc,
+        construct_reverse_graph,
+        reverse_closure,
+    )
+
+    valid = [(o, torch.ones_like(o) if output_grads is None else output_grads[i])
+             for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and (o.requires_grad or o.grad_fn)]
+    input_fns = [f for x in input_values if isinstance(x, torch.Tensor) and (f := _get_grad_fn_or_grad_acc(x))]
+    if not valid or not input_fns:  # the first stage: torch runs a full backward in its W pass instead
+        return
+    roots = {f for o, _ in valid if (f := _get_grad_fn_or_grad_acc(o))}
+    reverse = construct_reverse_graph(list(roots))
+    inputs_closure, _ = reverse_closure(input_fns, set(), reverse)
+    # torch's W pass starts from the nodes where a weight's path meets the inputs' path. A weight whose path
+    # never meets it, or also reaches an output around it (T5's position bias, computed in one block and
+    # sent on to the next stage), would lose that part: such weights get their whole gradient here, and
+    # torch's split never sees them.
+    off = []
+    for w in weights:
+        acc = _get_grad_fn_or_grad_acc(w)
+        if acc is None or acc not in reverse:
+            continue
+        closure, met = reverse_closure([acc], inputs_closure, reverse)
+        if not met or (closure & roots):
+            off.append(w)
+    if off:
+        grads = torch.autograd.grad([o for o, _ in valid], off, [g for _, g in valid], retain_graph=True,
+                                    allow_unused=True)
+        for w, g in zip(off, grads, strict=True):
+            if g is not None:
+                w.grad = g if w.grad is None else w.grad + g
+    kept = [w for w in weights if all(w is not o for o in off)]
+    weights[:] = kept
+
+
+def split_graph(pipe: Any) -> fx.Graph:
+    """The top-level graph of torch's ``Pipe``: placeholders, one ``call_module`` per stage, the output."""
+    graph = getattr(getattr(pipe, "split_gm", None), "graph", None)
+    if not isinstance(graph, fx.Graph):
+        raise RuntimeError("torch's Pipe has no split_gm graph any more; pipeviz needs updating for this torch.")
+    return graph
+
+
+@contextlib.contextmanager
+def timed_waits(record: Callable[[float, float], None], threshold: float = 1e-4) -> Iterator[None]:
+    """Inside the block, ``record(start, end)`` (wall clock) every blocking wait of torch's schedules on
+    batched sends and receives that lasts more than ``threshold`` seconds."""
+    import time
+
+    from torch.distributed.pipelining import schedules
+
+    original = schedules._wait_batch_p2p
+
+    def timed(work: Any) -> Any:
+        if not work:  # torch waits on empty lists too: nothing to time
+            return original(work)
+        start = time.time()
+        out = original(work)
+        end = time.time()
+        if end - start > threshold:
+            record(start, end)
+        return out
+
+    schedules._wait_batch_p2p = timed
+    try:
+        yield
+    finally:
+        schedules._wait_batch_p2p = original
+
+
+def schedule_actions(schedule: str, num_ranks: int, num_stages: int, microbatches: int) -> list[list[str]]:
+    """Per-rank compute actions (``2F0``, ``1I3``, ``0W3``) of a multi-stage torch schedule, as its
+    constructor lays them out in ``pipeline_order`` (overlapped F/B pairs of DualPipeV in run order)."""
+    from unittest import mock
+
+    from torch.distributed.pipelining.schedules import get_schedule_class
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    # torch builds pipeline_order from a few stage attributes; a spec'd stand-in is enough (torch's own
+    # _schedule_visualizer does the same).
+    stage = mock.create_autospec(PipelineStage, instance=True)
+    stage.group_rank, stage.group_size, stage.submod, stage.num_stages = 0, num_ranks, None, num_stages
+    sched = get_schedule_class(schedule)([stage] * (num_stages // num_ranks), microbatches)
+    out: list[list[str]] = []
+    for rank in range(num_ranks):
+        acts: list[str] = []
+        for action in sched.pipeline_order[rank]:
+            if action is None:
+                continue
+            for a in getattr(action, "sub_actions", None) or [action]:
+                kind = a.computation_type.value if hasattr(a.computation_type, "value") else str(a.computation_type)
+                if kind in ("F", "B", "I", "W"):
+                    acts.append(f"{a.stage_index}{kind}{a.microbatch_index}")
+        out.append(acts)
+    return out

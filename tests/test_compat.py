@@ -1,0 +1,39 @@
+"""The compatibility matrix over HF architectures (tests/compat.py): every row trains like the unsplit model
+under GPipe, 1F1B and a multi-stage schedule. The README's table is this test's output
+(``python -m tests.compat``)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tests.compat import ROWS, TOL, check, multi_for
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
+def test_architecture_trains_like_the_unsplit_model(row: object) -> None:
+    result = check(row, multi_for(row))  # type: ignore[arg-type]
+    assert not result.errors, result.errors
+    assert set(result.diffs) == {"GPipe", "1F1B", multi_for(row)}  # type: ignore[arg-type]
+    for schedule, (d_loss, d_state) in result.diffs.items():
+        assert d_loss <= TOL and d_state <= TOL, f"{schedule}: loss {d_loss:.1e}, parameters/buffers {d_state:.1e}"
+
+
+def test_llama_trains_under_every_schedule() -> None:
+    # The matrix gives Llama GPipe, 1F1B and LoopedBFS; the other four multi-stage schedules here.
+    import pipeviz as pv
+    from tests.compat import MULTI, compare, inputs, lm_loss, sgd
+
+    row = next(r for r in ROWS if r.name == "Llama")
+    model = row.build()
+    args, _, target = inputs(row)
+    graph = pv.trace(model, example_args=args)
+    ref = pv.train_reference(model, args, target, lm_loss, sgd, 4, 2)
+    plan = pv.balance(graph, 4, by="params")
+    for schedule in [s for s in MULTI if s != multi_for(row)]:
+        run = pv.launch(plan, schedule, 4, 2, inputs=args, target=target, loss_fn=lm_loss, optimizer=sgd)
+        assert run.wait(120) == "done", run.error
+        assert max(compare(run, ref)) <= TOL, schedule
