@@ -90,7 +90,7 @@ def main() -> None:
     ids, target = torch.randint(0, a.vocab, (16, 64)), torch.randint(0, a.vocab, (16, 64))
     graph = pv.trace(model, example_args=(ids,))
     m, k = 4, a.stages
-    pv.profile(graph, microbatches=m, threads=max(1, (os.cpu_count() or 1) // k))
+    graph = graph.with_profile(pv.profile(graph, microbatches=m, threads=max(1, (os.cpu_count() or 1) // k)))
     n = len(graph.layers)
     names = list(graph.layer_names)
 

@@ -3,7 +3,7 @@ schedule loop without pipeviz (torch's ``pipeline()`` + ``build_stage`` + the sc
 
 Two plain loops run: torch as shipped, and torch with the two speed fixes pipeviz's runtime applies (each
 stage runs as one flat generated-code graph instead of through ``fx.Interpreter``, ``pipeviz.adapter.flatten_stage``;
-each rank's threads on its own cores, ``pipeviz.runtime.run._cpu_sets``). The second isolates what
+each rank's threads on its own cores, ``pipeviz.runtime.spec.cpu_sets``). The second isolates what
 pipeviz's instrumentation, relays and event streaming cost. Prints the median step
 wall time of each, the ratios (goal <= 1.02), and launch -> first event (goal < 5 s on CPU).
 
@@ -50,10 +50,10 @@ def _plain_worker(rank: int, world: int, port: int, schedule: str, mb: int, step
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     if fixes:
-        from pipeviz.runtime.run import _cpu_sets
+        from pipeviz.runtime.spec import cpu_sets
         from pipeviz.runtime.worker import _pin
 
-        cpus = _cpu_sets(world, True)[1]
+        cpus = cpu_sets(world, True)[1]
         if cpus:
             _pin(cpus[rank])
     model, x, y = _model()
@@ -81,11 +81,11 @@ def _plain_worker(rank: int, world: int, port: int, schedule: str, mb: int, step
 def plain(schedule: str, mb: int, steps: int, fixes: bool = False) -> list[float]:
     import torch.multiprocessing as mp
 
-    from pipeviz.runtime.run import _free_port
+    from pipeviz.runtime.procs import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_plain_worker, args=(r, 2, port, schedule, mb, steps, q, fixes)) for r in range(2)]
     for p in procs:
         p.start()

@@ -45,7 +45,8 @@ def main() -> None:
     print(f"{'model':<22}{'schedule':<17}{'stages/ranks':>13}{'simulated':>12}{'measured':>11}{'error':>8}")
     for name, model, x, y, loss in cases():
         graph = pv.trace(model, example_args=(x,))
-        pv.profile(graph, microbatches=m, repeats=15, threads=max(1, (os.cpu_count() or 1) // 2))  # 2 ranks per run
+        prof = pv.profile(graph, microbatches=m, repeats=15, threads=max(1, (os.cpu_count() or 1) // 2))  # 2 ranks
+        graph = graph.with_profile(prof)
         for schedule, stages, spr in (("GPipe", 2, None), ("1F1B", 2, None), ("Interleaved1F1B", 4, 2)):
             plan = pv.balance(graph, stages, by="time")
             sim = pv.simulate(plan, schedule, m, stages_per_rank=spr)

@@ -8,24 +8,27 @@ Example:
     >>> print(plan)            # per-stage layers, params, FLOPs, bytes sent, memory
     >>> pipe = plan.pipe(microbatches=4)
 
-The core (this package minus ``pipeviz.widgets``) imports neither ipywidgets nor plotly.
+The core (this package minus ``pipeviz.widgets``) imports neither ipywidgets nor plotly; the view names
+below (``pv.Explorer``, ``pv.TimelineView``, the figure functions) load them on first use.
 """
 
 from torch.distributed.pipelining import SplitPoint
 
 from pipeviz.balance import balance
 from pipeviz.capture import TraceError
+from pipeviz.costs import Costs
 from pipeviz.export import Watch, export_torchrun, watch
 from pipeviz.graph import Layer, ModelGraph, trace
 from pipeviz.manual import SequenceStage, manual_plan
+from pipeviz.numerics import NumericsCheck, check_numerics
 from pipeviz.plan import PlanError, SplitPlan, StageInfo
 from pipeviz.profile import Profile, profile
 from pipeviz.runtime import LaunchError, Run, launch, train_reference
 from pipeviz.schedules import ScheduleError
-from pipeviz.simulate import Comparison, Costs, compare, estimate_costs, simulate
+from pipeviz.simulate import Comparison, compare, estimate_costs, simulate
 from pipeviz.timeline import Event, Timeline
-
-__version__ = "0.1.0"
+from pipeviz.training import cross_entropy, sgd
+from pipeviz.version import __version__ as __version__
 
 __all__ = [
     "Comparison",
@@ -34,6 +37,7 @@ __all__ = [
     "LaunchError",
     "Layer",
     "ModelGraph",
+    "NumericsCheck",
     "PlanError",
     "Profile",
     "Run",
@@ -46,23 +50,29 @@ __all__ = [
     "TraceError",
     "Watch",
     "balance",
+    "check_numerics",
     "compare",
+    "cross_entropy",
     "estimate_costs",
     "export_torchrun",
     "launch",
     "manual_plan",
     "profile",
+    "sgd",
     "simulate",
     "trace",
     "train_reference",
     "watch",
 ]
 
+_VIEWS = ("Explorer", "TimelineView", "comparison_figure", "graph_figure", "timeline_figure")
+
 
 def __getattr__(name: str) -> object:
-    """``pv.Explorer`` and ``pv.TimelineView`` load ipywidgets and plotly only when first used."""
-    if name in ("Explorer", "TimelineView"):
-        from pipeviz import widgets
+    """The views (``pv.Explorer``, ``pv.TimelineView``, ``pv.timeline_figure``, ...) load ipywidgets and
+    plotly only when first used: ``import pipeviz`` stays free of them."""
+    if name in _VIEWS:
+        import importlib
 
-        return getattr(widgets, name)
+        return getattr(importlib.import_module("pipeviz.widgets"), name)
     raise AttributeError(f"module 'pipeviz' has no attribute {name!r}")

@@ -1,16 +1,19 @@
 """Keep large CPU buffers in the heap (glibc), so training steps reuse memory instead of re-faulting it.
 
 By default glibc serves allocations of 128 KiB and more with fresh ``mmap`` pages and returns them on
-free, so every backward pass page-faults its gradient buffers again: measured here, a Linear's backward
-took 3 ms or 6 ms at random depending on it. pipeviz's worker processes (and ``pv.profile``, which must
-time what the workers will do) raise the mmap and trim thresholds once; memory freed by tensors then
-stays in the process for reuse. No effect off glibc.
+free, so every backward pass page-faults its gradient buffers again, and a layer's backward time doubles at
+random (README, "What pipeviz fixes"). pipeviz's worker processes (and ``pv.profile``, which must time what
+the workers will do) raise the mmap and trim thresholds once; memory freed by tensors then stays in the
+process for reuse. No effect off glibc.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+
+__all__ = ["keep_heap"]
+
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _done = False

@@ -162,10 +162,11 @@ def flatten_stage(stage: nn.Module, aliases: dict[str, str]) -> FlatStage:
 
     def inline(mod: nn.Module, prefix: str, args: list[Any]) -> Any:
         env: dict[fx.Node, Any] = {}
-        placeholders = [n for n in mod.graph.nodes if n.op == "placeholder"]
+        graph = _graph_of(mod)
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         for i, ph in enumerate(placeholders):
             env[ph] = args[i] if i < len(args) else (ph.args[0] if ph.args else None)
-        for n in mod.graph.nodes:
+        for n in graph.nodes:
             if n.op == "placeholder":
                 continue
             if n.op == "output":
@@ -194,7 +195,7 @@ def flatten_stage(stage: nn.Module, aliases: dict[str, str]) -> FlatStage:
                 env[n] = new.node_copy(n, lambda x: env[x])
         raise RuntimeError(f"torch's stage graph of {type(mod).__name__} has no output; please report.")
 
-    inputs = [new.placeholder(n.name) for n in stage.graph.nodes if n.op == "placeholder"]
+    inputs = [new.placeholder(n.name) for n in _graph_of(stage).nodes if n.op == "placeholder"]
     out = inline(stage, "", inputs)
     if isinstance(out, list):
         out = tuple(out)
@@ -236,7 +237,9 @@ def exact_split_backward() -> Iterator[None]:
     def backward_weight(weights: Any, param_groups: Any, retain_graph: bool = False) -> Any:
         return original_weight(weights, param_groups, retain_graph=True)
 
-    torch_stage.stage_backward_input, torch_stage.stage_backward_weight = backward_input, backward_weight
+    # Patched where PipelineStage looks them up (torch's own module globals), for the block only.
+    torch_stage.stage_backward_input = backward_input  # type: ignore[assignment]
+    torch_stage.stage_backward_weight = backward_weight  # type: ignore[assignment]
     try:
         yield
     finally:
@@ -279,6 +282,13 @@ def _grads_off_the_input_path(outputs: list[Any], output_grads: Any, input_value
                 w.grad = g if w.grad is None else w.grad + g
     kept = [w for w in weights if all(w is not o for o in off)]
     weights[:] = kept
+
+
+def _graph_of(mod: nn.Module) -> fx.Graph:
+    graph = getattr(mod, "graph", None)
+    if not isinstance(graph, fx.Graph):
+        raise RuntimeError(f"torch's stage module {type(mod).__name__} has no fx graph; pipeviz needs updating.")
+    return graph
 
 
 def split_graph(pipe: Any) -> fx.Graph:

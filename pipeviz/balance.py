@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeviz import schedules as sched
+from pipeviz.costs import OPTIMIZER_STATES, in_flight, layer_times, stage_memory
 from pipeviz.graph import ModelGraph
 from pipeviz.plan import PlanError, SplitPlan
+
+__all__ = ["BY", "balance", "layer_costs", "partition"]
+
 
 BY = ("time", "flops", "params")
 
@@ -73,32 +76,22 @@ def partition(costs: Sequence[float], k: int, memory: Sequence[Sequence[float]] 
 
 
 def layer_costs(graph: ModelGraph, by: str = "time") -> list[float]:
-    """Per-layer cost for balancing: measured forward+backward seconds if ``pv.profile`` ran (any
-    microbatch size), else FLOPs (time is proportional to them), or parameter counts."""
+    """Per-layer cost for balancing: forward + backward seconds (``pipeviz.costs.layer_times``: measured on a
+    graph with a ``pv.profile`` attached, else from FLOPs), FLOPs, or parameter counts."""
     if by not in BY:
         raise ValueError(f"Unknown balance criterion by={by!r}; valid: {', '.join(BY)}.")
     if by == "params":
         return [float(layer.params) for layer in graph.layers]
-    if by == "time" and graph.capture.profiles:
-        prof = graph.capture.profiles[max(graph.capture.profiles)]
-        if all(layer.name in prof.forward for layer in graph.layers):
-            return [prof.forward[layer.name] + prof.backward[layer.name] for layer in graph.layers]
-    return [float(layer.flops) for layer in graph.layers]
-
-
-def _in_flight(schedule: str | None, stage: int, num_stages: int, microbatches: int) -> int:
-    """Microbatches whose activations a stage holds at its peak (GPipe: all; 1F1B-like: p - stage)."""
-    if schedule is None:
-        return 1
-    name = sched.canonical(schedule)
-    if name in ("GPipe", "LoopedBFS"):
-        return microbatches
-    return max(1, min(microbatches, num_stages - stage))
+    if by == "flops":
+        return [float(layer.flops) for layer in graph.layers]
+    fwd, bwd, _ = layer_times(graph)
+    return [f + b for f, b in zip(fwd, bwd, strict=True)]
 
 
 def balance(
     graph: ModelGraph, num_stages: int, by: str = "time", memory_limit: float | None = None,
-    schedule: str | None = None, microbatches: int = 1, stages_per_rank: int = 1, optimizer_states: int = 2,
+    schedule: str | None = None, microbatches: int = 1, stages_per_rank: int = 1,
+    optimizer_states: int = OPTIMIZER_STATES,
 ) -> SplitPlan:
     """The contiguous split of ``graph`` into ``num_stages`` stages that minimises the slowest stage.
 
@@ -109,9 +102,10 @@ def balance(
         graph: the traced graph.
         num_stages: total stages (with ``stages_per_rank`` = v > 1: ranks x v virtual stages).
         by: ``"time"`` (measured by ``pv.profile`` if run, else FLOP-proportional), ``"flops"``, ``"params"``.
-        memory_limit: bytes per rank; a stage's memory is its parameters x (2 + optimizer_states)
-            (weights, grads, optimizer state) plus its activations x microbatches in flight under
-            ``schedule`` (GPipe: all; 1F1B: p - stage). With v stages per rank each stage gets limit / v.
+        memory_limit: bytes per rank, in ``pipeviz.costs``' model (the figure the preview and ``simulate``
+            show): parameters x (2 + optimizer_states), buffers, and activations of the microbatches in flight
+            under ``schedule`` (default GPipe: all of them; 1F1B: p - stage). With v stages per rank each stage
+            gets limit / v.
         schedule, microbatches: for the in-flight activation count.
 
     Raises:
@@ -130,11 +124,12 @@ def balance(
     memory = None
     limit = None
     if memory_limit is not None:
+        # pipeviz.costs' formula, layer by layer: a stage's memory is the sum over its layers.
         limit = memory_limit / max(1, stages_per_rank)
+        flying = in_flight(schedule or "GPipe", num_stages, microbatches, stages_per_rank if schedule else None)
         memory = [
-            [(2 + optimizer_states) * layer.param_bytes
-             + layer.activation_bytes / max(1, microbatches) * _in_flight(schedule, j, num_stages, microbatches)
-             for layer in layers]
+            [stage_memory(layer.param_bytes, layer.buffer_bytes, layer.activation_bytes / microbatches * flying[j],
+                          optimizer_states) for layer in layers]
             for j in range(num_stages)
         ]
     ends = partition(costs, num_stages, memory, limit)

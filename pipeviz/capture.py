@@ -20,6 +20,10 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+__all__ = ["TRACE_LOCK", "Capture", "Op", "TraceError", "apply_fixups", "buffer_names", "capture",
+           "elementwise_modules"]
+
+
 # torch.export keeps global tracing state: traces from two threads (a run starting in the background while a
 # notebook traces or builds a Pipe) take turns.
 TRACE_LOCK = threading.RLock()
@@ -65,7 +69,6 @@ class Capture:
     notes: list[str] = field(default_factory=list)
     traced: bool = True  # False for the manual route (no torch.export graph)
     output_index: int | None = None  # which output leaf is ``logits`` for HF ModelOutputs (what a loss sees)
-    profiles: dict[int, Any] = field(default_factory=dict)  # microbatches -> pv.profile measurements
 
     def fresh_copy(self) -> nn.Module:
         """A deep copy of the user's model with the capture's fixups applied; the original is untouched."""

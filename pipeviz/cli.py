@@ -27,9 +27,7 @@ import torch.nn.functional as F
 import pipeviz as pv
 from pipeviz import zoo
 
-
-def _lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out.flatten(0, 1), target.flatten())
+__all__ = ["main"]
 
 
 def _model(name: str) -> tuple[str, torch.nn.Module, tuple[torch.Tensor, ...], torch.Tensor, Any, int]:
@@ -43,7 +41,7 @@ def _model(name: str) -> tuple[str, torch.nn.Module, tuple[torch.Tensor, ...], t
         ids = torch.randint(0, 512, (16, 32))
         return ("GPT-2, tiny config (4 blocks, 128 wide, random weights)",
                 zoo.gpt2(n_layer=4, n_embd=128, n_head=4, vocab_size=512), (ids,), torch.randint(0, 512, (16, 32)),
-                _lm_loss, 4)
+                pv.cross_entropy, 4)
     raise SystemExit(f"Unknown model {name!r}; valid: classic, gpt2, all.")
 
 
@@ -68,7 +66,7 @@ def _progress(run: pv.Run, label: str) -> None:
 
 
 def _section(name: str, a: argparse.Namespace) -> Any:
-    from pipeviz.report import Section
+    from pipeviz.widgets.report import Section
 
     title, model, inputs, target, loss, default_stages = _model(name)
     stages = a.stages or default_stages
@@ -77,7 +75,7 @@ def _section(name: str, a: argparse.Namespace) -> Any:
     graph = pv.trace(model, example_args=inputs)
     print(f"  traced {len(graph.layers)} layers in {time.time() - t:.1f} s: {', '.join(graph.layer_names)}")
     threads = max(1, (os.cpu_count() or 1) // stages)
-    pv.profile(graph, microbatches=a.microbatches, threads=threads, repeats=5)
+    graph = graph.with_profile(pv.profile(graph, microbatches=a.microbatches, threads=threads, repeats=5))
     plan = pv.balance(graph, stages, by="time")
     print(f"  auto-balanced (measured time): {plan!r}")
     print("\n".join("    " + line for line in plan.table().splitlines()))
@@ -90,26 +88,16 @@ def _section(name: str, a: argparse.Namespace) -> Any:
         print(f"  {a.schedule} needs an even stage count: running {run_plan!r}")
     simulated = pv.simulate(run_plan, a.schedule, a.microbatches, stages_per_rank=spr)
     run = pv.launch(run_plan, schedule=a.schedule, microbatches=a.microbatches, steps=a.steps, inputs=inputs,
-                    target=target, loss_fn=loss, devices=a.devices, stages_per_rank=spr,
-                    optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05))
+                    target=target, loss_fn=loss, devices=a.devices, stages_per_rank=spr, optimizer=pv.sgd(lr=0.05))
     _progress(run, f"{a.schedule} on {run.layout.num_ranks} processes")
     if run.status != "done":
         print(f"  run {run.status}: {run.error}")
-        return Section(title, run_plan, cmp, run.timeline(), simulated, {}, [f"The run {run.status}: {run.error}"])
-    ref_losses, ref_state = pv.train_reference(model, inputs, target, loss, lambda ps: torch.optim.SGD(ps, lr=0.05),
-                                               a.microbatches, a.steps, fixups=graph.capture.fixups)
-    state = run.state_dict()
-    check = {
-        "loss_diff": max(abs(x - y) for x, y in zip(run.losses, ref_losses, strict=True)),
-        "param_diff": max((state[k] - v).abs().max().item() for k, v in ref_state.items()),
-        "steps": a.steps,
-    }
-    check["ok"] = check["loss_diff"] < 1e-4 and check["param_diff"] < 1e-4
+        return Section(title, run_plan, cmp, run.timeline(), simulated, None, [f"The run {run.status}: {run.error}"])
+    check = pv.check_numerics(run)
     tl = run.timeline()
     print(f"  measured step {tl.step_time * 1e3:.2f} ms (simulated {simulated.step_time * 1e3:.2f} ms), "
           f"bubble {tl.bubble_fraction:.0%}; losses {', '.join(f'{x:.4f}' for x in run.losses)}")
-    print(f"  numerics vs the unsplit model: {'match' if check['ok'] else 'MISMATCH'} "
-          f"(loss diff {check['loss_diff']:.1e}, param diff {check['param_diff']:.1e})")
+    print(f"  {check}")
     notes = list(graph.notes)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     ranks = run.layout.num_ranks
@@ -123,7 +111,7 @@ def _section(name: str, a: argparse.Namespace) -> Any:
 def demo(a: argparse.Namespace) -> int:
     """Trace, balance, simulate, launch, check, report."""
     warnings.filterwarnings("ignore")
-    from pipeviz.report import write_report
+    from pipeviz.widgets.report import write_report
 
     a.schedule = pv.schedules.canonical(a.schedule)  # bad options fail before any work
 
@@ -133,7 +121,7 @@ def demo(a: argparse.Namespace) -> int:
         names = [n for n in names if n != "gpt2"] or ["classic"]
     sections = [_section(n, a) for n in names]
     path = write_report(sections, a.output)
-    ok = all(s.check.get("ok") for s in sections)
+    ok = all(s.check is not None and s.check.ok for s in sections)
     print(f"\nreport: {path.resolve()}")
     return 0 if ok else 1
 

@@ -40,6 +40,9 @@ import sys
 
 from pipeviz.export import run_rank
 
+__all__ = ["Watch", "export_torchrun", "run_rank", "watch"]
+
+
 if __name__ == "__main__":
     here = os.path.dirname(os.path.abspath(__file__))
     events = os.environ.get("PIPEVIZ_EVENTS", os.path.join(here, {events!r}))
@@ -64,7 +67,7 @@ def export_torchrun(
     """
     import cloudpickle
 
-    from pipeviz.runtime.run import _with_inputs, validate_launch
+    from pipeviz.runtime.spec import _with_inputs, validate_launch
     from pipeviz.runtime.stages import build_stages, tied_ranks
 
     spec = validate_launch(plan, schedule, microbatches, steps, inputs, input_kwargs, target, loss_fn, optimizer,
@@ -80,7 +83,7 @@ def export_torchrun(
         "target": spec.target, "timeout": timeout,
     }
     payload.write_bytes(cloudpickle.dumps(job))
-    from pipeviz import __version__
+    from pipeviz.version import __version__
 
     summary = (f"{type(plan.graph.model).__name__}, {plan.num_stages} stages on {spec.layout.num_ranks} ranks, "
                f"{spec.schedule}, {microbatches} microbatches, {steps} steps")
@@ -123,7 +126,7 @@ def run_rank(payload_path: str, events_dir: str) -> int:
 
     import cloudpickle
 
-    from pipeviz.runtime.run import resolve_devices
+    from pipeviz.runtime.spec import resolve_devices
     from pipeviz.runtime.stages import rank_stages
     from pipeviz.runtime.worker import RankPayload, _run
 

@@ -15,7 +15,7 @@ import difflib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.distributed.pipelining import SplitPoint
@@ -23,6 +23,9 @@ from torch.distributed.pipelining import SplitPoint
 from pipeviz.capture import Capture, capture
 from pipeviz.plan import GraphIndex, PlanError, SplitPlan
 from pipeviz.units import ROOT, CallTree, Unit
+
+if TYPE_CHECKING:
+    from pipeviz.profile import Profile
 
 __all__ = ["Layer", "ModelGraph", "trace"]
 
@@ -105,9 +108,10 @@ class ModelGraph:
     """
 
     def __init__(self, cap: Capture, layer_names: Sequence[str] | None = None, *, depth: int | None = None,
-                 tree: CallTree | None = None) -> None:
+                 tree: CallTree | None = None, profile: Profile | None = None) -> None:
         self._cap = cap
         self._tree = tree or CallTree(cap)
+        self.profile = profile
         names = list(layer_names) if layer_names is not None else self._tree.natural(depth)
         if not names:
             raise ValueError(
@@ -142,10 +146,19 @@ class ModelGraph:
 
     def regroup(self, depth: int | None = None) -> ModelGraph:
         """A new graph at another granularity: ``None`` for natural blocks, an int for a module depth."""
-        return ModelGraph(self._cap, depth=depth, tree=self._tree)
+        return ModelGraph(self._cap, depth=depth, tree=self._tree, profile=self.profile)
+
+    def with_profile(self, profile: Profile | None) -> ModelGraph:
+        """This view with measured layer times attached (``pv.profile(graph)``): ``simulate`` and
+        ``balance(by="time")`` on it, and on plans made from it, use them. The graph itself is unchanged.
+
+        Example:
+            >>> graph = graph.with_profile(pv.profile(graph, microbatches=4))
+        """
+        return ModelGraph(self._cap, self._names, tree=self._tree, profile=profile)
 
     def _view(self, names: Sequence[str]) -> ModelGraph:
-        return ModelGraph(self._cap, names, tree=self._tree)
+        return ModelGraph(self._cap, names, tree=self._tree, profile=self.profile)
 
     def _expandable(self) -> str:
         return ", ".join(layer.name for layer in self.layers if layer.expandable) or "none"
@@ -436,10 +449,11 @@ class ModelGraph:
         return SplitPlan.from_spec(self, spec)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, ModelGraph) and other._cap is self._cap and other._names == self._names
+        return (isinstance(other, ModelGraph) and other._cap is self._cap and other._names == self._names
+                and other.profile is self.profile)
 
     def __hash__(self) -> int:
-        return hash((id(self._cap), self._names))
+        return hash((id(self._cap), self._names, id(self.profile)))
 
     def __repr__(self) -> str:
         return f"ModelGraph({type(self.model).__name__}, {len(self.layers)} layers, {len(self.edges)} edges)"

@@ -24,34 +24,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from pipeviz.capture import Capture, Op, _alias_groups, _batch_size, _module_table, _tensor_bytes
 from pipeviz.graph import ModelGraph
 from pipeviz.plan import PlanError, SplitPlan
+from pipeviz.sequence import SequenceStage
 
-
-class SequenceStage(nn.Module):
-    """A stage of a manual plan: its modules, under their original names, run one after another."""
-
-    def __init__(self, model: nn.Module, names: Sequence[str]) -> None:
-        super().__init__()
-        self.order = list(names)
-        # One deepcopy for all modules keeps weights tied inside the stage tied.
-        copies = copy.deepcopy([model.get_submodule(n) for n in names])
-        for name, mod in zip(names, copies, strict=True):
-            parent: nn.Module = self
-            *path, leaf = name.split(".")
-            for atom in path:
-                if atom not in parent._modules:
-                    parent.add_module(atom, nn.Module())
-                parent = parent._modules[atom]  # type: ignore[assignment]
-            parent.add_module(leaf, mod)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        x: Any = None
-        for i, name in enumerate(self.order):
-            mod = self.get_submodule(name)
-            if i == 0:
-                x = mod(*args, **kwargs)
-            else:
-                x = mod(*x) if isinstance(x, tuple) else mod(x)
-        return x
+__all__ = ["SequenceStage", "manual_plan"]
 
 
 def manual_plan(

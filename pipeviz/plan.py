@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.pipelining import SplitPoint
 
 from pipeviz.capture import TRACE_LOCK
+from pipeviz.costs import stage_info_memory
 
 if TYPE_CHECKING:
     from pipeviz.graph import ModelGraph
@@ -87,7 +88,9 @@ class StageInfo:
         activation_bytes: bytes of all activations the stage produces for the example batch (what
             backward keeps alive, roughly).
         buffer_bytes: bytes of the buffers the stage holds (running statistics, ``inv_freq``, ...).
-        memory_bytes: rough training footprint: parameters + gradients + buffers + activations.
+        memory_bytes: the stage's training footprint on a rank of its own (``pipeviz.costs``): parameters,
+            gradients and Adam's two states, buffers, and every microbatch's activations in flight (GPipe, the
+            most any schedule keeps). ``pv.simulate(...).memory_bytes`` gives it per rank for a schedule.
     """
 
     index: int
@@ -104,7 +107,7 @@ class StageInfo:
 
     @property
     def memory_bytes(self) -> int:
-        return 2 * self.param_bytes + self.buffer_bytes + self.activation_bytes
+        return stage_info_memory(self)
 
 
 _POINTS = {"end": SplitPoint.END, "beginning": SplitPoint.BEGINNING}
@@ -137,6 +140,7 @@ class SplitPlan:
 
     graph: ModelGraph
     splits: tuple[tuple[str, SplitPoint], ...]
+    _positions: list[float] = field(init=False, repr=False, compare=False, default_factory=list)
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -260,7 +264,7 @@ class SplitPlan:
     @property
     def positions(self) -> list[float]:
         """Op positions of the splits (``k + 0.5``: between ops ``k`` and ``k + 1``), in order."""
-        return list(self._positions)  # type: ignore[attr-defined]
+        return list(self._positions)
 
     @property
     def split_spec(self) -> dict[str, SplitPoint]:
@@ -269,7 +273,7 @@ class SplitPlan:
         return dict(self.splits)
 
     def _stage_of_op(self, op: int) -> int:
-        return bisect.bisect_left(self._positions, op)  # type: ignore[attr-defined]
+        return bisect.bisect_left(self._positions, op)
 
     @cached_property
     def stages(self) -> list[StageInfo]:
@@ -432,7 +436,7 @@ class SplitPlan:
         if self.graph.capture.traced:
             pipe = self.pipe(microbatches)
             return [pipe.get_stage_module(i) for i in range(self.num_stages)]
-        from pipeviz.manual import SequenceStage
+        from pipeviz.sequence import SequenceStage
 
         return [SequenceStage(self.graph.model, s.layers) for s in self.stages]
 

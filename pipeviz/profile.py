@@ -1,11 +1,12 @@
-"""``profile()``: measure each layer's forward and backward time on a device and calibrate the graph.
+"""``profile()``: measure each layer's forward and backward time on a device.
 
-After ``pv.profile(graph, microbatches=m)``, ``pv.simulate(plan, ..., microbatches=m)`` uses measured
-per-stage times and ``pv.balance(graph, by="time")`` balances measured time.
+The result is a value: attach it to a view of the graph (``graph.with_profile(prof)``) and ``pv.simulate`` and
+``pv.balance(by="time")`` on that view (and on plans made from it) use measured times (``pipeviz.costs``).
 
 Example:
     >>> prof = pv.profile(graph, device="cpu", microbatches=4)
     >>> prof.forward["layer1"], prof.backward["layer1"], prof.peak_memory
+    >>> graph = graph.with_profile(prof)
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from torch.utils import _pytree as pytree
 from pipeviz.graph import ModelGraph
 from pipeviz.plan import check_microbatches
 
+__all__ = ["CPU_ACTION_OVERHEAD", "Profile", "profile"]
+
+
 # Fixed cost of one schedule action in a run on CPU: the gap between one action's end and the next on the
 # same rank when the next one's input is already there (posting gloo sends and receives, PipelineStage
-# bookkeeping, event timing). Measured on the 2-core CI machine: median 0.4-0.6 ms per action
-# (benchmarks/simulator_accuracy.py).
+# bookkeeping, event timing); benchmarks/simulator_accuracy.py measures it.
 CPU_ACTION_OVERHEAD = 4e-4
 
 
@@ -58,7 +61,7 @@ def _sync(device: torch.device) -> Callable[[], None]:
 
 def profile(graph: ModelGraph, device: str = "cpu", microbatches: int = 1, repeats: int = 7,
             warmup: int = 2, loss_fn: Callable[[Any], torch.Tensor] | None = None, threads: int | None = None,
-            busy_cores: bool = True) -> Profile:
+            busy_cores: bool = True, clock: Callable[[], float] = time.perf_counter) -> Profile:
     """Time every layer's forward and backward for one microbatch on ``device`` and calibrate ``graph``.
 
     A deep copy of the model runs ``warmup + repeats`` forward/backward passes on one microbatch of the
@@ -74,11 +77,12 @@ def profile(graph: ModelGraph, device: str = "cpu", microbatches: int = 1, repea
         threads: CPU threads while timing; use what each rank of the run gets (``pv.launch`` gives each
             ``cpu_count // ranks``). Default: torch's current setting.
         busy_cores: on the CPU, keep the other cores busy with matrix products while timing, as the other
-            ranks of a run do (they share caches and memory bandwidth: measured here, an action takes
-            15-20 % longer than on an idle machine).
+            ranks of a run do (they share caches and memory bandwidth, so an action takes longer than on an
+            idle machine).
+        clock: seconds now (default ``time.perf_counter``); read after synchronising the device.
 
     Returns:
-        The ``Profile`` (also stored in the graph for ``simulate``/``balance``).
+        The ``Profile``; ``graph.with_profile(prof)`` gives a view that ``simulate``/``balance`` calibrate with.
     """
     from pipeviz._malloc import keep_heap
 
@@ -92,6 +96,11 @@ def profile(graph: ModelGraph, device: str = "cpu", microbatches: int = 1, repea
     mb_args, mb_kwargs = pytree.tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, (a[0], k[0]))
     model = graph.capture.fresh_copy().to(dev)
     sync = _sync(dev)
+
+    def now() -> float:
+        sync()
+        return clock()
+
     fwd: dict[str, list[float]] = {n: [] for n in graph.layer_names}
     bwd: dict[str, list[float]] = {n: [] for n in graph.layer_names}
     marks: dict[str, float] = {}
@@ -100,17 +109,15 @@ def profile(graph: ModelGraph, device: str = "cpu", microbatches: int = 1, repea
 
     def pre(name: str) -> Callable[..., None]:
         def hook(*_: Any) -> None:
-            sync()
-            marks[name] = time.perf_counter()
+            marks[name] = now()
         return hook
 
     def post(name: str) -> Callable[..., None]:
         def hook(_mod: Any, _inp: Any, out: Any) -> None:
-            sync()
-            fwd[name].append(time.perf_counter() - marks.pop(name))
+            fwd[name].append(now() - marks.pop(name))
             tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
-                tensors[0].register_hook(lambda g: grad_ready.__setitem__(name, _now(sync)))
+                tensors[0].register_hook(lambda g: grad_ready.__setitem__(name, now()))
         return hook
 
     for name in graph.layer_names:
@@ -124,7 +131,7 @@ def profile(graph: ModelGraph, device: str = "cpu", microbatches: int = 1, repea
         torch.set_num_threads(threads)
     load = _Load(dev.type == "cpu" and busy_cores, torch.get_num_threads())
     try:
-        total_f, loss_f, total_b = _passes(model, mb_args, mb_kwargs, loss_of, sync, warmup, repeats, fwd, bwd,
+        total_f, loss_f, total_b = _passes(model, mb_args, mb_kwargs, loss_of, now, warmup, repeats, fwd, bwd,
                                            grad_ready, accumulate=microbatches > 1)
     finally:
         load.stop()
@@ -144,7 +151,6 @@ def profile(graph: ModelGraph, device: str = "cpu", microbatches: int = 1, repea
         overhead=CPU_ACTION_OVERHEAD if dev.type == "cpu" else 2e-5,
         peak_memory=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
     )
-    graph.capture.profiles[microbatches] = prof
     return prof
 
 
@@ -172,21 +178,16 @@ class _Load:
             t.join(5)
 
 
-def _now(sync: Callable[[], None]) -> float:
-    sync()
-    return time.perf_counter()
-
-
 def _passes(model: torch.nn.Module, args: Any, kwargs: Any, loss_of: Callable[[Any], torch.Tensor],
-            sync: Callable[[], None], warmup: int, repeats: int, fwd: dict[str, list[float]],
+            now: Callable[[], float], warmup: int, repeats: int, fwd: dict[str, list[float]],
             bwd: dict[str, list[float]], grad_ready: dict[str, float],
             accumulate: bool) -> tuple[list[float], list[float], list[float]]:
     """Forward/backward passes; a layer's backward runs from its output gradient's arrival to the next
     (earlier) layer's, the first layer's until the backward ends (so ops between layers count too).
 
     With ``accumulate`` gradients are added into the existing ``.grad`` as in a pipelined step, where all
-    microbatches but the first accumulate (measured here: 20 % of an MLP's backward on CPU, as every
-    gradient is read and written once more); otherwise each pass allocates them anew.
+    microbatches but the first accumulate (every gradient is read and written once more); otherwise each
+    pass allocates them anew.
     Returns the forward, loss and backward (loss gradient included) times.
     """
     total_f: list[float] = []
@@ -194,16 +195,13 @@ def _passes(model: torch.nn.Module, args: Any, kwargs: Any, loss_of: Callable[[A
     total_b: list[float] = []
     for i in range(warmup + repeats):
         grad_ready.clear()
-        sync()
-        t0 = time.perf_counter()
+        t0 = now()
         out = model(*args, **kwargs)
-        sync()
-        t1 = time.perf_counter()
+        t1 = now()
         loss = loss_of(out)
-        t_loss = _now(sync)
+        t_loss = now()
         loss.backward()
-        sync()
-        t2 = time.perf_counter()
+        t2 = now()
         if not accumulate:
             model.zero_grad(set_to_none=True)
         if i < warmup:  # warm-up passes are not kept

@@ -16,6 +16,10 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
+__all__ = ["ALL", "MULTI", "SINGLE", "V_SHAPED", "ZERO_BUBBLE", "Layout", "ScheduleError", "canonical",
+           "check_microbatches", "layout", "orders", "parse", "validate"]
+
+
 SINGLE = ("GPipe", "1F1B")
 MULTI = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 ALL = SINGLE + MULTI
@@ -54,10 +58,6 @@ class Layout:
 
     def stages_of(self, rank: int) -> list[int]:
         return [s for s, r in enumerate(self.stage_ranks) if r == rank]
-
-    @property
-    def multi(self) -> bool:
-        return self.schedule in MULTI
 
 
 def layout(schedule: str, num_stages: int, stages_per_rank: int | None = None) -> Layout:

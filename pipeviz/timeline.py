@@ -4,6 +4,7 @@ Example:
     >>> tl = run.timeline()
     >>> tl.step_time, tl.bubble_fraction
     >>> tl.to_chrome_trace("run.json")        # open in https://ui.perfetto.dev
+    >>> pv.timeline_figure(tl)                   # the plotly Gantt chart (pipeviz.widgets.figures)
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+__all__ = ["COMPUTE", "KINDS", "Event", "Timeline"]
+
+
 COMPUTE = ("F", "B", "I", "W")
 KINDS = {
     "F": "forward", "B": "backward (input and weight grads)", "I": "backward, input grads only",
-    "W": "backward, weight grads only", "SEND": "send", "RECV": "receive", "COMM": "waiting on communication",
+    "W": "backward, weight grads only", "COMM": "waiting on communication",
 }
 
 
@@ -29,7 +33,7 @@ class Event:
     Attributes:
         rank: process that ran it.
         stage: pipeline stage (-1 for actions that belong to no stage, such as a communication wait).
-        kind: ``F``, ``B``, ``I``, ``W`` (compute) or ``SEND``, ``RECV``, ``COMM``.
+        kind: ``F``, ``B``, ``I``, ``W`` (compute) or ``COMM`` (blocked on communication).
         mb: microbatch index (-1 when not one).
         start, end: seconds since the run (or simulated step) started; one clock across ranks.
         step: training step.
@@ -165,12 +169,6 @@ class Timeline:
         out = Path(path)
         out.write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
         return out
-
-    def figure(self, **kw: Any) -> Any:
-        """A plotly Gantt chart of this timeline (imports plotly on first use)."""
-        from pipeviz.widgets.figures import timeline_figure
-
-        return timeline_figure(self, **kw)
 
     def __repr__(self) -> str:
         return (f"Timeline({self.source}, {self.schedule}, {self.num_stages} stages on {self.num_ranks} ranks, "

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+__all__ = ["MyNetwork", "MyNetworkBlock", "SkipNet", "TiedNet", "TinyTransformer", "TransformerBlock", "bert", "gpt2"]
+
 
 class MyNetworkBlock(nn.Module):
     """One Linear followed by a ReLU: the block of the classic PiPPy walkthrough."""

@@ -2,7 +2,7 @@
 layer node, then Launch. Screenshots go to artifacts/browser/ (git-ignored).
 
 Needs ``/usr/bin/chromium`` (``apt-get install -y chromium``) and ``pip install playwright``; never
-``playwright install``. See DESIGN.md §5.
+``playwright install``.
 """
 
 from __future__ import annotations

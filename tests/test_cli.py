@@ -20,7 +20,7 @@ def test_demo_writes_a_self_contained_report(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "numerics vs the unsplit model: match" in proc.stdout
+    assert "numerics: the run matches the unsplit model" in proc.stdout
     assert f"report: {out.resolve()}" in proc.stdout
     ranks = int(re.search(r"on (\d+) processes", proc.stdout).group(1))  # type: ignore[union-attr]
     cores = len(os.sched_getaffinity(0))

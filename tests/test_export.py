@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import pipeviz as pv
-from pipeviz.runtime.run import _free_port
+from pipeviz.runtime.procs import free_port as _free_port
 from pipeviz.zoo import MyNetwork
 
 pytestmark = pytest.mark.slow

@@ -60,9 +60,11 @@ def test_every_schedule_matches_unsplit_model(schedule: str, case: str) -> None:
     kinds = {e.kind for e in tl.events}
     expected = {"F", "I", "W"} if schedule in pv.schedules.ZERO_BUBBLE else {"F", "B"}
     assert expected <= kinds
-    # Every (stage, microbatch) ran forward exactly once per step.
+    # Every (stage, microbatch) ran forward exactly once per step, in the order pipeviz.schedules predicts.
     fwd = sorted((e.stage, e.mb) for e in tl.events if e.kind == "F" and e.step == 0)
     assert fwd == sorted((s, m) for s in range(stages) for m in range(4))
+    for step in (0, 1):
+        assert [tl.order(r, step) for r in range(run.layout.num_ranks)] == pv.schedules.orders(schedule, stages, 4)
 
 
 def test_events_stream_while_running_and_share_one_clock() -> None:

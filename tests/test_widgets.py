@@ -12,6 +12,7 @@ import torch
 
 import pipeviz as pv
 from pipeviz.runtime.run import Run
+from pipeviz.runtime.spec import LaunchSpec
 from pipeviz.schedules import ALL, layout
 from pipeviz.timeline import Event, Timeline
 
@@ -170,13 +171,13 @@ def test_skip_edges_are_drawn(skip_graph: pv.ModelGraph) -> None:
 @pytest.mark.slow
 @needs_sim
 def test_launch_fills_the_timeline_live_and_checks_numerics(explorer: pv.Explorer) -> None:
-    from pipeviz.widgets.losses import cross_entropy_last_dim
+    from pipeviz.training import cross_entropy
 
     explorer.plan = ["layer0", "layer1"]
     explorer.steps.value = 30
     # Runs in the stage processes: fails the run if unpickling the default loss loaded a view library.
     explorer.loss_fn = lambda out, t: (1 / 0 if __import__("multiprocessing").parent_process() and {
-        "ipywidgets", "plotly", "anywidget"} & set(__import__("sys").modules) else cross_entropy_last_dim(out, t))
+        "ipywidgets", "plotly", "anywidget"} & set(__import__("sys").modules) else cross_entropy(out, t))
     counts: list[int] = []
     explorer.launch_button.click()
     run = explorer.run
@@ -237,13 +238,12 @@ def synthetic(n: int, ranks: int = 4, microbatches: int = 8) -> list[Event]:
     return events[:n]
 
 
-def test_timeline_view_draws_10000_events_quickly() -> None:
+def test_timeline_view_draws_10000_events_as_webgl_segments() -> None:
+    # How long a redraw takes is measured in benchmarks/timeline_redraw.py, not asserted here.
     tl = Timeline(synthetic(10_000), 4, 4, 8, "1F1B")
     view = pv.TimelineView(tl)
     assert view.event_count == 10_000
-    t0 = time.perf_counter()
     view.update(tl)
-    assert time.perf_counter() - t0 < 1.0 and view.last_redraw_s < 1.0
     drawn = [t for t in view.figure.data if len(t.x)]
     assert {t.type for t in drawn} == {"scattergl"}  # WebGL segments, one trace per kind, not 10,000 shapes
     assert len(view.figure.data) <= 7 and sum(len(t.x) for t in drawn) == 3 * 10_000
@@ -254,18 +254,26 @@ def test_timeline_view_draws_10000_events_quickly() -> None:
 
 def test_live_updates_are_throttled(classic_graph: pv.ModelGraph) -> None:
     plan = classic_graph.split(["layer0", "layer1", "layer2"])
-    run = Run(plan, "1F1B", layout("1F1B", 4), 8, 1000, 60.0)  # fed by hand: no processes
-    view = pv.TimelineView(run, interval=0.25)
+    spec = LaunchSpec("1F1B", layout("1F1B", 4), (), {}, None, None, None, microbatches=8, steps=1000)
+    run = Run(plan, spec, 60.0)  # fed by hand: no processes
+    now = [0.0]
+    pending: list[tuple[float, object]] = []
+    view = pv.TimelineView(run, interval=0.25, clock=lambda: now[0], later=lambda s, fn: pending.append((s, fn)))
     events = synthetic(10_000)
-    t0 = time.perf_counter()
-    for i in range(0, 10_000, 100):  # 100 batches as fast as they come
+    first = view.redraws
+    for i in range(0, 10_000, 100):  # 100 batches while the clock stands still
         run._publish(events[i:i + 100])
-    elapsed = time.perf_counter() - t0
-    assert view.redraws <= 2 + elapsed / 0.25 and elapsed < 5, (view.redraws, elapsed)
-    time.sleep(1.3)  # the pending batch is drawn after the interval (1 s at 10,000 events) without another batch
-    assert view.event_count == 10_000
+    assert view.redraws == first  # attaching drew at t=0: every batch waits for the interval
+    assert len(pending) == 1 and view.event_count == 0
+    seconds, flush = pending.pop()
+    assert seconds == pytest.approx(0.25)
+    now[0] += 0.3
+    flush()  # the pending redraw fires without another batch: everything that came is drawn
+    assert view.event_count == 10_000 and view.redraws == first + 1
+    run._publish(events[:1])  # at 10,000 events the interval grows to 1 s (SECONDS_PER_EVENT)
+    assert view.redraws == first + 1 and len(pending) == 1 and pending[0][0] == pytest.approx(1.0001)
     run._finish("done")
-    assert view.event_count == 10_000 and view.step_select.options[-1] == (f"step {events[-1].step}", events[-1].step)
+    assert view.event_count == 10_001 and view.step_select.options[-1] == (f"step {events[-1].step}", events[-1].step)
     view.step_select.value = 3  # zoom to one step
     lo, hi = view.figure.layout.xaxis.range
     assert 2990 < lo < 3000 < hi < 3200
@@ -274,7 +282,7 @@ def test_live_updates_are_throttled(classic_graph: pv.ModelGraph) -> None:
 def test_timeline_figure_overlay_and_static() -> None:
     measured = Timeline(synthetic(64 * 3), 4, 4, 8, "1F1B")
     sim = Timeline(synthetic(64), 4, 4, 8, "1F1B", source="simulated")
-    fig = measured.figure(overlay=sim)
+    fig = pv.timeline_figure(measured, overlay=sim)
     overlay = [t for t in fig.data if t.meta[0].endswith("(overlay)") and len(t.x)]
     assert sum(len(t.x) for t in overlay) == 3 * 64  # the simulated step under each of 3 measured steps
     assert fig.layout.yaxis.ticktext == ("rank 0", "rank 1", "rank 2", "rank 3")
@@ -293,7 +301,7 @@ def test_static_fallback_for_nbconvert(explorer: pv.Explorer) -> None:
 
 
 def test_views_load_only_on_use() -> None:
-    code = ("import sys, pipeviz, pipeviz.widgets, pipeviz.widgets.losses; "
+    code = ("import sys, pipeviz, pipeviz.widgets, pipeviz.training; "
             "print([m for m in ('ipywidgets', 'plotly', 'anywidget') if m in sys.modules]); "
             "pipeviz.TimelineView(None); print(all(m in sys.modules for m in ('ipywidgets', 'plotly', 'anywidget')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+__all__ = ["model_output", "train_reference"]
+
 
 def model_output(out: Any) -> Any:
     """The output a loss sees: an HF ModelOutput's ``logits``; else the only tensor, or a tuple of tensors."""

@@ -34,6 +34,9 @@ import torch
 
 from pipeviz.schedules import SINGLE, ZERO_BUBBLE
 
+__all__ = ["SEND_INTERVAL", "RankPayload", "main"]
+
+
 SEND_INTERVAL = 0.1  # seconds: live enough to watch, rare enough not to disturb the ranks
 
 
@@ -62,7 +65,7 @@ class RankPayload:
     parent_pid: int = 0
     timeout_s: float = 120.0
     threads: int = 1
-    cpus: tuple[int, ...] | None = None  # cores of this rank's threads (pv.launch on CPU; see run._cpu_sets)
+    cpus: tuple[int, ...] | None = None  # cores of this rank's threads (pv.launch on CPU; see spec.cpu_sets)
     init_method: str | None = None  # default: tcp://127.0.0.1:port; "env://" under torchrun
 
 
@@ -169,9 +172,11 @@ def _stages(p: RankPayload, clock: _Clock, step_box: list[int], device: torch.de
             with clock.span(p.rank, self.stage_index, "F", fwd_chunk_id, step_box[0]):
                 return super().forward_one_chunk(fwd_chunk_id, *a, **k)
 
-        def backward_one_chunk(self, bwd_chunk_id: int, *a: Any, full_backward: bool = True, **k: Any) -> Any:
+        def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
+                               last_backward: bool = False) -> Any:
             with clock.span(p.rank, self.stage_index, "B" if full_backward else "I", bwd_chunk_id, step_box[0]):
-                return super().backward_one_chunk(bwd_chunk_id, *a, full_backward=full_backward, **k)
+                return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                                  last_backward=last_backward)
 
         def backward_weight_one_chunk(self, bwd_chunk_id: int, *a: Any, **k: Any) -> Any:
             with clock.span(p.rank, self.stage_index, "W", bwd_chunk_id, step_box[0]):

@@ -1,10 +1,10 @@
 """Notebook views over the core: ``Explorer``, ``TimelineView`` and plain plotly figures.
 
-Nothing here is imported by ``import pipeviz``: the names below load ipywidgets and plotly on first use,
-and ``pipeviz.widgets.losses`` (what a launched run's default loss pickles by reference) loads neither.
+Nothing here is imported by ``import pipeviz``: the names below load ipywidgets and plotly on first use
+(``pv.Explorer``, ``pv.timeline_figure``, ... reach them through the package's lazy attributes).
 
 Example:
-    >>> from pipeviz.widgets import Explorer, TimelineView, graph_figure, timeline_figure
+    >>> from pipeviz.widgets import Explorer, TimelineView, comparison_figure, graph_figure, timeline_figure
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from typing import Any
 _LAZY = {
     "Explorer": "pipeviz.widgets.explorer",
     "TimelineView": "pipeviz.widgets.timeline_view",
+    "comparison_figure": "pipeviz.widgets.figures",
     "graph_figure": "pipeviz.widgets.figures",
     "timeline_figure": "pipeviz.widgets.figures",
+    "write_report": "pipeviz.widgets.report",
 }
 
 __all__ = sorted(_LAZY)

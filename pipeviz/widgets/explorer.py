@@ -30,9 +30,9 @@ from pipeviz import schedules as sched
 from pipeviz.graph import ModelGraph
 from pipeviz.plan import SplitPlan
 from pipeviz.timeline import Timeline
+from pipeviz.training import cross_entropy, default_target
 from pipeviz.widgets import panels
 from pipeviz.widgets.figures import graph_figure, graph_layout, graph_traces, timeline_figure
-from pipeviz.widgets.losses import cross_entropy_last_dim, default_target
 from pipeviz.widgets.panels import guarded, soon
 from pipeviz.widgets.timeline_view import TimelineView
 
@@ -202,11 +202,8 @@ class Explorer(W.VBox):
     def auto_balance(self, num_stages: int | None = None, by: str | None = None) -> SplitPlan | None:
         """Replace the plan with ``pv.balance(graph, num_stages, by=...)`` (defaults: the controls)."""
         self._clear_error()
-        balance = getattr(pv, "balance", None)
-        if balance is None:
-            raise RuntimeError("pv.balance is not available in this version of pipeviz.")
         n = int(num_stages if num_stages is not None else self.stages.value)
-        plan = balance(self.graph, n, by=by or self.balance_by.value, schedule=self.schedule.value,
+        plan = pv.balance(self.graph, n, by=by or self.balance_by.value, schedule=self.schedule.value,
                        microbatches=self.microbatches.value)
         self.plan = plan
         return plan
@@ -236,7 +233,7 @@ class Explorer(W.VBox):
         if self.run is not None and not self._finished.is_set():
             raise pv.LaunchError("A run is still going. Fix: press Stop (explorer.stop()) first.")
         args, kwargs = self.graph.example_args, dict(self.graph.example_kwargs)
-        loss_fn = self.loss_fn or cross_entropy_last_dim
+        loss_fn = self.loss_fn or cross_entropy
         target = self.target if self.target is not None else default_target(self.graph)
         plan, schedule, mbs, steps = self._plan, self.schedule.value, self.microbatches.value, self.steps.value
         run = pv.launch(plan, schedule=schedule, microbatches=mbs, steps=steps, inputs=args,
@@ -248,8 +245,7 @@ class Explorer(W.VBox):
         self.stop_button.disabled, self.launch_button.disabled = False, True
         self.progress.value = f"<b>starting</b> · {schedule} · {plan.num_stages} stages · step 0/{steps}"
         self.run_view.attach(run, overlay=self.sim)
-        check = (plan, args, kwargs, target, loss_fn, self.optimizer, mbs, steps)
-        run.subscribe(lambda batch: self._on_run_events(run, check))
+        run.subscribe(lambda batch: self._on_run_events(run))
         return run
 
     @guarded
@@ -321,7 +317,7 @@ class Explorer(W.VBox):
         finally:
             self.granularity.value = ""
 
-    def _on_run_events(self, run: pv.Run, check: tuple[Any, ...]) -> None:
+    def _on_run_events(self, run: pv.Run) -> None:
         if run is not self.run:
             return
         try:
@@ -333,7 +329,7 @@ class Explorer(W.VBox):
                 elif run.status == "done":
                     self.numerics.value = "<i>checking numerics against the unsplit model…</i>"
                     try:
-                        self.numerics.value = panels.numerics_html(run, *check)
+                        self.numerics.value = panels.numerics_html(run)
                     except Exception as exc:
                         self.numerics.value = "<b>Numerics check:</b> could not train the unsplit model (see error)."
                         self._show_error(exc, prefix="numerics check: ")
@@ -369,13 +365,10 @@ class Explorer(W.VBox):
 
     def _refresh_simulation(self) -> None:
         self.sim = None
-        simulate = getattr(pv, "simulate", None)
         note = ""
-        if simulate is None:
-            note = "simulator not available"
-        elif self._plan.num_stages >= 1:
+        if self._plan.num_stages >= 1:
             try:
-                self.sim = simulate(self._plan, schedule=self.schedule.value, microbatches=self.microbatches.value)
+                self.sim = pv.simulate(self._plan, schedule=self.schedule.value, microbatches=self.microbatches.value)
             except Exception as exc:  # a schedule that does not fit the plan: say why, keep the preview
                 note = f"cannot simulate: {exc}"
                 self._show_error(exc, prefix=f"{self.schedule.value} with {self._plan.num_stages} stages: ")

@@ -22,12 +22,17 @@ from pipeviz.timeline import COMPUTE, KINDS, Timeline
 
 if TYPE_CHECKING:
     from pipeviz.plan import SplitPlan
+    from pipeviz.simulate import Comparison
+
+__all__ = ["GL_THRESHOLD", "KIND_COLORS", "STAGE_COLORS", "comparison_figure", "graph_figure", "graph_layout",
+           "graph_traces", "stage_color", "time_origin", "timeline_figure", "timeline_layout", "timeline_title",
+           "timeline_traces"]
+
 
 STAGE_COLORS = ("#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3", "#FF6692", "#B6E880",
                 "#FF97FF", "#FECB52")
-KIND_COLORS = {"F": "#4C78A8", "B": "#F58518", "I": "#E45756", "W": "#54A24B", "SEND": "#B279A2",
-               "RECV": "#9D755D", "COMM": "#BAB0AC"}
-KIND_ORDER = ("F", "B", "I", "W", "SEND", "RECV", "COMM")
+KIND_COLORS = {"F": "#4C78A8", "B": "#F58518", "I": "#E45756", "W": "#54A24B", "COMM": "#BAB0AC"}
+KIND_ORDER = ("F", "B", "I", "W", "COMM")
 # Above this many events a Gantt chart is drawn as WebGL line segments: thousands of SVG bars make the
 # browser stutter on every live redraw, GL segments do not.
 GL_THRESHOLD = 3000
@@ -106,7 +111,7 @@ def timeline_traces(timeline: Timeline, overlay: Timeline | None = None, *, gl: 
     multi = timeline.num_stages > timeline.num_ranks
     # (name, columns, is overlay, y offset in the rank's row, bar width, opacity)
     sources = [(timeline.source, cols, False, 0.0 if overlay is None else -0.09, 0.62 if overlay is None else 0.5, 1.0)]
-    if overlay is not None:
+    if overlay is not None and over is not None:
         sources.append((f"{overlay.source} (overlay)", over, True, 0.25, 0.16, 0.6))
     traces: list[dict[str, Any]] = []
     for name, c, is_overlay, y_shift, width, opacity in sources:
@@ -191,7 +196,7 @@ def timeline_figure(timeline: Timeline, overlay: Timeline | None = None, *, titl
 
     Example:
         >>> timeline_figure(pv.simulate(plan, "1F1B", 8)).show()
-        >>> run.timeline().figure(overlay=pv.simulate(plan, "1F1B", 8))
+        >>> timeline_figure(run.timeline(), overlay=pv.simulate(plan, "1F1B", 8))
 
     Args:
         timeline: a ``Timeline`` (``run.timeline()`` or ``pv.simulate(...)``).
@@ -318,4 +323,22 @@ def graph_figure(plan: SplitPlan, *, height: int | None = None, width: int | Non
     """
     fig = go.Figure(layout=graph_layout(plan, height=height, width=width))
     fig.add_traces(graph_traces(plan))
+    return fig
+
+
+# --------------------------------------------------------------------------------------------- schedules
+def comparison_figure(cmp: Comparison) -> go.Figure:
+    """Bar chart of step time and bubble per schedule for a ``pv.compare`` result.
+
+    Example:
+        >>> comparison_figure(pv.compare(plan, microbatches=8)).show()
+    """
+    from plotly.subplots import make_subplots
+
+    names = [r["schedule"] for r in cmp.rows]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("step time (ms)", "bubble"))
+    fig.add_trace(go.Bar(x=names, y=[r["step_time"] * 1e3 for r in cmp.rows], name="step"), 1, 1)
+    fig.add_trace(go.Bar(x=names, y=[r["bubble"] for r in cmp.rows], name="bubble"), 1, 2)
+    fig.update_layout(showlegend=False, height=320, margin={"t": 40, "b": 40, "l": 40, "r": 10})
+    fig.update_yaxes(tickformat=".0%", row=1, col=2)
     return fig

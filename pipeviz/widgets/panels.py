@@ -11,9 +11,8 @@ import html
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 import pipeviz as pv
+from pipeviz.costs import stage_costs
 from pipeviz.graph import ModelGraph
 from pipeviz.plan import SplitPlan, human_bytes
 from pipeviz.timeline import COMPUTE, Timeline
@@ -22,9 +21,11 @@ from pipeviz.widgets.figures import stage_color
 if TYPE_CHECKING:
     from pipeviz.widgets.explorer import Explorer
 
+__all__ = ["error_html", "granularity_options", "guarded", "numerics_html", "preview_html", "progress_html", "soon",
+           "stage_times", "static_html"]
+
+
 IMBALANCE = 1.15  # slowest stage / mean above this is highlighted
-NUMERICS_TOL = 1e-4
-CPU_FLOPS_PER_S = 2e10  # the placeholder estimate when no simulator is available
 
 
 def guarded(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -64,7 +65,8 @@ def stage_times(plan: SplitPlan, sim: Timeline | None, microbatches: int) -> tup
             if e.kind in COMPUTE and 0 <= e.stage < plan.num_stages:
                 busy[e.stage] += e.duration
         return [b / max(1, sim.microbatches) for b in busy], "simulated"
-    return [3 * s.flops / max(1, microbatches) / CPU_FLOPS_PER_S for s in plan.stages], "FLOPs estimate"
+    costs = stage_costs(plan, microbatches)
+    return [f + b for f, b in zip(costs.forward, costs.backward, strict=True)], costs.source
 
 
 def preview_html(plan: SplitPlan, sim: Timeline | None, microbatches: int, note: str = "") -> str:
@@ -120,22 +122,14 @@ def progress_html(run: pv.Run) -> str:
             f"step {run.step}/{run.steps}{loss} · {len(run.events):,} events")
 
 
-def numerics_html(run: pv.Run, plan: SplitPlan, args: tuple[Any, ...], kwargs: dict[str, Any],
-                  target: torch.Tensor, loss_fn: Any, optimizer: Any, microbatches: int, steps: int) -> str:
-    """Train the unsplit model the same way (``pv.train_reference``) and compare losses and parameters."""
-    g = plan.graph
-    ref_losses, ref_state = pv.train_reference(g.model, args, target, loss_fn, optimizer, microbatches, steps,
-                                               input_kwargs=kwargs or None, fixups=g.capture.fixups)
-    d_loss = max((abs(a - b) for a, b in zip(run.losses, ref_losses, strict=False)), default=float("nan"))
-    state = run.state_dict()
-    diffs = [float((state[k].float() - v.float()).abs().max()) for k, v in ref_state.items()
-             if k in state and v.is_floating_point() and v.numel()]
-    d_param = max(diffs, default=0.0)
-    ok = len(run.losses) == len(ref_losses) and d_loss <= NUMERICS_TOL and d_param <= NUMERICS_TOL
-    mark = "<span style='color:#27ae60'>✓ matches</span>" if ok else "<span style='color:#c0392b'>✗ differs from</span>"
+def numerics_html(run: pv.Run) -> str:
+    """``pv.check_numerics(run)`` as one line: the unsplit model trained the same way, compared."""
+    check = pv.check_numerics(run)
+    mark = ("<span style='color:#27ae60'>✓ matches</span>" if check.ok
+            else "<span style='color:#c0392b'>✗ differs from</span>")
     return (f"<div class='pipeviz-numerics-check'><b>Numerics check:</b> {mark} the unsplit model trained the same "
-            f"way: max |Δloss| = {d_loss:.2e} over {len(ref_losses)} steps, max |Δparam| = {d_param:.2e} over "
-            f"{len(diffs)} tensors (tolerance {NUMERICS_TOL:g}).</div>")
+            f"way: max |Δloss| = {check.loss_diff:.2e} over {check.steps} steps, max |Δparam| = "
+            f"{check.param_diff:.2e} over {check.tensors} tensors (tolerance {check.tolerance:g}).</div>")
 
 
 def error_html(text: str) -> str:

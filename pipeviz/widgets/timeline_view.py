@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ipywidgets as W
@@ -20,7 +21,17 @@ from pipeviz.runtime.run import Run
 from pipeviz.timeline import COMPUTE, Timeline
 from pipeviz.widgets.figures import time_origin, timeline_layout, timeline_title, timeline_traces
 
+__all__ = ["TimelineView"]
+
+
 SECONDS_PER_EVENT = 1e-4  # live redraw spacing per event drawn: 10,000 events -> at most one redraw a second
+
+
+def _timer(seconds: float, fn: Callable[[], None]) -> threading.Timer:
+    timer = threading.Timer(seconds, fn)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 class TimelineView(W.VBox):
@@ -39,6 +50,8 @@ class TimelineView(W.VBox):
         interval: minimum seconds between live redraws.
         title: a fixed title; default describes the timeline (schedule, step time, bubble).
         height: pixels; default grows with the number of ranks.
+        clock, later: the throttle's time source and how it schedules the pending redraw (``later(seconds,
+            fn)``; default a daemon ``threading.Timer``): tests drive the throttle with their own.
 
     Attributes:
         figure: the ``plotly.graph_objects.FigureWidget``.
@@ -47,7 +60,9 @@ class TimelineView(W.VBox):
     """
 
     def __init__(self, source: Run | Watch | Timeline | None = None, *, overlay: Timeline | None = None,
-                 interval: float = 0.25, title: str | None = None, height: int | None = None) -> None:
+                 interval: float = 0.25, title: str | None = None, height: int | None = None,
+                 clock: Callable[[], float] = time.perf_counter,
+                 later: Callable[[float, Callable[[], None]], Any] | None = None) -> None:
         self.figure = go.FigureWidget()
         self.summary = W.HTML()
         self.step_select = W.Dropdown(options=[("all steps", -1)], value=-1, description="zoom",
@@ -63,8 +78,9 @@ class TimelineView(W.VBox):
         self._timeline: Timeline | None = None
         self._run: Run | Watch | None = None
         self._lock = threading.RLock()
-        self._last = 0.0
-        self._timer: threading.Timer | None = None
+        self._clock, self._later = clock, later or _timer
+        self._last = -float("inf")
+        self._timer: Any = None
         self._mode: tuple[bool, bool] | None = None
         if isinstance(source, Run | Watch):
             self.attach(source)
@@ -114,14 +130,18 @@ class TimelineView(W.VBox):
             self._run = run
             self._timeline = run.timeline()
             self._draw()
-        run.subscribe(lambda batch, run=run: self._on_events(run, batch))
+
+        def follow(batch: list[Any]) -> None:
+            self._on_events(run, batch)
+
+        run.subscribe(follow)
 
     def redraw(self) -> None:
         """Redraw from the attached run's events now (or the current timeline)."""
         with self._lock:
-            if self._timer is not None:
+            if self._timer is not None and hasattr(self._timer, "cancel"):
                 self._timer.cancel()
-                self._timer = None
+            self._timer = None
             if self._run is not None:
                 self._timeline = self._run.timeline()
             self._draw()
@@ -149,16 +169,15 @@ class TimelineView(W.VBox):
         with self._lock:
             # A browser needs ~0.4 s to draw 10,000 events without a GPU: space redraws out as the run grows.
             interval = max(self.interval, len(run.events) * SECONDS_PER_EVENT)
-            wait = interval - (time.perf_counter() - self._last)
+            wait = interval - (self._clock() - self._last)
             if wait <= 0:
                 self.redraw()
             elif self._timer is None:
                 # Draw what is pending once the interval has passed, even if no further batch arrives.
-                self._timer = threading.Timer(wait, self._flush)
-                self._timer.daemon = True
-                self._timer.start()
+                self._timer = self._later(wait, self._flush) or True
 
     def _flush(self) -> None:
+        """Draw what arrived since the last redraw (the pending redraw the throttle scheduled)."""
         with self._lock:
             self._timer = None
         self.redraw()
@@ -189,8 +208,8 @@ class TimelineView(W.VBox):
         self._update_steps(tl)
         self.summary.value = f"<b>{timeline_title(tl)}</b>" if self._title is None else self._title
         self.redraws += 1
-        self._last = time.perf_counter()
-        self.last_redraw_s = self._last - t0
+        self._last = self._clock()
+        self.last_redraw_s = time.perf_counter() - t0
 
     def _update_steps(self, tl: Timeline) -> None:
         steps = tl.steps if tl.source == "measured" else []

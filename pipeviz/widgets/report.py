@@ -3,7 +3,7 @@
 Used by ``pipeviz demo``; figures are plotly (its JavaScript is embedded once, so the file opens offline).
 
 Example:
-    >>> from pipeviz.report import Section, write_report
+    >>> from pipeviz.widgets.report import Section, write_report
     >>> write_report([Section("MyNetwork", plan, comparison, run, simulated, check)], "report.html")
 """
 
@@ -14,9 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeviz.numerics import NumericsCheck
 from pipeviz.plan import SplitPlan, human_bytes
 from pipeviz.simulate import Comparison
 from pipeviz.timeline import Timeline
+
+__all__ = ["Section", "comparison_table", "stage_table", "write_report"]
 
 
 @dataclass
@@ -28,7 +31,7 @@ class Section:
     comparison: Comparison
     measured: Timeline | None = None
     simulated: Timeline | None = None
-    check: dict[str, Any] = field(default_factory=dict)  # numerics against the unsplit model
+    check: NumericsCheck | None = None  # pv.check_numerics: the run against the unsplit model
     notes: list[str] = field(default_factory=list)
 
 
@@ -74,21 +77,20 @@ def comparison_table(cmp: Comparison) -> str:
             + rows + "</table>" + (f"<ul class=note>{skipped}</ul>" if skipped else ""))
 
 
-def _check_html(check: dict[str, Any]) -> str:
-    if not check:
+def _check_html(check: NumericsCheck | None) -> str:
+    if check is None:
         return ""
-    ok = check.get("ok")
-    verdict = '<span class="ok">match</span>' if ok else '<span class="bad">MISMATCH</span>'
+    verdict = '<span class="ok">match</span>' if check.ok else '<span class="bad">MISMATCH</span>'
     return (f"<p>Numerics against the unsplit model trained the same way: {verdict} — max loss difference "
-            f"{check['loss_diff']:.2e}, max parameter difference {check['param_diff']:.2e} "
-            f"({check['steps']} steps).</p>")
+            f"{check.loss_diff:.2e}, max parameter difference {check.param_diff:.2e} ({check.steps} steps, "
+            f"tolerance {check.tolerance:g}).</p>")
 
 
 def write_report(sections: list[Section], path: str | Path, title: str = "pipeviz demo") -> Path:
     """Write the report; returns its path."""
     import plotly.io as pio
 
-    from pipeviz.widgets.figures import graph_figure, timeline_figure
+    from pipeviz.widgets.figures import comparison_figure, graph_figure, timeline_figure
 
     parts = [f"<!doctype html><html><head><meta charset=utf-8><title>{html.escape(title)}</title>"
              f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>"]
@@ -112,7 +114,7 @@ def write_report(sections: list[Section], path: str | Path, title: str = "pipevi
             parts.append(_check_html(sec.check))
         parts.append("<h3>Schedules compared (simulated)</h3>")
         parts.append(comparison_table(sec.comparison))
-        parts.append(fig_html(sec.comparison.figure()))
+        parts.append(fig_html(comparison_figure(sec.comparison)))
     parts.append("</body></html>")
     out = Path(path)
     out.write_text("\n".join(parts), encoding="utf-8")

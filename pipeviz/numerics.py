@@ -1,0 +1,93 @@
+"""``check_numerics``: does a pipelined run train exactly like the unsplit model?
+
+The one check every part of pipeviz uses (the CLI, the Explorer, the notebooks, the benchmarks, the tests):
+the unsplit model is trained the same way (``pv.train_reference``: same batches, microbatching and loss
+scaling) and compared with the run's losses and trained parameters and buffers, with one tolerance.
+
+Example:
+    >>> run = pv.launch(plan, "1F1B", 4, 3, inputs=(x,), target=y, loss_fn=pv.cross_entropy)
+    >>> run.wait(); check = pv.check_numerics(run)
+    >>> check.ok, check.loss_diff, check.param_diff
+    (True, 0.0, 3.7e-09)
+    >>> print(check)        # one line: verdict, differences, tolerance
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from pipeviz.runtime.run import Run
+
+__all__ = ["TOLERANCE", "NumericsCheck", "check_numerics"]
+
+TOLERANCE = 1e-5  # float32: what summing the same numbers in another order can change
+
+
+@dataclass(frozen=True)
+class NumericsCheck:
+    """The result of ``check_numerics``.
+
+    Attributes:
+        ok: every loss and every parameter and buffer within ``tolerance``, and as many steps.
+        loss_diff: the largest absolute loss difference over the steps.
+        param_diff: the largest absolute difference over every parameter and buffer element.
+        worst: the name of the tensor with that largest difference.
+        steps: steps compared; tensors: tensors compared; tolerance: the bound used.
+    """
+
+    ok: bool
+    loss_diff: float
+    param_diff: float
+    worst: str
+    steps: int
+    tensors: int
+    tolerance: float
+
+    def __str__(self) -> str:
+        verdict = "matches" if self.ok else "DIFFERS from"
+        return (f"numerics: the run {verdict} the unsplit model trained the same way: max |Δloss| "
+                f"{self.loss_diff:.1e} over {self.steps} steps, max |Δparam| {self.param_diff:.1e} over "
+                f"{self.tensors} tensors (worst: {self.worst or '-'}; tolerance {self.tolerance:g})")
+
+
+def check_numerics(run: Run, tolerance: float = TOLERANCE, device: str | torch.device = "cpu") -> NumericsCheck:
+    """Train the unsplit model as ``run`` trained its pipeline and compare.
+
+    Args:
+        run: a finished ``pv.Run`` (``run.wait()`` first).
+        tolerance: the largest absolute difference accepted (default 1e-5, float32).
+        device: where the unsplit model trains.
+
+    Raises:
+        RuntimeError: the run has not finished successfully.
+    """
+    from pipeviz.runtime.reference import train_reference
+
+    if run.status != "done":
+        raise RuntimeError(f"check_numerics() needs a finished run; status is {run.status!r}. Fix: run.wait().")
+    spec, graph = run.spec, run.plan.graph
+    ref_losses, ref_state = train_reference(
+        graph.model, spec.args, spec.target, spec.loss_fn, spec.optimizer, spec.microbatches, spec.steps,
+        input_kwargs=spec.kwargs or None, fixups=graph.capture.fixups, device=device)
+    return compare(run.losses, run.state_dict(), ref_losses, ref_state, tolerance)
+
+
+def compare(losses: list[float], state: dict[str, torch.Tensor], ref_losses: list[float],
+            ref_state: dict[str, torch.Tensor], tolerance: float = TOLERANCE) -> NumericsCheck:
+    """Compare a run's losses and state with the reference's (what ``check_numerics`` returns)."""
+    d_loss = max((abs(a - b) for a, b in zip(losses, ref_losses, strict=False)), default=float("nan"))
+    diffs: dict[str, float] = {}
+    for name, want in ref_state.items():
+        got: Any = state.get(name)
+        if got is None:
+            diffs[name] = float("inf")
+        elif want.numel():
+            diffs[name] = float((got.detach().double().cpu() - want.double()).abs().max())
+    worst = max(diffs, key=diffs.__getitem__) if diffs else ""
+    d_param = diffs.get(worst, 0.0)
+    ok = len(losses) == len(ref_losses) and d_loss <= tolerance and d_param <= tolerance
+    return NumericsCheck(ok, d_loss, d_param, worst, len(ref_losses), len(diffs), tolerance)

@@ -1,0 +1,199 @@
+"""What a launch runs, checked before any process starts: the ``LaunchSpec``, its validation, the devices and
+cores of each rank, and each rank's payload. Shared by ``pv.launch`` and ``pv.export_torchrun``.
+
+Example:
+    >>> spec = validate_launch(plan, "1F1B", 4, 3, (x,), None, y, F.cross_entropy, None, None)
+    >>> devices, backend, compute = resolve_devices("auto", spec.layout.num_ranks)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from pipeviz import schedules as sched
+from pipeviz.capture import TRACE_LOCK, _batch_size
+from pipeviz.plan import SplitPlan
+
+__all__ = ["LaunchError", "LaunchSpec", "cpu_sets", "rank_payloads", "resolve_devices", "validate_launch"]
+
+
+class LaunchError(ValueError):
+    """A launch that cannot work, found before any process starts."""
+
+
+@dataclass
+class LaunchSpec:
+    """A validated launch: what ``launch`` and ``export_torchrun`` run."""
+
+    schedule: str
+    layout: sched.Layout
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    target: torch.Tensor
+    loss_fn: Callable[..., torch.Tensor]
+    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+    microbatches: int = 1
+    steps: int = 1
+
+
+def validate_launch(
+    plan: SplitPlan, schedule: str, microbatches: int, steps: int, inputs: Any, input_kwargs: dict[str, Any] | None,
+    target: Any, loss_fn: Any, optimizer: Any, stages_per_rank: int | None,
+) -> LaunchSpec:
+    """Check everything a launch needs before any process starts; raises with the value, choices and fix."""
+    import cloudpickle
+
+    if not isinstance(plan, SplitPlan):
+        raise LaunchError(f"launch() needs a SplitPlan (graph.split(...)), got {type(plan).__name__}.")
+    name = sched.canonical(schedule)
+    if plan.num_stages < 2:
+        raise LaunchError("The plan has 1 stage; a pipeline needs at least 2. Fix: plan.toggle(<layer>) to split.")
+    lay = sched.layout(name, plan.num_stages, stages_per_rank)
+    if not isinstance(steps, int) or steps < 1:
+        raise LaunchError(f"steps must be a positive int, got {steps!r}.")
+    graph = plan.graph
+    if inputs is None:
+        args, kwargs = graph.example_args, dict(graph.example_kwargs)
+        if input_kwargs is not None:
+            kwargs = dict(input_kwargs)
+    else:
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        kwargs = dict(input_kwargs or {})
+    # Keep the traced keyword order: stage 0 maps inputs onto torch's placeholders in that order.
+    order = list(graph.example_kwargs)
+    unknown = [k for k in kwargs if k not in order]
+    if unknown:
+        raise LaunchError(f"input_kwargs {unknown} were not in the traced example_kwargs {order}. "
+                          "Fix: trace with the same keyword inputs you launch with.")
+    kwargs = {k: kwargs[k] for k in order if k in kwargs}
+    batch = _batch_size(args, kwargs)
+    if batch is None:
+        raise LaunchError("inputs hold no tensor with a batch dimension.")
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] != batch:
+            raise LaunchError(f"Every input needs the same batch size (dim 0); found {batch} and {leaf.shape[0]}.")
+    sched.check_microbatches(name, plan.num_stages, microbatches, stages_per_rank, batch_size=batch)
+    if loss_fn is None or not callable(loss_fn):
+        raise LaunchError(f"loss_fn must be a callable loss(output, target), got {loss_fn!r}. "
+                          "Fix: loss_fn=torch.nn.functional.cross_entropy (or your own).")
+    if target is None or not isinstance(target, torch.Tensor) or target.dim() == 0 or target.shape[0] != batch:
+        shape = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
+        raise LaunchError(f"target must be a tensor whose dim 0 is the batch ({batch}); got {shape}.")
+    if optimizer is None:
+        optimizer = _default_optimizer
+    if not callable(optimizer):
+        raise LaunchError(f"optimizer must be a factory params -> torch.optim.Optimizer, got {optimizer!r}.")
+    for label, obj in (("loss_fn", loss_fn), ("optimizer", optimizer)):
+        try:
+            cloudpickle.dumps(obj)
+        except Exception as exc:
+            raise LaunchError(f"{label} cannot be sent to the stage processes ({exc}). Fix: define it as a plain "
+                              "function or lambda, without open files, locks or CUDA state.") from exc
+    return LaunchSpec(name, lay, args, kwargs, target, loss_fn, optimizer, microbatches, steps)
+
+
+def resolve_devices(devices: str | Sequence[str], num_ranks: int) -> tuple[list[str], str, list[str | None]]:
+    """Map ranks to devices; returns (stage devices, backend, compute devices).
+
+    ``"auto"``: CPU and gloo without CUDA; one GPU per rank and NCCL with enough GPUs; with fewer GPUs
+    than ranks, stages share GPUs and talk over host memory (gloo on CPU tensors; each stage moves its
+    inputs to its GPU and its outputs back), because NCCL refuses two ranks on one GPU and gloo cannot
+    send CUDA tensors.
+    """
+    # device_count() does not create a CUDA context in this process (the kernel need not initialise CUDA).
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if isinstance(devices, str):
+        if devices == "auto":
+            devices = ["cpu"] * num_ranks if gpus == 0 else [f"cuda:{r % gpus}" for r in range(num_ranks)]
+        elif devices in ("cpu", "cuda"):
+            devices = [devices if devices == "cpu" else f"cuda:{r % max(gpus, 1)}" for r in range(num_ranks)]
+        else:
+            devices = [devices] * num_ranks
+    devices = [str(d) for d in devices]
+    if len(devices) != num_ranks:
+        raise LaunchError(
+            f"devices lists {len(devices)} entries but the run has {num_ranks} ranks. "
+            f"Fix: pass {num_ranks} devices, or devices='auto'."
+        )
+    for d in devices:
+        try:
+            dev = torch.device(d)
+        except RuntimeError as exc:
+            raise LaunchError(f"Unknown device {d!r}; valid: 'cpu', 'cuda', 'cuda:N', or 'auto'.") from exc
+        if dev.type not in ("cpu", "cuda"):
+            raise LaunchError(f"Device {d!r} is not supported; valid: 'cpu', 'cuda:N', 'auto'.")
+        if dev.type == "cuda" and (dev.index or 0) >= gpus:
+            raise LaunchError(f"Device {d!r} is not available: this machine has {gpus} CUDA device(s). "
+                              "Fix: devices='auto' or 'cpu'.")
+    cuda = [d for d in devices if d.startswith("cuda")]
+    if cuda and len(cuda) == len(devices) and len(set(devices)) == len(devices):
+        return devices, "nccl", [None] * num_ranks
+    # CPU, mixed, or a shared GPU: communicate through host memory.
+    return ["cpu"] * num_ranks, "gloo", [d if d.startswith("cuda") else None for d in devices]
+
+
+def rank_payloads(plan: SplitPlan, spec: LaunchSpec, devices: list[str], compute: list[str | None], backend: str,
+                  port: int, t0: float, timeout: float, threads: int,
+                  cpus: list[tuple[int, ...]] | None) -> list[bytes]:
+    """Build the stages once (here, not in every rank) and pickle each rank's share of the run."""
+    import cloudpickle
+
+    from pipeviz.runtime.stages import build_stages, rank_stages, tied_ranks
+    from pipeviz.runtime.worker import RankPayload
+
+    lay = spec.layout
+    with TRACE_LOCK:  # torch.export keeps global tracing state: two runs starting at once trace in turn
+        stages = build_stages(_with_inputs(plan, spec.args, spec.kwargs), spec.microbatches)
+    tied = tied_ranks(stages, lay.stage_ranks)
+    first, last = lay.stage_ranks[0], lay.stage_ranks[-1]
+    return [
+        cloudpickle.dumps(RankPayload(
+            rank=rank, world=lay.num_ranks, port=port, backend=backend, device=devices[rank],
+            compute_device=compute[rank], schedule=spec.schedule, stage_ranks=lay.stage_ranks,
+            microbatches=spec.microbatches, steps=spec.steps, stages=rank_stages(stages, lay.stage_ranks, rank),
+            tied=tied, loss_fn=spec.loss_fn, optimizer=spec.optimizer,
+            args=spec.args if rank == first else (), kwargs=spec.kwargs if rank == first else {},
+            target=spec.target if rank == last else None, t0=t0, parent_pid=os.getpid(),
+            timeout_s=max(timeout, 30.0), threads=threads, cpus=cpus[rank] if cpus else None,
+        ))
+        for rank in range(lay.num_ranks)
+    ]
+
+
+def cpu_sets(ranks: int, pin: bool) -> tuple[int, list[tuple[int, ...]] | None]:
+    """Threads per rank, and with ``pin`` each rank's own cores out of those this process may use.
+
+    Why pin: with every core computing, a gloo thread that a rank needs (to post a send or a receive) can
+    be queued behind another rank's compute thread until the next scheduler tick; on its own cores it runs
+    as soon as its rank waits. No pinning when ranks outnumber the cores.
+    """
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    count = len(allowed) or os.cpu_count() or 1
+    threads = max(1, count // ranks)
+    if not pin or not allowed or ranks > len(allowed):
+        return threads, None
+    return threads, [tuple(allowed[r * threads:(r + 1) * threads]) for r in range(ranks)]
+
+
+def _default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def _with_inputs(plan: SplitPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SplitPlan:
+    """The same plan over a capture whose example inputs are the launch's batch (shapes are baked into the
+    traced Pipe, so it is traced with a microbatch of what will really run)."""
+    import copy
+
+    cap = copy.copy(plan.graph.capture)
+    cap.example_args, cap.example_kwargs = args, kwargs
+    cap.batch_size = _batch_size(args, kwargs)
+    from pipeviz.graph import ModelGraph
+
+    graph = ModelGraph(cap, plan.graph.layer_names, tree=plan.graph._tree)
+    return SplitPlan(graph, plan.splits)

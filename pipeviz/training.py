@@ -1,0 +1,57 @@
+"""Training recipes every part of pipeviz shares: the default loss, target and optimizer.
+
+They are plain module-level functions and picklable factories, so a launched run sends them to its rank
+processes by reference, and the stage processes import only torch to run them.
+
+Example:
+    >>> run = pv.launch(plan, "1F1B", 4, 3, inputs=(ids,), target=next_ids, loss_fn=pv.cross_entropy,
+    ...                 optimizer=pv.sgd(lr=0.1, momentum=0.9))
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from pipeviz.graph import ModelGraph
+
+__all__ = ["cross_entropy", "default_target", "random_classes", "sgd"]
+
+
+def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy treating the output's last dim as classes: ``(batch, classes)`` for a classifier,
+    ``(batch, seq, vocab)`` for a language model (target ``(batch,)`` or ``(batch, seq)``)."""
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), target.reshape(-1))
+
+
+def sgd(lr: float = 0.1, momentum: float = 0.0) -> Any:
+    """An optimizer factory for ``pv.launch(optimizer=...)``: ``params -> torch.optim.SGD(params, ...)``
+    (built again on every rank for the parameters it holds)."""
+    return functools.partial(torch.optim.SGD, lr=lr, momentum=momentum)
+
+
+def random_classes(output: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """Integer targets in ``[0, output.shape[-1])`` shaped like ``output`` without its last dim (seeded)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, max(1, output.shape[-1]), tuple(output.shape[:-1]), generator=gen)
+
+
+def default_target(graph: ModelGraph, seed: int = 0) -> torch.Tensor:
+    """``random_classes`` for the model's output on the example batch (one forward of a fresh copy).
+
+    Raises:
+        ValueError: the model has several outputs, so no single target fits; pass ``target=`` and ``loss_fn=``.
+    """
+    from pipeviz.runtime.reference import model_output
+
+    model = graph.capture.fresh_copy()  # a copy: a forward in train mode would update BatchNorm statistics
+    with torch.no_grad():
+        out = model_output(model(*graph.example_args, **graph.example_kwargs))
+    if not isinstance(out, torch.Tensor):
+        raise ValueError("The model has several outputs, so no single target fits. "
+                         "Fix: pass target=y and loss_fn=fn.")
+    return random_classes(out, seed)

@@ -1,0 +1,111 @@
+"""The package's shape: no import cycles, and a core that never imports a view library.
+
+The import graph is read from the source with ``ast``: every ``import`` counts, at module level or inside a
+function (a lazy import is still a dependency); only ``if TYPE_CHECKING:`` blocks are left out.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "pipeviz"
+VIEW_LIBRARIES = ("ipywidgets", "plotly", "anywidget")
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
+    """Modules imported by one file (pipeviz modules by full name, others by top-level package)."""
+    tree = ast.parse(path.read_text())
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for body in node.body for n in ast.walk(body))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                out.add(full if full in modules else base)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: {m for m in _imports(path, name, modules) if m in modules and m != name}
+            for name, path in modules.items()}
+
+
+def _is_core(name: str) -> bool:
+    # The views and the command line (an application of both) are not core; the package root exposes the
+    # views only through its lazy ``__getattr__`` (pv.Explorer loads ipywidgets when first used).
+    return not (name.startswith("pipeviz.widgets") or name == "pipeviz.cli")
+
+
+def test_the_import_graph_has_no_cycles() -> None:
+    graph = _graph()
+    # The package root re-exports the public API, so every module it imports depends on it being importable:
+    # modules importing the root (only the views and the CLI may) are checked for cycles without that edge.
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt == "pipeviz" and not _is_core(node):
+                continue
+            if state.get(nxt) == 1:
+                cycle = [*stack[stack.index(nxt):], nxt]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name)
+
+
+def test_the_core_never_imports_a_view_library() -> None:
+    modules = _modules()
+    offenders = []
+    for name, path in modules.items():
+        if not _is_core(name):
+            continue
+        imports = _imports(path, name, modules)
+        bad = sorted(m for m in imports if m.split(".")[0] in VIEW_LIBRARIES or m.startswith("pipeviz.widgets"))
+        if name == "pipeviz":
+            bad = [m for m in bad if m != "pipeviz.widgets"]  # the root's lazy __getattr__ (checked below)
+        if bad:
+            offenders.append(f"{name}: {bad}")
+    assert not offenders, "core modules importing views: " + "; ".join(offenders)
+    root = (PACKAGE / "__init__.py").read_text()
+    assert "importlib.import_module(\"pipeviz.widgets\")" in root and "import plotly" not in root
+
+
+def test_core_modules_importing_the_package_root() -> None:
+    # A core module importing ``pipeviz`` itself would close a cycle through the root's re-exports.
+    graph = _graph()
+    assert sorted(n for n, deps in graph.items() if "pipeviz" in deps and _is_core(n)) == []
