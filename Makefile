@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # On a machine without an NVIDIA GPU pin the local CPU build: an unpinned torch pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test compat lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -13,18 +13,22 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[notebook,checkpoints,test]"
 	touch $@
 
 demo: setup
 	$(VENV)/bin/pipeviz demo
 
-test: setup
+lint: setup
 	$(PY) -m ruff check .
+	$(PY) -m mypy
+	$(PY) scripts/build_notebooks.py --check
+
+test: lint
 	$(PY) -m pytest
 
 bench: setup
 	$(PY) benchmarks/preview_latency.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info

@@ -30,8 +30,8 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["FlatStage", "canonical_name", "exact_split_backward", "fake_tensors", "flatten_stage", "schedule_actions",
-           "split_graph", "timed_waits"]
+__all__ = ["FlatStage", "canonical_name", "describe", "exact_split_backward", "fake_tensors", "flatten_stage",
+           "schedule_actions", "split_graph", "timed_waits"]
 
 _CALL = re.compile(r"@\d+")
 
@@ -45,7 +45,12 @@ def canonical_name(path: str, aliases: dict[str, str]) -> str:
 
 class FlatStage(fx.GraphModule):
     """A flat stage graph that pickles as its node list (fx's own pickling re-traces the generated code and
-    loses in-place ops whose result is unused, such as BatchNorm's ``num_batches_tracked.add_(1)``)."""
+    loses in-place ops whose result is unused, such as BatchNorm's ``num_batches_tracked.add_(1)``).
+
+    ``node_modules`` names, for each op, the module of the original model it ran in (errors name it).
+    """
+
+    node_modules: dict[str, str]
 
     def __reduce__(self) -> Any:
         attrs: dict[str, Any] = {}
@@ -55,7 +60,26 @@ class FlatStage(fx.GraphModule):
                 for atom in str(node.target).split("."):
                     value = getattr(value, atom)
                 attrs[str(node.target)] = value
-        return (_rebuild, (attrs, [_node_record(n) for n in self.graph.nodes]))
+        return (_rebuild, (attrs, [_node_record(n) for n in self.graph.nodes], getattr(self, "node_modules", {})))
+
+    def failing_op(self, *args: Any) -> tuple[str, str, str] | None:
+        """Run the graph node by node on ``args`` and describe the op that raises: (module, op, inputs)."""
+        where: list[fx.Node] = []
+
+        class Finder(fx.Interpreter):
+            def run_node(self, n: fx.Node) -> Any:
+                where[:] = [n]
+                return super().run_node(n)
+
+        try:
+            with torch.no_grad():
+                Finder(self).run(*args)
+        except Exception:
+            node = where[0] if where else None
+            if node is None:
+                return None
+            return getattr(self, "node_modules", {}).get(node.name, ""), str(node.target), _inputs_of(node, self, args)
+        return None
 
 
 class _Ref:
@@ -104,7 +128,42 @@ def _resolve_target(record: Any) -> Any:
     return record[1]
 
 
-def _rebuild(attrs: dict[str, Any], records: list[tuple[Any, ...]]) -> FlatStage:
+def describe(x: Any) -> str:
+    """A tensor as ``[8, 512] float32`` (a tuple of them joined); anything else by its repr."""
+    if isinstance(x, tuple | list):
+        return "(" + ", ".join(describe(v) for v in x) + ")"
+    if isinstance(x, torch.Tensor):
+        return f"{list(x.shape)} {str(x.dtype).replace('torch.', '')}"
+    return repr(x)[:40]
+
+
+def _inputs_of(node: fx.Node, gm: fx.GraphModule, args: tuple[Any, ...]) -> str:
+    """Shapes of a node's tensor inputs, recomputed up to that node on fake tensors."""
+    values: dict[fx.Node, Any] = {}
+
+    class Upto(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            if n is node:
+                raise _Stop
+            values[n] = out = super().run_node(n)
+            return out
+
+    try:
+        with torch.no_grad():
+            Upto(gm).run(*args)
+    except _Stop:
+        pass
+    except Exception:
+        return ""
+    shown = [describe(values[a]) for a in node.all_input_nodes if a in values]
+    return ", ".join(shown)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _rebuild(attrs: dict[str, Any], records: list[tuple[Any, ...]], node_modules: dict[str, str]) -> FlatStage:
     root = nn.Module()
     _register(root, attrs)
     graph = fx.Graph()
@@ -117,7 +176,9 @@ def _rebuild(attrs: dict[str, Any], records: list[tuple[Any, ...]]) -> FlatStage
         node = graph.create_node(op, _resolve_target(target), fx.node.map_aggregate(args, back),
                                  fx.node.map_aggregate(kwargs, back), name=name)
         env[name] = node
-    return FlatStage(root, graph, class_name="PipevizStage")
+    flat = FlatStage(root, graph, class_name="PipevizStage")
+    flat.node_modules = node_modules
+    return flat
 
 
 def _register(root: nn.Module, attrs: dict[str, Any]) -> None:
@@ -146,6 +207,7 @@ def flatten_stage(stage: nn.Module, aliases: dict[str, str]) -> FlatStage:
     new = fx.Graph()
     attrs: dict[str, Any] = {}
     nodes: dict[str, fx.Node] = {}
+    node_modules: dict[str, str] = {}
 
     model_names = set(aliases.values())
 
@@ -193,6 +255,7 @@ def flatten_stage(stage: nn.Module, aliases: dict[str, str]) -> FlatStage:
                 env[n] = pytree.tree_leaves(fx.node.map_arg(n.args[0], lambda x: env[x]))
             else:
                 env[n] = new.node_copy(n, lambda x: env[x])
+                node_modules[env[n].name] = _CALL.sub("", prefix.rstrip("."))
         raise RuntimeError(f"torch's stage graph of {type(mod).__name__} has no output; please report.")
 
     inputs = [new.placeholder(n.name) for n in _graph_of(stage).nodes if n.op == "placeholder"]
@@ -202,7 +265,9 @@ def flatten_stage(stage: nn.Module, aliases: dict[str, str]) -> FlatStage:
     new.output(out)
     root = nn.Module()
     _register(root, attrs)
-    return FlatStage(root, new, class_name="PipevizStage")
+    flat = FlatStage(root, new, class_name="PipevizStage")
+    flat.node_modules = node_modules
+    return flat
 
 
 @contextlib.contextmanager
@@ -239,7 +304,7 @@ def exact_split_backward() -> Iterator[None]:
 
     # Patched where PipelineStage looks them up (torch's own module globals), for the block only.
     torch_stage.stage_backward_input = backward_input  # type: ignore[assignment]
-    torch_stage.stage_backward_weight = backward_weight  # type: ignore[assignment]
+    torch_stage.stage_backward_weight = backward_weight
     try:
         yield
     finally:

@@ -8,7 +8,9 @@ granularity without tracing again.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import re
 import threading
 import warnings
@@ -69,6 +71,7 @@ class Capture:
     notes: list[str] = field(default_factory=list)
     traced: bool = True  # False for the manual route (no torch.export graph)
     output_index: int | None = None  # which output leaf is ``logits`` for HF ModelOutputs (what a loss sees)
+    outputs: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)  # output leaves' shapes
 
     def fresh_copy(self) -> nn.Module:
         """A deep copy of the user's model with the capture's fixups applied; the original is untouched."""
@@ -106,9 +109,21 @@ def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
     return None
 
 
+@contextlib.contextmanager
+def quiet_torch_logs() -> Any:
+    """Keep torch's internal error logs (fake-tensor tracebacks printed while export fails) off the user's
+    stderr: pipeviz's own error says what went wrong and how to fix it."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.ERROR)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
+
+
 def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.export.ExportedProgram:
     try:
-        with TRACE_LOCK:
+        with TRACE_LOCK, quiet_torch_logs():
             return torch.export.export(model, args, kwargs)
     except Exception as exc:  # torch raises many types here; all mean "cannot capture"
         text = f"{type(exc).__name__}: {exc}".strip()
@@ -124,8 +139,31 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         elif "data-dependent" in text.lower() or "GuardOnDataDependent" in text or "Could not guard" in text:
             hint = "The forward has data-dependent control flow (an `if` or loop on tensor values)."
         else:
+            unfit = _inputs_do_not_fit(model, args, kwargs)
+            if unfit is not None:
+                raise unfit from exc
             hint = "torch.export cannot capture this forward as one graph."
         raise TraceError(f"Cannot trace {type(model).__name__}: {hint}\n  torch said: {first}\n{manual}") from exc
+
+
+def _inputs_do_not_fit(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TraceError | None:
+    """A ``TraceError`` when the model fails on the example inputs even without tracing (a shape or dtype
+    that does not fit), else None (then it is torch.export that cannot capture the forward)."""
+    try:
+        with torch.no_grad(), quiet_torch_logs():
+            copy.deepcopy(model)(*args, **kwargs)  # a copy: a forward in train mode updates BatchNorm statistics
+    except Exception as exc:
+        shown = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in pytree.tree_leaves((args, kwargs))
+                          if isinstance(t, torch.Tensor))
+        first = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
+        return TraceError(
+            f"Cannot trace {type(model).__name__}: the example inputs do not fit the model (a shape or dtype "
+            f"mismatch, not a tracing limit): it fails on them even when run normally.\n  inputs: {shown}\n"
+            f"  torch said: {first}\nFix: pass example inputs shaped like one real batch, with the dtype the "
+            "model expects (e.g. torch.randn(batch, in_features) for a Linear, torch.randint(0, vocab, "
+            "(batch, seq)) for token ids)."
+        )
+    return None
 
 
 def _module_table(model: nn.Module) -> dict[str, tuple[str, tuple[str, ...]]]:
@@ -179,10 +217,19 @@ def capture(
     gm = ep.module()
     canonical, groups = _alias_groups(model)
     output_index = _logits_index(ep.call_spec.out_spec)
+    out_node = next(n for n in ep.graph.nodes if n.op == "output")
+    outputs = [(tuple(int(d) for d in v.shape), v.dtype) for leaf in pytree.tree_leaves(out_node.args[0])
+               if isinstance(v := getattr(leaf, "meta", {}).get("val"), torch.Tensor)]
 
     flat_inputs = pytree.tree_leaves((example_args, kwargs))
     before = {name: b.detach().clone() for name, b in gm.named_buffers()}
-    flops = _count_flops(gm, flat_inputs)
+    try:
+        flops = _count_flops(gm, flat_inputs)
+    except Exception as exc:  # export took the inputs, running them did not (an integer input to a Linear)
+        unfit = _inputs_do_not_fit(traced, example_args, kwargs)
+        if unfit is not None:
+            raise unfit from exc
+        raise
     # Whatever the forward updated in place (running statistics, counters) is state a pipeline must keep
     # exactly where the unsplit model keeps it.
     mutated = frozenset(canonical.get(name, name) for name, b in gm.named_buffers()
@@ -225,6 +272,7 @@ def capture(
         model=model, example_args=example_args, example_kwargs=kwargs, ops=ops, modules=_module_table(model),
         param_numel=numel, param_bytes=nbytes, aliases=groups,
         batch_size=_batch_size(example_args, kwargs), fixups=fixups, notes=notes, output_index=output_index,
+        outputs=outputs,
         buffers=buffer_names(model), mutated=mutated, elementwise=elementwise_modules(model),
     )
 

@@ -71,7 +71,7 @@ def export_torchrun(
     from pipeviz.runtime.stages import build_stages, tied_ranks
 
     spec = validate_launch(plan, schedule, microbatches, steps, inputs, input_kwargs, target, loss_fn, optimizer,
-                           stages_per_rank)
+                           stages_per_rank, timeout)
     script = Path(path)
     payload = script.with_suffix(".payload.pkl")
     events = events_dir or f"{script.stem}_events"

@@ -21,7 +21,16 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
-from pipeviz.capture import Capture, Op, _alias_groups, _batch_size, _module_table, _tensor_bytes
+from pipeviz.capture import (
+    Capture,
+    Op,
+    _alias_groups,
+    _batch_size,
+    _module_table,
+    _tensor_bytes,
+    buffer_names,
+    elementwise_modules,
+)
 from pipeviz.graph import ModelGraph
 from pipeviz.plan import PlanError, SplitPlan
 from pipeviz.sequence import SequenceStage
@@ -87,8 +96,10 @@ def _capture_sequence(model: nn.Module, names: list[str], args: tuple[Any, ...],
                     x = mod(*args, **kwargs)
                 else:
                     x = mod(*x) if isinstance(x, tuple) else mod(x)
+            sub = model.get_submodule(name)
             params = tuple(dict.fromkeys(
-                canonical[f"{name}.{p}"] for p, _ in model.get_submodule(name).named_parameters(remove_duplicate=False)
+                canonical[f"{name}.{p}"]
+                for p, _ in [*sub.named_parameters(remove_duplicate=False), *sub.named_buffers(remove_duplicate=False)]
             ))
             ops.append(Op(
                 index=i, name=name, target="module", stack=(name,), calls=(0,), flops=mode.get_total_flops(),
@@ -115,6 +126,7 @@ def _capture_sequence(model: nn.Module, names: list[str], args: tuple[Any, ...],
         model=model, example_args=args, example_kwargs=kwargs, ops=ops, modules=_module_table(model),
         param_numel={g: tensor(g).numel() for g in groups},
         param_bytes={g: tensor(g).numel() * tensor(g).element_size() for g in groups},
-        aliases=groups, batch_size=_batch_size(args, kwargs),
-        traced=False,
+        aliases=groups, batch_size=_batch_size(args, kwargs), traced=False, buffers=buffer_names(model),
+        elementwise=elementwise_modules(model),
+        outputs=[(tuple(t.shape), t.dtype) for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)],
     )

@@ -34,14 +34,14 @@ def mark_calls(model: nn.Module, marks: Sequence[tuple[str, int, SplitPoint]]) -
         wanted.setdefault(fqn, set()).add((call, point))
     for fqn, points in wanted.items():
         mod = model.get_submodule(fqn)
-        mod.forward = _counted(mod.forward, fqn, points, counts)  # type: ignore[method-assign]
+        mod.forward = _counted(mod.forward, fqn, points, counts)
     root = model.forward
 
     def restart(*args: Any, **kwargs: Any) -> Any:
         counts.clear()
         return root(*args, **kwargs)
 
-    model.forward = restart  # type: ignore[method-assign]
+    model.forward = restart
 
 
 def _counted(forward: Any, fqn: str, points: set[tuple[int, SplitPoint]], counts: dict[str, int]) -> Any:

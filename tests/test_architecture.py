@@ -7,6 +7,9 @@ function (a lazy import is still a dependency); only ``if TYPE_CHECKING:`` block
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pipeviz"
@@ -109,3 +112,23 @@ def test_core_modules_importing_the_package_root() -> None:
     # A core module importing ``pipeviz`` itself would close a cycle through the root's re-exports.
     graph = _graph()
     assert sorted(n for n, deps in graph.items() if "pipeviz" in deps and _is_core(n)) == []
+
+
+def test_the_core_runs_without_the_notebook_stack() -> None:
+    # pip install pipeviz (no [notebook] extra): trace, plan, balance, simulate work with torch alone.
+    code = textwrap.dedent("""
+        import sys
+        class NoViews:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("ipywidgets", "plotly", "anywidget", "jupyterlab"):
+                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        sys.meta_path.insert(0, NoViews())
+        import torch, pipeviz as pv
+        from pipeviz.zoo import MyNetwork
+        graph = pv.trace(MyNetwork(8, [8, 8]), example_args=(torch.randn(4, 8),))
+        plan = pv.balance(graph, 2)
+        print(plan.num_stages, pv.simulate(plan, "1F1B", 2).step_time > 0, len(pv.compare(plan, microbatches=2).rows))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["2", "True", "7"]

@@ -1,4 +1,8 @@
-"""Failures end visibly and leave no process behind."""
+"""Failures end visibly, name their real cause, and leave nothing behind (README, "Fault matrix").
+
+How long each takes is measured in benchmarks/soak.py, not asserted here; the waits below only keep a broken
+run from hanging the suite.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -14,6 +19,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import pipeviz as pv
 from pipeviz.zoo import MyNetwork
@@ -40,6 +46,13 @@ def alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
+def left_behind(run: pv.Run) -> list[str]:
+    """The run's processes still alive and its files (payloads, rank logs) still on disk."""
+    procs = [f"pid {p}" for p in run.pids if alive(p)]
+    assert run._files or not run.pids  # a started run made files: the check below is not empty by accident
+    return procs + [f for f in run._files if os.path.exists(f)]
+
+
 def wait_running(run: pv.Run, timeout: float = 60) -> None:
     end = time.time() + timeout
     while run.step < 1 and time.time() < end and not run.done:
@@ -48,63 +61,125 @@ def wait_running(run: pv.Run, timeout: float = 60) -> None:
 
 
 def boom_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    raise ValueError("boom from the loss function")
-
-
-def sleepy_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    time.sleep(3600)
+    if out.requires_grad:  # in the run, not on the sample launch() checks the loss with
+        raise ValueError("boom from the loss function")
     return F.cross_entropy(out, target)
 
 
-def test_exception_in_a_stage(plan: pv.SplitPlan) -> None:
+def sleepy_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    if out.requires_grad:
+        time.sleep(3600)
+    return F.cross_entropy(out, target)
+
+
+def nan_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out, target) * (float("nan") if out.requires_grad else 1.0)
+
+
+class Checked(nn.Module):
+    """A layer that asserts on values at run time (the trace cannot know): inputs must stay below 100."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._assert_async((x.abs() < 100).all())
+        return self.lin(x)
+
+
+def test_an_exception_names_rank_stage_step_and_what_failed(plan: pv.SplitPlan) -> None:
     run = pv.launch(plan, schedule="1F1B", microbatches=4, steps=3, inputs=(X,), target=Y, loss_fn=boom_loss)
     assert run.wait(60) == "failed"
-    assert run.error.startswith("rank 2 failed:\nTraceback")
-    assert "ValueError: boom from the loss function" in run.error
-    assert not any(alive(pid) for pid in run.pids)
+    assert run.error.startswith("rank 2 (stage 2) failed in step 0: loss_fn failed on rank 2 (the last stage, 2) on "
+                                "its output [2, 10] float32 and target [2] int64: ValueError: boom from the loss "
+                                "function."), run.error
+    assert "Traceback" in run.error and not left_behind(run)
 
 
-def test_worker_killed_by_a_signal(plan: pv.SplitPlan) -> None:
+def test_a_failing_layer_is_named_with_its_op_and_shapes() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Checked(), nn.Linear(8, 4))
+    plan = pv.trace(model, example_args=(X,)).split(["0"])
+    run = pv.launch(plan, "GPipe", 2, 1, inputs=(X * 1000,), target=torch.randint(0, 4, (8,)),
+                    loss_fn=F.cross_entropy)
+    assert run.wait(60) == "failed"
+    first = run.error.splitlines()[0]
+    assert first.startswith("rank 1 (stage 1) failed in step 0: stage 1's forward, in layer '1', at "
+                            "aten._assert_async.default on [] bool: RuntimeError: Expected Tensor with single nonzero "
+                            "value, but got zero"), first
+    assert not left_behind(run)
+
+
+def test_a_rank_killed_by_a_signal(plan: pv.SplitPlan) -> None:
     run = pv.launch(plan, schedule="GPipe", microbatches=4, steps=100000, inputs=(X,), target=Y,
                     loss_fn=F.cross_entropy)
     wait_running(run)
     os.kill(run.pids[1], signal.SIGKILL)
-    t = time.time()
-    assert run.wait(10) == "failed"
-    assert time.time() - t < 10
-    assert run.error.startswith("rank 1 died (killed by signal SIGKILL) without a Python traceback.")
-    assert not any(alive(pid) for pid in run.pids)
+    assert run.wait(60) == "failed"
+    assert run.error.startswith("rank 1 (stage 1) died (killed by signal SIGKILL) without a Python traceback.")
+    assert not left_behind(run)
 
 
-def test_hung_step_ends_at_the_timeout(plan: pv.SplitPlan) -> None:
+def test_a_hung_step_ends_at_the_timeout(plan: pv.SplitPlan) -> None:
     run = pv.launch(plan, schedule="1F1B", microbatches=4, steps=2, inputs=(X,), target=Y, loss_fn=sleepy_loss,
                     timeout=3)
-    t = time.time()
     assert run.wait(60) == "failed"
-    assert time.time() - t < 20
     assert run.error.startswith("no progress for 3 s (step timeout); the run was stopped.")
-    assert not any(alive(pid) for pid in run.pids)
+    assert not left_behind(run)
 
 
-def test_stop_within_five_seconds(plan: pv.SplitPlan) -> None:
+def test_stop_and_ctrl_c_in_wait(plan: pv.SplitPlan) -> None:
     run = pv.launch(plan, schedule="1F1B", microbatches=4, steps=100000, inputs=(X,), target=Y,
                     loss_fn=F.cross_entropy)
     wait_running(run)
-    t = time.time()
-    assert run.stop() == "stopped"
-    assert time.time() - t < 5
-    assert not any(alive(pid) for pid in run.pids)
-
-
-def test_keyboard_interrupt_in_wait_stops_the_run(plan: pv.SplitPlan) -> None:
+    assert run.stop() == "stopped" and not left_behind(run)
     run = pv.launch(plan, schedule="1F1B", microbatches=4, steps=100000, inputs=(X,), target=Y,
                     loss_fn=F.cross_entropy)
     wait_running(run)
     threading.Timer(0.5, _thread.interrupt_main).start()
     with pytest.raises(KeyboardInterrupt):
         run.wait(60)
-    assert run.status == "stopped"
-    assert not any(alive(pid) for pid in run.pids)
+    assert run.status == "stopped" and not left_behind(run)
+
+
+def test_nan_stops_the_run_or_is_recorded(plan: pv.SplitPlan) -> None:
+    run = pv.launch(plan, schedule="1F1B", microbatches=4, steps=3, inputs=(X,), target=Y, loss_fn=nan_loss)
+    assert run.wait(60) == "failed"
+    assert run.error.startswith("NaN or inf in step 0: the loss is nan (step 0, rank 2, stage 2); the gradient of ")
+    assert "The run was stopped before that step's optimizer update." in run.error
+    assert run.losses == [] and not left_behind(run)
+    run = pv.launch(plan, schedule="1F1B", microbatches=4, steps=2, inputs=(X,), target=Y, loss_fn=nan_loss,
+                    on_nonfinite="continue")
+    assert run.wait(60) == "done"
+    assert {s for s, _ in run.nonfinite} == {0, 1} and len(run.losses) == 2
+
+
+def test_no_space_for_the_payloads(plan: pv.SplitPlan, monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[str] = []
+
+    def full_disk(prefix: str = "", suffix: str = "", **kw: object) -> tuple[int, str]:
+        # A file name in the temp dir, but every write fails as on a full disk (/dev/full).
+        path = os.path.join(tempfile.gettempdir(), f"{prefix}test{suffix}")
+        made.append(path)
+        open(path, "wb").close()
+        return os.open("/dev/full", os.O_WRONLY), path
+
+    monkeypatch.setattr(tempfile, "mkstemp", full_disk)
+    run = pv.launch(plan, schedule="1F1B", microbatches=4, steps=1, inputs=(X,), target=Y, loss_fn=F.cross_entropy)
+    assert run.wait(60) == "failed"
+    assert run.error.startswith(f"No space left in {tempfile.gettempdir()} for rank 0's payload")
+    assert "Fix: free some space there, or point TMPDIR at a disk with room." in run.error
+    assert run.pids == [] and not any(os.path.exists(p) for p in made)
+
+
+def test_concurrent_launches_each_get_their_own_rendezvous(plan: pv.SplitPlan) -> None:
+    runs = [pv.launch(plan, schedule=s, microbatches=4, steps=2, inputs=(X,), target=Y, loss_fn=F.cross_entropy)
+            for s in ("GPipe", "1F1B", "GPipe", "1F1B")]
+    assert len({r._store.port for r in runs if r._store is not None}) == len([r for r in runs if r._store])
+    assert [r.wait(120) for r in runs] == ["done"] * 4, [r.error for r in runs]
+    assert all(r.losses == runs[0].losses for r in runs)
+    assert not any(left_behind(r) for r in runs)
 
 
 def test_no_orphans_when_the_parent_dies(tmp_path: object) -> None:
@@ -126,62 +201,7 @@ def test_no_orphans_when_the_parent_dies(tmp_path: object) -> None:
     finally:
         proc.kill()  # like a restarted kernel: no atexit, no cleanup in the parent
         proc.wait()
-    end = time.time() + 10
+    end = time.time() + 30
     while any(alive(p) for p in pids) and time.time() < end:
         time.sleep(0.1)
     assert not any(alive(p) for p in pids)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "exc", "message"),
-    [
-        ({"schedule": "gpipee"}, pv.ScheduleError,
-         "Unknown schedule 'gpipee'. Did you mean 'GPipe'? Valid: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, "
-         "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV."),
-        ({"schedule": "1F1B", "microbatches": 2}, pv.ScheduleError,
-         "microbatches=2 does not work: 1F1B needs at least as many microbatches as stages (3). Valid: 4, 8."),
-        ({"schedule": "GPipe", "microbatches": 3}, pv.ScheduleError,
-         "microbatches=3 does not work: it does not divide the batch of 8. Valid: 1, 2, 4, 8."),
-        ({"schedule": "ZBVZeroBubble"}, pv.ScheduleError,
-         "ZBVZeroBubble with 2 stages per rank needs a stage count divisible by 2; the plan has 3. "
-         "Fix: split into one of 2, 4, 6, 8, 10, 12 stages, or change stages_per_rank."),
-        ({"schedule": "GPipe", "stages_per_rank": 2}, pv.ScheduleError,
-         "GPipe runs one stage per rank; got stages_per_rank=2. Fix: drop stages_per_rank, or pick a multi-stage "
-         "schedule: Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV."),
-        ({"target": torch.zeros(6, dtype=torch.long)}, pv.LaunchError,
-         "target must be a tensor whose dim 0 is the batch (8); got (6,)."),
-        ({"loss_fn": None}, pv.LaunchError,
-         "loss_fn must be a callable loss(output, target), got None. Fix: loss_fn=torch.nn.functional.cross_entropy "
-         "(or your own)."),
-        ({"devices": ["cpu", "cpu"]}, pv.LaunchError,
-         "devices lists 2 entries but the run has 3 ranks. Fix: pass 3 devices, or devices='auto'."),
-        ({"devices": "cuda:7"}, pv.LaunchError,
-         f"Device 'cuda:7' is not available: this machine has {torch.cuda.device_count()} CUDA device(s). "
-         "Fix: devices='auto' or 'cpu'."),
-        ({"input_kwargs": {"mask": torch.ones(8)}}, pv.LaunchError,
-         "input_kwargs ['mask'] were not in the traced example_kwargs []. Fix: trace with the same keyword inputs "
-         "you launch with."),
-    ],
-)
-def test_bad_launches_fail_before_any_process(plan: pv.SplitPlan, kwargs: dict, exc: type, message: str) -> None:
-    args = {"schedule": "1F1B", "microbatches": 4, "inputs": (X,), "target": Y, "loss_fn": F.cross_entropy} | kwargs
-    before = set(_children())
-    with pytest.raises(exc) as info:
-        pv.launch(plan, **args)
-    assert str(info.value) == message
-    assert set(_children()) == before
-
-
-def _children() -> list[int]:
-    """Live child processes of this process, from /proc."""
-    me, kids = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == me and fields[0] != "Z":
-                kids.append(int(entry))
-    return kids

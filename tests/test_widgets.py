@@ -197,11 +197,15 @@ def test_launch_fills_the_timeline_live_and_checks_numerics(explorer: pv.Explore
 @pytest.mark.slow
 def test_errors_from_the_run_appear_in_the_widget(explorer: pv.Explorer) -> None:
     explorer.plan = ["layer1"]
-    explorer.loss_fn = lambda out, t: (_ for _ in ()).throw(ValueError("loss exploded on purpose"))
+    explorer.loss_fn = lambda out, t: ((_ for _ in ()).throw(ValueError("loss exploded on purpose"))
+                                       if out.requires_grad else out.float().mean())  # fails in the run only
     explorer.launch()
     assert explorer.wait(180) == "failed"
     assert "The run failed" in explorer.error and "loss exploded on purpose" in explorer.errors.value
     assert "failed" in explorer.progress.value and explorer.numerics.value == ""
+    # A loss that fails on any output is refused before a process starts.
+    explorer.loss_fn = lambda out, t: (_ for _ in ()).throw(ValueError("loss exploded on purpose"))
+    assert explorer.launch() is None and "loss_fn(output, target) fails on an output like" in explorer.error
 
 
 @pytest.mark.slow

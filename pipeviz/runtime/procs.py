@@ -1,5 +1,5 @@
 """Rank processes: where they come from (a fork server), how they start without the caller's ``__main__``,
-and the rendezvous port.
+and the rendezvous they meet at.
 """
 
 from __future__ import annotations
@@ -9,13 +9,25 @@ import socket
 import threading
 from typing import Any
 
-__all__ = ["context", "free_port", "start_without_main"]
+__all__ = ["context", "free_port", "rendezvous", "start_without_main"]
 
 
 def free_port() -> int:
+    """A port free right now (for tools that must be handed a number, such as torchrun's --master-port)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def rendezvous(world_size: int, timeout: float) -> Any:
+    """A ``TCPStore`` this process owns, on a port the OS picked and this process keeps: the ranks join it,
+    so no other process can take the port between choosing it and the ranks connecting."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=max(timeout, 30.0)))
 
 
 _SPAWN_LOCK = threading.Lock()

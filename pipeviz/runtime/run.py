@@ -2,8 +2,7 @@
 
 Example:
     >>> run = pv.launch(plan, schedule="1F1B", microbatches=8, steps=5, inputs=(x,), target=y,
-    ...                 loss_fn=torch.nn.functional.cross_entropy,
-    ...                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))     # returns at once
+    ...                 loss_fn=pv.cross_entropy, optimizer=pv.sgd(lr=0.1))      # returns at once
     >>> run.wait(timeout=60); run.losses; run.timeline(); run.state_dict()
 """
 
@@ -11,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import io
 import itertools
 import os
@@ -26,13 +26,16 @@ from typing import Any
 import torch
 
 from pipeviz.plan import SplitPlan
-from pipeviz.runtime.procs import context, free_port, start_without_main
-from pipeviz.runtime.spec import LaunchSpec, cpu_sets, rank_payloads, resolve_devices, validate_launch
+from pipeviz.runtime.procs import context, rendezvous, start_without_main
+from pipeviz.runtime.spec import LaunchError, LaunchSpec, cpu_sets, rank_payloads, resolve_devices, validate_launch
 from pipeviz.timeline import Event, Timeline
 
 __all__ = ["Run", "launch"]
 
 _LIVE: weakref.WeakSet[Run] = weakref.WeakSet()
+# Errors a rank sees when a peer went away first: consequences, not causes.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator",
+              "Connection refused", "connection closed")
 
 
 class Run:
@@ -40,20 +43,29 @@ class Run:
 
     Attributes:
         status: ``"starting"``, ``"running"``, ``"done"``, ``"failed"`` or ``"stopped"``.
+        phase: what the run is doing now, in words (``"building the stages"``, ``"starting 3 processes"``,
+            ``"rank 1: stage 1 ready"``, ``"step 2/5"``); ``phases`` lists every phase with its time.
         events: ``Event`` list, growing while the run goes.
         losses: mean loss per finished step (the loss of each microbatch, averaged).
-        error: for a failed run, which rank failed and its traceback.
+        error: for a failed run, the root cause first (which rank and stage, what failed, on what), then its
+            traceback, the ranks that failed in consequence, and the end of the failing rank's torch log.
+        nonfinite: NaN or inf found in a loss or gradient: ``(step, what)`` pairs (the run stops at the first
+            unless launched with ``on_nonfinite="continue"``).
         step: steps finished by every rank.
     """
 
-    def __init__(self, plan: SplitPlan, spec: LaunchSpec, timeout: float) -> None:
+    def __init__(self, plan: SplitPlan, spec: LaunchSpec, timeout: float, on_nonfinite: str = "stop") -> None:
         self.plan, self.spec = plan, spec
         self.schedule, self.layout = spec.schedule, spec.layout
         self.microbatches, self.steps, self.timeout = spec.microbatches, spec.steps, timeout
+        self.on_nonfinite = on_nonfinite
         self.status = "starting"
+        self.phase = "starting"
+        self.phases: list[tuple[float, str]] = []
         self.events: list[Event] = []
         self.losses: list[float] = []
         self.error: str | None = None
+        self.nonfinite: list[tuple[int, str]] = []
         self.step = 0
         self.devices: list[str] = []
         self.cpus: list[tuple[int, ...]] | None = None  # each rank's cores when pinned (CPU runs)
@@ -63,7 +75,9 @@ class Run:
         self._step_ends: dict[int, float] = {}
         self._files: list[str] = []
         self._procs: list[Any] = []
+        self._store: Any = None
         self._subscribers: list[Callable[[list[Event]], None]] = []
+        self._status_subscribers: list[Callable[[Run], None]] = []
         self._stop = threading.Event()
         self._finished = threading.Event()
         self._lock = threading.Lock()
@@ -75,6 +89,11 @@ class Run:
         """Call ``callback(new_events)`` from the run's monitor thread whenever events arrive
         (and once with ``[]`` when the run ends)."""
         self._subscribers.append(callback)
+
+    def subscribe_status(self, callback: Callable[[Run], None]) -> None:
+        """Call ``callback(run)`` from the run's monitor thread whenever its status, phase or step changes,
+        before any event callback of the same moment (a status line can follow without waiting for a chart)."""
+        self._status_subscribers.append(callback)
 
     def wait(self, timeout: float | None = None) -> str:
         """Block until the run ends or ``timeout`` seconds pass; returns the status.
@@ -105,8 +124,7 @@ class Run:
     def _join_monitor(self, timeout: float = 2.0) -> None:
         # The monitor thread marks the run finished a moment before it exits. Wait for the exit: a daemon
         # thread still unwinding when the interpreter shuts down can hold the last reference to the plan
-        # (the thread's arguments), and freeing torch tensors with Python hooks there aborts the process
-        # ("terminate called without an active exception", seen at the end of scripts and test runs).
+        # (the thread's arguments), and freeing torch tensors with Python hooks there aborts the process.
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
@@ -156,8 +174,23 @@ class Run:
         self._thread = threading.Thread(target=self._monitor, args=(build,), daemon=True, name="pipeviz-run")
         self._thread.start()
 
+    def _set_phase(self, text: str) -> None:
+        self.phase = text
+        self.phases.append((time.time() - self.started_at, text))
+        self._notify()
+
+    def _notify(self) -> None:
+        for cb in list(self._status_subscribers):
+            try:
+                cb(self)
+            except Exception:
+                import traceback
+
+                traceback.print_exc()
+
     def _monitor(self, build: Callable[[], list[bytes]]) -> None:
         try:
+            self._set_phase("building the stages (torch's Pipe, traced once)")
             ctx = context()
             payloads = build()
             if self._stop.is_set():
@@ -165,31 +198,51 @@ class Run:
             q = ctx.Queue()
             from pipeviz.runtime import worker
 
+            self._set_phase(f"starting {len(payloads)} processes")
             # Payloads go through files: a large argument would be written into each child's start-up pipe
             # while the child imports torch, so the children would start one after another.
             for rank, data in enumerate(payloads):
-                fd, path = tempfile.mkstemp(prefix=f"pipeviz-rank{rank}-", suffix=".pkl")
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                self._files.append(path)
-                proc = ctx.Process(target=worker.main, args=(path, q), daemon=True)
+                path = self._write_payload(rank, data)
+                fd, log = tempfile.mkstemp(prefix=f"pipeviz-rank{rank}-", suffix=".log")
+                os.close(fd)
+                self._files.append(log)
+                proc = ctx.Process(target=worker.main, args=(path, q, log), daemon=True)
                 start_without_main(proc)
+                proc._args = ()  # sent to the child at start; kept, it would keep the queue's semaphores alive
                 self._procs.append(proc)
             self.status = "running"
+            self._notify()
             self._watch(q)
         except BaseException as exc:
             import traceback
 
-            self.error = self.error or f"launch failed in the parent process:\n{traceback.format_exc()}"
+            if self.error is None:
+                self.error = (str(exc) if isinstance(exc, LaunchError)
+                              else f"launch failed in the parent process:\n{traceback.format_exc()}")
             self._kill_all()
             self._finish("failed" if not isinstance(exc, KeyboardInterrupt) else "stopped")
+
+    def _write_payload(self, rank: int, data: bytes) -> str:
+        fd, path = tempfile.mkstemp(prefix=f"pipeviz-rank{rank}-", suffix=".pkl")
+        self._files.append(path)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise LaunchError(
+                    f"No space left in {os.path.dirname(path)} for rank {rank}'s payload ({len(data) / 2**20:.1f} MiB: "
+                    "its stage, weights and inputs). Fix: free some space there, or point TMPDIR at a disk with room."
+                ) from exc
+            raise
+        return path
 
     def _watch(self, q: Any) -> None:
         done: set[int] = set()
         last_progress = time.time()
         world = len(self._procs)
         finished_steps: dict[int, int] = {}
-        errors: dict[int, str] = {}
+        errors: dict[int, tuple[str, str, str]] = {}
         while True:
             if self._stop.is_set():
                 self._kill_all()
@@ -208,32 +261,48 @@ class Run:
                 elif kind == "step":
                     finished_steps[msg[1]] = msg[2] + 1
                     self._step_ends[msg[2]] = max(self._step_ends.get(msg[2], 0.0), msg[3])
-                    self.step = min(finished_steps.get(r, 0) for r in range(world))
+                    step = min(finished_steps.get(r, 0) for r in range(world))
+                    if step != self.step:
+                        self.step = step
+                        self._set_phase(f"step {step}/{self.steps}")
+                elif kind == "phase":
+                    self._set_phase(f"rank {msg[1]}: {msg[2]}")
+                elif kind == "nonfinite":
+                    self.nonfinite.extend((msg[2], what) for what in msg[3])
                 elif kind == "state":
                     self._state.update(torch.load(io.BytesIO(msg[2])))
                 elif kind == "done":
                     done.add(msg[1])
                 elif kind == "error":
-                    errors[msg[1]] = msg[2]
+                    errors[msg[1]] = (msg[2], msg[3], msg[4])
                 continue  # drain what is queued before checking on the processes
             crashed = [r for r, p in enumerate(self._procs) if p.exitcode not in (None, 0) and r not in done]
             if errors or crashed:
-                return self._fail(q, errors)
+                return self._fail(q, errors, finished_steps)
             if len(done) == world:
                 for proc in self._procs:
                     proc.join(timeout=5)
                 self._kill_all()
+                if self.nonfinite and self.on_nonfinite == "stop":
+                    step = min(s for s, _ in self.nonfinite)
+                    first = [w for s, w in self.nonfinite if s == step]
+                    first.sort(key=lambda w: not w.startswith("the loss"))
+                    found = "; ".join(first[:4]) + (f"; and {len(first) - 4} more" if len(first) > 4 else "")
+                    self.error = (f"NaN or inf in step {step}: {found}. The run was stopped before that step's "
+                                  "optimizer update. Fix: a lower learning rate, gradient clipping, or inputs and "
+                                  "targets without NaN/inf; launch(on_nonfinite='continue') to keep going.")
+                    return self._finish("failed")
                 return self._finish("done")
             if time.time() - last_progress > self.timeout:
-                self.error = (f"no progress for {self.timeout:.0f} s (step timeout); the run was stopped. Fix: raise "
-                              "launch(timeout=...) for slow steps, or look for a hang (mismatched shapes, a rank "
-                              "waiting for another).")
+                self.error = (f"no progress for {self.timeout:g} s (step timeout); the run was stopped. Fix: raise "
+                              "launch(timeout=...) for slow steps, or look for a hang (a rank waiting for another).")
                 self._kill_all()
                 return self._finish("failed")
 
-    def _fail(self, q: Any, errors: dict[int, str]) -> None:
+    def _fail(self, q: Any, errors: dict[int, tuple[str, str, str]], steps: dict[int, int]) -> None:
         """Name the root cause: one failure makes its neighbours fail too (their connections drop), so
-        collect for a moment, then report a rank killed by a signal first, else the first real error."""
+        collect for a moment, then report a rank killed by a signal first, else the first real error; the
+        consequences come after."""
         end = time.time() + 0.5
         while time.time() < end:
             try:
@@ -241,26 +310,39 @@ class Run:
             except queue_mod.Empty:
                 continue
             if msg[0] == "error":
-                errors.setdefault(msg[1], msg[2])
+                errors.setdefault(msg[1], (msg[2], msg[3], msg[4]))
             elif msg[0] == "events":
                 self._publish([Event(*e) for e in msg[1]])
-        lines = []
+
+        def where(r: int) -> str:
+            stages = self.layout.stages_of(r) if r >= 0 else []
+            st = f" (stage{'s' * (len(stages) > 1)} {', '.join(map(str, stages))})" if stages else ""
+            return f"rank {r}{st}"
+
+        causes: list[str] = []
         for r, proc in enumerate(self._procs):
             code = proc.exitcode
             if code is not None and code < 0:
-                name = signal.Signals(-code).name
-                lines.append(f"rank {r} died (killed by signal {name}) without a Python traceback.")
-        comm = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator")
-        real = [r for r, tb in errors.items() if not any(c in tb for c in comm)]
-        for r in real + [r for r in errors if r not in real]:
-            lines.append(f"rank {r} failed:\n{errors[r]}")
+                causes.append(f"{where(r)} died (killed by signal {signal.Signals(-code).name}) without a Python "
+                              "traceback.")
+        real = [r for r, (s, tb, _) in errors.items() if not any(c in s or c in tb for c in _PEER_GONE)]
+        consequences = [r for r in errors if r not in real]
+        for r in real:
+            summary, tb, log = errors[r]
+            text = f"{where(r)} failed in step {steps.get(r, 0)}: {summary}\n\n{tb.rstrip()}"
+            if log.strip():
+                text += f"\n\ntorch's log on rank {r} (last lines):\n{log.rstrip()}"
+            causes.append(text)
         for r, proc in enumerate(self._procs):
             if proc.exitcode is not None and proc.exitcode > 0 and r not in errors:
-                lines.append(f"rank {r} died (exit code {proc.exitcode}) without a Python traceback.")
-        self.error = lines[0] if lines else "a rank failed without a report."
-        if len(lines) > 1:
-            others = ", ".join(line.split(" ", 2)[1] for line in lines[1:])
-            self.error += f"\n\nAs a consequence, rank(s) {others} failed too (their peers went away)."
+                causes.append(f"{where(r)} died (exit code {proc.exitcode}) without a Python traceback.")
+        if not causes and consequences:  # only peers-went-away errors: the first one is all there is
+            r = consequences.pop(0)
+            causes.append(f"{where(r)} failed in step {steps.get(r, 0)}: {errors[r][0]}\n\n{errors[r][1].rstrip()}")
+        self.error = causes[0] if causes else "a rank failed without a report."
+        others = [c.split(" failed")[0].split(" died")[0] for c in causes[1:]] + [where(r) for r in consequences]
+        if others:
+            self.error += f"\n\nAs a consequence, {', '.join(others)} failed too (their peers went away)."
         self._kill_all()
         self._finish("failed")
 
@@ -279,6 +361,7 @@ class Run:
 
     def _finish(self, status: str) -> None:
         self.status = status
+        self._set_phase(status)
         self._finished.set()
         for cb in list(self._subscribers):
             try:
@@ -287,9 +370,6 @@ class Run:
                 pass
 
     def _kill_all(self) -> None:
-        for path in self._files:  # payloads a child never got to read
-            with contextlib.suppress(OSError):
-                os.unlink(path)
         for proc in self._procs:
             if proc.is_alive():
                 proc.terminate()
@@ -300,6 +380,10 @@ class Run:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=2)
+        for path in self._files:  # payloads a child never got to read, and the ranks' logs
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        self._store = None  # the rendezvous port is free again once every rank is gone
 
 
 @atexit.register
@@ -324,36 +408,43 @@ def launch(
     stages_per_rank: int | None = None,
     timeout: float = 120.0,
     pin_cpus: bool = True,
+    on_nonfinite: str = "stop",
 ) -> Run:
     """Start the plan's stages as processes running torch's ``schedule``; returns a ``Run`` at once.
 
-    One process per rank (spawned, rendezvous on 127.0.0.1). Every forward, backward, input-grad and
-    weight-grad action streams back as an ``Event``. Skip connections are relayed stage by stage and
-    tied weights' gradients are summed across the stages holding them, so the run trains like the
-    unsplit model (same microbatching, mean loss per microbatch).
+    One process per rank, joining a rendezvous the calling process holds open (no port race). The stages
+    are built here once; each rank receives only its own. Every forward, backward, input-grad and
+    weight-grad action streams back as an ``Event``. Skip connections are relayed stage by stage and shared
+    weights' gradients are summed across the stages holding them, so the run trains like the unsplit model
+    (same microbatching, mean loss per microbatch).
 
     Args:
         plan: the ``SplitPlan``.
         schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV.
         microbatches: microbatches per step; must divide the batch.
         steps: optimizer steps.
-        inputs / input_kwargs: the full batch (defaults: the graph's example inputs).
+        inputs / input_kwargs: the full batch (defaults: the graph's example inputs): a tensor or a tuple or
+            list of them, each like the traced example (same dtype, same shape after the batch dim).
         target: the full batch of targets, passed to ``loss_fn(output, target)`` per microbatch.
             ``output`` is the model's output (its only tensor; for HF models the logits).
-        loss_fn: mean-reduced loss; the run trains only with one.
-        optimizer: ``params -> torch.optim.Optimizer`` (default SGD, lr 0.1), built on every rank.
+        loss_fn: mean-reduced loss returning a scalar tensor (tried once on a sample before launching).
+        optimizer: ``params -> torch.optim.Optimizer`` (default ``pv.sgd(lr=0.1)``), built on every rank.
         devices: ``"auto"``, ``"cpu"``, ``"cuda"`` or one device per rank.
         stages_per_rank: for multi-stage schedules (default 2).
         timeout: seconds without progress before the run is declared hung and stopped.
         pin_cpus: on the CPU, give each rank its own cores (``run.cpus``) when there are enough and no
             other run of this process is going: its compute and gloo's threads then never wait behind
             another rank's (README, "What pipeviz fixes", has the measured gain).
+        on_nonfinite: a NaN or inf loss or gradient: ``"stop"`` (the run fails before that step's update,
+            naming the step, rank, stage and tensor) or ``"continue"`` (recorded in ``run.nonfinite``).
 
     Raises:
         LaunchError, ScheduleError, PlanError: before any process starts, naming the bad value and the fix.
     """
     spec = validate_launch(plan, schedule, microbatches, steps, inputs, input_kwargs, target, loss_fn, optimizer,
-                           stages_per_rank)
+                           stages_per_rank, timeout)
+    if on_nonfinite not in ("stop", "continue"):
+        raise LaunchError(f"on_nonfinite={on_nonfinite!r}; valid: 'stop', 'continue'.")
     lay = spec.layout
     stage_devices, backend, compute = resolve_devices(devices, lay.num_ranks)
     on_cpu = all(d == "cpu" for d in stage_devices) and not any(compute)
@@ -361,16 +452,16 @@ def launch(
     alone = not any(r.status in ("starting", "running") for r in list(_LIVE))
     threads, cpus = cpu_sets(lay.num_ranks, pin_cpus and on_cpu and alone)
 
-    run = Run(plan, spec, timeout)
+    run = Run(plan, spec, timeout, on_nonfinite)
     run.devices = [c or d for c, d in zip(compute, stage_devices, strict=True)]
     run.cpus = cpus
     t0 = run.started_at
+    run._store = rendezvous(lay.num_ranks, timeout)
+    port = run._store.port
 
     def build() -> list[bytes]:
-        return rank_payloads(plan, spec, stage_devices, compute, backend, port, t0, timeout, threads, cpus)
+        return rank_payloads(plan, spec, stage_devices, compute, backend, port, t0, timeout, threads, cpus,
+                             on_nonfinite)
 
-    port = free_port()
     run._start(build)
     return run
-
-

@@ -44,9 +44,15 @@ class LaunchSpec:
 
 def validate_launch(
     plan: SplitPlan, schedule: str, microbatches: int, steps: int, inputs: Any, input_kwargs: dict[str, Any] | None,
-    target: Any, loss_fn: Any, optimizer: Any, stages_per_rank: int | None,
+    target: Any, loss_fn: Any, optimizer: Any, stages_per_rank: int | None, timeout: float = 120.0,
 ) -> LaunchSpec:
-    """Check everything a launch needs before any process starts; raises with the value, choices and fix."""
+    """Check everything a launch needs before any process starts; raises with the value, the choices and the fix.
+
+    Checked: the plan and schedule (stage and microbatch rules), ``steps`` and ``timeout``, the inputs (a
+    tensor, a tuple or list of them; each like the traced example: same dtype, same shape after the batch
+    dim), the target, ``loss_fn`` (called once on an output like the last stage's: it must return a scalar
+    tensor), ``optimizer`` (built once on a dummy parameter) and that both can be sent to the stage processes.
+    """
     import cloudpickle
 
     if not isinstance(plan, SplitPlan):
@@ -55,23 +61,13 @@ def validate_launch(
     if plan.num_stages < 2:
         raise LaunchError("The plan has 1 stage; a pipeline needs at least 2. Fix: plan.toggle(<layer>) to split.")
     lay = sched.layout(name, plan.num_stages, stages_per_rank)
-    if not isinstance(steps, int) or steps < 1:
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise LaunchError(f"steps must be a positive int, got {steps!r}.")
+    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
+        raise LaunchError(f"timeout must be a positive number of seconds, got {timeout!r}. Fix: timeout=120 "
+                          "(seconds without progress before the run is declared hung).")
     graph = plan.graph
-    if inputs is None:
-        args, kwargs = graph.example_args, dict(graph.example_kwargs)
-        if input_kwargs is not None:
-            kwargs = dict(input_kwargs)
-    else:
-        args = inputs if isinstance(inputs, tuple) else (inputs,)
-        kwargs = dict(input_kwargs or {})
-    # Keep the traced keyword order: stage 0 maps inputs onto torch's placeholders in that order.
-    order = list(graph.example_kwargs)
-    unknown = [k for k in kwargs if k not in order]
-    if unknown:
-        raise LaunchError(f"input_kwargs {unknown} were not in the traced example_kwargs {order}. "
-                          "Fix: trace with the same keyword inputs you launch with.")
-    kwargs = {k: kwargs[k] for k in order if k in kwargs}
+    args, kwargs = _inputs(graph, inputs, input_kwargs)
     batch = _batch_size(args, kwargs)
     if batch is None:
         raise LaunchError("inputs hold no tensor with a batch dimension.")
@@ -81,14 +77,14 @@ def validate_launch(
     sched.check_microbatches(name, plan.num_stages, microbatches, stages_per_rank, batch_size=batch)
     if loss_fn is None or not callable(loss_fn):
         raise LaunchError(f"loss_fn must be a callable loss(output, target), got {loss_fn!r}. "
-                          "Fix: loss_fn=torch.nn.functional.cross_entropy (or your own).")
+                          "Fix: loss_fn=pv.cross_entropy (or torch.nn.functional.cross_entropy, or your own).")
     if target is None or not isinstance(target, torch.Tensor) or target.dim() == 0 or target.shape[0] != batch:
         shape = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
         raise LaunchError(f"target must be a tensor whose dim 0 is the batch ({batch}); got {shape}.")
+    _try_loss(graph, loss_fn, target, batch, microbatches)
     if optimizer is None:
         optimizer = _default_optimizer
-    if not callable(optimizer):
-        raise LaunchError(f"optimizer must be a factory params -> torch.optim.Optimizer, got {optimizer!r}.")
+    _try_optimizer(optimizer)
     for label, obj in (("loss_fn", loss_fn), ("optimizer", optimizer)):
         try:
             cloudpickle.dumps(obj)
@@ -96,6 +92,104 @@ def validate_launch(
             raise LaunchError(f"{label} cannot be sent to the stage processes ({exc}). Fix: define it as a plain "
                               "function or lambda, without open files, locks or CUDA state.") from exc
     return LaunchSpec(name, lay, args, kwargs, target, loss_fn, optimizer, microbatches, steps)
+
+
+def _inputs(graph: Any, inputs: Any, input_kwargs: dict[str, Any] | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The launch's inputs as (args, kwargs) in the traced order, each checked against the traced example."""
+    if inputs is None:
+        args = tuple(graph.example_args)
+    elif isinstance(inputs, torch.Tensor):
+        args = (inputs,)
+    elif isinstance(inputs, tuple | list):
+        args = tuple(inputs)
+    else:
+        hint = " Fix: pass keyword inputs as input_kwargs={...}." if isinstance(inputs, dict) else \
+            " Fix: inputs=(x,)."
+        raise LaunchError(f"inputs must be a tensor, or a tuple or list of tensors (the model's positional "
+                          f"inputs), got {type(inputs).__name__}.{hint}")
+    kwargs = dict(graph.example_kwargs) if input_kwargs is None and inputs is None else dict(input_kwargs or {})
+    if not isinstance(kwargs, dict):
+        raise LaunchError(f"input_kwargs must be a dict of keyword inputs, got {type(input_kwargs).__name__}.")
+    # Keep the traced keyword order: stage 0 maps inputs onto torch's placeholders in that order.
+    order = list(graph.example_kwargs)
+    unknown = [k for k in kwargs if k not in order]
+    if unknown:
+        raise LaunchError(f"input_kwargs {unknown} were not in the traced example_kwargs {order}. "
+                          "Fix: trace with the same keyword inputs you launch with.")
+    kwargs = {k: kwargs[k] for k in order if k in kwargs}
+    example = tuple(graph.example_args)
+    if len(args) != len(example):
+        raise LaunchError(f"The model was traced with {len(example)} positional input(s); launch got {len(args)}. "
+                          "Fix: pass inputs like the example, or re-trace with these.")
+    pairs = [(f"inputs[{i}]", a, e) for i, (a, e) in enumerate(zip(args, example, strict=True))]
+    pairs += [(f"input_kwargs[{k!r}]", kwargs[k], graph.example_kwargs[k]) for k in kwargs]
+    for label, got, want in pairs:
+        _like_example(label, got, want)
+    return args, kwargs
+
+
+def _like_example(label: str, got: Any, want: Any) -> None:
+    if not isinstance(want, torch.Tensor):
+        return
+    retrace = "or re-trace with it: pv.trace(model, example_args=..., example_kwargs=...)."
+    if not isinstance(got, torch.Tensor):
+        raise LaunchError(f"{label} is a {type(got).__name__}, but the model was traced with a tensor "
+                          f"{tuple(want.shape)} {want.dtype}. Fix: pass a tensor like the example, {retrace}")
+    if got.dtype != want.dtype:
+        raise LaunchError(f"{label} is {got.dtype}, but the model was traced with {want.dtype}. Fix: pass a "
+                          f"{want.dtype} tensor (e.g. x.to({want.dtype})), {retrace}")
+    if got.dim() != want.dim() or tuple(got.shape[1:]) != tuple(want.shape[1:]):
+        raise LaunchError(f"{label} has shape {tuple(got.shape)}, but the model was traced with "
+                          f"{tuple(want.shape)} (every dim after the batch must match). Fix: pass a batch shaped like "
+                          f"the example, {retrace}")
+
+
+def _try_loss(graph: Any, loss_fn: Any, target: torch.Tensor, batch: int, microbatches: int) -> None:
+    """Call ``loss_fn`` once on an output like the last stage's for one microbatch and a target microbatch."""
+    cap = graph.capture
+    if not cap.outputs:
+        return
+    size = batch // microbatches
+    gen = torch.Generator().manual_seed(0)
+
+    def sample(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        shape = (size, *shape[1:]) if shape and shape[0] == cap.batch_size else shape
+        if dtype.is_floating_point:
+            return torch.randn(shape, generator=gen).to(dtype)
+        return torch.zeros(shape, dtype=dtype)
+
+    leaves = [sample(shape, dtype) for shape, dtype in cap.outputs]
+    if cap.output_index is not None:
+        out: Any = leaves[cap.output_index]
+    else:
+        out = leaves[0] if len(leaves) == 1 else tuple(leaves)
+    tgt = target.tensor_split(microbatches)[0]
+    shapes = tuple(out.shape) if isinstance(out, torch.Tensor) else [tuple(t.shape) for t in out]
+    try:
+        loss = loss_fn(out, tgt)
+    except Exception as exc:
+        raise LaunchError(f"loss_fn(output, target) fails on an output like the last stage's ({shapes}) and a "
+                          f"target microbatch ({tuple(tgt.shape)} {tgt.dtype}): {type(exc).__name__}: {exc}. "
+                          "Fix: make loss_fn accept the model's output and a slice of target along dim 0.") from exc
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        got = f"a tensor of shape {tuple(loss.shape)} ({loss.dtype})" if isinstance(loss, torch.Tensor) \
+            else type(loss).__name__
+        raise LaunchError(f"loss_fn must return a scalar float tensor (one loss per microbatch); on an output like "
+                          f"the last stage's ({shapes}) it returned {got}. Fix: reduce it, e.g. .mean().")
+
+
+def _try_optimizer(optimizer: Any) -> None:
+    if not callable(optimizer):
+        raise LaunchError(f"optimizer must be a factory params -> torch.optim.Optimizer, got {optimizer!r}. "
+                          "Fix: optimizer=pv.sgd(lr=0.1), or lambda ps: torch.optim.AdamW(ps, lr=1e-3).")
+    try:
+        built = optimizer([torch.nn.Parameter(torch.zeros(1))])
+    except Exception as exc:
+        raise LaunchError(f"optimizer(params) fails on a dummy parameter: {type(exc).__name__}: {exc}. Fix: pass a "
+                          "factory taking the list of a rank's parameters, e.g. pv.sgd(lr=0.1).") from exc
+    if not (callable(getattr(built, "step", None)) and callable(getattr(built, "zero_grad", None))):
+        raise LaunchError(f"optimizer(params) must return a torch.optim.Optimizer, got {type(built).__name__}. "
+                          "Fix: optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1) (a factory, not an optimizer).")
 
 
 def resolve_devices(devices: str | Sequence[str], num_ranks: int) -> tuple[list[str], str, list[str | None]]:
@@ -140,7 +234,7 @@ def resolve_devices(devices: str | Sequence[str], num_ranks: int) -> tuple[list[
 
 def rank_payloads(plan: SplitPlan, spec: LaunchSpec, devices: list[str], compute: list[str | None], backend: str,
                   port: int, t0: float, timeout: float, threads: int,
-                  cpus: list[tuple[int, ...]] | None) -> list[bytes]:
+                  cpus: list[tuple[int, ...]] | None, on_nonfinite: str = "stop") -> list[bytes]:
     """Build the stages once (here, not in every rank) and pickle each rank's share of the run."""
     import cloudpickle
 
@@ -161,6 +255,7 @@ def rank_payloads(plan: SplitPlan, spec: LaunchSpec, devices: list[str], compute
             args=spec.args if rank == first else (), kwargs=spec.kwargs if rank == first else {},
             target=spec.target if rank == last else None, t0=t0, parent_pid=os.getpid(),
             timeout_s=max(timeout, 30.0), threads=threads, cpus=cpus[rank] if cpus else None,
+            on_nonfinite=on_nonfinite,
         ))
         for rank in range(lay.num_ranks)
     ]

@@ -31,9 +31,13 @@ from torch.utils import _pytree as pytree
 from pipeviz.adapter import canonical_name, flatten_stage, split_graph
 from pipeviz.plan import SplitPlan
 
-__all__ = ["RankStage", "StageRunner", "StageSet", "build_stages", "rank_stages", "tied_ranks"]
+__all__ = ["RankStage", "StageRunner", "StageSet", "StepError", "build_stages", "rank_stages", "tied_ranks"]
 
 Value = tuple[Any, ...]  # ("in", placeholder) | ("s", stage, index or None)
+
+
+class StepError(RuntimeError):
+    """A failure inside a training step, saying what the rank was doing (stage, layer or loss, shapes)."""
 
 
 class StageRunner(nn.Module):
@@ -69,7 +73,11 @@ class StageRunner(nn.Module):
             env = dict(zip(self.takes, args, strict=True))
         if self.compute_device is not None:
             env = {k: v.to(self.compute_device) if isinstance(v, torch.Tensor) else v for k, v in env.items()}
-        out = self.stage(*(env[v] for v in self.calls))
+        call_args = tuple(env[v] for v in self.calls)
+        try:
+            out = self.stage(*call_args)
+        except Exception as exc:
+            raise self._located(call_args, exc) from exc
         env[("s", self.index, None)] = out
         if isinstance(out, tuple | list):
             for k, item in enumerate(out):
@@ -87,6 +95,19 @@ class StageRunner(nn.Module):
 
     def _home(self, t: Any) -> Any:
         return t.cpu() if self.compute_device is not None and isinstance(t, torch.Tensor) else t
+
+    def _located(self, args: tuple[Any, ...], exc: Exception) -> StepError:
+        """The error, with the layer and the op that raised and their input shapes (found by running the stage
+        again node by node)."""
+        finder = getattr(self.stage, "failing_op", None)
+        found = finder(*args) if callable(finder) else None
+        where = f"stage {self.index}'s forward"
+        if found is not None:
+            module, op, shapes = found
+            where += f", in {'layer ' + repr(module) if module else 'the ops between layers'}, at {op}"
+            if shapes:
+                where += f" on {shapes}"
+        return StepError(f"{where}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
 
 
 def _fresh(t: Any, inputs: set[int], always: bool = False) -> Any:

@@ -5,8 +5,12 @@ script. Everything it needs arrives as one cloudpickled ``RankPayload`` holding 
 (flat ``fx.GraphModule``s built by the launching process), and everything it reports goes to the parent
 over one queue:
 
-    ("events", [(rank, stage, kind, mb, start, end, step), ...])   ("loss", step, value)
-    ("step", rank, step, time)   ("state", rank, bytes)   ("done", rank)   ("error", rank, traceback)
+    ("phase", rank, text)   ("events", [(rank, stage, kind, mb, start, end, step), ...])   ("loss", step, value)
+    ("step", rank, step, time)   ("nonfinite", rank, step, [what, ...])   ("state", rank, bytes)
+    ("done", rank)   ("error", rank, summary, traceback, log tail)
+
+torch's own log lines and anything else the rank prints to stderr go to a file of the rank's; the tail of it
+comes with an error (in ``run.error``), never to the user's terminal or notebook.
 
 Events, losses and step ends leave together at most every ``SEND_INTERVAL`` seconds: each message wakes
 the parent (a notebook kernel), which shares the ranks' cores.
@@ -32,6 +36,7 @@ from typing import Any
 
 import torch
 
+from pipeviz.runtime.stages import StepError
 from pipeviz.schedules import SINGLE, ZERO_BUBBLE
 
 __all__ = ["SEND_INTERVAL", "RankPayload", "main"]
@@ -66,7 +71,68 @@ class RankPayload:
     timeout_s: float = 120.0
     threads: int = 1
     cpus: tuple[int, ...] | None = None  # cores of this rank's threads (pv.launch on CPU; see spec.cpu_sets)
-    init_method: str | None = None  # default: tcp://127.0.0.1:port; "env://" under torchrun
+    init_method: str | None = None  # default: the launching process's TCPStore on port; "env://" under torchrun
+    on_nonfinite: str = "stop"  # a NaN or inf loss or gradient: "stop" the run, or "continue" and report it
+
+
+def main(payload_path: str, queue: Any, log_path: str | None = None) -> None:
+    """Process entry point (started by ``launch``): reads its payload from ``payload_path`` and deletes it;
+    stderr goes to ``log_path`` (the launching process removes it when the run ends)."""
+    import warnings
+
+    import cloudpickle
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch's own pytree deprecation noise
+    rank = -1
+    _quiet_stderr(log_path)
+    try:
+        with open(payload_path, "rb") as f:
+            payload: RankPayload = cloudpickle.loads(f.read())
+        os.unlink(payload_path)
+        rank = payload.rank
+        threading.Thread(target=_watch_parent, args=(payload.parent_pid,), daemon=True).start()
+        _run(payload, queue)
+        queue.put(("done", rank))
+    except BaseException as exc:  # report everything, including SystemExit from user code
+        summary = _summary(exc)
+        queue.put(("error", rank, summary, traceback.format_exc(), _tail(log_path)))
+        queue.close()
+        queue.join_thread()
+        sys.exit(1)
+    queue.close()
+    queue.join_thread()
+
+
+def _summary(exc: BaseException) -> str:
+    """One line naming what failed: pipeviz's located error when one is in the chain (torch wraps it in
+    "[Stage 1] failed to run forward"), else the exception itself."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, StepError):
+            return str(seen).split("\n")[0]
+        seen = seen.__cause__ or seen.__context__
+    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+
+
+def _quiet_stderr(path: str | None) -> None:
+    """Send this process's stderr (torch's log lines, C++ warnings) to its log file."""
+    if path is None:
+        return
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _tail(path: str | None, lines: int = 40) -> str:
+    if path is None:
+        return ""
+    try:
+        sys.stderr.flush()
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -82,31 +148,6 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-def main(payload_path: str, queue: Any) -> None:
-    """Process entry point (spawned by ``launch``); reads its payload from ``payload_path`` and deletes it."""
-    import warnings
-
-    import cloudpickle
-
-    warnings.filterwarnings("ignore", category=FutureWarning)  # torch's own pytree deprecation noise
-    rank = -1
-    try:
-        with open(payload_path, "rb") as f:
-            payload: RankPayload = cloudpickle.loads(f.read())
-        os.unlink(payload_path)
-        rank = payload.rank
-        threading.Thread(target=_watch_parent, args=(payload.parent_pid,), daemon=True).start()
-        _run(payload, queue)
-        queue.put(("done", rank))
-    except BaseException:  # report everything, including SystemExit from user code
-        queue.put(("error", rank, traceback.format_exc()))
-        queue.close()
-        queue.join_thread()
-        sys.exit(1)
-    queue.close()
-    queue.join_thread()
-
-
 def _run(p: RankPayload, queue: Any) -> None:
     import torch.distributed as dist
 
@@ -119,15 +160,18 @@ def _run(p: RankPayload, queue: Any) -> None:
               for name, ranks in sorted(p.tied.items())}
     schedule = _schedule(p, stages)
     optimizer = p.optimizer(params)
+    queue.put(("phase", p.rank, f"stage{'s' * (len(p.stages) > 1)} {', '.join(str(s.index) for s in p.stages)} "
+                                "ready"))
 
     def comm(start: float, end: float) -> None:
         clock.record((p.rank, -1, "COMM", -1, start - clock.t0, end - clock.t0, step_box[0]))
 
     with timed_waits(comm), exact_split_backward():
-        _train(p, schedule, optimizer, local, groups, clock, step_box, device)
-    buf = io.BytesIO()
-    torch.save(_state(p), buf)
-    queue.put(("state", p.rank, buf.getvalue()))
+        finished = _train(p, schedule, optimizer, params, local, groups, clock, step_box, device)
+    if finished:
+        buf = io.BytesIO()
+        torch.save(_state(p), buf)
+        queue.put(("state", p.rank, buf.getvalue()))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -140,10 +184,13 @@ def _connect(p: RankPayload, queue: Any) -> tuple[_Clock, torch.device, torch.de
 
     keep_heap()
     torch.set_num_threads(max(1, p.threads))
-    dist.init_process_group(
-        p.backend, init_method=p.init_method or f"tcp://127.0.0.1:{p.port}", rank=p.rank, world_size=p.world,
-        timeout=timedelta(seconds=p.timeout_s),
-    )
+    timeout = timedelta(seconds=p.timeout_s)
+    if p.init_method:  # torchrun
+        dist.init_process_group(p.backend, init_method=p.init_method, rank=p.rank, world_size=p.world,
+                                timeout=timeout)
+    else:  # join the store the launching process holds open: no port can be taken in between
+        store = dist.TCPStore("127.0.0.1", p.port, is_master=False, timeout=timeout)
+        dist.init_process_group(p.backend, store=store, rank=p.rank, world_size=p.world, timeout=timeout)
     if p.cpus:
         _pin(p.cpus)
     if p.t0 < 0:  # under torchrun: one clock for every rank, rank 0's start (hosts' clocks assumed synced)
@@ -209,18 +256,42 @@ def _schedule(p: RankPayload, stages: list[Any]) -> Any:
     from torch.distributed.pipelining import schedules as torch_schedules
 
     cls = torch_schedules.get_schedule_class(p.schedule)
+    loss_fn = _named_loss(p.loss_fn, p)
     if p.schedule in SINGLE:
-        return cls(stages[0], n_microbatches=p.microbatches, loss_fn=p.loss_fn)  # one stage per rank
-    return cls(stages, n_microbatches=p.microbatches, loss_fn=p.loss_fn)
+        return cls(stages[0], n_microbatches=p.microbatches, loss_fn=loss_fn)  # one stage per rank
+    return cls(stages, n_microbatches=p.microbatches, loss_fn=loss_fn)
 
 
-def _train(p: RankPayload, schedule: Any, optimizer: torch.optim.Optimizer, local: dict[str, list[torch.Tensor]],
-           groups: dict[str, Any], clock: _Clock, step_box: list[int], device: torch.device) -> None:
+def _named_loss(loss_fn: Any, p: RankPayload) -> Any:
+    """``loss_fn``, whose failures say where they happened and on what (the last stage, shapes)."""
+    from pipeviz.adapter import describe
+
+    def loss(output: Any, target: Any) -> Any:
+        try:
+            return loss_fn(output, target)
+        except Exception as exc:
+            raise StepError(
+                f"loss_fn failed on rank {p.rank} (the last stage, {len(p.stage_ranks) - 1}) on its output "
+                f"{describe(output)} and target {describe(target)}: {type(exc).__name__}: {exc}. Fix: loss_fn was "
+                "checked on an output like this before the launch, so look at what differs in this batch."
+            ) from exc
+
+    return loss
+
+
+def _train(p: RankPayload, schedule: Any, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
+           local: dict[str, list[torch.Tensor]], groups: dict[str, Any], clock: _Clock, step_box: list[int],
+           device: torch.device) -> bool:
+    """Run the steps; False when a NaN or inf stopped the run (every rank stops at the same step)."""
+    import torch.distributed as dist
+
     first = any(st.index == 0 for st in p.stages)
     last = any(st.index == len(p.stage_ranks) - 1 for st in p.stages)
     args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in p.args)
     kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in p.kwargs.items()}
     target = p.target.to(device) if isinstance(p.target, torch.Tensor) else p.target
+    names = {id(t): canon for st in p.stages for canon, inner in st.params.items()
+             for n, t in st.runner.stage.named_parameters(remove_duplicate=False) if n == inner}
     for step in range(p.steps):
         step_box[0] = step
         losses: list[torch.Tensor] = []
@@ -229,12 +300,41 @@ def _train(p: RankPayload, schedule: Any, optimizer: torch.optim.Optimizer, loca
             call_kwargs.update(target=target, losses=losses)
         schedule.step(*(args if first else ()), **call_kwargs)
         _sync_tied(local, p.tied, groups)
+        loss = float(torch.stack([x.detach().float() for x in losses]).mean()) if last else 0.0
+        bad = _nonfinite(loss, params, names, p, step)
+        flag = torch.tensor([1.0 if bad else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank learns of it and stops at the same step
+        if bad:
+            clock.post(("nonfinite", p.rank, step, bad))
+        if flag.item() and p.on_nonfinite == "stop":
+            clock.flush(force=True)
+            return False
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if last:
-            clock.post(("loss", step, float(torch.stack([x.detach().float() for x in losses]).mean())))
+            clock.post(("loss", step, loss))
         clock.post(("step", p.rank, step, time.time() - p.t0))
         clock.flush(force=step == p.steps - 1)
+    return True
+
+
+def _nonfinite(loss: float, params: list[torch.nn.Parameter], names: dict[int, str], p: RankPayload,
+               step: int) -> list[str]:
+    """What is NaN or inf on this rank after a step's backward: the loss, and each gradient (by name)."""
+    import math
+
+    stages = ", ".join(str(s.index) for s in p.stages)
+    found = []
+    if not math.isfinite(loss):
+        found.append(f"the loss is {loss} (step {step}, rank {p.rank}, stage {stages})")
+    grads = [t.grad for t in params if t.grad is not None]
+    if grads and not bool(torch.isfinite(torch.stack([g.detach().float().sum() for g in grads])).all()):
+        for t in params:
+            if t.grad is not None and not bool(torch.isfinite(t.grad).all()):
+                kind = "nan" if bool(torch.isnan(t.grad).any()) else "inf"
+                found.append(f"the gradient of {names.get(id(t), '?')!r} holds {kind} (step {step}, rank {p.rank}, "
+                             f"stage {stages})")
+    return found
 
 
 def _state(p: RankPayload) -> dict[str, torch.Tensor]:

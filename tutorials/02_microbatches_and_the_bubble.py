@@ -1,0 +1,137 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 2 · Microbatches and the bubble
+#
+# **You will learn:** how GPipe fills the pipeline with microbatches, the formula for its bubble, and how to check
+# it against the simulator and a real run.
+#
+# ## GPipe
+#
+# GPipe (Huang et al., *GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism*, NeurIPS
+# 2019) splits each batch into *m* **microbatches**. Stage 0 runs the forward of microbatch 0, passes it on and
+# immediately starts microbatch 1, so after a short fill-up all stages work at once. When every forward is done,
+# the backwards drain the pipeline the other way. Gradients of all microbatches are accumulated and the optimizer
+# steps once: the update is the same as for the whole batch (for a mean-reduced loss, torch divides the summed
+# gradients by *m*).
+#
+# ## The bubble formula
+#
+# Take *p* stages that each need time *F* for a microbatch's forward and *B* for its backward. The forward phase
+# takes (*m* + *p* − 1)·*F*: the last stage starts after *p* − 1 forwards, then does *m*. Likewise the backward
+# phase takes (*m* + *p* − 1)·*B*. Each rank is busy *m*·(*F* + *B*) of the step (*m* + *p* − 1)·(*F* + *B*), so
+# the idle share, the **bubble**, is
+#
+# $$\text{bubble} = \frac{p - 1}{m + p - 1}.$$
+#
+# It does not depend on *F* or *B*, only on how many microbatches fill the pipe. The GPipe paper writes the
+# overhead as O((*K* − 1)/(*M* + *K* − 1)) for *K* partitions and *M* microbatches and found it negligible when
+# *M* ≥ 4·*K*. (The Megatron-LM papers measure the bubble against the ideal time instead of the whole step: (*p* −
+# 1)/*m*. Same bubble, another denominator.)
+
+# %%
+import warnings
+
+warnings.filterwarnings("ignore", category=FutureWarning)  # torch.export internals; not about your code
+
+# %%
+import torch
+import torch.nn.functional as F
+
+import pipeviz as pv
+from pipeviz.zoo import MyNetwork
+
+
+def gpipe_bubble(p, m):
+    return (p - 1) / (m + p - 1)
+
+
+# %% [markdown]
+# ## Check the formula against the simulator
+#
+# `pv.Costs.uniform(p)` gives every stage the textbook costs *F* = 1, *B* = 2 and free communication;
+# `pv.simulate` then plays torch's GPipe order. The cell fails if the two ever disagree.
+
+# %%
+print(" p   m   formula  simulated")
+for p in (2, 3, 4):
+    for m in (1, 2, 4, 8):
+        sim = pv.simulate(None, "GPipe", microbatches=m, costs=pv.Costs.uniform(p), num_stages=p)
+        assert abs(sim.bubble_fraction - gpipe_bubble(p, m)) < 1e-9
+        assert sim.step_time == (m + p - 1) * (1 + 2)
+        print(f"{p:2} {m:3}   {gpipe_bubble(p, m):6.1%}    {sim.bubble_fraction:6.1%}")
+
+# %%
+pv.timeline_figure(pv.simulate(None, "GPipe", microbatches=4, costs=pv.Costs.uniform(3), num_stages=3))
+
+# %% [markdown]
+# ## On a real run
+#
+# The same three-stage model as lesson 1, trained with 1 and then 4 microbatches (one run after the other, so they
+# do not compete for the CPU).
+
+# %%
+torch.manual_seed(0)
+model = MyNetwork(1024, [1024] * 6)
+x, y = torch.randn(256, 1024), torch.randint(0, 10, (256,))
+graph = pv.trace(model, example_args=(x,))
+plan = pv.balance(graph, num_stages=3, by="params")
+
+measured = {}
+for m in (1, 4):
+    run = pv.launch(plan, schedule="GPipe", microbatches=m, steps=3, inputs=(x,), target=y, loss_fn=F.cross_entropy)
+    assert run.wait(180) == "done", run.error
+    measured[m] = run.timeline()
+for m, tl in measured.items():
+    print(f"m = {m}: measured bubble {tl.bubble_fraction:4.0%}   formula {gpipe_bubble(3, m):4.0%}   "
+          f"step {tl.step_time * 1e3:6.1f} ms")
+
+# %%
+pv.TimelineView(measured[4])
+
+# %% [markdown]
+# The measured bubble falls with *m* as the formula says, but sits above it: every send and receive, and every
+# rank waiting for a CPU core on a small machine, counts as idle; stages are not exactly equal; and small
+# microbatches use the hardware less efficiently, so more microbatches are not free. The larger the work per
+# microbatch compared with these overheads, the closer a measurement gets to the formula.
+#
+# The catch: every stage keeps the activations of all *m* microbatches until their backward. Lesson 3 fixes that.
+#
+# ## Exercise
+#
+# With **p = 4** stages under GPipe, what is the **smallest number of microbatches m** for which the bubble is
+# **at most 8 %**? Set `my_answer` to that integer.
+
+# %%
+my_answer = None  # your answer here: an integer
+
+
+# %%
+def check(answer):
+    """The smallest m whose simulated GPipe bubble (4 equal stages) is at most 8 %."""
+    def bubble(m):
+        return pv.simulate(None, "GPipe", microbatches=m, costs=pv.Costs.uniform(4), num_stages=4).bubble_fraction
+
+    expected = next(m for m in range(1, 200) if bubble(m) <= 0.08)
+    if answer is None:
+        print("❌ Not yet: set my_answer above. Hint: solve (p - 1) / (m + p - 1) <= 0.08 for m, with p = 4.")
+    elif not isinstance(answer, int):
+        print(f"❌ Not yet: m is a whole number of microbatches, got {answer!r}.")
+    elif answer == expected:
+        print(f"✅ Correct: m = {expected} gives a bubble of {bubble(expected):.2%}; m = {expected - 1} gives "
+              f"{bubble(expected - 1):.2%}.")
+    elif answer > 0 and bubble(answer) <= 0.08:
+        print(f"❌ Not yet: m = {answer} is enough ({bubble(answer):.2%}), but a smaller m is too.")
+    else:
+        print(f"❌ Not yet: with m = {answer} the bubble is still above 8 %. Hint: 3 / (m + 3) <= 0.08.")
+
+
+check(my_answer)

@@ -1,0 +1,137 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 3 · 1F1B and memory
+#
+# **You will learn:** why GPipe's memory grows with the number of microbatches, how the 1F1B schedule caps it at
+# the number of stages, and how to see both in pipeviz.
+#
+# ## Activations wait for their backward
+#
+# A stage must keep each microbatch's activations from its forward until its backward. GPipe runs all *m* forwards
+# first, so every stage holds **m** microbatches of activations at its peak: more microbatches (smaller bubble)
+# means more memory. (The GPipe paper also keeps only each stage's input and recomputes the rest during the
+# backward pass, trading compute for memory; torch's `ScheduleGPipe` does not.)
+#
+# ## 1F1B
+#
+# The *one-forward-one-backward* schedule starts each backward as early as possible. Stage *s* of *p* runs *p* −
+# *s* forwards to warm up, then alternates one forward, one backward, and finally drains the remaining backwards.
+# So stage 0 never holds more than **p** microbatches, stage *s* at most *p* − *s*, whatever *m* is. Its
+# synchronous form, with one optimizer step after all microbatches, is PipeDream-Flush (Narayanan et al.,
+# *Memory-Efficient Pipeline-Parallel DNN Training*, ICML 2021); it is torch's `Schedule1F1B`, and it has exactly
+# the same bubble as GPipe.
+#
+# Let's measure activations in units of "one microbatch on one stage" with `Costs.uniform(...,
+# activation_bytes=1)`:
+
+# %%
+import warnings
+
+warnings.filterwarnings("ignore", category=FutureWarning)  # torch.export internals; not about your code
+
+# %%
+import torch
+import torch.nn.functional as F
+
+import pipeviz as pv
+from pipeviz.zoo import MyNetwork
+
+p, m = 4, 8
+unit = pv.Costs.uniform(p, activation_bytes=1)  # F = 1, B = 2, one "byte" per microbatch and stage
+gpipe = pv.simulate(None, "GPipe", microbatches=m, costs=unit, num_stages=p)
+one_f_one_b = pv.simulate(None, "1F1B", microbatches=m, costs=unit, num_stages=p)
+print("microbatches alive at the peak, per stage:")
+print("  GPipe:", gpipe.peak_activation_bytes)
+print("  1F1B: ", one_f_one_b.peak_activation_bytes)
+print(f"step time: GPipe {gpipe.step_time}, 1F1B {one_f_one_b.step_time}  (same bubble)")
+assert gpipe.peak_activation_bytes[0] == m and one_f_one_b.peak_activation_bytes[0] == min(p, m)
+
+# %% [markdown]
+# The orders show the difference: GPipe's rank 0 runs all forwards first, 1F1B's alternates after 4 warm-up
+# forwards.
+
+# %%
+for name, tl in (("GPipe", gpipe), ("1F1B", one_f_one_b)):
+    print(f"{name:5} rank 0:", " ".join(tl.order(0)))
+    print(f"{name:5} rank 3:", " ".join(tl.order(3)))
+pv.timeline_figure(one_f_one_b)
+
+# %% [markdown]
+# ## On a real model
+#
+# With real activation sizes, `peak_activation_bytes` and `memory_bytes` (parameters, gradients, optimizer state
+# and peak activations, per rank) are in bytes:
+
+# %%
+torch.manual_seed(0)
+model = MyNetwork(1024, [1024] * 6)
+x, y = torch.randn(256, 1024), torch.randint(0, 10, (256,))
+plan = pv.balance(pv.trace(model, example_args=(x,)), num_stages=3, by="params")
+for schedule in ("GPipe", "1F1B"):
+    tl = pv.simulate(plan, schedule, microbatches=8)
+    print(f"{schedule:5} peak activations (MiB): {[round(b / 2**20, 1) for b in tl.peak_activation_bytes]}"
+          f"   total memory (MiB): {[round(b / 2**20, 1) for b in tl.memory_bytes]}")
+
+
+# %% [markdown]
+# ## On a real run: count the microbatches in flight
+#
+# pipeviz records the order in which each rank really ran its actions. Replaying rank 0's order and counting
+# forwards whose backward has not run yet gives the number of microbatches whose activations it held at once.
+
+# %%
+def in_flight_peak(order):
+    """Most microbatches forwarded but not yet backwarded, replaying a rank's actions ("0F3", "0B1")."""
+    alive = peak = 0
+    for action in order:
+        alive += 1 if "F" in action else -1
+        peak = max(peak, alive)
+    return peak
+
+
+run = pv.launch(plan, schedule="1F1B", microbatches=8, steps=2, inputs=(x,), target=y, loss_fn=F.cross_entropy)
+assert run.wait(180) == "done", run.error
+measured = run.timeline()
+for rank in range(3):
+    order = measured.order(rank, step=1)
+    print(f"rank {rank}: {in_flight_peak(order)} microbatches at most   {' '.join(order)}")
+assert in_flight_peak(measured.order(0, step=1)) == 3   # p, not m = 8
+pv.TimelineView(run)
+
+# %% [markdown]
+# 1F1B keeps GPipe's bubble; lesson 4 shrinks it.
+#
+# ## Exercise
+#
+# Under **1F1B** with **p = 4** stages and **m = 8** microbatches, how many microbatches' activations does **stage
+# 1** (the second stage) hold at its peak? Set `my_answer` to that integer.
+
+# %%
+my_answer = None  # your answer here: an integer
+
+
+# %%
+def check(answer):
+    """Stage 1's peak from pipeviz's simulation, counting one unit per microbatch."""
+    costs = pv.Costs.uniform(4, activation_bytes=1)
+    expected = pv.simulate(None, "1F1B", microbatches=8, costs=costs, num_stages=4).peak_activation_bytes[1]
+    if answer is None:
+        print("❌ Not yet: set my_answer above. Hint: how many warm-up forwards does stage s run first?")
+    elif answer == expected:
+        print(f"✅ Correct: stage 1 holds {expected} = p - 1 microbatches; stage s holds p - s.")
+    elif answer == 8:
+        print("❌ Not yet: that is GPipe, which keeps all m. Hint: 1F1B's stage s holds at most p - s.")
+    else:
+        print(f"❌ Not yet: not {answer!r}. Hint: stage 0 holds p = 4, and each later stage one fewer.")
+
+
+check(my_answer)

@@ -1,0 +1,134 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 4 · Interleaving and zero bubble
+#
+# **You will learn:** two ways to shrink the bubble without more microbatches: give each rank several smaller
+# stages (*interleaved 1F1B*), and split the backward pass so that its weight-gradient half fills the gaps (*zero
+# bubble*).
+#
+# ## Interleaved 1F1B
+#
+# Narayanan et al. (*Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM*, SC 2021)
+# cut the model into *v*·*p* stages and give rank *r* the stages *r*, *r* + *p*, *r* + 2*p*, … (*v* "model chunks"
+# per rank). Each stage is *v* times smaller, so filling and draining the pipeline costs *v* times less: with
+# per-rank forward and backward times *F* and *B*, the bubble time falls from (*p* − 1)·(*F* + *B*) to (*p* −
+# 1)·(*F* + *B*)/*v*. The price: *v* times more sends between ranks, and the schedule needs *m* to suit *p*
+# (torch's rule: *m* % max(1, *m* // *p*) == 0).
+
+# %%
+import warnings
+
+warnings.filterwarnings("ignore", category=FutureWarning)  # torch.export internals; not about your code
+
+# %%
+import torch
+import torch.nn.functional as F
+
+import pipeviz as pv
+from pipeviz.zoo import MyNetwork
+
+p, m = 4, 8      # 4 ranks, 8 microbatches; each rank's work per microbatch: F = 1, B = 2
+ideal = m * 3    # time a rank spends computing
+print(" v  schedule          step   bubble time")
+bubble_time = {}
+for v in (1, 2, 4):
+    schedule = "1F1B" if v == 1 else "Interleaved1F1B"
+    tl = pv.simulate(None, schedule, m, costs=pv.Costs.uniform(p * v, forward=1 / v, backward=2 / v),
+                     num_stages=p * v, stages_per_rank=None if v == 1 else v)
+    bubble_time[v] = tl.step_time - ideal
+    print(f"{v:2}  {schedule:16} {tl.step_time:5.2f}  {bubble_time[v]:5.2f}")
+assert abs(bubble_time[2] - bubble_time[1] / 2) < 1e-9 and abs(bubble_time[4] - bubble_time[1] / 4) < 1e-9
+
+# %%
+print("Interleaved1F1B, 8 stages on 4 ranks:", pv.schedules.layout("Interleaved1F1B", 8, 2).stage_ranks)
+interleaved = pv.simulate(None, "Interleaved1F1B", m, costs=pv.Costs.uniform(8, forward=0.5, backward=1.0),
+                          num_stages=8, stages_per_rank=2)
+pv.timeline_figure(interleaved)
+
+
+# %% [markdown]
+# ## Zero bubble
+#
+# Qi et al. (*Zero Bubble Pipeline Parallelism*, ICLR 2024) observe that a layer's backward is two computations:
+# the gradient with respect to its **input** (needed at once by the previous stage: on the critical path) and the
+# gradient with respect to its **weights** (needed only by the optimizer step). torch calls them **I** and **W**
+# (the paper: B and W). Running I first and postponing W lets W fill the slots where a rank would otherwise wait.
+# Their ZB-V schedule (§6) also places stages in a V: rank 0 holds the first *and* the last stage, so the pipeline
+# turns around on the same rank.
+#
+# With I = W = half a backward, compare the four-rank schedules:
+
+# %%
+def textbook(schedule, v):
+    return pv.simulate(None, schedule, m, costs=pv.Costs.uniform(p * v, forward=1 / v, backward=2 / v),
+                       num_stages=p * v, stages_per_rank=None if v == 1 else v)
+
+
+for schedule, v in (("1F1B", 1), ("Interleaved1F1B", 2), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2)):
+    tl = textbook(schedule, v)
+    print(f"{schedule:22} bubble time {tl.step_time - ideal:5.2f}   idle share {tl.bubble_fraction:5.1%}")
+zbv = textbook("ZBVZeroBubble", 2)
+print("ZBV stage -> rank:", pv.schedules.layout("ZBVZeroBubble", 8).stage_ranks)
+print("ZBV rank 0:", " ".join(zbv.order(0)))
+pv.timeline_figure(zbv)
+
+# %% [markdown]
+# ## A real zero-bubble run
+#
+# Four stages on two processes under torch's `ScheduleZBVZeroBubble`: the recorded events include `I` and `W`, in
+# the order the simulator predicted.
+
+# %%
+torch.manual_seed(0)
+model = MyNetwork(1024, [1024] * 6)
+x, y = torch.randn(256, 1024), torch.randint(0, 10, (256,))
+plan = pv.balance(pv.trace(model, example_args=(x,)), num_stages=4)
+run = pv.launch(plan, schedule="ZBVZeroBubble", microbatches=4, steps=2, inputs=(x,), target=y,
+                loss_fn=F.cross_entropy)
+assert run.wait(180) == "done", run.error
+measured, sim = run.timeline(), pv.simulate(plan, "ZBVZeroBubble", microbatches=4)
+print("kinds recorded:", sorted({e.kind for e in measured.events}))
+for rank in range(2):
+    assert measured.order(rank, step=1) == sim.order(rank)
+    print(f"rank {rank}:", " ".join(measured.order(rank, step=1)))
+pv.TimelineView(run, overlay=sim)
+
+# %% [markdown]
+# ## Exercise
+#
+# With **p = 4** ranks, **m = 8** microbatches and per-rank costs **F = 1**, **B = 2** per microbatch (free
+# communication), what is the **bubble time** (step time minus the 24 units of compute) of **Interleaved1F1B with
+# v = 4** stages per rank? Set `my_answer` to a number.
+
+# %%
+my_answer = None  # your answer here: a number of time units
+
+
+# %%
+def check(answer):
+    """Bubble time of Interleaved1F1B, 16 stages on 4 ranks, from pipeviz's simulation."""
+    tl = pv.simulate(None, "Interleaved1F1B", 8, costs=pv.Costs.uniform(16, forward=0.25, backward=0.5),
+                     num_stages=16, stages_per_rank=4)
+    expected = tl.step_time - 8 * 3
+    if answer is None:
+        print("❌ Not yet: set my_answer above. Hint: 1F1B's bubble time is (p - 1)(F + B); then divide.")
+    elif not isinstance(answer, (int, float)):
+        print(f"❌ Not yet: my_answer should be a number, got {answer!r}.")
+    elif abs(answer - expected) < 1e-6:
+        print(f"✅ Correct: (p - 1)(F + B) / v = 9 / 4 = {expected}.")
+    elif abs(answer - 9) < 1e-6:
+        print("❌ Not yet: 9 is plain 1F1B's bubble time. Hint: interleaving divides it by v.")
+    else:
+        print(f"❌ Not yet: not {answer!r}. Hint: the bubble time is (p - 1)(F + B) / v.")
+
+
+check(my_answer)

@@ -1,0 +1,140 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 5 · Balancing stages
+#
+# **You will learn:** why the slowest stage sets the pace, how to measure per-layer times with `pv.profile`, and
+# how `pv.balance` finds the best contiguous split.
+#
+# ## The slowest stage sets the pace
+#
+# In a pipeline every microbatch passes through every stage, so in the steady state each rank waits for the
+# slowest one: with GPipe or 1F1B the step takes about (*m* + *p* − 1) × (the slowest stage's *F* + *B*).
+# Splitting by **layer count** is only right when layers cost the same. This model's layers do not: `layer1` and
+# `layer2` are 2048 × 2048 (16× the work of a 512 × 512 layer).
+
+# %%
+import warnings
+
+warnings.filterwarnings("ignore", category=FutureWarning)  # torch.export internals; not about your code
+
+# %%
+import torch
+import torch.nn.functional as F
+
+import pipeviz as pv
+from pipeviz.zoo import MyNetwork
+
+torch.manual_seed(0)
+model = MyNetwork(512, [2048, 2048, 2048, 512, 512, 512])   # heavy layers first
+x, y = torch.randn(256, 512), torch.randint(0, 10, (256,))
+graph = pv.trace(model, example_args=(x,))
+print(graph.layer_names)
+
+# %% [markdown]
+# ## Measure
+#
+# `pv.profile` times each layer's forward and backward on one microbatch (medians of several repeats) and returns
+# the measurements; `graph.with_profile(prof)` attaches them to the graph, and `pv.simulate` and
+# `pv.balance(by="time")` on that graph (and on plans made from it) then use measured times instead of FLOP
+# estimates. We time with one thread because `pv.launch` gives each of the two ranks one of this machine's two
+# cores.
+
+# %%
+prof = pv.profile(graph, microbatches=4, threads=1)
+graph = graph.with_profile(prof)
+for name in graph.layer_names:
+    print(f"{name:12} forward {prof.forward[name] * 1e3:6.2f} ms   backward {prof.backward[name] * 1e3:6.2f} ms")
+
+# %% [markdown]
+# ## Naive split against balanced split
+#
+# Naive: half the layers on each of 2 stages. Balanced: `pv.balance` solves the *linear partition* problem exactly
+# (dynamic programming over all contiguous splits), minimising the slowest stage's time.
+
+# %%
+naive = graph.split(["layer2"])                      # layers 0-2 | layers 3-5 + output_proj
+balanced = pv.balance(graph, num_stages=2, by="time")
+cost = {name: prof.forward[name] + prof.backward[name] for name in graph.layer_names}  # seconds per microbatch
+predicted = {}
+for name, plan in (("naive", naive), ("balanced", balanced)):
+    stage_ms = [sum(cost[layer] for layer in stage.layers) * 1e3 for stage in plan.stages]
+    predicted[name] = pv.simulate(plan, "1F1B", microbatches=4).step_time
+    print(f"{name:8} {[list(s.layers) for s in plan.stages]}")
+    print(f"         stage F+B per microbatch (ms): {[round(t, 2) for t in stage_ms]}"
+          f"   simulated step {predicted[name] * 1e3:.1f} ms")
+
+# %% [markdown]
+# ## Run both
+#
+# One run after the other so they do not share the CPU. `step_time` is the median over steps, leaving out the
+# first (warm-up).
+
+# %%
+measured = {}
+for name, plan in (("naive", naive), ("balanced", balanced)):
+    run = pv.launch(plan, schedule="1F1B", microbatches=4, steps=4, inputs=(x,), target=y, loss_fn=F.cross_entropy)
+    assert run.wait(180) == "done", run.error
+    measured[name] = run.timeline()
+for name, tl in measured.items():
+    print(f"{name:8} measured step {tl.step_time * 1e3:6.1f} ms   (simulated {predicted[name] * 1e3:6.1f} ms)"
+          f"   bubble {tl.bubble_fraction:4.0%}")
+print(f"speed-up from balancing: measured {measured['naive'].step_time / measured['balanced'].step_time:.2f}x, "
+      f"predicted {predicted['naive'] / predicted['balanced']:.2f}x")
+
+# %%
+pv.TimelineView(measured["naive"])
+
+# %% [markdown]
+# Measured times on a shared 2-core machine are noisy, but the naive split's second rank idles visibly while the
+# first works. Balancing also has limits: a single layer cannot be cut (here `layer1` alone is a large share of
+# the model), so more stages eventually stop helping; `graph.expand(name)` offers finer split points inside a
+# block. Memory matters too: `pv.balance(..., memory_limit=...)` only accepts splits whose stages fit.
+#
+# ## Exercise
+#
+# Using the measured times (`prof`, or `cost[name]` above: forward + backward per layer), choose where to split
+# this model into **3 stages** so that the **slowest stage is as fast as possible**. Set `my_answer` to the list
+# of the two layer names to split after, e.g. `["layer0", "layer3"]`.
+
+# %%
+my_answer = None  # your answer here: a list of two layer names
+
+
+# %%
+def check(answer):
+    """Compare your split's slowest stage with the optimum pv.balance finds for the same measured costs."""
+    per_layer = {name: graph.profile.forward[name] + graph.profile.backward[name] for name in graph.layer_names}
+
+    def slowest(plan):
+        return max(sum(per_layer[layer] for layer in stage.layers) for stage in plan.stages)
+
+    best = slowest(pv.balance(graph, num_stages=3, by="time"))
+    if answer is None:
+        print("❌ Not yet: set my_answer above. Hint: add up cost[name] for each candidate group of layers.")
+        return
+    try:
+        mine = graph.split(list(answer))
+    except (pv.PlanError, TypeError, ValueError) as err:
+        print(f"❌ Not yet: that is not a valid split: {err}")
+        return
+    if any(layer not in per_layer for stage in mine.stages for layer in stage.layers):
+        print(f"❌ Not yet: split after whole layers, from {', '.join(graph.layer_names)}.")
+    elif mine.num_stages != 3:
+        print(f"❌ Not yet: that makes {mine.num_stages} stages; name exactly two layers to split after.")
+    elif slowest(mine) <= best * (1 + 1e-9):
+        print(f"✅ Correct: your slowest stage takes {slowest(mine) * 1e3:.2f} ms per microbatch, the optimum.")
+    else:
+        print(f"❌ Not yet: your slowest stage takes {slowest(mine) * 1e3:.2f} ms; {best * 1e3:.2f} ms is possible."
+              " Hint: give the heaviest layers a stage each.")
+
+
+check(my_answer)
