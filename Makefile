@@ -27,6 +27,10 @@ lint: setup
 test: lint
 	$(PY) -m pytest
 
+# The HF compatibility matrix (20 architectures x 3 schedules): its own CI step, after `make test`.
+compat: setup
+	$(PY) -m pytest -m compat tests/test_compat.py
+
 bench: setup
 	$(PY) benchmarks/preview_latency.py
 

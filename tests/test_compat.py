@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 
 from tests.compat import ROWS, TOL, check, multi_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.compat]
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
