@@ -8,13 +8,16 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 from pipeviz.costs import OPTIMIZER_STATES, in_flight, layer_times, stage_memory
 from pipeviz.graph import ModelGraph
 from pipeviz.plan import PlanError, SplitPlan
+from pipeviz.schedules import ScheduleError
+from pipeviz.simulate import simulate
 
-__all__ = ["BY", "balance", "layer_costs", "partition"]
+__all__ = ["BY", "balance", "layer_costs", "optimal_partitions", "partition", "slowest_stage"]
 
 
 BY = ("time", "flops", "params")
@@ -75,6 +78,70 @@ def partition(costs: Sequence[float], k: int, memory: Sequence[Sequence[float]] 
     return sorted(ends)
 
 
+def optimal_partitions(costs: Sequence[float], k: int, memory: Sequence[Sequence[float]] | None = None,
+                       limit: float | None = None, cap: int = 64) -> list[list[int]]:
+    """Every split of ``costs`` into ``k`` groups whose largest group equals the optimum (``partition``'s),
+    up to ``cap`` of them, evenest first; each as the index of the last item of each group but the last."""
+    best = partition(costs, k, memory, limit)
+    if best is None:
+        return []
+    n = len(costs)
+    pre = [0.0]
+    for c in costs:
+        pre.append(pre[-1] + c)
+    groups = [0, *[e + 1 for e in best], n]
+    bound = max(pre[b] - pre[a] for a, b in itertools.pairwise(groups))
+    bound += 1e-9 * max(1.0, abs(bound))
+
+    def fits(j: int, a: int, b: int) -> bool:
+        if memory is None or limit is None:
+            return True
+        return sum(memory[j][a:b]) <= limit
+
+    # feasible[j][i]: items [i, n) split into k - j groups, each within the bound (and the memory limit)
+    feasible = [[False] * (n + 1) for _ in range(k + 1)]
+    feasible[k][n] = True
+    for j in range(k - 1, -1, -1):
+        for i in range(n - 1, -1, -1):
+            feasible[j][i] = any(pre[e] - pre[i] <= bound and fits(j, i, e) and feasible[j + 1][e]
+                                 for e in range(i + 1, n - (k - j - 1) + 1))
+    out: list[list[int]] = []
+
+    def walk(j: int, i: int, ends: list[int]) -> None:
+        if len(out) >= cap:
+            return
+        if j == k - 1:
+            if pre[n] - pre[i] <= bound and fits(j, i, n):
+                out.append(list(ends))
+            return
+        for e in range(i + 1, n - (k - j - 1) + 1):
+            if pre[e] - pre[i] <= bound and fits(j, i, e) and feasible[j + 1][e]:
+                walk(j + 1, e, [*ends, e - 1])
+
+    walk(0, 0, [])
+
+    def spread(ends: list[int]) -> float:
+        cuts = [0, *[e + 1 for e in ends], n]
+        return sum((pre[b] - pre[a]) ** 2 for a, b in itertools.pairwise(cuts))
+
+    return sorted(out, key=spread) or [best]
+
+
+def slowest_stage(plan: SplitPlan, by: str = "time") -> tuple[float, float]:
+    """The plan's slowest stage and the best slowest stage any split into as many stages reaches, in the
+    per-layer costs ``by`` uses: ``(slowest, optimum)``. The preview's verdict compares the two."""
+    graph = plan.graph
+    costs = layer_costs(graph, by)
+    pos = {n: i for i, n in enumerate(graph.layer_names)}
+    slowest = max(sum(costs[pos[n]] for n in s.layers) for s in plan.stages)
+    ends = partition(costs, plan.num_stages)
+    if ends is None:
+        return slowest, slowest
+    cuts = [0, *[e + 1 for e in ends], len(costs)]
+    optimum = max(sum(costs[a:b]) for a, b in itertools.pairwise(cuts))
+    return slowest, optimum
+
+
 def layer_costs(graph: ModelGraph, by: str = "time") -> list[float]:
     """Per-layer cost for balancing: forward + backward seconds (``pipeviz.costs.layer_times``: measured on a
     graph with a ``pv.profile`` attached, else from FLOPs), FLOPs, or parameter counts."""
@@ -96,7 +163,8 @@ def balance(
     """The contiguous split of ``graph`` into ``num_stages`` stages that minimises the slowest stage.
 
     Optimal for the chosen per-layer costs (exhaustive dynamic programming, checked against brute force),
-    never an empty stage.
+    never an empty stage. Among splits tied at the optimum, with a ``schedule`` the one whose simulated step
+    is shortest, else the evenest.
 
     Args:
         graph: the traced graph.
@@ -132,7 +200,12 @@ def balance(
                           optimizer_states) for layer in layers]
             for j in range(num_stages)
         ]
-    ends = partition(costs, num_stages, memory, limit)
+    candidates = optimal_partitions(costs, num_stages, memory, limit)
+    ends = candidates[0] if candidates else None
+    if schedule is not None and len(candidates) > 1:
+        # Splits tied at the optimum can still differ in the step the schedule gives them (where the bubble
+        # falls, what crosses each boundary): take the one with the shortest simulated step.
+        ends = _fastest(graph, candidates, schedule, microbatches, stages_per_rank)
     if ends is None:
         # The smallest feasible limit: the same optimal partition with memory as the cost.
         assert memory is not None
@@ -151,6 +224,20 @@ def balance(
             "microbatches in flight (1F1B instead of GPipe)."
         )
     return SplitPlan.from_stages(graph, _groups(graph, ends))
+
+
+def _fastest(graph: ModelGraph, candidates: list[list[int]], schedule: str, microbatches: int,
+             stages_per_rank: int) -> list[int]:
+    best, best_time = candidates[0], float("inf")
+    for ends in candidates:
+        plan = SplitPlan.from_stages(graph, _groups(graph, ends))
+        try:
+            step = simulate(plan, schedule, microbatches, None if stages_per_rank == 1 else stages_per_rank).step_time
+        except ScheduleError:  # this schedule cannot run such a plan: the evenest split stands
+            return candidates[0]
+        if step < best_time - 1e-12:
+            best, best_time = ends, step
+    return best
 
 
 def _groups(graph: ModelGraph, ends: list[int]) -> list[list[str]]:

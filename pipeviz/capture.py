@@ -13,7 +13,6 @@ import copy
 import logging
 import re
 import threading
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,8 +207,7 @@ def capture(
             f"{type(model).__name__}: set config.use_cache=False on pipeviz's copies (a KV cache cannot cross "
             "pipeline stages or be exported); your model is unchanged."
         )
-        notes.append(note)
-        warnings.warn(note, stacklevel=3)
+        notes.append(note)  # shown where the user looks (graph.notes, the Explorer), not as a Python warning
     # Trace a copy: export runs forward, which would update BatchNorm statistics of the user's model.
     traced = copy.deepcopy(model)
     apply_fixups(traced, fixups)

@@ -39,6 +39,7 @@ def simulate(
     order: Sequence[Sequence[str]] | None = None,
     num_stages: int | None = None,
     optimizer_states: int = OPTIMIZER_STATES,
+    cores: int | None = None,
     **cost_options: Any,
 ) -> Timeline:
     """Simulate one training step of ``plan`` under ``schedule``.
@@ -50,6 +51,9 @@ def simulate(
         stages_per_rank: multi-stage schedules (default 2).
         costs: per-stage ``Costs``; default ``pipeviz.costs.stage_costs(plan, microbatches, **cost_options)``.
         optimizer_states: tensors of optimizer state per parameter for the memory figure (Adam: 2).
+        cores: simulate the run on this many CPU cores ("as run here" on a machine with fewer cores than
+            ranks): at most ``cores`` actions compute at once, a rank ready to compute waits for a free core.
+            Default: a core (or a GPU) per rank.
 
     Returns:
         A simulated ``Timeline``; ``meta`` holds ``peak_activation_bytes`` and ``memory_bytes`` per rank.
@@ -68,12 +72,18 @@ def simulate(
         if plan is None:
             raise ValueError("simulate() without a plan needs costs=Costs(...).")
         costs = stage_costs(plan, microbatches, **cost_options)
-    events = _run(acts, lay, costs, n)
+    if cores is not None and (not isinstance(cores, int) or cores < 1):
+        raise ValueError(f"cores must be a positive int or None, got {cores!r}.")
+    if cores is None or cores >= lay.num_ranks:
+        events = _run(acts, lay, costs, n)
+    else:
+        events = _run_on_cores(acts, lay, costs, n, cores)
     peaks = peak_activations(acts, costs.activation_bytes, costs.weight_fraction)
     memory = memory_per_rank(None, lay.schedule, microbatches, stages_per_rank, optimizer_states, costs=costs,
                              order=acts)
     return Timeline(events, lay.num_ranks, n, microbatches, lay.schedule, source="simulated",
-                    meta={"peak_activation_bytes": peaks, "memory_bytes": memory, "costs": costs.source})
+                    meta={"peak_activation_bytes": peaks, "memory_bytes": memory, "costs": costs.source,
+                          "cores": cores})
 
 
 def _run(acts: list[list[str]], lay: sched.Layout, costs: Costs, n: int) -> list[Event]:
@@ -104,6 +114,41 @@ def _run(acts: list[list[str]], lay: sched.Layout, costs: Costs, n: int) -> list
                 "rank's actions so every forward comes after the previous stage's and every backward after the "
                 "next stage's."
             )
+    return events
+
+
+def _run_on_cores(acts: list[list[str]], lay: sched.Layout, costs: Costs, n: int, cores: int) -> list[Event]:
+    """Like ``_run``, with at most ``cores`` actions running at once: the next action to start is always the
+    one that can start earliest (list scheduling), on the core that frees first."""
+    import heapq
+
+    done: dict[tuple[int, str, int], float] = {}
+    free = [0.0] * len(acts)
+    pos = [0] * len(acts)
+    core_free = [0.0] * cores
+    events: list[Event] = []
+    total = sum(len(a) for a in acts)
+    while len(events) < total:
+        best: tuple[float, int] | None = None
+        for rank, rank_acts in enumerate(acts):
+            if pos[rank] >= len(rank_acts):
+                continue
+            s, kind, mb = sched.parse(rank_acts[pos[rank]])
+            ready = _ready(s, kind, mb, done, costs, lay, n)
+            if ready is not None and (best is None or max(free[rank], ready) < best[0]):
+                best = (max(free[rank], ready), rank)
+        if best is None:
+            raise sched.ScheduleError("The schedule deadlocks: no rank can run its next action.")
+        earliest, rank = best
+        core_at = heapq.heappop(core_free)
+        s, kind, mb = sched.parse(acts[rank][pos[rank]])
+        start = max(earliest, core_at)
+        end = start + costs.duration(s, kind)
+        heapq.heappush(core_free, end)
+        done[(s, kind, mb)] = end
+        free[rank] = end
+        pos[rank] += 1
+        events.append(Event(rank, s, kind, mb, start, end))
     return events
 
 

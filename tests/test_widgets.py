@@ -99,26 +99,54 @@ def test_controls_simulate_and_balance(explorer: pv.Explorer) -> None:
     sim = explorer.sim
     assert sim is not None and sim.source == "simulated" and sim.schedule == "1F1B" and sim.num_stages == 3
     assert explorer.sim_view.timeline is sim and explorer.sim_view.event_count == len(sim.events) > 0
-    assert "time/mb (simulated)" in explorer.preview.value and "⚠ imbalance: stage 1" in explorer.preview.value
+    assert "time/mb<br><small>(simulated)" in explorer.preview.value
+    # layer1 is twice as heavy as layer0 and layer2: alone in its stage it is the best 3 stages can do.
+    assert "✓ balanced: the slowest stage is at the optimum, the best any split into 3 stages" in explorer.preview.value
+    explorer.plan = ["layer2"]
+    verdict = "⚠ imbalance: the slowest stage takes 1.33× the best slowest stage a split into 2 stages"
+    assert verdict in explorer.preview.value
+    explorer.plan = ["layer0", "layer1"]
     assert list(explorer.schedule.options) == list(ALL)
     explorer.microbatches.value = 8
     assert explorer.sim.microbatches == 8
     explorer.schedule.value = "GPipe"
     assert explorer.sim.schedule == "GPipe" and explorer.error == ""
-    explorer.schedule.value = "ZBVZeroBubble"  # 3 stages cannot be V-shaped: said in the widget
+    explorer.schedule.value = "ZBVZeroBubble"  # 3 stages cannot be V-shaped: said once, in the error area
     assert explorer.sim is None and "needs a stage count divisible by 2" in explorer.error
-    explorer.stages.value = 4  # a new stage count balances at once
+    assert "divisible" not in explorer.preview.value and "estimated: no simulation" in explorer.preview.value
+    hand_made = explorer.plan
+    explorer.stages.value = 4  # a new stage count is a target: the hand-placed splits stay
+    assert explorer.plan is hand_made and explorer.balance_button.description == "Balance into 4"
+    assert "Press <b>Balance into 4</b>" in explorer.hint.value
+    explorer.balance_button.click()
     assert explorer.plan.num_stages == 4 and explorer.sim is not None and explorer.sim.num_ranks == 2
-    assert explorer.error == ""
+    assert explorer.error == "" and explorer.hint.value == "" and explorer.balance_button.description == "Balance"
+    assert explorer.undo() is hand_made and explorer.plan.num_stages == 3  # undo brings the hand-placed split back
+    assert explorer.redo().num_stages == 4
     explorer.schedule.value = "1F1B"
     explorer.stages.value = 2
-    plan = explorer.plan
-    assert plan.num_stages == 2 and stage_rows(explorer) == 2
-    explorer.click("layer2")
-    explorer.balance_button.click()  # re-balance with the number shown (now 3)
-    assert explorer.plan.num_stages == 3 and explorer.error == ""
+    explorer.balance_button.click()
+    assert explorer.plan.num_stages == 2 and stage_rows(explorer) == 2
+    assert "✓ balanced: the slowest stage is at the optimum" in explorer.preview.value
     explorer.auto_balance(num_stages=9)
-    assert "Cannot balance 4 layers into 9" in explorer.error and explorer.plan.num_stages == 3
+    assert "Cannot balance 4 layers into 9" in explorer.error and explorer.plan.num_stages == 2
+
+
+def test_undo_and_redo_walk_the_history(explorer: pv.Explorer) -> None:
+    assert explorer.undo_button.disabled and explorer.redo_button.disabled
+    explorer.click("layer0")
+    explorer.click("layer1")
+    explorer.click("layer0")
+    assert [n for n, _ in explorer.plan.splits] == ["layer1"]
+    explorer.undo_button.click()
+    assert [n for n, _ in explorer.plan.splits] == ["layer0", "layer1"] and not explorer.redo_button.disabled
+    explorer.undo()
+    explorer.undo()
+    assert explorer.plan.num_stages == 1 and explorer.undo_button.disabled
+    explorer.redo_button.click()
+    assert [n for n, _ in explorer.plan.splits] == ["layer0"]
+    explorer.click("layer2")  # a new change drops what could be redone
+    assert explorer.redo_button.disabled
 
 
 def test_pipe_structure_on_demand(explorer: pv.Explorer) -> None:
@@ -141,14 +169,30 @@ def test_expand_and_collapse_keep_deep_models_readable() -> None:
                      splits=["transformer.h.3", "transformer.h.7"])
     names = ex.graph.layer_names
     assert len(names) == 16 and ex.graph_figure.layout.height >= 30 * 16  # one readable row per layer
-    assert list(ex.graph_figure.data[-1].text) == list(names)
-    choices = dict((v, k) for k, v in ex.granularity.options)
-    assert "expand:transformer.h.3" in choices and "collapse:transformer.h" in choices
-    ex.granularity.value = "expand:transformer.h.3"  # the split after h.3 stays where it was
-    assert "transformer.h.3.mlp" in ex.graph.layer_names and ex.granularity.value == ""
+    layers = ex.graph_figure.data[-1]
+    assert [c[0] for c in layers.customdata] == list(names)
+    # Blocks that open up are squares marked ⊕; leaf modules circles; hovers say what a click does.
+    assert layers.marker.symbol[names.index("transformer.h.3")] == "square"
+    assert layers.text[names.index("transformer.h.3")] == "transformer.h.3 ⊕"
+    assert layers.marker.symbol[names.index("lm_head")] == "circle"
+    assert layers.customdata[names.index("lm_head")][6] == "the last layer: no split after it"
+    assert layers.customdata[names.index("transformer.h.3")][6].startswith("click: remove the split after it")
+    assert "shift-click a ■ block to open it" in ex.view_bar.children[0].value
+    from plotly.callbacks import InputDeviceState, Points
+
+    shift = InputDeviceState(ctrl=False, alt=False, shift=True, meta=False, button=0, buttons=1)
+    layers._dispatch_on_click(Points(point_inds=[names.index("transformer.h.3")], xs=[0], ys=[0],
+                                     trace_name="layers", trace_index=2), shift)  # shift-click: expand
+    assert "transformer.h.3.mlp" in ex.graph.layer_names  # the split after h.3 stays where it was
     assert ex.plan.split_spec == {"transformer.h.3": pv.SplitPoint.END, "transformer.h.7": pv.SplitPoint.END}
     assert ex.plan.stages[0].layers[-1] == "transformer.h.3.mlp"
     assert len(ex.graph_figure.data[-1].text) == 19
+    collapse = [b for b in ex.view_bar.children if "pipeviz-collapse" in b._dom_classes]
+    assert [b.tooltip for b in collapse] == ["collapse transformer.h.3"]
+    collapse[0].click()  # the bar folds it back
+    assert len(ex.graph.layers) == 16 and ex.plan.num_stages == 3
+    ex.undo()
+    assert "transformer.h.3.mlp" in ex.graph.layer_names  # undo covers the view too
     ex.collapse("transformer.h")  # both splits fall inside the collapsed blocks
     assert ex.plan.num_stages == 1 and len(ex.graph.layers) == 5 and ex.error == ""
     ex.regroup()

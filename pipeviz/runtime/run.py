@@ -361,8 +361,8 @@ class Run:
 
     def _finish(self, status: str) -> None:
         self.status = status
+        self._finished.set()  # first: status subscribers see a run that is done
         self._set_phase(status)
-        self._finished.set()
         for cb in list(self._subscribers):
             try:
                 cb([])

@@ -2,7 +2,7 @@
 
 The widget is a thin view: ``explorer.plan`` (a ``pv.SplitPlan``) is the one source of truth, mirrored in
 the ``plan_json`` trait; every control calls a core function (``plan.toggle``, ``pv.balance``,
-``pv.simulate``, ``pv.launch``, ``pv.train_reference``) and redraws from the result.
+``pv.simulate``, ``pv.launch``, ``pv.check_numerics``) and redraws from the result.
 
 Example:
     >>> import torch, pipeviz as pv
@@ -10,13 +10,16 @@ Example:
     >>> ex = pv.Explorer(MyNetwork(512, [512, 1024, 256]), example_args=(torch.randn(32, 512),))
     >>> ex                       # click layers to split after them; Launch runs it
     >>> ex.click("layer0")       # what a click on the node does; ex.plan now has 2 stages
+    >>> ex.undo()                # back to one stage
     >>> ex.plan = ex.graph.split(["layer0", "layer1"])    # set from code: the view follows
 """
 
 from __future__ import annotations
 
 import html
+import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -32,25 +35,29 @@ from pipeviz.plan import SplitPlan
 from pipeviz.timeline import Timeline
 from pipeviz.training import cross_entropy, default_target
 from pipeviz.widgets import panels
-from pipeviz.widgets.figures import graph_figure, graph_layout, graph_traces, timeline_figure
+from pipeviz.widgets.figures import graph_figure, graph_layout, graph_traces, plural, timeline_figure
 from pipeviz.widgets.panels import guarded, soon
 from pipeviz.widgets.timeline_view import TimelineView
 
-GRAPH_WIDTH = 440  # px: plotly would otherwise take its default 700 px, wider than the column
+__all__ = ["Explorer"]
+
+GRAPH_WIDTH = 400  # px: the graph's column; the rest of the row (or the row below, when narrow) is the preview
 
 
 class Explorer(W.VBox):
     """One widget to split a model into pipeline stages and run it.
 
-    Graph view (click a layer: split after it; click again: remove the split), stage preview (layers,
-    params, FLOPs, bytes sent, estimated time and memory, imbalance highlighted, the Pipe's structure on
-    demand), controls (stages + Auto-balance, schedule, microbatches) with the simulated timeline of the
-    current plan, and Launch / Stop with a live measured timeline and a numerics check against the
-    unsplit model when the run ends.
+    Graph view (click a layer: split after it, click again: remove the split; shift-click a block, drawn as a
+    square, to see its modules; the bar above the graph collapses them again), stage preview (layers, params,
+    FLOPs, bytes sent, time and memory, the verdict against the best split there is, the Pipe's structure on
+    demand), controls (stages + Balance, undo / redo, schedule, microbatches, steps) with the simulated
+    timeline of the current plan, and Launch / Stop with the launch's phases as they happen, a live measured
+    timeline, what separates it from the simulation, and a numerics check against the unsplit model.
 
     Example:
         >>> ex = pv.Explorer(model, example_args=(x,), splits=["layer0"])
         >>> ex.click("layer1"); ex.plan.num_stages          # 3
+        >>> ex.undo(); ex.plan.num_stages                   # 2
         >>> ex.launch(); ex.wait(120); ex.run.losses
 
     Args:
@@ -58,9 +65,9 @@ class Explorer(W.VBox):
         example_args, example_kwargs: one full batch of inputs (what ``pv.trace`` takes).
         splits: the starting plan: a ``SplitPlan`` or layer names to split after (default: one stage).
         schedule, microbatches, steps: starting values of the controls.
-        target, loss_fn, optimizer: what Launch trains with. Defaults: ``loss_fn`` is cross-entropy over the
-            output's last dim and ``target`` random integer classes of that size (seed 0), so a classifier or
-            a language model trains as is; ``optimizer`` is SGD with lr 0.1.
+        target, loss_fn, optimizer: what Launch trains with. Defaults: ``loss_fn`` is ``pv.cross_entropy``
+            over the output's last dim and ``target`` random integer classes of that size (seed 0), so a
+            classifier or a language model trains as is; ``optimizer`` is SGD with lr 0.1.
         devices: passed to ``pv.launch`` (``"auto"``, ``"cpu"``, ...).
         depth: granularity of the trace (``None``: the model's natural blocks).
 
@@ -68,11 +75,13 @@ class Explorer(W.VBox):
         graph: the current ``ModelGraph`` (expand / collapse replace it).
         plan: the current ``SplitPlan``; assign one (or a list of layer names) and the view follows.
         run: the last launched ``pv.Run``.
+        sim, sim_here: the simulated timeline of the plan, and the one "as run here" (on this machine's cores).
         sim_view, run_view: the ``TimelineView``s of the simulated and the measured timeline.
         error: text of the error area ("" when the last action worked).
     """
 
     clicked = traitlets.Unicode("", help="layer name the browser clicked; handled, then reset").tag(sync=True)
+    expanded = traitlets.Unicode("", help="layer name the browser shift-clicked: expanded, then reset").tag(sync=True)
     plan_json = traitlets.Unicode("", help="the current plan as JSON (SplitPlan.to_json)").tag(sync=True)
 
     def __init__(
@@ -87,77 +96,116 @@ class Explorer(W.VBox):
         self.target, self.loss_fn, self.optimizer, self.devices = target, loss_fn, optimizer, devices
         self.run: pv.Run | None = None
         self.sim: Timeline | None = None
+        self.sim_here: Timeline | None = None
         self.error = ""
         self._plan = graph.split([])
+        self._run_plan: SplitPlan | None = None
+        self._history: list[SplitPlan] = []
+        self._future: list[SplitPlan] = []
         self._syncing = False
         self._finished = threading.Event()
         self._finished.set()
         self._pipe_cache: dict[tuple[str, int], str] = {}
         self._build_ui(sched.canonical(schedule), microbatches, steps)
-        super().__init__(self._children)
+        super().__init__(self._children, layout=W.Layout(width="100%", max_width="100%"))
         self.add_class("pipeviz-explorer")
         self.observe(self._on_clicked, "clicked")
+        self.observe(self._on_expanded, "expanded")
         self.observe(self._on_plan_json, "plan_json")
-        self.plan = splits if splits is not None else self._plan
+        self._set_plan(splits if splits is not None else self._plan, record=False)
+        _warm_up_launches()
 
     # ----------------------------------------------------------------- UI
     def _build_ui(self, schedule: str, microbatches: int, steps: int) -> None:
+        def box(flex: str = "row wrap", align_items: str = "center") -> W.Layout:
+            return W.Layout(display="flex", flex_flow=flex, align_items=align_items, max_width="100%")
+
+        wide = {"description_width": "initial"}
+        self.notes = W.HTML(panels.notes_html(self.graph.notes))
+        self.notes.add_class("pipeviz-notes")
         self.graph_figure = go.FigureWidget(graph_figure(self._plan, width=GRAPH_WIDTH))
         self.graph_figure._config = {"displayModeBar": False}  # nothing to zoom; it would cover the title
         self._layers_trace().on_click(self._on_graph_click)
-        self.granularity = W.Dropdown(description="layers", layout=W.Layout(width="95%"))
-        self.granularity.observe(self._on_granularity, "value")
+        self.view_bar = W.HBox(layout=box())
+        self.view_bar.add_class("pipeviz-view-bar")
         self.stages = W.BoundedIntText(value=1, min=1, max=len(self.graph.layers), description="stages",
-                                       layout=W.Layout(width="150px"))
+                                       layout=W.Layout(width="110px"), style=wide)
         self.stages.observe(self._on_stages, "value")
         self.balance_by = W.Dropdown(options=["time", "flops", "params"], value="time", description="by",
-                                     layout=W.Layout(width="130px"), style={"description_width": "initial"})
-        self.balance_button = W.Button(description="Auto-balance", icon="balance-scale",
-                                       tooltip="pv.balance(graph, stages, by=...)")
+                                     layout=W.Layout(width="120px"), style=wide)
+        self.balance_button = W.Button(description="Balance", icon="balance-scale", layout=W.Layout(width="auto"),
+                                       tooltip="pv.balance(graph, stages, by=...): the best split into that many")
         self.balance_button.on_click(lambda _: self.auto_balance())
+        self.balance_button.add_class("pipeviz-balance")
+        self.undo_button = W.Button(icon="undo", tooltip="undo (explorer.undo())", disabled=True,
+                                    layout=W.Layout(width="36px"))
+        self.undo_button.on_click(lambda _: self.undo())
+        self.undo_button.add_class("pipeviz-undo")
+        self.redo_button = W.Button(icon="repeat", tooltip="redo (explorer.redo())", disabled=True,
+                                    layout=W.Layout(width="36px"))
+        self.redo_button.on_click(lambda _: self.redo())
+        self.redo_button.add_class("pipeviz-redo")
         self.schedule = W.Dropdown(options=list(sched.ALL), value=schedule, description="schedule",
-                                   layout=W.Layout(width="260px"))
+                                   layout=W.Layout(width="230px"), style=wide)
         self.microbatches = W.BoundedIntText(value=microbatches, min=1, max=4096, description="microbatches",
-                                             layout=W.Layout(width="190px"), style={"description_width": "initial"})
+                                             layout=W.Layout(width="150px"), style=wide)
         self.steps = W.BoundedIntText(value=steps, min=1, max=100000, description="steps",
-                                      layout=W.Layout(width="130px"), style={"description_width": "initial"})
+                                      layout=W.Layout(width="110px"), style=wide)
         for w in (self.schedule, self.microbatches):
             w.observe(self._on_controls, "value")
-        self.preview = W.HTML()
+        self.hint = W.HTML()
+        self.hint.add_class("pipeviz-hint")
+        self.preview = W.HTML(layout=W.Layout(max_width="100%", overflow="auto"))
         self.pipe_button = W.ToggleButton(description="Show Pipe", icon="code", value=False,
                                           tooltip="print torch's Pipe for this plan (traces it: seconds)")
         self.pipe_button.observe(lambda _: self._show_pipe(), "value")
-        self.pipe_text = W.HTML()
-        self.errors = W.HTML(layout=W.Layout(width="100%"))
+        self.pipe_text = W.HTML(layout=W.Layout(max_width="100%"))
+        self.errors = W.HTML(layout=W.Layout(width="100%", max_width="100%"))
         self.errors.add_class("pipeviz-error")
         self.sim_view = TimelineView(None)
+        self.sim_view.add_class("pipeviz-sim-timeline")
         self.launch_button = W.Button(description="Launch", icon="play", button_style="success",
                                       tooltip="pv.launch(plan, ...) in background processes")
         self.launch_button.on_click(lambda _: self.launch())
         self.launch_button.add_class("pipeviz-launch")
         self.stop_button = W.Button(description="Stop", icon="stop", button_style="danger", disabled=True)
         self.stop_button.on_click(lambda _: self.stop())
-        self.progress = W.HTML("<i>not launched</i>")
+        self.stop_button.add_class("pipeviz-stop")
+        self.progress = W.HTML("<i>not launched</i>", layout=W.Layout(flex="1 1 240px", min_width="0"))
         self.progress.add_class("pipeviz-progress")
+        self.run_notes = W.HTML()
+        self.run_notes.add_class("pipeviz-run-notes")
+        self.here_button = W.Button(description="Simulate as run here", icon="calculator",
+                                    layout=W.Layout(width="auto", display="none"),
+                                    tooltip="pv.simulate(..., cores=<this machine's cores>)")
+        self.here_button.on_click(lambda _: self.simulate_here())
+        self.here_button.add_class("pipeviz-here")
         self.numerics = W.HTML()
         self.numerics.add_class("pipeviz-numerics")
         self.run_view = TimelineView(None)
         self.run_view.add_class("pipeviz-run-timeline")
-        self._update_granularity_options()
-        left = W.VBox([self.granularity, self.graph_figure],
-                      layout=W.Layout(flex="0 0 auto", width=f"{GRAPH_WIDTH + 20}px", max_height="760px",
-                                      overflow="hidden auto"))
+        left = W.VBox([self.view_bar, self.graph_figure],
+                      layout=W.Layout(flex="0 1 auto", width=f"{GRAPH_WIDTH + 10}px", max_width="100%",
+                                      max_height="760px", overflow="auto"))
+        left.add_class("pipeviz-graph-column")
         controls = W.VBox([
-            W.HBox([self.stages, self.balance_by, self.balance_button]),
-            W.HBox([self.schedule, self.microbatches, self.steps]),
-        ])
+            W.HBox([self.stages, self.balance_by, self.balance_button, self.undo_button, self.redo_button],
+                   layout=box()),
+            W.HBox([self.schedule, self.microbatches, self.steps], layout=box()),
+            self.hint,
+        ], layout=W.Layout(max_width="100%"))
         right = W.VBox([controls, self.errors, self.preview, self.pipe_button, self.pipe_text],
-                       layout=W.Layout(flex="1 1 auto", min_width="420px"))
+                       layout=W.Layout(flex="1 1 380px", min_width="0", max_width="100%"))
+        right.add_class("pipeviz-preview-column")
+        self.run_section = W.VBox([self.run_notes, self.here_button, self.numerics, self.run_view],
+                                  layout=W.Layout(display="none", max_width="100%"))
+        self.run_section.add_class("pipeviz-run-section")
         self._children = [
-            W.HBox([left, right]),
+            self.notes,
+            W.HBox([left, right], layout=box(align_items="flex-start")),
             W.HTML("<b>Simulated step</b> (current plan)"), self.sim_view,
-            W.HBox([self.launch_button, self.stop_button, self.progress], layout=W.Layout(align_items="center")),
-            self.numerics, self.run_view,
+            W.HBox([self.launch_button, self.stop_button, self.progress], layout=box()),
+            self.run_section,
         ]
 
     def _layers_trace(self) -> Any:
@@ -171,8 +219,14 @@ class Explorer(W.VBox):
 
     @plan.setter
     def plan(self, value: SplitPlan | Iterable[str]) -> None:
+        self._set_plan(value)
+
+    def _set_plan(self, value: SplitPlan | Iterable[str], record: bool = True) -> None:
         if not isinstance(value, SplitPlan):
             value = self.graph.split(list(value))
+        if record and value != self._plan:
+            self._history.append(self._plan)
+            self._future.clear()
         graph_changed = value.graph is not self.graph
         self.graph, self._plan = value.graph, value
         self._syncing = True
@@ -182,10 +236,13 @@ class Explorer(W.VBox):
             self.stages.value = value.num_stages
         finally:
             self._syncing = False
-        if graph_changed:
-            self._update_granularity_options()
+        self.undo_button.disabled, self.redo_button.disabled = not self._history, not self._future
+        self.hint.value, self.balance_button.description = "", "Balance"
+        if graph_changed or not self.view_bar.children:
+            self.view_bar.children = self._view_controls()
         self._redraw_graph()
         self._refresh_simulation()
+        self._mark_run()
         if self.pipe_button.value:
             self._show_pipe()
 
@@ -200,35 +257,55 @@ class Explorer(W.VBox):
 
     @guarded
     def auto_balance(self, num_stages: int | None = None, by: str | None = None) -> SplitPlan | None:
-        """Replace the plan with ``pv.balance(graph, num_stages, by=...)`` (defaults: the controls)."""
+        """Replace the plan with ``pv.balance(graph, num_stages, by=...)`` (defaults: the controls); among
+        splits tied at the optimum, the one the simulator gives the shortest step under the schedule."""
         self._clear_error()
         n = int(num_stages if num_stages is not None else self.stages.value)
-        plan = pv.balance(self.graph, n, by=by or self.balance_by.value, schedule=self.schedule.value,
-                       microbatches=self.microbatches.value)
+        schedule = self.schedule.value
+        spr = None if schedule in sched.SINGLE else 2
+        try:
+            plan = pv.balance(self.graph, n, by=by or self.balance_by.value, schedule=schedule,
+                              microbatches=self.microbatches.value, stages_per_rank=spr or 1)
+        except pv.ScheduleError:  # the schedule cannot run n stages: balance without the tie-break
+            plan = pv.balance(self.graph, n, by=by or self.balance_by.value)
         self.plan = plan
         return plan
 
+    def undo(self) -> SplitPlan:
+        """Go back to the plan before the last change (splits, balance, expand or collapse)."""
+        if self._history:
+            self._future.append(self._plan)
+            self._set_plan(self._history.pop(), record=False)
+        return self._plan
+
+    def redo(self) -> SplitPlan:
+        """Redo the change ``undo`` took back."""
+        if self._future:
+            self._history.append(self._plan)
+            self._set_plan(self._future.pop(), record=False)
+        return self._plan
+
     @guarded
     def expand(self, name: str) -> None:
-        """Show layer ``name``'s child modules as layers (no re-tracing); splits are kept where possible."""
+        """Show layer ``name``'s child modules as layers (no re-tracing); splits are kept."""
         self._clear_error()
-        self._set_graph(self.graph.expand(name))
+        self.plan = self._plan.onto(self.graph.expand(name))
 
     @guarded
     def collapse(self, name: str) -> None:
-        """Merge every layer inside module ``name`` into one layer."""
+        """Merge every layer inside module ``name`` into one layer (splits inside it are dropped)."""
         self._clear_error()
-        self._set_graph(self.graph.collapse(name))
+        self.plan = self._plan.onto(self.graph.collapse(name))
 
     @guarded
     def regroup(self, depth: int | None = None) -> None:
         """Another granularity: ``None`` for the natural blocks, an int for every module down to that depth."""
         self._clear_error()
-        self._set_graph(self.graph.regroup(depth))
+        self.plan = self._plan.onto(self.graph.regroup(depth))
 
     @guarded
     def launch(self) -> pv.Run | None:
-        """Start ``pv.launch`` with the current plan and controls; the run timeline fills in live."""
+        """Start ``pv.launch`` with the current plan and controls; the phases and the timeline show live."""
         self._clear_error()
         if self.run is not None and not self._finished.is_set():
             raise pv.LaunchError("A run is still going. Fix: press Stop (explorer.stop()) first.")
@@ -239,13 +316,18 @@ class Explorer(W.VBox):
         run = pv.launch(plan, schedule=schedule, microbatches=mbs, steps=steps, inputs=args,
                         input_kwargs=kwargs or None, target=target, loss_fn=loss_fn, optimizer=self.optimizer,
                         devices=self.devices)
-        self.run = run
+        self.run, self._run_plan = run, plan
         self._finished.clear()
-        self.numerics.value = ""
+        self.numerics.value = self.run_notes.value = ""
+        self.here_button.layout.display = "none"
+        self.sim_here = None
+        self.run_section.layout.display = "flex"
         self.stop_button.disabled, self.launch_button.disabled = False, True
-        self.progress.value = f"<b>starting</b> · {schedule} · {plan.num_stages} stages · step 0/{steps}"
+        self.progress.value = panels.progress_html(run)
         self.run_view.attach(run, overlay=self.sim)
+        run.subscribe_status(self._on_run_status)
         run.subscribe(lambda batch: self._on_run_events(run))
+        self._mark_run()
         return run
 
     @guarded
@@ -253,6 +335,20 @@ class Explorer(W.VBox):
         """Stop the running launch (``run.stop()``)."""
         if self.run is not None:
             self.run.stop()
+
+    @guarded
+    def simulate_here(self) -> Timeline | None:
+        """Simulate the launched run's plan on this machine's cores (``pv.simulate(..., cores=N)``): with
+        more processes than cores, the steps the run measured. Drawn over the measured timeline."""
+        run = self.run
+        if run is None:
+            return None
+        cores = _cores()
+        spr = None if run.schedule in sched.SINGLE else run.layout.num_stages // run.layout.num_ranks
+        self.sim_here = pv.simulate(self._run_plan or self._plan, run.schedule, run.microbatches, spr, cores=cores)
+        self.run_view.update(run.timeline(), overlay=self.sim_here)
+        self._explain_run(run)
+        return self.sim_here
 
     def wait(self, timeout: float | None = None) -> str | None:
         """Block until the launched run ended and its numerics check is shown; returns the run's status."""
@@ -268,19 +364,30 @@ class Explorer(W.VBox):
         if self.sim is not None:
             figs["simulated"] = timeline_figure(self.sim)
         if self.run is not None:
-            figs["run"] = timeline_figure(self.run.timeline(), overlay=self.sim)
+            figs["run"] = timeline_figure(self.run.timeline(), overlay=self.sim_here or self.sim)
         return figs
 
     # ----------------------------------------------------------------- handlers
     def _on_graph_click(self, trace: Any, points: Any, state: Any) -> None:
         if points.point_inds:
             name = self.graph.layer_names[points.point_inds[0]]
-            soon(lambda: setattr(self, "clicked", name))
+            modifier = any(getattr(state, k, False) for k in ("shift", "alt", "ctrl", "meta"))
+            soon(lambda: setattr(self, "expanded" if modifier else "clicked", name))
 
     def _on_clicked(self, change: dict[str, Any]) -> None:
         if change["new"]:
             self.click(change["new"])
             self.clicked = ""  # so a second click on the same layer is seen again
+
+    def _on_expanded(self, change: dict[str, Any]) -> None:
+        if change["new"]:
+            name = change["new"]
+            self.expanded = ""
+            if self.graph.layer(name).expandable:
+                self.expand(name)
+            else:
+                self._show_error(ValueError(f"{name!r} has no modules inside to show (only blocks, drawn as "
+                                            "squares, expand)."))
 
     @guarded
     def _on_plan_json(self, change: dict[str, Any]) -> None:
@@ -296,52 +403,89 @@ class Explorer(W.VBox):
         if self.pipe_button.value:
             self._show_pipe()
 
-    @guarded
     def _on_stages(self, change: dict[str, Any]) -> None:
-        if not self._syncing and change["new"] != self._plan.num_stages:
-            self.auto_balance(change["new"])
-
-    @guarded
-    def _on_granularity(self, change: dict[str, Any]) -> None:
-        action = change["new"]
-        if not action:
+        # A new stage count is a target for Balance, never a silent replacement of hand-placed splits.
+        if self._syncing:
             return
-        verb, _, name = action.partition(":")
-        try:
-            if verb == "expand":
-                self.expand(name)
-            elif verb == "collapse":
-                self.collapse(name)
-            else:
-                self.regroup(int(name) if name else None)
-        finally:
-            self.granularity.value = ""
+        n = change["new"]
+        self.balance_button.description = "Balance" if n == self._plan.num_stages else f"Balance into {n}"
+        self.hint.value = "" if n == self._plan.num_stages else (
+            f"<span class='pipeviz-hint-text'>Press <b>Balance into {n}</b> to split into "
+            f"{plural(n, 'stage')}; your current {plural(self._plan.num_stages, 'stage')} stay until then "
+            "(and undo brings them back).</span>")
 
-    def _on_run_events(self, run: pv.Run) -> None:
+    def _on_run_status(self, run: pv.Run) -> None:
+        # The status line and the buttons first (a cheap update); the charts redraw throttled behind it.
         if run is not self.run:
             return
+        self.progress.value = panels.progress_html(run)
+        if run.done:
+            self.stop_button.disabled, self.launch_button.disabled = True, False
+            if not self._finished.is_set():
+                threading.Thread(target=self._finish_run, args=(run,), daemon=True, name="pipeviz-check").start()
+
+    def _on_run_events(self, run: pv.Run) -> None:
+        if run is self.run and len(run.events) and not run.done:
+            self._explain_run(run)
+
+    def _finish_run(self, run: pv.Run) -> None:
         try:
-            self.progress.value = panels.progress_html(run)
-            if run.done and not self._finished.is_set():
-                self.stop_button.disabled, self.launch_button.disabled = True, False
-                if run.status == "failed":
-                    self._show_error(RuntimeError(f"The run failed: {run.error}"))
-                elif run.status == "done":
-                    self.numerics.value = "<i>checking numerics against the unsplit model…</i>"
-                    try:
-                        self.numerics.value = panels.numerics_html(run)
-                    except Exception as exc:
-                        self.numerics.value = "<b>Numerics check:</b> could not train the unsplit model (see error)."
-                        self._show_error(exc, prefix="numerics check: ")
+            if run.status == "failed":
+                self._show_error(RuntimeError(f"The run failed: {run.error}"))
+            self._explain_run(run)
+            if run.status == "done":
+                self.numerics.value = "<i>checking numerics against the unsplit model…</i>"
+                try:
+                    self.numerics.value = panels.numerics_html(run)
+                except Exception as exc:
+                    self.numerics.value = "<b>Numerics check:</b> could not train the unsplit model (see the error)."
+                    self._show_error(exc, prefix="numerics check: ")
         except Exception as exc:
             self._show_error(exc)
         finally:
-            if run.done:
-                self._finished.set()
+            self._finished.set()
+
+    def _explain_run(self, run: pv.Run) -> None:
+        text = panels.run_notes_html(run, self.sim, self.sim_here, _cores(), _load())
+        if text != self.run_notes.value:
+            self.run_notes.value = text
+        crowded = run.layout.num_ranks > _cores() or _load() > _cores()
+        self.here_button.layout.display = "" if crowded and self.sim_here is None else "none"
+
+    def _mark_run(self) -> None:
+        """A finished run's chart says so when the plan has changed since."""
+        stale = self.run is not None and self._run_plan is not None and self._run_plan != self._plan
+        if stale:
+            self.run_section.add_class("pipeviz-stale")
+            self.run_view.summary.value = (f"<span class='pipeviz-stale-note'>⚠ this run used an earlier plan "
+                                           f"({html.escape(repr(self._run_plan))})</span>")
+        else:
+            self.run_section.remove_class("pipeviz-stale")
 
     # ----------------------------------------------------------------- drawing
-    def _set_graph(self, graph: ModelGraph) -> None:
-        self.plan = self._plan.onto(graph)
+    def _view_controls(self) -> list[W.Widget]:
+        """The bar above the graph: what is expanded, each with a button to fold it back, and the reset."""
+        natural = set(self.graph.regroup().layer_names)
+        opened: list[str] = []
+        for name in self.graph.layer_names:
+            if name not in natural:
+                outer = next((a for a in reversed(self.graph._tree.ancestors(name)) if a in natural), None)
+                if outer is not None and outer not in opened:
+                    opened.append(outer)
+        label = W.HTML("<span style='font-size:12px'>shift-click a ■ block to open it</span>" if not opened
+                       else "<span style='font-size:12px'>opened:</span>")
+        buttons: list[W.Widget] = [label]
+        for name in opened:
+            b = W.Button(description=f"⊖ {panels.short(name)}", tooltip=f"collapse {name}",
+                         layout=W.Layout(width="auto", max_width="100%"))
+            b.on_click(lambda _, n=name: self.collapse(n))
+            b.add_class("pipeviz-collapse")
+            buttons.append(b)
+        if opened or set(self.graph.layer_names) != natural:
+            reset = W.Button(description="natural blocks", icon="compress", layout=W.Layout(width="auto"))
+            reset.on_click(lambda _: self.regroup(None))
+            buttons.append(reset)
+        return buttons
 
     def _redraw_graph(self) -> None:
         fig, traces = self.graph_figure, graph_traces(self._plan)
@@ -354,28 +498,22 @@ class Explorer(W.VBox):
             fig.layout.shapes, fig.layout.annotations = layout.pop("shapes"), layout.pop("annotations")
             fig.layout.update(layout)
 
-    def _update_granularity_options(self) -> None:
-        options = panels.granularity_options(self.graph)
-        self._syncing = True
-        try:
-            self.granularity.options = options
-            self.granularity.value = ""
-        finally:
-            self._syncing = False
-
     def _refresh_simulation(self) -> None:
         self.sim = None
-        note = ""
-        if self._plan.num_stages >= 1:
+        failed = False
+        schedule = self.schedule.value
+        spr = None if schedule in sched.SINGLE else 2
+        if self._plan.num_stages > 1:
             try:
-                self.sim = pv.simulate(self._plan, schedule=self.schedule.value, microbatches=self.microbatches.value)
-            except Exception as exc:  # a schedule that does not fit the plan: say why, keep the preview
-                note = f"cannot simulate: {exc}"
-                self._show_error(exc, prefix=f"{self.schedule.value} with {self._plan.num_stages} stages: ")
-        self.preview.value = panels.preview_html(self._plan, self.sim, self.microbatches.value, note)
+                self.sim = pv.simulate(self._plan, schedule=schedule, microbatches=self.microbatches.value,
+                                       stages_per_rank=spr)
+            except (pv.ScheduleError, ValueError) as exc:  # the schedule does not fit the plan: said once, above
+                failed = True
+                self._show_error(exc, prefix=f"{schedule} cannot run {plural(self._plan.num_stages, 'stage')}: ")
+        self.preview.value = panels.preview_html(self._plan, self.sim, self.microbatches.value, failed)
         self.sim_view.update(self.sim, overlay=None)
-        if self.sim is None:
-            self.sim_view.summary.value = f"<i>{html.escape(note)}</i>"
+        self.sim_view.summary.value = "" if self.sim is None else self.sim_view.summary.value
+        self.sim_view.layout.display = "none" if self.sim is None else "flex"
 
     def _show_pipe(self) -> None:
         if not self.pipe_button.value:
@@ -387,7 +525,7 @@ class Explorer(W.VBox):
             if key not in self._pipe_cache:
                 self.pipe_text.value = "<i>tracing the Pipe…</i>"
                 self._pipe_cache[key] = str(self._plan.pipe(self.microbatches.value))
-            self.pipe_text.value = (f"<pre style='max-height:320px;overflow:auto;font-size:11px'>"
+            self.pipe_text.value = (f"<pre style='max-height:320px;overflow:auto;font-size:11px;max-width:100%'>"
                                     f"{html.escape(self._pipe_cache[key])}</pre>")
         except Exception as exc:
             self.pipe_text.value = ""
@@ -395,7 +533,7 @@ class Explorer(W.VBox):
 
     # ----------------------------------------------------------------- errors
     def _show_error(self, exc: BaseException, prefix: str = "") -> None:
-        self.error = f"{prefix}{type(exc).__name__}: {exc}"
+        self.error = f"{prefix}{type(exc).__name__}: {exc}" if not prefix.endswith(": ") else f"{prefix}{exc}"
         self.errors.value = panels.error_html(self.error)
 
     def _clear_error(self) -> None:
@@ -415,4 +553,27 @@ class Explorer(W.VBox):
         return f"Explorer({self._plan!r}, schedule={self.schedule.value}, microbatches={self.microbatches.value})"
 
 
-__all__ = ["Explorer"]
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
+def _warm_up_launches() -> None:
+    """Start the rank processes' fork server in the background (it imports torch once, for seconds), so the
+    first Launch does not wait for it."""
+    from pipeviz.runtime.procs import context
+
+    threading.Thread(target=lambda: _quietly(context), daemon=True, name="pipeviz-warm-up").start()
+
+
+def _quietly(fn: Callable[[], Any]) -> None:
+    try:
+        fn()
+    except Exception:  # a failure here shows again, with its message, at Launch
+        time.sleep(0)

@@ -110,9 +110,11 @@ def timeline_traces(timeline: Timeline, overlay: Timeline | None = None, *, gl: 
     labels = n <= LABEL_LIMIT if labels is None else labels
     multi = timeline.num_stages > timeline.num_ranks
     # (name, columns, is overlay, y offset in the rank's row, bar width, opacity)
-    sources = [(timeline.source, cols, False, 0.0 if overlay is None else -0.09, 0.62 if overlay is None else 0.5, 1.0)]
+    # With an overlay, the measured bars take the lower part of a rank's row and the simulated step a band
+    # above them, wide enough to see.
+    sources = [(timeline.source, cols, False, 0.0 if overlay is None else 0.14, 0.62 if overlay is None else 0.44, 1.0)]
     if overlay is not None and over is not None:
-        sources.append((f"{overlay.source} (overlay)", over, True, 0.25, 0.16, 0.6))
+        sources.append((f"{overlay.source} (overlay)", over, True, -0.27, 0.22, 0.55))
     traces: list[dict[str, Any]] = []
     for name, c, is_overlay, y_shift, width, opacity in sources:
         for kind in KIND_ORDER:
@@ -225,19 +227,54 @@ def _arc(y0: float, y1: float, bulge: float, points: int = 16) -> tuple[list[flo
     return [*xs.tolist(), None], [*ys.tolist(), None]
 
 
+LABEL_CHARS = 26  # longer layer names are shortened in the middle on the graph (the hover has them whole)
+
+
+def plural(n: int, word: str) -> str:
+    """``"1 stage"``, ``"3 stages"``."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def short_name(name: str, limit: int = LABEL_CHARS) -> str:
+    """``transformer.h.11.attn.c_proj`` -> ``transformer.h…attn.c_proj`` (the ends kept)."""
+    if len(name) <= limit:
+        return name
+    head = (limit - 1) // 2
+    return name[:head] + "…" + name[-(limit - 1 - head):]
+
+
+def _action(plan: SplitPlan, name: str, expandable: bool) -> str:
+    """What a click on the layer does, truthfully."""
+    g = plan.graph
+    if name == g.layer_names[-1]:
+        what = "the last layer: no split after it"
+    elif not g.can_split_after(name):
+        what = "no split after it (only glue ops would follow)"
+    elif any(n == name for n, _ in plan.splits) or plan.stage_of(name) != plan.stage_of(
+            g.layer_names[g.layer_names.index(name) + 1]):
+        what = "click: remove the split after it"
+    else:
+        what = "click: split after it"
+    return what + (" · shift-click: expand its modules" if expandable else "")
+
+
 def graph_layers(plan: SplitPlan) -> dict[str, Any]:
-    """Per-layer arrays the graph figure draws (name, stage, cost, position)."""
+    """Per-layer arrays the graph figure draws (name, stage, cost, position, glyph, what a click does)."""
     g = plan.graph
     stage_of = {name: s.index for s in plan.stages for name in s.layers}
     layers = g.layers
     max_flops = max((la.flops for la in layers), default=0) or 1
     return {
         "names": [la.name for la in layers],
+        "labels": [short_name(la.name) + (" ⊕" if la.expandable else "") for la in layers],
         "stages": [stage_of[la.name] for la in layers],
         "y": list(range(len(layers))),
         "size": [11 + 21 * float(np.sqrt(la.flops / max_flops)) for la in layers],
-        "custom": [[la.name, la.kind + (" ⊕" if la.expandable else ""), f"{la.params:,}", _count(la.flops),
-                    human_bytes(la.out_bytes), stage_of[la.name]] for la in layers],
+        # A block that opens up (shift-click) is a square; a leaf module a circle.
+        "symbol": ["square" if la.expandable else "circle" for la in layers],
+        "custom": [[la.name, la.kind + (" (a block: shift-click to expand)" if la.expandable else ""),
+                    f"{la.params:,}", _count(la.flops), human_bytes(la.out_bytes), stage_of[la.name],
+                    _action(plan, la.name, la.expandable)] for la in layers],
     }
 
 
@@ -264,17 +301,17 @@ def graph_traces(plan: SplitPlan) -> list[dict[str, Any]]:
         skip_y += ys
     d = graph_layers(plan)
     hover = ("<b>%{customdata[0]}</b><br>kind: %{customdata[1]}<br>params: %{customdata[2]}<br>"
-             "FLOPs: %{customdata[3]}<br>output: %{customdata[4]}<br>stage %{customdata[5]}"
-             "<extra>click: split after</extra>")
+             "FLOPs: %{customdata[3]}<br>output: %{customdata[4]}<br>stage %{customdata[5]}<br>"
+             "<i>%{customdata[6]}</i><extra></extra>")
     return [
         {"type": "scatter", "mode": "lines", "x": chain_x, "y": chain_y, "hoverinfo": "skip", "name": "edges",
          "line": {"color": "#999", "width": 2}, "showlegend": False},
         {"type": "scatter", "mode": "lines", "x": skip_x, "y": skip_y, "hoverinfo": "skip", "name": "skip edges",
          "line": {"color": "#c0392b", "width": 1.5, "dash": "dot"}, "showlegend": bool(skip_x)},
         {"type": "scatter", "mode": "markers+text", "x": [0.0] * len(d["names"]), "y": d["y"], "name": "layers",
-         "text": d["names"], "textposition": "middle left", "textfont": {"size": 11}, "customdata": d["custom"],
+         "text": d["labels"], "textposition": "middle left", "textfont": {"size": 11}, "customdata": d["custom"],
          "hovertemplate": hover, "showlegend": False,
-         "marker": {"size": d["size"], "color": [stage_color(s) for s in d["stages"]],
+         "marker": {"size": d["size"], "color": [stage_color(s) for s in d["stages"]], "symbol": d["symbol"],
                     "line": {"color": "#333", "width": 1}, "opacity": 0.95}},
     ]
 
@@ -297,8 +334,8 @@ def graph_layout(plan: SplitPlan, *, height: int | None = None, width: int | Non
         "height": height or max(260, 60 + 30 * n),
         "width": width,
         "margin": {"l": 10, "r": 10, "t": 30, "b": 10},
-        "title": {"text": f"{type(plan.graph.model).__name__}: {n} layers · {plan.num_stages} stages "
-                          "· click a layer to split after it", "font": {"size": 12}, "x": 0.01},
+        "title": {"text": f"{short_name(type(plan.graph.model).__name__, 20)} · {plural(n, 'layer')} · "
+                          f"{plural(plan.num_stages, 'stage')}", "font": {"size": 12}, "x": 0.01},
         "xaxis": {"visible": False, "range": [-2.4, 1.6], "fixedrange": True},
         "yaxis": {"visible": False, "range": [n - 0.5, -0.7], "fixedrange": True},
         "shapes": shapes,

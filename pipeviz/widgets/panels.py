@@ -1,5 +1,5 @@
-"""HTML panels and small helpers behind ``Explorer``: the stage preview, run progress, the numerics check,
-error boxes, granularity choices, and handler plumbing.
+"""HTML panels and small helpers behind ``Explorer``: the stage preview and its verdict, run progress, why a
+measured step differs from the simulated one, the numerics check, notes, error boxes, and handler plumbing.
 
 Everything here takes core objects and returns text or core objects, so it is testable without a browser.
 """
@@ -8,24 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import html
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pipeviz as pv
+from pipeviz.balance import slowest_stage
 from pipeviz.costs import stage_costs
-from pipeviz.graph import ModelGraph
 from pipeviz.plan import SplitPlan, human_bytes
 from pipeviz.timeline import COMPUTE, Timeline
-from pipeviz.widgets.figures import stage_color
+from pipeviz.widgets.figures import plural, stage_color
 
 if TYPE_CHECKING:
     from pipeviz.widgets.explorer import Explorer
 
-__all__ = ["error_html", "granularity_options", "guarded", "numerics_html", "preview_html", "progress_html", "soon",
-           "stage_times", "static_html"]
-
-
-IMBALANCE = 1.15  # slowest stage / mean above this is highlighted
+__all__ = ["error_html", "guarded", "notes_html", "numerics_html", "preview_html", "progress_html", "run_notes_html",
+           "short", "soon", "stage_times", "static_html", "verdict_html"]
 
 
 def guarded(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -57,8 +55,8 @@ def soon(fn: Callable[[], None]) -> None:
 
 
 def stage_times(plan: SplitPlan, sim: Timeline | None, microbatches: int) -> tuple[list[float], str]:
-    """Seconds per microbatch (forward + backward) of each stage: from the simulated timeline, or from FLOPs
-    when there is none. Returns (times, source)."""
+    """Seconds per microbatch (forward + backward) of each stage: from the simulated timeline, or from
+    ``pipeviz.costs`` when there is none. Returns (times, what they are)."""
     if sim is not None and sim.events:
         busy = [0.0] * plan.num_stages
         for e in sim.events:
@@ -66,60 +64,107 @@ def stage_times(plan: SplitPlan, sim: Timeline | None, microbatches: int) -> tup
                 busy[e.stage] += e.duration
         return [b / max(1, sim.microbatches) for b in busy], "simulated"
     costs = stage_costs(plan, microbatches)
-    return [f + b for f, b in zip(costs.forward, costs.backward, strict=True)], costs.source
+    return [f + b for f, b in zip(costs.forward, costs.backward, strict=True)], f"estimated from {costs.source}"
 
 
-def preview_html(plan: SplitPlan, sim: Timeline | None, microbatches: int, note: str = "") -> str:
-    """The stage table: layers, params, GFLOPs, bytes sent, estimated time and memory; imbalance highlighted."""
+def short(name: str, limit: int = 40) -> str:
+    """A long layer name shortened in the middle (the full name goes in a tooltip)."""
+    return name if len(name) <= limit else name[: limit // 2 - 1] + "…" + name[-(limit // 2):]
+
+
+def _names_cell(layers: tuple[str, ...]) -> str:
+    shown = ", ".join(layers) if len(layers) <= 4 else f"{layers[0]} … {layers[-1]} ({len(layers)})"
+    return (f"<span title='{html.escape(', '.join(layers))}' style='overflow-wrap:anywhere'>"
+            f"{html.escape(shown)}</span>")
+
+
+def verdict_html(plan: SplitPlan) -> str:
+    """How the plan's slowest stage compares with the best split into as many stages that exists."""
+    n = plan.num_stages
+    if n < 2:
+        return "One stage: click a layer to split after it, or set stages and press Balance."
+    slowest, optimum = slowest_stage(plan, "time")
+    if optimum <= 0 or slowest <= optimum * (1 + 1e-6):
+        return (f"<span class='pipeviz-verdict pipeviz-balanced' style='color:#1a7f37'>✓ balanced: the slowest "
+                f"stage is at the optimum, the best any split into {plural(n, 'stage')} reaches.</span>")
+    return (f"<span class='pipeviz-verdict pipeviz-imbalanced' style='color:#c0392b'>⚠ imbalance: the slowest stage "
+            f"takes {slowest / optimum:.2f}× the best slowest stage a split into {plural(n, 'stage')} reaches; "
+            "the pipeline runs at its pace. Balance evens it out.</span>")
+
+
+def preview_html(plan: SplitPlan, sim: Timeline | None, microbatches: int, failed: bool = False) -> str:
+    """The stage table (layers, params, GFLOPs, bytes sent, time, memory), the slowest stage highlighted, the
+    verdict against the optimum, and the simulated step. ``failed``: the schedule could not be simulated
+    (its error is shown once, above), so times are estimates and say so."""
     stages = plan.stages
     times, source = stage_times(plan, sim, microbatches)
-    mean = sum(times) / len(times) if times else 0.0
     slowest = max(range(len(times)), key=times.__getitem__) if times else -1
-    ratio = times[slowest] / mean if mean > 0 else 1.0
-    imbalanced = len(stages) > 1 and ratio > IMBALANCE
     splits = ", ".join(n if p is pv.SplitPoint.END else f"before {n}" for n, p in plan.splits) or "none"
-    head = (f"<div class='pipeviz-preview-head'><b>{plan.num_stages} stage{'s' * (plan.num_stages != 1)}</b>"
-            f" · splits after: {html.escape(splits)}</div>")
-    cell = "padding:2px 8px;text-align:right"
-    rows = [f"<tr><th style='{cell}'>stage</th><th style='padding:2px 8px;text-align:left'>layers</th>"
+    head = (f"<div class='pipeviz-preview-head'><b>{plural(plan.num_stages, 'stage')}</b>"
+            f" · splits after: <span style='overflow-wrap:anywhere'>{html.escape(splits)}</span></div>")
+    cell = "padding:2px 6px;text-align:right;white-space:nowrap"
+    label = source if not failed else "estimated: no simulation"
+    rows = [f"<tr><th style='{cell}'>stage</th><th style='padding:2px 6px;text-align:left'>layers</th>"
             f"<th style='{cell}'>params</th><th style='{cell}'>GFLOPs</th><th style='{cell}'>sends</th>"
-            f"<th style='{cell}'>time/mb ({source})</th><th style='{cell}'>memory</th></tr>"]
+            f"<th style='{cell}'>time/mb<br><small>({html.escape(label)})</small></th>"
+            f"<th style='{cell}'>memory</th></tr>"]
     for s, t in zip(stages, times, strict=True):
-        names = ", ".join(s.layers) if len(s.layers) <= 4 else f"{s.layers[0]} … {s.layers[-1]} ({len(s.layers)})"
-        hot = imbalanced and s.index == slowest
-        style = " style='background:#fde2e1;font-weight:bold'" if hot else ""
+        hot = len(stages) > 1 and s.index == slowest
+        style = " style='background:#fdf2e9'" if hot else ""
         swatch = f"<span style='color:{stage_color(s.index)}'>■</span>"
         rows.append(
             f"<tr class='pipeviz-stage-row'{style}><td style='{cell}'>{swatch} {s.index}</td>"
-            f"<td style='padding:2px 8px'>{html.escape(names)}</td><td style='{cell}'>{s.params:,}</td>"
+            f"<td style='padding:2px 6px;min-width:8em'>{_names_cell(s.layers)}</td>"
+            f"<td style='{cell}'>{s.params:,}</td>"
             f"<td style='{cell}'>{s.flops / 1e9:.3f}</td><td style='{cell}'>{human_bytes(s.send_bytes)}</td>"
-            f"<td style='{cell}'>{t * 1e3:.3f} ms{' ⚠' if hot else ''}</td>"
-            f"<td style='{cell}'>{human_bytes(s.memory_bytes)}</td></tr>")
-    table = "<table style='border-collapse:collapse;font-size:12px'>" + "".join(rows) + "</table>"
-    if len(stages) < 2:
-        verdict = "One stage: click a layer (or set stages and Auto-balance) to split."
-    elif imbalanced:
-        verdict = (f"<span style='color:#c0392b'>⚠ imbalance: stage {slowest} takes {ratio:.2f}× the mean stage time;"
-                   " the pipeline runs at the pace of its slowest stage. Auto-balance evens it out.</span>")
-    else:
-        verdict = f"balanced: slowest stage {ratio:.2f}× the mean"
+            f"<td style='{cell}'>{t * 1e3:.3f} ms</td><td style='{cell}'>{human_bytes(s.memory_bytes)}</td></tr>")
+    table = ("<div class='pipeviz-table-box' style='max-width:100%;overflow-x:auto'>"
+             "<table style='border-collapse:collapse;font-size:12px'>" + "".join(rows) + "</table></div>")
     extra = ""
     if sim is not None:
         mem = sim.meta.get("memory_bytes")
-        if mem:
-            extra = " · memory per rank (simulated): " + ", ".join(f"r{r} {human_bytes(m)}" for r, m in enumerate(mem))
-        extra = (f"<div>simulated step {sim.step_time * 1e3:.3f} ms · bubble {sim.bubble_fraction:.0%}{extra}</div>")
-    if note:
-        extra += f"<div><i>{html.escape(note)}</i></div>"
-    return f"<div class='pipeviz-preview' style='font-size:12px'>{head}{table}<div>{verdict}</div>{extra}</div>"
+        per_rank = (" · memory per rank: " + ", ".join(f"r{r} {human_bytes(m)}" for r, m in enumerate(mem))) \
+            if mem else ""
+        extra = (f"<div>simulated step {sim.step_time * 1e3:.3f} ms · bubble {sim.bubble_fraction:.0%}"
+                 f"{per_rank}</div>")
+    return (f"<div class='pipeviz-preview' style='font-size:12px;max-width:100%'>{head}{table}"
+            f"<div>{verdict_html(plan)}</div>{extra}</div>")
 
 
 def progress_html(run: pv.Run) -> str:
-    """One line: status, step i/n, last loss, events so far."""
+    """One line: status, what the run is doing now and since when, step i/n, last loss, events so far."""
     loss = f" · loss {run.losses[-1]:.4f}" if run.losses else ""
     color = {"failed": "#c0392b", "done": "#27ae60", "stopped": "#e67e22"}.get(run.status, "#333")
-    return (f"<span class='pipeviz-run-status' style='color:{color}'><b>{run.status}</b></span> · "
-            f"step {run.step}/{run.steps}{loss} · {len(run.events):,} events")
+    elapsed = (run.phases[-1][0] if run.phases else 0.0) if run.done else time.time() - run.started_at
+    phase = "" if run.phase in (run.status, f"step {run.step}/{run.steps}") else f" · {html.escape(run.phase)}"
+    return (f"<span class='pipeviz-run-status' style='color:{color}'><b>{run.status}</b></span>"
+            f"<span class='pipeviz-run-phase'>{phase}</span> · step {run.step}/{run.steps}{loss} · "
+            f"{len(run.events):,} events · {elapsed:.1f} s")
+
+
+def run_notes_html(run: pv.Run, sim: Timeline | None, here: Timeline | None, cores: int, load: float) -> str:
+    """Why the measured step differs from the simulated one, next to both numbers."""
+    tl = run.timeline()
+    if not tl.events:
+        return ""
+    measured = tl.step_time
+    parts = [f"measured step {measured * 1e3:.2f} ms"]
+    if sim is not None and sim.schedule == run.schedule and sim.num_stages == run.layout.num_stages:
+        parts.append(f"simulated {sim.step_time * 1e3:.2f} ms (a core per rank)")
+    if here is not None:
+        parts.append(f"simulated as run here ({plural(here.meta.get('cores') or cores, 'core')}) "
+                     f"{here.step_time * 1e3:.2f} ms")
+    why = []
+    ranks = run.layout.num_ranks
+    if ranks > cores:
+        why.append(f"{plural(ranks, 'process')} share {plural(cores, 'CPU core')} here, so ranks wait for a core "
+                   "and every step is longer than the simulation (which gives each rank a core of its own)")
+    if load > cores:
+        why.append(f"the machine is busy (load average {load:.1f} on {plural(cores, 'core')})")
+    text = " · ".join(parts)
+    if why:
+        text += "<br><span class='pipeviz-why'>Why they differ: " + "; ".join(why) + ".</span>"
+    return f"<div style='font-size:12px'>{text}</div>"
 
 
 def numerics_html(run: pv.Run) -> str:
@@ -133,23 +178,14 @@ def numerics_html(run: pv.Run) -> str:
 
 
 def error_html(text: str) -> str:
-    return ("<div style='border:1px solid #e74c3c;background:#fdecea;color:#922;padding:4px 8px;margin:4px 0'>"
-            f"<pre style='white-space:pre-wrap;margin:0;font-size:12px'>{html.escape(text)}</pre></div>")
+    return ("<div style='border:1px solid #e74c3c;background:#fdecea;color:#922;padding:4px 8px;margin:4px 0;"
+            "max-width:100%;box-sizing:border-box'><pre style='white-space:pre-wrap;overflow-wrap:anywhere;margin:0;"
+            f"font-size:12px;max-height:240px;overflow-y:auto'>{html.escape(text)}</pre></div>")
 
 
-def granularity_options(graph: ModelGraph) -> list[tuple[str, str]]:
-    """Dropdown choices: expand a layer, collapse a container of layers, or regroup by depth."""
-    options = [("— expand / collapse —", "")]
-    options += [(f"⊕ expand {la.name}", f"expand:{la.name}") for la in graph.layers if la.expandable]
-    containers: dict[str, int] = {}
-    for name in graph.layer_names:
-        parts = name.split(".")
-        for k in range(1, len(parts)):
-            prefix = ".".join(parts[:k])
-            containers[prefix] = containers.get(prefix, 0) + 1
-    options += [(f"⊖ collapse {p}", f"collapse:{p}") for p, count in containers.items() if count >= 2]
-    options += [("natural blocks", "regroup:")] + [(f"every module to depth {d}", f"regroup:{d}") for d in (2, 3, 4, 5)]
-    return options
+def notes_html(notes: list[str]) -> str:
+    """pipeviz's notices about the model (fixes it applied to its own copies), as short notes."""
+    return "".join(f"<div style='font-size:11px;color:#555'>ⓘ {html.escape(n)}</div>" for n in notes)
 
 
 def static_html(explorer: Explorer) -> str:

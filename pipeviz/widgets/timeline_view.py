@@ -19,12 +19,22 @@ import plotly.graph_objects as go
 from pipeviz.export import Watch
 from pipeviz.runtime.run import Run
 from pipeviz.timeline import COMPUTE, Timeline
-from pipeviz.widgets.figures import time_origin, timeline_layout, timeline_title, timeline_traces
+from pipeviz.widgets.figures import GL_THRESHOLD, time_origin, timeline_layout, timeline_title, timeline_traces
 
 __all__ = ["TimelineView"]
 
 
 SECONDS_PER_EVENT = 1e-4  # live redraw spacing per event drawn: 10,000 events -> at most one redraw a second
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every numpy array turned into plain Python lists (``tolist`` gives Python scalars)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    tolist = getattr(value, "tolist", None)
+    if callable(tolist) and hasattr(value, "dtype"):
+        return tolist()
+    return value
 
 
 def _timer(seconds: float, fn: Callable[[], None]) -> threading.Timer:
@@ -190,6 +200,11 @@ class TimelineView(W.VBox):
         if tl is None:  # nothing measured yet: show the overlay alone, or an empty chart
             tl, overlay = (overlay, None) if overlay is not None else (Timeline([], 1, 1, 1, "-", source="empty"), None)
         traces = timeline_traces(tl, overlay)
+        if len(tl.events) <= GL_THRESHOLD:
+            # Plain lists, not numpy arrays: plotly's FigureWidget compares what the browser sends back with a
+            # bar trace's properties using `if not value`, which raises on an array ("truth value ... is
+            # ambiguous"). Larger timelines are WebGL segments, where lists would cost 10x the redraw time.
+            traces = [_plain(t) for t in traces]
         layout = timeline_layout(tl, overlay, title="", height=self._height)  # the summary line is the title
         mode = (traces[0]["type"] if traces else "", len(traces))
         if mode != self._mode:
