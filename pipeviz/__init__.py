@@ -29,6 +29,7 @@ from pipeviz.simulate import Comparison, compare, estimate_costs, simulate
 from pipeviz.timeline import Event, Timeline
 from pipeviz.training import cross_entropy, sgd
 from pipeviz.version import __version__ as __version__
+from pipeviz.weights import materialize
 
 __all__ = [
     "Comparison",
@@ -57,6 +58,7 @@ __all__ = [
     "export_torchrun",
     "launch",
     "manual_plan",
+    "materialize",
     "profile",
     "sgd",
     "simulate",

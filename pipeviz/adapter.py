@@ -30,8 +30,8 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["FlatStage", "canonical_name", "describe", "exact_split_backward", "fake_tensors", "flatten_stage",
-           "schedule_actions", "split_graph", "timed_waits"]
+__all__ = ["FlatStage", "canonical_name", "defake", "describe", "exact_split_backward", "fake_cpu", "fake_tensors",
+           "flatten_stage", "schedule_actions", "split_graph", "timed_waits"]
 
 _CALL = re.compile(r"@\d+")
 
@@ -61,6 +61,24 @@ class FlatStage(fx.GraphModule):
                     value = getattr(value, atom)
                 attrs[str(node.target)] = value
         return (_rebuild, (attrs, [_node_record(n) for n in self.graph.nodes], getattr(self, "node_modules", {})))
+
+    def retarget(self, device: torch.device) -> int:
+        """Make every device the trace baked into the graph ``device`` (a model traced on the CPU or the meta
+        device creates position ids, masks and casts there); returns how many ops changed. Needed wherever
+        the stage runs elsewhere than it was traced."""
+        changed = 0
+
+        def swap(x: Any) -> Any:
+            return device if isinstance(x, torch.device) and x != device else x
+
+        for node in self.graph.nodes:
+            args, kwargs = pytree.tree_map(swap, (node.args, node.kwargs))
+            if args != node.args or kwargs != node.kwargs:
+                node.args, node.kwargs = args, kwargs
+                changed += 1
+        if changed:
+            self.recompile()
+        return changed
 
     def failing_op(self, *args: Any) -> tuple[str, str, str] | None:
         """Run the graph node by node on ``args`` and describe the op that raises: (module, op, inputs)."""
@@ -283,6 +301,52 @@ def fake_tensors() -> Iterator[Callable[[Any], Any]]:
 
     with torch.no_grad(), mode:
         yield fake
+
+
+def fake_cpu(model: nn.Module) -> Any:
+    """Turn ``model``'s meta tensors into fake CPU tensors (no memory) and return their ``FakeTensorMode``:
+    traced inside it (``with mode: torch.export.export(model, fake_inputs)``), a meta model takes the code
+    paths it takes on the CPU, where it will run (HF Mixtral dispatches experts by the device type; on the
+    meta device it would trace the GPU path). Tensors shared by several modules stay shared."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    memo: dict[int, torch.Tensor] = {}
+    for mod in model.modules():
+        for table in (mod._parameters, mod._buffers):
+            for key, t in list(table.items()):
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in memo:
+                    with mode:
+                        fake = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+                    memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) \
+                        if isinstance(t, nn.Parameter) else fake
+                table[key] = memo[id(t)]  # type: ignore[assignment]
+    return mode
+
+
+def defake(module: nn.Module) -> None:
+    """Turn the fake tensors a ``fake_cpu`` trace left in ``module`` back into meta tensors (constants the
+    trace created from Python numbers keep their value)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def plain(t: torch.Tensor) -> torch.Tensor:
+        const = getattr(t, "constant", None)
+        if isinstance(const, torch.Tensor) and not isinstance(const, FakeTensor):
+            return const.clone()
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+    for mod in module.modules():
+        for table in (mod._parameters, mod._buffers):
+            for key, t in list(table.items()):
+                if isinstance(t, FakeTensor):
+                    value = plain(t)
+                    table[key] = nn.Parameter(value, requires_grad=t.requires_grad) \
+                        if isinstance(t, nn.Parameter) else value  # type: ignore[assignment]
+        for key, t in list(vars(mod).items()):
+            if isinstance(t, FakeTensor):
+                setattr(mod, key, plain(t))
 
 
 @contextlib.contextmanager

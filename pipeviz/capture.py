@@ -21,6 +21,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+from pipeviz.adapter import fake_cpu
+
 __all__ = ["TRACE_LOCK", "Capture", "Op", "TraceError", "apply_fixups", "buffer_names", "capture",
            "elementwise_modules"]
 
@@ -71,6 +73,7 @@ class Capture:
     traced: bool = True  # False for the manual route (no torch.export graph)
     output_index: int | None = None  # which output leaf is ``logits`` for HF ModelOutputs (what a loss sees)
     outputs: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)  # output leaves' shapes
+    out_spec: Any = None  # the output's pytree structure (an HF ModelOutput, a tuple, a tensor)
 
     def fresh_copy(self) -> nn.Module:
         """A deep copy of the user's model with the capture's fixups applied; the original is untouched."""
@@ -211,7 +214,11 @@ def capture(
     # Trace a copy: export runs forward, which would update BatchNorm statistics of the user's model.
     traced = copy.deepcopy(model)
     apply_fixups(traced, fixups)
-    ep = _export(traced, example_args, kwargs)
+    # A meta model is traced on fake CPU tensors: no memory, and the code paths it will run on the CPU.
+    mode = fake_cpu(traced) if _is_meta(traced) else contextlib.nullcontext()
+    trace_args, trace_kwargs = _faked(mode, (example_args, kwargs))
+    with mode:
+        ep = _export(traced, trace_args, trace_kwargs)
     gm = ep.module()
     canonical, groups = _alias_groups(model)
     output_index = _logits_index(ep.call_spec.out_spec)
@@ -219,19 +226,23 @@ def capture(
     outputs = [(tuple(int(d) for d in v.shape), v.dtype) for leaf in pytree.tree_leaves(out_node.args[0])
                if isinstance(v := getattr(leaf, "meta", {}).get("val"), torch.Tensor)]
 
-    flat_inputs = pytree.tree_leaves((example_args, kwargs))
-    before = {name: b.detach().clone() for name, b in gm.named_buffers()}
+    flat_inputs = pytree.tree_leaves((trace_args, trace_kwargs))
+    fake = not isinstance(mode, contextlib.nullcontext)
+    before = {} if fake else {name: b.detach().clone() for name, b in gm.named_buffers()}
     try:
-        flops = _count_flops(gm, flat_inputs)
+        with mode:
+            flops = _count_flops(gm, flat_inputs)
     except Exception as exc:  # export took the inputs, running them did not (an integer input to a Linear)
-        unfit = _inputs_do_not_fit(traced, example_args, kwargs)
+        unfit = None if fake else _inputs_do_not_fit(traced, example_args, kwargs)
         if unfit is not None:
             raise unfit from exc
         raise
     # Whatever the forward updated in place (running statistics, counters) is state a pipeline must keep
-    # exactly where the unsplit model keeps it.
-    mutated = frozenset(canonical.get(name, name) for name, b in gm.named_buffers()
-                        if name in before and not torch.equal(before[name], b))
+    # exactly where the unsplit model keeps it: what export recorded as mutated, and (real tensors) what
+    # running the graph changed.
+    changed = {name for name, b in gm.named_buffers() if name in before and not torch.equal(before[name], b)}
+    changed |= set(ep.graph_signature.buffers_to_mutate.values())
+    mutated = frozenset(canonical.get(name, name) for name in changed)
 
     ops: list[Op] = []
     index_of: dict[str, int] = {}
@@ -270,9 +281,20 @@ def capture(
         model=model, example_args=example_args, example_kwargs=kwargs, ops=ops, modules=_module_table(model),
         param_numel=numel, param_bytes=nbytes, aliases=groups,
         batch_size=_batch_size(example_args, kwargs), fixups=fixups, notes=notes, output_index=output_index,
-        outputs=outputs,
+        outputs=outputs, out_spec=ep.call_spec.out_spec,
         buffers=buffer_names(model), mutated=mutated, elementwise=elementwise_modules(model),
     )
+
+
+def _is_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def _faked(mode: Any, tree: Any) -> Any:
+    """``tree``'s tensors as ``mode``'s fakes (a ``fake_cpu`` trace), or as they are."""
+    if isinstance(mode, contextlib.nullcontext):
+        return tree
+    return pytree.tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, tree)
 
 
 def buffer_names(model: nn.Module) -> frozenset[str]:

@@ -51,7 +51,7 @@ def _progress(run: pv.Run, label: str) -> None:
     tty = sys.stdout.isatty()
     while True:
         finished = run.done
-        frac = run.step / run.steps
+        frac = run.step / run.steps if run.steps else 0.0
         loss = f" loss {run.losses[-1]:.4f}" if run.losses else ""
         bar = "#" * int(width * frac) + "-" * (width - int(width * frac))
         text = f"  {label} [{bar}] step {run.step}/{run.steps}{loss} ({run.status})"

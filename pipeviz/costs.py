@@ -185,8 +185,12 @@ def stage_memory(param_bytes: int, buffer_bytes: int, activation_bytes_in_flight
 
 def memory_per_rank(plan: SplitPlan | None, schedule: str, microbatches: int, stages_per_rank: int | None = None,
                     optimizer_states: int = OPTIMIZER_STATES, costs: Costs | None = None,
-                    order: Sequence[Sequence[str]] | None = None, **cost_options: Any) -> list[int]:
+                    order: Sequence[Sequence[str]] | None = None, forward_only: bool = False,
+                    **cost_options: Any) -> list[int]:
     """Bytes each rank holds at its peak when ``plan`` trains under ``schedule`` (the module's formula).
+
+    ``forward_only``: an inference run keeps weights and buffers, no gradients or optimizer state, and one
+    microbatch's activations of a stage at a time.
 
     Example:
         >>> memory_per_rank(plan, "GPipe", 8) == [s.memory_bytes for s in plan.stages]    # one stage per rank
@@ -199,8 +203,11 @@ def memory_per_rank(plan: SplitPlan | None, schedule: str, microbatches: int, st
     n = len(costs.forward)
     lay = sched.layout(schedule, n, stages_per_rank)
     acts = [list(a) for a in order] if order is not None else sched.orders(schedule, n, microbatches, stages_per_rank)
-    peaks = peak_activations(acts, costs.activation_bytes, costs.weight_fraction)
     buffers = costs.buffer_bytes or (0,) * n
+    if forward_only:
+        return [max(costs.activation_bytes[s] for s in lay.stages_of(r))
+                + sum(costs.param_bytes[s] + buffers[s] for s in lay.stages_of(r)) for r in range(lay.num_ranks)]
+    peaks = peak_activations(acts, costs.activation_bytes, costs.weight_fraction)
     return [
         peaks[r] + sum(stage_memory(costs.param_bytes[s], buffers[s], 0, optimizer_states) for s in lay.stages_of(r))
         for r in range(lay.num_ranks)

@@ -129,4 +129,5 @@ def _capture_sequence(model: nn.Module, names: list[str], args: tuple[Any, ...],
         aliases=groups, batch_size=_batch_size(args, kwargs), traced=False, buffers=buffer_names(model),
         elementwise=elementwise_modules(model),
         outputs=[(tuple(t.shape), t.dtype) for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)],
+        out_spec=pytree.tree_structure(x),
     )

@@ -70,9 +70,23 @@ def check_numerics(run: Run, tolerance: float = TOLERANCE, device: str | torch.d
     if run.status != "done":
         raise RuntimeError(f"check_numerics() needs a finished run; status is {run.status!r}. Fix: run.wait().")
     spec, graph = run.spec, run.plan.graph
+    if spec.loss_fn is None:
+        raise RuntimeError("check_numerics() compares training; this run was forward only (no loss_fn). "
+                           "Fix: compare run.outputs[step] with model(inputs) directly.")
+    if spec.data is not None and run.batches is None:
+        raise RuntimeError("check_numerics() needs the batches a data= run trained on; this run's were over "
+                           "256 MiB, so it did not keep them. Fix: check a shorter run (steps=...).")
+    batches = run.batches[:len(run.losses)] if run.batches is not None else None
+    model = graph.model
+    if spec.sources is not None:  # weights= or a meta model: the values the ranks started from
+        from pipeviz.weights import materialize
+
+        model = materialize(model, run.weights, spec.init_seed)
+    assert spec.target is not None  # a training run's (validate_launch)
     ref_losses, ref_state = train_reference(
-        graph.model, spec.args, spec.target, spec.loss_fn, spec.optimizer, spec.microbatches, spec.steps,
-        input_kwargs=spec.kwargs or None, fixups=graph.capture.fixups, device=device)
+        model, spec.args, spec.target, spec.loss_fn, spec.optimizer, spec.microbatches,
+        spec.steps or len(run.losses), input_kwargs=spec.kwargs or None, fixups=graph.capture.fixups,
+        device=device, batches=batches)
     return compare(run.losses, run.state_dict(), ref_losses, ref_state, tolerance)
 
 

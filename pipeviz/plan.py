@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import warnings
 from collections.abc import Iterable, Mapping
@@ -23,8 +24,11 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.distributed.pipelining import SplitPoint
+from torch.utils import _pytree as pytree
 
+from pipeviz.adapter import defake, fake_cpu
 from pipeviz.capture import TRACE_LOCK
 from pipeviz.costs import stage_info_memory
 
@@ -368,6 +372,16 @@ class SplitPlan:
         return plan
 
     # ----------------------------------------------------------------- the real Pipe
+    def stage_tensors(self) -> list[frozenset[str]]:
+        """Canonical names of the parameters and buffers each stage holds (a shared one in every holder)."""
+        idx = self.graph.index
+        held: list[set[str]] = [set() for _ in range(self.num_stages)]
+        for uses_of in (idx.param_uses, idx.buffer_uses):
+            for name, uses in uses_of.items():
+                for s in {self._stage_of_op(u) for u in uses}:
+                    held[s].add(name)
+        return [frozenset(h) for h in held]
+
     def microbatch_inputs(self, microbatches: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The example inputs cut into ``microbatches`` chunks along dim 0; returns the first chunk."""
         from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
@@ -403,10 +417,19 @@ class SplitPlan:
         model = self.graph.capture.fresh_copy()
         spec, per_call = self._torch_splits()
         mark_calls(model, per_call)
-        with TRACE_LOCK, warnings.catch_warnings():
+        # A meta model is split on fake CPU tensors (the CPU's code paths, no memory); its stages hold meta
+        # tensors, which the ranks load or initialise (pipeviz.weights).
+        meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+        mode: Any = fake_cpu(model) if meta else contextlib.nullcontext()
+        if meta:
+            mb_args, mb_kwargs = pytree.tree_map(
+                lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, (mb_args, mb_kwargs))
+        with TRACE_LOCK, warnings.catch_warnings(), mode:
             # torch 2.13's own pytree deprecation notice, raised inside pipeline(): nothing a user can act on.
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             pipe = pipeline(model, mb_args=mb_args, mb_kwargs=mb_kwargs or None, split_spec=spec or None)
+        if meta:
+            defake(pipe.split_gm)
         if pipe.num_stages != self.num_stages:  # a disagreement would be a pipeviz bug, never silently accepted
             raise RuntimeError(
                 f"torch built {pipe.num_stages} stages for a {self.num_stages}-stage plan {self!r}; please report."

@@ -40,6 +40,7 @@ def simulate(
     num_stages: int | None = None,
     optimizer_states: int = OPTIMIZER_STATES,
     cores: int | None = None,
+    forward_only: bool = False,
     **cost_options: Any,
 ) -> Timeline:
     """Simulate one training step of ``plan`` under ``schedule``.
@@ -54,6 +55,8 @@ def simulate(
         cores: simulate the run on this many CPU cores ("as run here" on a machine with fewer cores than
             ranks): at most ``cores`` actions compute at once, a rank ready to compute waits for a free core.
             Default: a core (or a GPU) per rank.
+        forward_only: an inference run (``pv.launch`` without a ``loss_fn``): the schedule's forwards only,
+            and memory without gradients or optimizer state.
 
     Returns:
         A simulated ``Timeline``; ``meta`` holds ``peak_activation_bytes`` and ``memory_bytes`` per rank.
@@ -67,7 +70,10 @@ def simulate(
         raise ValueError("simulate() needs a plan, or num_stages with costs.")
     lay = sched.layout(schedule, n, stages_per_rank)
     acts = [list(a) for a in order] if order is not None else sched.orders(schedule, n, microbatches, stages_per_rank)
-    sched.validate(acts, n, microbatches, lay.stage_ranks)
+    if forward_only:
+        acts = [[a for a in rank_acts if sched.parse(a)[1] == "F"] for rank_acts in acts]
+    else:
+        sched.validate(acts, n, microbatches, lay.stage_ranks)
     if costs is None:
         if plan is None:
             raise ValueError("simulate() without a plan needs costs=Costs(...).")
@@ -78,12 +84,13 @@ def simulate(
         events = _run(acts, lay, costs, n)
     else:
         events = _run_on_cores(acts, lay, costs, n, cores)
-    peaks = peak_activations(acts, costs.activation_bytes, costs.weight_fraction)
+    peaks = ([max(costs.activation_bytes[s] for s in lay.stages_of(r)) for r in range(lay.num_ranks)] if forward_only
+             else peak_activations(acts, costs.activation_bytes, costs.weight_fraction))
     memory = memory_per_rank(None, lay.schedule, microbatches, stages_per_rank, optimizer_states, costs=costs,
-                             order=acts)
+                             order=acts, forward_only=forward_only)
     return Timeline(events, lay.num_ranks, n, microbatches, lay.schedule, source="simulated",
                     meta={"peak_activation_bytes": peaks, "memory_bytes": memory, "costs": costs.source,
-                          "cores": cores})
+                          "cores": cores, "forward_only": forward_only})
 
 
 def _run(acts: list[list[str]], lay: sched.Layout, costs: Costs, n: int) -> list[Event]:
@@ -201,11 +208,15 @@ def compare(plan: SplitPlan, schedules: Sequence[str] | None = None, microbatche
             stages_per_rank: int | None = None, **simulate_options: Any) -> Comparison:
     """Simulate ``plan`` under several schedules (default: all 7) and tabulate step time, bubble and memory.
 
-    Schedules that cannot run this plan (e.g. ZBV with an odd stage count) are listed in ``skipped``.
+    Schedules that cannot run this plan (e.g. ZBV with an odd stage count) are listed in ``skipped``; with
+    ``forward_only=True`` (an inference run) the V-shaped ones too, as torch's cannot run without a backward.
     """
     rows, tls, skipped = [], {}, {}
     for name in schedules or sched.ALL:
         canon = sched.canonical(name)
+        if simulate_options.get("forward_only") and canon in sched.V_SHAPED:
+            skipped[canon] = f"{canon} cannot run forward only (torch 2.13's V-shaped schedules need a backward)."
+            continue
         spr = None if canon in sched.SINGLE else stages_per_rank
         try:
             tl = simulate(plan, canon, microbatches, spr, **simulate_options)

@@ -21,19 +21,3 @@ def test_architecture_trains_like_the_unsplit_model(row: object) -> None:
     for schedule, (d_loss, d_state) in result.diffs.items():
         assert d_loss <= TOL and d_state <= TOL, f"{schedule}: loss {d_loss:.1e}, parameters/buffers {d_state:.1e}"
 
-
-def test_llama_trains_under_every_schedule() -> None:
-    # The matrix gives Llama GPipe, 1F1B and LoopedBFS; the other four multi-stage schedules here.
-    import pipeviz as pv
-    from tests.compat import MULTI, compare, inputs, lm_loss, sgd
-
-    row = next(r for r in ROWS if r.name == "Llama")
-    model = row.build()
-    args, _, target = inputs(row)
-    graph = pv.trace(model, example_args=args)
-    ref = pv.train_reference(model, args, target, lm_loss, sgd, 4, 2)
-    plan = pv.balance(graph, 4, by="params")
-    for schedule in [s for s in MULTI if s != multi_for(row)]:
-        run = pv.launch(plan, schedule, 4, 2, inputs=args, target=target, loss_fn=lm_loss, optimizer=sgd)
-        assert run.wait(120) == "done", run.error
-        assert max(compare(run, ref)) <= TOL, schedule

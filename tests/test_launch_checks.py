@@ -44,7 +44,7 @@ RETRACE = "or re-trace with it: pv.trace(model, example_args=..., example_kwargs
         ({"schedule": "GPipe", "stages_per_rank": 2}, pv.ScheduleError,
          "GPipe runs one stage per rank; got stages_per_rank=2. Fix: drop stages_per_rank, or pick a multi-stage "
          "schedule: Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV."),
-        ({"steps": 0}, pv.LaunchError, "steps must be a positive int, got 0."),
+        ({"steps": 0}, pv.LaunchError, "steps must be a positive int, got 0 (steps=None runs until data= runs out)."),
         ({"timeout": 0}, pv.LaunchError,
          "timeout must be a positive number of seconds, got 0. Fix: timeout=120 (seconds without progress before "
          "the run is declared hung)."),
@@ -63,8 +63,11 @@ RETRACE = "or re-trace with it: pv.trace(model, example_args=..., example_kwargs
         ({"target": torch.zeros(6, dtype=torch.long)}, pv.LaunchError,
          "target must be a tensor whose dim 0 is the batch (32); got (6,)."),
         ({"loss_fn": None}, pv.LaunchError,
-         "loss_fn must be a callable loss(output, target), got None. Fix: loss_fn=pv.cross_entropy (or "
-         "torch.nn.functional.cross_entropy, or your own)."),
+         "target= was given without a loss_fn. Fix: pass loss_fn=... to train, or drop target for a forward-only "
+         "run (run.outputs holds the model's outputs)."),
+        ({"loss_fn": "mse"}, pv.LaunchError,
+         "loss_fn must be a callable loss(output, target), got 'mse'. Fix: loss_fn=pv.cross_entropy (or "
+         "torch.nn.functional.cross_entropy, or your own); no loss_fn runs forward only."),
         ({"loss_fn": lambda out, t: out}, pv.LaunchError,
          "loss_fn must return a scalar float tensor (one loss per microbatch); on an output like the last stage's "
          "((8, 10)) it returned a tensor of shape (8, 10) (torch.float32). Fix: reduce it, e.g. .mean()."),

@@ -39,23 +39,28 @@ def train_reference(
     input_kwargs: dict[str, Any] | None = None,
     fixups: dict[str, Any] | None = None,
     device: str | torch.device = "cpu",
+    batches: list[tuple[tuple[Any, ...], dict[str, Any], Any]] | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Train a deep copy of ``model`` on ``device``; returns (mean loss per step, final state_dict on the CPU)."""
+    """Train a deep copy of ``model`` on ``device``; returns (mean loss per step, final state_dict on the CPU).
+
+    ``batches``: one ``(args, kwargs, target)`` per step (a ``data=`` run's), instead of ``inputs``,
+    ``input_kwargs`` and ``target`` every step."""
     from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
     from pipeviz.capture import apply_fixups
 
     model = copy.deepcopy(model).to(device)
     apply_fixups(model, fixups or {})
-    inputs, input_kwargs, target = pytree.tree_map(
-        lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, (inputs, input_kwargs or {}, target))
     opt = (optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.1)))(list(model.parameters()))
-    arg_mbs, kw_mbs = split_args_kwargs_into_chunks(inputs, input_kwargs or {}, microbatches)
-    targets = torch.tensor_split(target, microbatches)
+    if batches is None:
+        batches = [(tuple(inputs), dict(input_kwargs or {}), target)] * steps
     losses = []
-    for _ in range(steps):
+    for args, kwargs, tgt in batches:
+        args, kwargs, tgt = pytree.tree_map(
+            lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, (args, kwargs, tgt))
+        arg_mbs, kw_mbs = split_args_kwargs_into_chunks(args, kwargs, microbatches)
         step = []
-        for a, k, t in zip(arg_mbs, kw_mbs, targets, strict=True):
+        for a, k, t in zip(arg_mbs, kw_mbs, torch.tensor_split(tgt, microbatches), strict=True):
             loss = loss_fn(model_output(model(*a, **k)), t)
             (loss / microbatches).backward()
             step.append(loss.detach())

@@ -15,6 +15,7 @@ import io
 import itertools
 import os
 import queue as queue_mod
+import shutil
 import signal
 import tempfile
 import threading
@@ -27,7 +28,15 @@ import torch
 
 from pipeviz.plan import SplitPlan
 from pipeviz.runtime.procs import context, rendezvous, start_without_main
-from pipeviz.runtime.spec import LaunchError, LaunchSpec, cpu_sets, rank_payloads, resolve_devices, validate_launch
+from pipeviz.runtime.spec import (
+    LaunchError,
+    LaunchSpec,
+    check_weights,
+    cpu_sets,
+    rank_payloads,
+    resolve_devices,
+    validate_launch,
+)
 from pipeviz.timeline import Event, Timeline
 
 __all__ = ["Run", "launch"]
@@ -47,6 +56,8 @@ class Run:
             ``"rank 1: stage 1 ready"``, ``"step 2/5"``); ``phases`` lists every phase with its time.
         events: ``Event`` list, growing while the run goes.
         losses: mean loss per finished step (the loss of each microbatch, averaged).
+        outputs: a forward-only run's (no ``loss_fn``) output for the whole batch at each step, in the model's
+            output structure, on the CPU (microbatches joined back along the batch dim).
         error: for a failed run, the root cause first (which rank and stage, what failed, on what), then its
             traceback, the ranks that failed in consequence, and the end of the failing rank's torch log.
         nonfinite: NaN or inf found in a loss or gradient: ``(step, what)`` pairs (the run stops at the first
@@ -64,7 +75,10 @@ class Run:
         self.phases: list[tuple[float, str]] = []
         self.events: list[Event] = []
         self.losses: list[float] = []
+        self.outputs: list[Any] = []
+        self.batches: list[tuple[tuple[Any, ...], dict[str, Any], Any]] | None = None  # data= runs, for numerics
         self.error: str | None = None
+        self._data_error: str | None = None
         self.nonfinite: list[tuple[int, str]] = []
         self.step = 0
         self.devices: list[str] = []
@@ -72,6 +86,10 @@ class Run:
         self.started_at = time.time()
         self.first_event_at: float | None = None
         self._state: dict[str, torch.Tensor] = {}
+        self.weights: str | os.PathLike[str] | None = None  # the launch's weights=
+        self._state_files: list[str] = []  # each rank's trained tensors (read lazily, memory-mapped)
+        self._state_dir = tempfile.mkdtemp(prefix="pipeviz-state-")
+        weakref.finalize(self, shutil.rmtree, self._state_dir, True)
         self._step_ends: dict[int, float] = {}
         self._files: list[str] = []
         self._procs: list[Any] = []
@@ -159,11 +177,62 @@ class Run:
         aliases = self.plan.graph.capture.aliases
         keys = set(self.plan.graph.model.state_dict())
         out: dict[str, torch.Tensor] = {}
-        for canon, value in self._state.items():
+        for canon, value in self._trained().items():
             for name in aliases.get(canon, (canon,)):
                 if name in keys:
                     out[name] = value
         return out
+
+    def _trained(self) -> dict[str, torch.Tensor]:
+        out = dict(self._state)
+        for path in sorted(self._state_files):  # memory-mapped: pages are read when used
+            out.update(torch.load(path, mmap=True, weights_only=True))
+        return out
+
+    def save(self, path: str | os.PathLike[str]) -> list[str]:
+        """Write the trained parameters and persistent buffers as safetensors under the original names
+        (each tied tensor once, as HF saves it): a path ending in ``.safetensors`` gets one file; any other
+        path a folder with one shard per rank and ``model.safetensors.index.json`` (HF ``save_pretrained``'s
+        layout, which ``weights=`` and ``from_pretrained`` read; no process holds the whole model while it
+        is written; an HF model's ``config.json`` and ``generation_config.json`` too). Returns the files
+        written."""
+        from pipeviz.weights import save_state
+
+        if self.status != "done":
+            raise RuntimeError(f"save() needs a finished run; status is {self.status!r}. Fix: run.wait().")
+        aliases = self.plan.graph.capture.aliases
+        keys = set(self.plan.graph.model.state_dict())
+
+        def named(part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            out = {}
+            for canon, value in part.items():
+                name = next((n for n in aliases.get(canon, (canon,)) if n in keys), None)
+                if name is not None:  # a non-persistent buffer (inv_freq) is not saved, as in the model's
+                    out[name] = value
+            return out
+
+        if os.fspath(path).endswith(".safetensors"):
+            return save_state([named(self._trained())], path)
+        parts = ([named(torch.load(f, mmap=True, weights_only=True)) for f in sorted(self._state_files)]
+                 if self._state_files else [named(self._trained())])
+        written = save_state(parts, path)
+        model = self.plan.graph.model
+        for attr in ("config", "generation_config"):  # an HF model: from_pretrained(path) reads the folder as is
+            saver = getattr(getattr(model, attr, None), "save_pretrained", None)
+            if callable(saver):
+                saver(os.fspath(path))
+                written.append(os.path.join(os.fspath(path), f"{attr}.json"))
+        return written
+
+    def _structured(self, leaves: list[Any]) -> Any:
+        """A forward-only step's output leaves back in the model's output structure (an HF ModelOutput, a
+        tuple, a tensor), on the CPU."""
+        from torch.utils import _pytree as pytree
+
+        spec = self.plan.graph.capture.out_spec
+        if spec is not None and spec.num_leaves == len(leaves):
+            return pytree.tree_unflatten(leaves, spec)
+        return leaves[0] if len(leaves) == 1 else tuple(leaves)
 
     def __repr__(self) -> str:
         return (f"Run({self.schedule}, {self.layout.num_stages} stages on {self.layout.num_ranks} ranks, "
@@ -199,6 +268,8 @@ class Run:
             from pipeviz.runtime import worker
 
             self._set_phase(f"starting {len(payloads)} processes")
+            streamed = self.spec.data is not None
+            feeds = [ctx.Queue(maxsize=2) for _ in payloads] if streamed else [None] * len(payloads)
             # Payloads go through files: a large argument would be written into each child's start-up pipe
             # while the child imports torch, so the children would start one after another.
             for rank, data in enumerate(payloads):
@@ -206,12 +277,14 @@ class Run:
                 fd, log = tempfile.mkstemp(prefix=f"pipeviz-rank{rank}-", suffix=".log")
                 os.close(fd)
                 self._files.append(log)
-                proc = ctx.Process(target=worker.main, args=(path, q, log), daemon=True)
+                proc = ctx.Process(target=worker.main, args=(path, q, log, feeds[rank]), daemon=True)
                 start_without_main(proc)
                 proc._args = ()  # sent to the child at start; kept, it would keep the queue's semaphores alive
                 self._procs.append(proc)
             self.status = "running"
             self._notify()
+            if streamed:
+                threading.Thread(target=self._feed, args=(feeds,), daemon=True, name="pipeviz-data").start()
             self._watch(q)
         except BaseException as exc:
             import traceback
@@ -221,6 +294,59 @@ class Run:
                               else f"launch failed in the parent process:\n{traceback.format_exc()}")
             self._kill_all()
             self._finish("failed" if not isinstance(exc, KeyboardInterrupt) else "stopped")
+
+    def _feed(self, feeds: list[Any]) -> None:
+        """Stream ``data=`` batches to the ranks as the run goes: the first stage's rank gets the inputs, the
+        last stage's the target, every other rank a bare "go"; then "end" (after ``steps`` batches, when the
+        iterable runs out, or at a bad batch, which fails the run naming it)."""
+        from pipeviz.runtime.spec import data_batch
+
+        spec, lay = self.spec, self.layout
+        first_rank, last_rank = lay.stage_ranks[0], lay.stage_ranks[-1]
+        batch: tuple[Any, Any, Any] | None = (spec.args, spec.kwargs, spec.target)
+        kept: list[tuple[Any, Any, Any]] | None = []
+        size = 0
+        step = 0
+        while (self.steps is None or step < self.steps) and not self._stop.is_set() and not self.done:
+            if batch is None:
+                try:
+                    item = next(spec.data)
+                except StopIteration:
+                    break
+                except Exception as exc:  # the user's iterable failed: the run fails, naming the batch
+                    self._data_error = f"data= raised at batch {step}: {type(exc).__name__}: {exc}"
+                    break
+                try:
+                    batch = _like_first(data_batch(item, step, spec.training), spec, step)
+                except LaunchError as exc:
+                    self._data_error = str(exc)
+                    break
+            args, kwargs, target = batch
+            for rank, feed in enumerate(feeds):
+                msg = ("batch", args if rank == first_rank else (), kwargs if rank == first_rank else {},
+                       target if rank == last_rank else None)
+                if not self._put(feed, msg):
+                    return
+            if kept is not None:
+                size += sum(t.numel() * t.element_size() for t in _tensors(batch))
+                if size <= _KEEP_BATCHES:  # for check_numerics, while they are small
+                    kept.append(batch)
+                else:
+                    kept = None
+            self.batches = kept
+            step += 1
+            batch = None
+        for feed in feeds:
+            self._put(feed, ("end", None, None, None))
+
+    def _put(self, feed: Any, msg: tuple[Any, ...]) -> bool:
+        while not self._stop.is_set() and not self.done:
+            try:
+                feed.put(msg, timeout=0.2)
+                return True
+            except queue_mod.Full:
+                continue
+        return False
 
     def _write_payload(self, rank: int, data: bytes) -> str:
         fd, path = tempfile.mkstemp(prefix=f"pipeviz-rank{rank}-", suffix=".pkl")
@@ -258,19 +384,24 @@ class Run:
                     self._publish([Event(*e) for e in msg[1]])
                 elif kind == "loss":
                     self.losses.append(msg[2])
+                elif kind == "output":
+                    self.outputs.append(self._structured(torch.load(io.BytesIO(msg[2]))))
                 elif kind == "step":
                     finished_steps[msg[1]] = msg[2] + 1
                     self._step_ends[msg[2]] = max(self._step_ends.get(msg[2], 0.0), msg[3])
                     step = min(finished_steps.get(r, 0) for r in range(world))
                     if step != self.step:
                         self.step = step
-                        self._set_phase(f"step {step}/{self.steps}")
+                        self._set_phase(f"step {step}/{self.steps or '?'}")
                 elif kind == "phase":
                     self._set_phase(f"rank {msg[1]}: {msg[2]}")
                 elif kind == "nonfinite":
                     self.nonfinite.extend((msg[2], what) for what in msg[3])
                 elif kind == "state":
-                    self._state.update(torch.load(io.BytesIO(msg[2])))
+                    if isinstance(msg[2], str):
+                        self._state_files.append(msg[2])
+                    else:
+                        self._state.update(torch.load(io.BytesIO(msg[2])))
                 elif kind == "done":
                     done.add(msg[1])
                 elif kind == "error":
@@ -283,6 +414,10 @@ class Run:
                 for proc in self._procs:
                     proc.join(timeout=5)
                 self._kill_all()
+                if self._data_error:
+                    self.error = (f"{self._data_error}\nThe run stopped after the steps before it; the ranks ended "
+                                  "cleanly.")
+                    return self._finish("failed")
                 if self.nonfinite and self.on_nonfinite == "stop":
                     step = min(s for s, _ in self.nonfinite)
                     first = [w for s, w in self.nonfinite if s == step]
@@ -386,6 +521,44 @@ class Run:
         self._store = None  # the rendezvous port is free again once every rank is gone
 
 
+_KEEP_BATCHES = 256 * 2**20  # a data= run keeps its batches (for check_numerics) up to this many bytes
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    from torch.utils import _pytree as pytree
+
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _like_first(batch: tuple[Any, Any, Any], spec: LaunchSpec, step: int) -> tuple[Any, Any, Any]:
+    """A data= batch as (args, kwargs, target), checked against the first batch: the pipeline's shapes are
+    fixed by it (torch's stages have static shapes)."""
+    inputs, kwargs, target = batch
+    args = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs) if isinstance(inputs, tuple | list) \
+        else None
+    if args is None:
+        raise LaunchError(f"data= batch {step}: inputs is a {type(inputs).__name__}; expected a tensor or a tuple or "
+                          "list of tensors, like the first batch.")
+    kwargs = dict(kwargs or {})
+    pairs = [(f"inputs[{i}]", a, e) for i, (a, e) in enumerate(zip(args, spec.args, strict=False))]
+    pairs += [(f"input_kwargs[{k!r}]", kwargs.get(k), v) for k, v in spec.kwargs.items()]
+    if spec.target is not None:
+        pairs.append(("target", target, spec.target))
+    if len(args) != len(spec.args) or set(kwargs) != set(spec.kwargs):
+        raise LaunchError(f"data= batch {step} has other inputs than the first batch ({len(args)} positional, "
+                          f"keywords {sorted(kwargs)}; the first: {len(spec.args)}, {sorted(spec.kwargs)}).")
+    for label, got, want in pairs:
+        if not isinstance(want, torch.Tensor):
+            continue
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
+            shown = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else type(got).__name__
+            raise LaunchError(
+                f"data= batch {step}: {label} is {shown}, but the run started with {tuple(want.shape)} {want.dtype}: "
+                "a pipeline's shapes are fixed by its first batch (and the batch must split into the "
+                f"{spec.microbatches} microbatches). Fix: equal batches, e.g. DataLoader(..., drop_last=True).")
+    return args, {k: kwargs[k] for k in spec.kwargs}, target
+
+
 @atexit.register
 def _reap_all() -> None:
     for run in list(_LIVE):
@@ -398,7 +571,7 @@ def launch(
     plan: SplitPlan,
     schedule: str = "1F1B",
     microbatches: int = 4,
-    steps: int = 1,
+    steps: int | None = 1,
     inputs: tuple[Any, ...] | Any = None,
     input_kwargs: dict[str, Any] | None = None,
     target: Any = None,
@@ -409,6 +582,9 @@ def launch(
     timeout: float = 120.0,
     pin_cpus: bool = True,
     on_nonfinite: str = "stop",
+    data: Any = None,
+    weights: str | os.PathLike[str] | None = None,
+    init_seed: int = 0,
 ) -> Run:
     """Start the plan's stages as processes running torch's ``schedule``; returns a ``Run`` at once.
 
@@ -422,12 +598,24 @@ def launch(
         plan: the ``SplitPlan``.
         schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV.
         microbatches: microbatches per step; must divide the batch.
-        steps: optimizer steps.
+        steps: optimizer steps (``None`` with ``data``: until it runs out).
         inputs / input_kwargs: the full batch (defaults: the graph's example inputs): a tensor or a tuple or
             list of them, each like the traced example (same dtype, same shape after the batch dim).
         target: the full batch of targets, passed to ``loss_fn(output, target)`` per microbatch.
             ``output`` is the model's output (its only tensor; for HF models the logits).
         loss_fn: mean-reduced loss returning a scalar tensor (tried once on a sample before launching).
+            Without one the run is forward only: ``run.outputs[step]`` is the model's output for the batch.
+        data: instead of ``inputs``/``target``: any iterable (a ``DataLoader`` too) whose next batch each step
+            takes, streamed to the ranks that need it while the run goes: ``(inputs, target)`` pairs or
+            ``{"inputs": ..., "target": ..., <keyword input>: ...}`` mappings (forward only: the inputs
+            alone). Every batch has the first one's shapes. The run ends after ``steps`` or when it runs out.
+        weights: a safetensors checkpoint (a ``.safetensors`` file, or a folder of shards with
+            ``model.safetensors.index.json``, as HF ``save_pretrained`` and ``run.save`` write): each rank reads
+            only its own stage's tensors, and no process is sent the model's values. The model may be on the
+            meta device. Missing tensors and shapes that differ are named before any process starts.
+        init_seed: a meta model without ``weights``: each rank initialises its own tensors with their
+            modules' initialisers (HF ``_init_weights``, else ``reset_parameters``), seeded per module by this
+            and the module's name (``pv.materialize(model, seed=init_seed)`` builds the same whole model).
         optimizer: ``params -> torch.optim.Optimizer`` (default ``pv.sgd(lr=0.1)``), built on every rank.
         devices: ``"auto"``, ``"cpu"``, ``"cuda"`` or one device per rank.
         stages_per_rank: for multi-stage schedules (default 2).
@@ -442,9 +630,10 @@ def launch(
         LaunchError, ScheduleError, PlanError: before any process starts, naming the bad value and the fix.
     """
     spec = validate_launch(plan, schedule, microbatches, steps, inputs, input_kwargs, target, loss_fn, optimizer,
-                           stages_per_rank, timeout)
+                           stages_per_rank, timeout, data)
     if on_nonfinite not in ("stop", "continue"):
         raise LaunchError(f"on_nonfinite={on_nonfinite!r}; valid: 'stop', 'continue'.")
+    spec.sources, spec.init_seed = check_weights(plan, weights, init_seed), init_seed
     lay = spec.layout
     stage_devices, backend, compute = resolve_devices(devices, lay.num_ranks)
     on_cpu = all(d == "cpu" for d in stage_devices) and not any(compute)
@@ -453,6 +642,7 @@ def launch(
     threads, cpus = cpu_sets(lay.num_ranks, pin_cpus and on_cpu and alone)
 
     run = Run(plan, spec, timeout, on_nonfinite)
+    run.weights = weights
     run.devices = [c or d for c, d in zip(compute, stage_devices, strict=True)]
     run.cpus = cpus
     t0 = run.started_at
@@ -461,7 +651,7 @@ def launch(
 
     def build() -> list[bytes]:
         return rank_payloads(plan, spec, stage_devices, compute, backend, port, t0, timeout, threads, cpus,
-                             on_nonfinite)
+                             on_nonfinite, run._state_dir)
 
     run._start(build)
     return run

@@ -9,7 +9,7 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,7 @@ from pipeviz import schedules as sched
 from pipeviz.capture import TRACE_LOCK, _batch_size
 from pipeviz.plan import SplitPlan
 
-__all__ = ["LaunchError", "LaunchSpec", "cpu_sets", "rank_payloads", "resolve_devices", "validate_launch"]
+__all__ = ["LaunchError", "LaunchSpec", "cpu_sets", "data_batch", "rank_payloads", "resolve_devices", "validate_launch"]
 
 
 class LaunchError(ValueError):
@@ -35,16 +35,24 @@ class LaunchSpec:
     layout: sched.Layout
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    target: torch.Tensor
-    loss_fn: Callable[..., torch.Tensor]
-    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+    target: torch.Tensor | None  # None: a forward-only run
+    loss_fn: Callable[..., torch.Tensor] | None  # None: a forward-only run
+    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None
     microbatches: int = 1
-    steps: int = 1
+    steps: int | None = 1  # None: until data= runs out
+    data: Any = None  # an iterator over the batches after the first (whose args/kwargs/target are above)
+    sources: dict[str, Any] | None = None  # weights= or a meta model: where each tensor comes from on its rank
+    init_seed: int = 0
+
+    @property
+    def training(self) -> bool:
+        return self.loss_fn is not None
 
 
 def validate_launch(
-    plan: SplitPlan, schedule: str, microbatches: int, steps: int, inputs: Any, input_kwargs: dict[str, Any] | None,
-    target: Any, loss_fn: Any, optimizer: Any, stages_per_rank: int | None, timeout: float = 120.0,
+    plan: SplitPlan, schedule: str, microbatches: int, steps: int | None, inputs: Any,
+    input_kwargs: dict[str, Any] | None, target: Any, loss_fn: Any, optimizer: Any, stages_per_rank: int | None,
+    timeout: float = 120.0, data: Any = None,
 ) -> LaunchSpec:
     """Check everything a launch needs before any process starts; raises with the value, the choices and the fix.
 
@@ -61,12 +69,24 @@ def validate_launch(
     if plan.num_stages < 2:
         raise LaunchError("The plan has 1 stage; a pipeline needs at least 2. Fix: plan.toggle(<layer>) to split.")
     lay = sched.layout(name, plan.num_stages, stages_per_rank)
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise LaunchError(f"steps must be a positive int, got {steps!r}.")
+    if not (steps is None and data is not None) and (not isinstance(steps, int) or isinstance(steps, bool)
+                                                     or steps < 1):
+        raise LaunchError(f"steps must be a positive int, got {steps!r} (steps=None runs until data= runs out).")
     if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
         raise LaunchError(f"timeout must be a positive number of seconds, got {timeout!r}. Fix: timeout=120 "
                           "(seconds without progress before the run is declared hung).")
     graph = plan.graph
+    stream = None
+    if data is not None:
+        if inputs is not None or input_kwargs is not None or target is not None:
+            raise LaunchError("data= gives the inputs and targets of every step: drop inputs=, input_kwargs= and "
+                              "target= (or drop data= to train on one batch).")
+        stream = iter(data) if not isinstance(data, Iterator) else data
+        try:
+            first = next(stream)
+        except StopIteration:
+            raise LaunchError("data= gave no batch at all. Fix: pass an iterable with at least one batch.") from None
+        inputs, input_kwargs, target = data_batch(first, 0, loss_fn is not None)
     args, kwargs = _inputs(graph, inputs, input_kwargs)
     batch = _batch_size(args, kwargs)
     if batch is None:
@@ -75,9 +95,22 @@ def validate_launch(
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] != batch:
             raise LaunchError(f"Every input needs the same batch size (dim 0); found {batch} and {leaf.shape[0]}.")
     sched.check_microbatches(name, plan.num_stages, microbatches, stages_per_rank, batch_size=batch)
-    if loss_fn is None or not callable(loss_fn):
+    if loss_fn is None:  # a forward-only run: run.outputs
+        if name in sched.V_SHAPED:
+            raise LaunchError(f"{name} cannot run forward only: torch 2.13's V-shaped schedules split every backward "
+                              "and fail without one. Fix: schedule='GPipe', '1F1B' or 'Interleaved1F1B' for a "
+                              "forward-only run, or pass loss_fn=... to train.")
+        if target is not None:
+            raise LaunchError("target= was given without a loss_fn. Fix: pass loss_fn=... to train, or drop target "
+                              "for a forward-only run (run.outputs holds the model's outputs).")
+        if optimizer is not None:
+            raise LaunchError("optimizer= was given without a loss_fn: a forward-only run trains nothing. Fix: pass "
+                              "loss_fn=... to train, or drop optimizer.")
+        return LaunchSpec(name, lay, args, kwargs, None, None, None, microbatches, steps, stream)
+    if not callable(loss_fn):
         raise LaunchError(f"loss_fn must be a callable loss(output, target), got {loss_fn!r}. "
-                          "Fix: loss_fn=pv.cross_entropy (or torch.nn.functional.cross_entropy, or your own).")
+                          "Fix: loss_fn=pv.cross_entropy (or torch.nn.functional.cross_entropy, or your own); "
+                          "no loss_fn runs forward only.")
     if target is None or not isinstance(target, torch.Tensor) or target.dim() == 0 or target.shape[0] != batch:
         shape = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
         raise LaunchError(f"target must be a tensor whose dim 0 is the batch ({batch}); got {shape}.")
@@ -91,7 +124,29 @@ def validate_launch(
         except Exception as exc:
             raise LaunchError(f"{label} cannot be sent to the stage processes ({exc}). Fix: define it as a plain "
                               "function or lambda, without open files, locks or CUDA state.") from exc
-    return LaunchSpec(name, lay, args, kwargs, target, loss_fn, optimizer, microbatches, steps)
+    return LaunchSpec(name, lay, args, kwargs, target, loss_fn, optimizer, microbatches, steps, stream)
+
+
+def data_batch(item: Any, step: int, training: bool) -> tuple[Any, dict[str, Any] | None, Any]:
+    """One item of ``data=`` as (inputs, input_kwargs, target).
+
+    An item is ``(inputs, target)`` (inputs: a tensor, or a tuple or list of the model's positional inputs),
+    or a mapping ``{"inputs": ..., "target": ..., <keyword input>: tensor, ...}`` whose other keys are the
+    model's keyword inputs (``attention_mask``, ...). A forward-only run (no ``loss_fn``) takes the inputs
+    alone (a tensor, tuple or list) or a mapping without ``"target"``.
+    """
+    if isinstance(item, Mapping):
+        rest = {k: v for k, v in item.items() if k not in ("inputs", "target")}
+        if "inputs" not in item:
+            raise LaunchError(f"data= batch {step} is a mapping without 'inputs' (keys: {sorted(item)}). Fix: "
+                              "{'inputs': x, 'target': y, <keyword inputs>...}, or an (inputs, target) tuple.")
+        return item["inputs"], rest or None, item.get("target")
+    if training:
+        if not isinstance(item, tuple | list) or len(item) != 2:
+            raise LaunchError(f"data= batch {step} is a {type(item).__name__}; a training run takes (inputs, target) "
+                              "pairs or {'inputs': ..., 'target': ...} mappings.")
+        return item[0], None, item[1]
+    return item, None, None
 
 
 def _inputs(graph: Any, inputs: Any, input_kwargs: dict[str, Any] | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -234,8 +289,11 @@ def resolve_devices(devices: str | Sequence[str], num_ranks: int) -> tuple[list[
 
 def rank_payloads(plan: SplitPlan, spec: LaunchSpec, devices: list[str], compute: list[str | None], backend: str,
                   port: int, t0: float, timeout: float, threads: int,
-                  cpus: list[tuple[int, ...]] | None, on_nonfinite: str = "stop") -> list[bytes]:
-    """Build the stages once (here, not in every rank) and pickle each rank's share of the run."""
+                  cpus: list[tuple[int, ...]] | None, on_nonfinite: str = "stop",
+                  state_dir: str | None = None) -> list[bytes]:
+    """Build the stages once (here, not in every rank) and pickle each rank's share of the run: with
+    ``spec.sources`` (weights= or a meta model) the stages go without the values their ranks load or
+    initialise themselves. Each rank writes its trained tensors to ``state_dir``."""
     import cloudpickle
 
     from pipeviz.runtime.stages import build_stages, rank_stages, tied_ranks
@@ -243,22 +301,57 @@ def rank_payloads(plan: SplitPlan, spec: LaunchSpec, devices: list[str], compute
 
     lay = spec.layout
     with TRACE_LOCK:  # torch.export keeps global tracing state: two runs starting at once trace in turn
-        stages = build_stages(_with_inputs(plan, spec.args, spec.kwargs), spec.microbatches)
+        stages = build_stages(_with_inputs(plan, spec.args, spec.kwargs), spec.microbatches,
+                              whole_output=spec.loss_fn is None)
     tied = tied_ranks(stages, lay.stage_ranks)
     first, last = lay.stage_ranks[0], lay.stage_ranks[-1]
+    sources = stage_sources(plan, stages, spec) if spec.sources is not None else [None] * plan.num_stages
     return [
         cloudpickle.dumps(RankPayload(
             rank=rank, world=lay.num_ranks, port=port, backend=backend, device=devices[rank],
             compute_device=compute[rank], schedule=spec.schedule, stage_ranks=lay.stage_ranks,
-            microbatches=spec.microbatches, steps=spec.steps, stages=rank_stages(stages, lay.stage_ranks, rank),
+            microbatches=spec.microbatches, steps=spec.steps,
+            stages=rank_stages(stages, lay.stage_ranks, rank, sources),
             tied=tied, loss_fn=spec.loss_fn, optimizer=spec.optimizer,
             args=spec.args if rank == first else (), kwargs=spec.kwargs if rank == first else {},
             target=spec.target if rank == last else None, t0=t0, parent_pid=os.getpid(),
             timeout_s=max(timeout, 30.0), threads=threads, cpus=cpus[rank] if cpus else None,
-            on_nonfinite=on_nonfinite,
+            on_nonfinite=on_nonfinite, state_path=os.path.join(state_dir, f"rank{rank}.pt") if state_dir else None,
         ))
         for rank in range(lay.num_ranks)
     ]
+
+
+def check_weights(plan: SplitPlan, weights: Any, init_seed: int) -> dict[str, Any] | None:
+    """Where each tensor of the plan's stages comes from (``pipeviz.weights.plan_sources``), checked now:
+    a checkpoint's missing tensors and wrong shapes, and meta tensors nothing can initialise, are named."""
+    from pipeviz.weights import WeightsError, plan_sources
+
+    if not isinstance(init_seed, int) or isinstance(init_seed, bool):
+        raise LaunchError(f"init_seed must be an int, got {init_seed!r}.")
+    cap = plan.graph.capture
+    try:
+        return plan_sources(cap.model, cap.aliases, plan.stage_tensors(), weights)
+    except WeightsError as exc:
+        raise LaunchError(str(exc)) from exc
+
+
+def stage_sources(plan: SplitPlan, stages: Any, spec: LaunchSpec) -> list[Any]:
+    """Per stage, a ``StageSource`` (what its rank loads or initialises), with those tensors stripped to meta
+    in the stage that is shipped."""
+    from pipeviz.weights import StageSource, init_units, strip
+
+    assert spec.sources is not None
+    cap = plan.graph.capture
+    out = []
+    for s, runner in enumerate(stages.runners):
+        inner = {**stages.params[s], **stages.buffers[s]}
+        src = {c: spec.sources.get(c, "keep") for c in inner}
+        load = {c: v for c, v in src.items() if isinstance(v, tuple)}
+        init = [c for c, v in src.items() if v == "init"]
+        strip(runner.stage, [inner[c] for c in [*load, *init]])
+        out.append(StageSource(load, init_units(cap.model, init, cap.aliases), spec.init_seed))
+    return out
 
 
 def cpu_sets(ranks: int, pin: bool) -> tuple[int, list[tuple[int, ...]] | None]:

@@ -59,6 +59,7 @@ class StageRunner(nn.Module):
         self.placeholders, self.kwarg_names = placeholders, kwarg_names
         self.compute_device: torch.device | None = None  # set when stages share a GPU over host memory
         self.output_index: int | None = None
+        self.whole_output = False  # forward-only runs: the last stage returns every output leaf, not the logits
         # Zero-bubble schedules detach stage outputs in place after the input-grad pass (torch 2.13,
         # stage_backward_input); when an output is also saved for the weight-grad pass (a ReLU's result,
         # a Linear's input) that breaks the W pass. Sending copies keeps the saved tensors intact.
@@ -84,6 +85,8 @@ class StageRunner(nn.Module):
                 env[("s", self.index, k)] = item
         if self.index == self.num_stages - 1:
             leaves = [self._home(env[v]) for v in pytree.tree_leaves(self.output, is_leaf=_is_value)]
+            if self.whole_output:
+                return tuple(leaves)
             if self.output_index is not None:  # an HF ModelOutput: the loss sees its logits
                 return leaves[self.output_index]
             return leaves[0] if len(leaves) == 1 else tuple(leaves)
@@ -164,7 +167,7 @@ def _top_level(pipe: Any) -> tuple[list[str], list[list[Value]], Any]:
     return placeholders, [calls[i] for i in range(len(calls))], output
 
 
-def build_stages(plan: SplitPlan, microbatches: int) -> StageSet:
+def build_stages(plan: SplitPlan, microbatches: int, whole_output: bool = False) -> StageSet:
     """Build one ``StageRunner`` per stage from torch's ``Pipe`` (or, for a manual plan, the pruned
     module copies) and record every stage's example inputs and outputs for one microbatch (no model
     buffer is touched: BatchNorm statistics see only the training run's forwards)."""
@@ -201,6 +204,7 @@ def build_stages(plan: SplitPlan, microbatches: int) -> StageSet:
         for i in range(n)
     ]
     runners[-1].output_index = cap.output_index
+    runners[-1].whole_output = whole_output
     known = set(cap.param_numel)
     params: list[dict[str, str]] = []
     buffers: list[dict[str, str]] = []
@@ -236,9 +240,21 @@ def _record_examples(stages: StageSet, plan: SplitPlan, microbatches: int) -> No
     backward inside the first step). Fake tensors first (no compute); a forward that branches on values
     (a manual plan's data-dependent model) runs for real instead. Either way every buffer is put back, so
     BatchNorm statistics see only the training run's forwards."""
-    from pipeviz.adapter import fake_tensors
+    from pipeviz.adapter import defake, fake_cpu, fake_tensors
 
     args, kwargs = plan.microbatch_inputs(microbatches)
+    every = nn.ModuleList(stages.runners)
+    if any(t.is_meta for t in [*every.parameters(), *every.buffers()]):  # a meta model: fake CPU tensors
+        mode = fake_cpu(every)
+        try:
+            with torch.no_grad(), mode:
+                _chain(stages, *pytree.tree_map(
+                    lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, (args, kwargs)))
+        finally:
+            defake(every)
+        stages.inputs[:] = [tuple(_empty_like(t) for t in ts) for ts in stages.inputs]
+        stages.outputs[:] = [tuple(_empty_like(t) for t in ts) for ts in stages.outputs]
+        return
     saved = [(b, b.detach().clone()) for r in stages.runners for b in r.buffers()]
     try:
         with fake_tensors() as fake:
@@ -282,15 +298,17 @@ class RankStage:
     reports: tuple[str, ...]
     inputs: tuple[torch.Tensor, ...]
     outputs: tuple[torch.Tensor, ...]
+    source: Any = None  # a pipeviz.weights.StageSource: tensors the rank loads or initialises itself
 
 
-def rank_stages(stages: StageSet, stage_ranks: tuple[int, ...], rank: int) -> list[RankStage]:
+def rank_stages(stages: StageSet, stage_ranks: tuple[int, ...], rank: int,
+                sources: list[Any] | None = None) -> list[RankStage]:
     """The stages ``rank`` holds (``stage_ranks[s]`` is the rank of stage ``s``), ready to pickle."""
     return [
         RankStage(
             index=s, runner=stages.runners[s], params=stages.params[s], buffers=stages.buffers[s],
             reports=tuple(c for c in [*stages.params[s], *stages.buffers[s]] if stages.owner.get(c) == s),
-            inputs=stages.inputs[s], outputs=stages.outputs[s],
+            inputs=stages.inputs[s], outputs=stages.outputs[s], source=sources[s] if sources else None,
         )
         for s, r in enumerate(stage_ranks) if r == rank
     ]

@@ -58,7 +58,7 @@ class RankPayload:
     schedule: str
     stage_ranks: tuple[int, ...]  # rank of every stage
     microbatches: int
-    steps: int
+    steps: int | None  # None: a data= run, fed until "end"
     stages: list[Any]  # this rank's pipeviz.runtime.stages.RankStage list
     tied: dict[str, list[int]]  # shared parameter -> ranks holding a copy
     loss_fn: Any
@@ -73,11 +73,14 @@ class RankPayload:
     cpus: tuple[int, ...] | None = None  # cores of this rank's threads (pv.launch on CPU; see spec.cpu_sets)
     init_method: str | None = None  # default: the launching process's TCPStore on port; "env://" under torchrun
     on_nonfinite: str = "stop"  # a NaN or inf loss or gradient: "stop" the run, or "continue" and report it
+    data: Any = None  # set by main(): the queue the launching process streams data= batches on
+    state_path: str | None = None  # where this rank writes its trained tensors (else: sent on the queue)
 
 
-def main(payload_path: str, queue: Any, log_path: str | None = None) -> None:
+def main(payload_path: str, queue: Any, log_path: str | None = None, data: Any = None) -> None:
     """Process entry point (started by ``launch``): reads its payload from ``payload_path`` and deletes it;
-    stderr goes to ``log_path`` (the launching process removes it when the run ends)."""
+    stderr goes to ``log_path`` (the launching process removes it when the run ends); ``data``: the queue
+    of a ``data=`` run's batches."""
     import warnings
 
     import cloudpickle
@@ -90,6 +93,7 @@ def main(payload_path: str, queue: Any, log_path: str | None = None) -> None:
             payload: RankPayload = cloudpickle.loads(f.read())
         os.unlink(payload_path)
         rank = payload.rank
+        payload.data = data
         threading.Thread(target=_watch_parent, args=(payload.parent_pid,), daemon=True).start()
         _run(payload, queue)
         queue.put(("done", rank))
@@ -159,7 +163,7 @@ def _run(p: RankPayload, queue: Any) -> None:
     groups = {name: dist.new_group(ranks) if len(ranks) > 1 else None  # same groups, same order, every rank
               for name, ranks in sorted(p.tied.items())}
     schedule = _schedule(p, stages)
-    optimizer = p.optimizer(params)
+    optimizer = p.optimizer(params) if p.loss_fn is not None else None
     queue.put(("phase", p.rank, f"stage{'s' * (len(p.stages) > 1)} {', '.join(str(s.index) for s in p.stages)} "
                                 "ready"))
 
@@ -167,11 +171,18 @@ def _run(p: RankPayload, queue: Any) -> None:
         clock.record((p.rank, -1, "COMM", -1, start - clock.t0, end - clock.t0, step_box[0]))
 
     with timed_waits(comm), exact_split_backward():
-        finished = _train(p, schedule, optimizer, params, local, groups, clock, step_box, device)
+        if optimizer is None:
+            finished = _infer(p, schedule, clock, step_box, device)
+        else:
+            finished = _train(p, schedule, optimizer, params, local, groups, clock, step_box, device)
     if finished:
-        buf = io.BytesIO()
-        torch.save(_state(p), buf)
-        queue.put(("state", p.rank, buf.getvalue()))
+        if p.state_path is not None:  # a file: a big stage's tensors do not pass through the queue
+            torch.save(_state(p, copy=False), p.state_path)
+            queue.put(("state", p.rank, p.state_path))
+        else:
+            buf = io.BytesIO()
+            torch.save(_state(p), buf)
+            queue.put(("state", p.rank, buf.getvalue()))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -221,11 +232,16 @@ def _stages(p: RankPayload, clock: _Clock, step_box: list[int], device: torch.de
 
         def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
                                last_backward: bool = False) -> Any:
+            if not self.has_backward:  # a forward-only run: torch calls it, and it does nothing
+                return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                                  last_backward=last_backward)
             with clock.span(p.rank, self.stage_index, "B" if full_backward else "I", bwd_chunk_id, step_box[0]):
                 return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                                   last_backward=last_backward)
 
         def backward_weight_one_chunk(self, bwd_chunk_id: int, *a: Any, **k: Any) -> Any:
+            if not self.has_backward:
+                return super().backward_weight_one_chunk(bwd_chunk_id, *a, **k)
             with clock.span(p.rank, self.stage_index, "W", bwd_chunk_id, step_box[0]):
                 return super().backward_weight_one_chunk(bwd_chunk_id, *a, **k)
 
@@ -234,6 +250,13 @@ def _stages(p: RankPayload, clock: _Clock, step_box: list[int], device: torch.de
     params: list[torch.nn.Parameter] = []
     local: dict[str, list[torch.Tensor]] = {}
     for st in p.stages:
+        if st.source is not None:  # weights= or a meta model: this rank's tensors, read or initialised here
+            from pipeviz.weights import materialize_stage
+
+            materialize_stage(st.runner.stage, {**st.params, **st.buffers}, st.source, compute)
+        retarget = getattr(st.runner.stage, "retarget", None)
+        if callable(retarget):  # devices baked in by the trace (the meta device, or the CPU on a GPU run)
+            retarget(compute)
         runner = st.runner.to(compute)
         runner.compute_device = compute if compute != device else None
         runner.fresh_outputs = p.schedule in ZERO_BUBBLE
@@ -256,7 +279,7 @@ def _schedule(p: RankPayload, stages: list[Any]) -> Any:
     from torch.distributed.pipelining import schedules as torch_schedules
 
     cls = torch_schedules.get_schedule_class(p.schedule)
-    loss_fn = _named_loss(p.loss_fn, p)
+    loss_fn = _named_loss(p.loss_fn, p) if p.loss_fn is not None else None
     if p.schedule in SINGLE:
         return cls(stages[0], n_microbatches=p.microbatches, loss_fn=loss_fn)  # one stage per rank
     return cls(stages, n_microbatches=p.microbatches, loss_fn=loss_fn)
@@ -287,12 +310,9 @@ def _train(p: RankPayload, schedule: Any, optimizer: torch.optim.Optimizer, para
 
     first = any(st.index == 0 for st in p.stages)
     last = any(st.index == len(p.stage_ranks) - 1 for st in p.stages)
-    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in p.args)
-    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in p.kwargs.items()}
-    target = p.target.to(device) if isinstance(p.target, torch.Tensor) else p.target
     names = {id(t): canon for st in p.stages for canon, inner in st.params.items()
              for n, t in st.runner.stage.named_parameters(remove_duplicate=False) if n == inner}
-    for step in range(p.steps):
+    for step, (args, kwargs, target) in enumerate(_batches(p, device)):
         step_box[0] = step
         losses: list[torch.Tensor] = []
         call_kwargs: dict[str, Any] = dict(kwargs) if first else {}
@@ -314,7 +334,48 @@ def _train(p: RankPayload, schedule: Any, optimizer: torch.optim.Optimizer, para
         if last:
             clock.post(("loss", step, loss))
         clock.post(("step", p.rank, step, time.time() - p.t0))
-        clock.flush(force=step == p.steps - 1)
+        clock.flush()
+    clock.flush(force=True)
+    return True
+
+
+def _batches(p: RankPayload, device: torch.device) -> Any:
+    """Each step's (args, kwargs, target) on ``device``: the one batch of the payload ``steps`` times, or the
+    batches the launching process streams from ``data=`` until it sends the end (ranks that need no data get
+    a bare "go" each step, so every rank runs the same number of steps)."""
+    def moved(x: Any) -> Any:
+        return x.to(device) if isinstance(x, torch.Tensor) else x
+
+    if p.data is None:
+        args, kwargs, target = tuple(moved(a) for a in p.args), {k: moved(v) for k, v in p.kwargs.items()}, \
+            moved(p.target)
+        for _ in range(p.steps or 0):
+            yield args, kwargs, target
+        return
+    while True:
+        msg = p.data.get(timeout=p.timeout_s)
+        if msg[0] == "end":
+            return
+        _, args, kwargs, target = msg
+        yield tuple(moved(a) for a in args), {k: moved(v) for k, v in kwargs.items()}, moved(target)
+
+
+def _infer(p: RankPayload, schedule: Any, clock: _Clock, step_box: list[int], device: torch.device) -> bool:
+    """Forward-only steps (no loss_fn): the last stage's rank sends the whole batch's output each step."""
+    first = any(st.index == 0 for st in p.stages)
+    last = any(st.index == len(p.stage_ranks) - 1 for st in p.stages)
+    for step, (args, kwargs, _) in enumerate(_batches(p, device)):
+        step_box[0] = step
+        with torch.no_grad():
+            out = schedule.step(*(args if first else ()), **(kwargs if first else {}))
+        if last:
+            leaves = out if isinstance(out, tuple | list) else (out,)
+            buf = io.BytesIO()
+            torch.save([t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in leaves], buf)
+            clock.post(("output", step, buf.getvalue()))
+        clock.post(("step", p.rank, step, time.time() - p.t0))
+        clock.flush()
+    clock.flush(force=True)
     return True
 
 
@@ -337,8 +398,9 @@ def _nonfinite(loss: float, params: list[torch.nn.Parameter], names: dict[int, s
     return found
 
 
-def _state(p: RankPayload) -> dict[str, torch.Tensor]:
-    """The tensors this rank's stages own, on the CPU, under the original model's canonical names."""
+def _state(p: RankPayload, copy: bool = True) -> dict[str, torch.Tensor]:
+    """The tensors this rank's stages own, on the CPU, under the original model's canonical names (copies
+    unless ``copy=False``: written to a file at once, they need none)."""
     state: dict[str, torch.Tensor] = {}
     for st in p.stages:
         mod = st.runner.stage
@@ -346,7 +408,8 @@ def _state(p: RankPayload) -> dict[str, torch.Tensor]:
                  **dict(mod.named_buffers(remove_duplicate=False))}
         inner = {**st.params, **st.buffers}
         for canon in st.reports:
-            state[canon] = named[inner[canon]].detach().cpu().clone()
+            t = named[inner[canon]].detach().cpu()
+            state[canon] = t.clone() if copy else t
     return state
 
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from pipeviz.widgets.explorer import Explorer
 
 __all__ = ["error_html", "guarded", "notes_html", "numerics_html", "preview_html", "progress_html", "run_notes_html",
-           "short", "soon", "stage_times", "static_html", "verdict_html"]
+           "shift_click_guard", "short", "soon", "stage_times", "static_html", "verdict_html"]
 
 
 def guarded(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -52,6 +52,44 @@ def soon(fn: Callable[[], None]) -> None:
         fn()
     else:
         loop.call_soon(fn)
+
+
+# JupyterLab and Notebook 7 take a shift-mousedown inside a cell as "extend the cell selection" and then swallow
+# its mouseup, so plotly never ends the click: a shift-click on a block did nothing and left plotly's invisible
+# drag cover over the page (the next click anywhere then expanded the block). Shift-mousedowns on the graph
+# column stay there: plotly's own handler (on the drag layer, inside the column) runs before this one.
+SHIFT_CLICK_GUARD_ESM = """
+export default {
+  render({ el }) {
+    let tries = 0;
+    const attach = () => {
+      const column = el.closest('.pipeviz-graph-column');
+      if (!column) { if (tries++ < 200) setTimeout(attach, 50); return; }
+      if (column.dataset.pipevizShiftGuard) return;
+      column.dataset.pipevizShiftGuard = '1';
+      column.addEventListener('mousedown', e => { if (e.shiftKey) e.stopPropagation(); });
+    };
+    attach();
+  }
+};
+"""
+
+
+def shift_click_guard() -> Any:
+    """An invisible widget to put inside the graph column: it keeps shift-clicks on the graph away from the
+    notebook's cell selection (see ``SHIFT_CLICK_GUARD_ESM``). ``None`` without anywidget (plotly < 6)."""
+    global _ShiftClickGuard
+    try:
+        import anywidget
+        import ipywidgets as W
+    except ImportError:
+        return None
+    if _ShiftClickGuard is None:
+        _ShiftClickGuard = type("ShiftClickGuard", (anywidget.AnyWidget,), {"_esm": SHIFT_CLICK_GUARD_ESM})
+    return _ShiftClickGuard(layout=W.Layout(display="none"))
+
+
+_ShiftClickGuard: Any = None
 
 
 def stage_times(plan: SplitPlan, sim: Timeline | None, microbatches: int) -> tuple[list[float], str]:
@@ -118,7 +156,8 @@ def preview_html(plan: SplitPlan, sim: Timeline | None, microbatches: int, faile
             f"<td style='{cell}'>{s.params:,}</td>"
             f"<td style='{cell}'>{s.flops / 1e9:.3f}</td><td style='{cell}'>{human_bytes(s.send_bytes)}</td>"
             f"<td style='{cell}'>{t * 1e3:.3f} ms</td><td style='{cell}'>{human_bytes(s.memory_bytes)}</td></tr>")
-    table = ("<div class='pipeviz-table-box' style='max-width:100%;overflow-x:auto'>"
+    # contain:inline-size: the table's width does not widen the preview; the table scrolls in its own box.
+    table = ("<div class='pipeviz-table-box' style='max-width:100%;overflow-x:auto;contain:inline-size'>"
              "<table style='border-collapse:collapse;font-size:12px'>" + "".join(rows) + "</table></div>")
     extra = ""
     if sim is not None:
@@ -136,9 +175,10 @@ def progress_html(run: pv.Run) -> str:
     loss = f" · loss {run.losses[-1]:.4f}" if run.losses else ""
     color = {"failed": "#c0392b", "done": "#27ae60", "stopped": "#e67e22"}.get(run.status, "#333")
     elapsed = (run.phases[-1][0] if run.phases else 0.0) if run.done else time.time() - run.started_at
-    phase = "" if run.phase in (run.status, f"step {run.step}/{run.steps}") else f" · {html.escape(run.phase)}"
+    total = run.steps or "?"
+    phase = "" if run.phase in (run.status, f"step {run.step}/{total}") else f" · {html.escape(run.phase)}"
     return (f"<span class='pipeviz-run-status' style='color:{color}'><b>{run.status}</b></span>"
-            f"<span class='pipeviz-run-phase'>{phase}</span> · step {run.step}/{run.steps}{loss} · "
+            f"<span class='pipeviz-run-phase'>{phase}</span> · step {run.step}/{total}{loss} · "
             f"{len(run.events):,} events · {elapsed:.1f} s")
 
 
