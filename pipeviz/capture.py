@@ -100,8 +100,26 @@ def _needs_cache_fix(model: nn.Module) -> bool:
 
 
 def _tensor_bytes(value: Any) -> int:
-    leaves = pytree.tree_leaves(value)
-    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+    """Bytes of the tensors in ``value``; a size the trace left symbolic (tokens routed to one expert) counts
+    at its hint when torch has one, else as 0 (the measured size replaces it when the graph ran for real)."""
+    total = 0
+    for t in pytree.tree_leaves(value):
+        if isinstance(t, torch.Tensor):
+            n = 1
+            for d in t.shape:
+                n *= _concrete(d)
+            total += n * t.element_size()
+    return total
+
+
+def _concrete(d: Any) -> int:
+    if isinstance(d, int):
+        return d
+    try:
+        hint = d.node.shape_env.size_hint(d.node.expr, allow_none=True)
+        return int(hint) if hint is not None else 0
+    except Exception:
+        return 0
 
 
 def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
@@ -229,9 +247,10 @@ def capture(
     flat_inputs = pytree.tree_leaves((trace_args, trace_kwargs))
     fake = not isinstance(mode, contextlib.nullcontext)
     before = {} if fake else {name: b.detach().clone() for name, b in gm.named_buffers()}
+    ran_bytes: dict[str, int] | None = None if fake else {}
     try:
         with mode:
-            flops = _count_flops(gm, flat_inputs)
+            flops = _count_flops(gm, flat_inputs, ran_bytes)
     except Exception as exc:  # export took the inputs, running them did not (an integer input to a Linear)
         unfit = None if fake else _inputs_do_not_fit(traced, example_args, kwargs)
         if unfit is not None:
@@ -270,7 +289,8 @@ def capture(
         ops.append(
             Op(
                 index=len(ops), name=node.name, target=str(node.target), stack=tuple(stack), calls=tuple(calls),
-                flops=flops.get(node.name, 0), out_bytes=_tensor_bytes(node.meta.get("val")),
+                flops=flops.get(node.name, 0),
+                out_bytes=(ran_bytes or {}).get(node.name, _tensor_bytes(node.meta.get("val"))),
                 inputs=tuple(dict.fromkeys(inputs)), model_inputs=tuple(dict.fromkeys(model_inputs)),
                 params=tuple(dict.fromkeys(params)),
             )
@@ -336,8 +356,10 @@ def _lookup(model: nn.Module, fqn: str) -> torch.Tensor:
     return getattr(model.get_submodule(mod_name), attr)
 
 
-def _count_flops(gm: torch.fx.GraphModule, flat_inputs: list[Any]) -> dict[str, int]:
-    """Forward FLOPs of every node, counted by torch.utils.flop_counter while the graph runs once."""
+def _count_flops(gm: torch.fx.GraphModule, flat_inputs: list[Any],
+                 sizes: dict[str, int] | None = None) -> dict[str, int]:
+    """Forward FLOPs of every node, counted by torch.utils.flop_counter while the graph runs once; with
+    ``sizes``, each node's output bytes as it ran (data-dependent shapes get their real size)."""
     counts: dict[str, int] = {}
 
     class _Counter(torch.fx.Interpreter):
@@ -345,6 +367,8 @@ def _count_flops(gm: torch.fx.GraphModule, flat_inputs: list[Any]) -> dict[str, 
             before = mode.get_total_flops()
             out = super().run_node(n)
             counts[n.name] = mode.get_total_flops() - before
+            if sizes is not None:
+                sizes[n.name] = _tensor_bytes(out)
             return out
 
     mode = FlopCounterMode(display=False)

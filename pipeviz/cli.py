@@ -1,6 +1,6 @@
 """``pipeviz`` command line.
 
-    pipeviz demo [--model classic|gpt2|all] [--stages N] [--schedule 1F1B] [--microbatches 4]
+    pipeviz demo [--model classic|gpt2|llama|moe|all] [--stages N] [--schedule 1F1B] [--microbatches 4]
                  [--steps 5] [--devices auto] [--output pipeviz-report.html]
     pipeviz lab  [notebook]      # JupyterLab on the notebooks and tutorials
 
@@ -42,7 +42,19 @@ def _model(name: str) -> tuple[str, torch.nn.Module, tuple[torch.Tensor, ...], t
         return ("GPT-2, tiny config (4 blocks, 128 wide, random weights)",
                 zoo.gpt2(n_layer=4, n_embd=128, n_head=4, vocab_size=512), (ids,), torch.randint(0, 512, (16, 32)),
                 pv.cross_entropy, 4)
-    raise SystemExit(f"Unknown model {name!r}; valid: classic, gpt2, all.")
+    if name == "llama":
+        ids = torch.randint(0, 512, (16, 32))
+        return ("LLaMA, tiny config (HF LlamaForCausalLM: 4 layers, 128 wide, RoPE, GQA 4/2 heads, random weights)",
+                zoo.llama(), (ids,), torch.randint(0, 512, (16, 32)), pv.cross_entropy, 4)
+    if name == "moe":
+        ids = torch.randint(0, 512, (16, 32))
+        return ("Mixture of experts (6 routed MoE blocks, 4 experts, top-2, tokens dispatched to their experts)",
+                zoo.MoENet(), (ids,), torch.randint(0, 512, (16, 32)), pv.cross_entropy, 4)
+    raise SystemExit(f"Unknown model {name!r}; valid: {', '.join(MODELS)}, all.")
+
+
+MODELS = ("classic", "gpt2", "llama", "moe")
+NEEDS_TRANSFORMERS = ("gpt2", "llama")
 
 
 def _progress(run: pv.Run, label: str) -> None:
@@ -115,10 +127,10 @@ def demo(a: argparse.Namespace) -> int:
 
     a.schedule = pv.schedules.canonical(a.schedule)  # bad options fail before any work
 
-    names = ["classic", "gpt2"] if a.model == "all" else [a.model]
-    if "gpt2" in names and importlib.util.find_spec("transformers") is None:
-        print("note: the GPT-2 part needs `transformers` (pip install transformers); running the classic model only.")
-        names = [n for n in names if n != "gpt2"] or ["classic"]
+    names = list(MODELS) if a.model == "all" else [a.model]
+    if importlib.util.find_spec("transformers") is None and any(n in NEEDS_TRANSFORMERS for n in names):
+        print("note: the GPT-2 and LLaMA parts need `transformers` (pip install transformers); skipping them.")
+        names = [n for n in names if n not in NEEDS_TRANSFORMERS] or ["classic"]
     sections = [_section(n, a) for n in names]
     path = write_report(sections, a.output)
     ok = all(s.check is not None and s.check.ok for s in sections)
@@ -137,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pipeviz", description="See, split, simulate and run pipeline parallelism.")
     sub = ap.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="headless main job: trace, balance, simulate, launch, check, HTML report")
-    d.add_argument("--model", default="all", choices=["classic", "gpt2", "all"])
+    d.add_argument("--model", default="all", choices=[*MODELS, "all"])
     d.add_argument("--stages", type=int, default=None, help="default: 3 for classic, 4 for gpt2")
     d.add_argument("--schedule", default="1F1B", help=f"one of {', '.join(pv.schedules.ALL)}")
     d.add_argument("--microbatches", type=int, default=4)

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MyNetwork", "MyNetworkBlock", "SkipNet", "TiedNet", "TinyTransformer", "TransformerBlock", "bert", "gpt2"]
+__all__ = ["MoENet", "MyNetwork", "MyNetworkBlock", "RoutedMoE", "SkipNet", "TiedNet", "TinyTransformer",
+           "TransformerBlock", "bert", "gpt2", "llama", "mixtral"]
 
 
 class MyNetworkBlock(nn.Module):
@@ -154,3 +155,75 @@ def bert(
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **kw,
     )
     return BertModel(cfg)
+
+
+def llama(
+    num_hidden_layers: int = 4, hidden_size: int = 128, num_attention_heads: int = 4, num_key_value_heads: int = 2,
+    vocab_size: int = 512, **kw: Any
+) -> nn.Module:
+    """HF ``LlamaForCausalLM`` from a small config with random weights: RoPE, grouped-query attention,
+    RMSNorm (``transformers`` required). Build it under ``torch.device("meta")`` to allocate nothing."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_hidden_layers=num_hidden_layers, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                      num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+                      vocab_size=vocab_size, **kw)
+    return LlamaForCausalLM(cfg)
+
+
+def mixtral(num_hidden_layers: int = 4, hidden_size: int = 64, vocab_size: int = 512, **kw: Any) -> nn.Module:
+    """HF ``MixtralForCausalLM`` from a small config: 4 experts, top-2 routing (``transformers`` required)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(num_hidden_layers=num_hidden_layers, hidden_size=hidden_size,
+                        intermediate_size=2 * hidden_size, num_attention_heads=4, num_key_value_heads=2,
+                        num_local_experts=4, num_experts_per_tok=2, vocab_size=vocab_size, **kw)
+    return MixtralForCausalLM(cfg)
+
+
+class _Expert(nn.Module):
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(d, h), nn.Linear(h, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(torch.nn.functional.gelu(self.w1(x)))
+
+
+class RoutedMoE(nn.Module):
+    """A mixture-of-experts layer, the seed's example: a learned router picks the top-k experts per token;
+    each expert runs only on the tokens routed to it (data-dependent shapes, which torch.export captures)."""
+
+    def __init__(self, d: int = 64, experts: int = 4, k: int = 2) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.router = nn.Linear(d, experts, bias=False)
+        self.experts = nn.ModuleList(_Expert(d, 2 * d) for _ in range(experts))
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.norm(x).reshape(-1, d)
+        weights, idx = self.router(h).softmax(-1).topk(self.k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            tokens, slot = torch.where(idx == e)
+            out = out.index_add(0, tokens, expert(h[tokens]) * weights[tokens, slot].unsqueeze(-1))
+        return x + out.reshape(b, t, d)
+
+
+class MoENet(nn.Module):
+    """Token embedding, ``layers`` mixture-of-experts blocks, a vocabulary head."""
+
+    def __init__(self, vocab: int = 512, d: int = 64, layers: int = 6, experts: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(RoutedMoE(d, experts) for _ in range(layers))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
