@@ -21,3 +21,23 @@ def test_architecture_trains_like_the_unsplit_model(row: object) -> None:
     for schedule, (d_loss, d_state) in result.diffs.items():
         assert d_loss <= TOL and d_state <= TOL, f"{schedule}: loss {d_loss:.1e}, parameters/buffers {d_state:.1e}"
 
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
+def test_architecture_built_on_the_meta_device_trains_from_its_ranks_initialisers(row: object) -> None:
+    # Nothing allocated in this process: each rank initialises its own stage (HF _init_weights, seeded per
+    # module), and the run equals the whole model given the same values (pv.materialize) trained the same way.
+    import torch
+
+    import pipeviz as pv
+    from tests.compat import inputs, lm_loss, sgd
+
+    with torch.device("meta"):
+        model = row.build()  # type: ignore[attr-defined]
+    args, kwargs, target = inputs(row)  # type: ignore[arg-type]
+    plan = pv.balance(pv.trace(model, example_args=args, example_kwargs=kwargs), 2, by="params")
+    run = pv.launch(plan, "1F1B", 4, 1, inputs=args, input_kwargs=kwargs or None, target=target, loss_fn=lm_loss,
+                    optimizer=sgd)
+    assert run.wait(120) == "done", run.error
+    check = pv.check_numerics(run)
+    assert check.ok, check
