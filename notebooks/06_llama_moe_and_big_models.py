@@ -80,7 +80,7 @@ print(pv.check_numerics(moe_run))
 # the simulator need nothing more. (About 10–15 s to trace on 2 cores.)
 
 # %%
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM
 
 config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                      num_key_value_heads=8, vocab_size=128256)

@@ -1,5 +1,13 @@
-"""pv.Explorer in a real browser: JupyterLab on 127.0.0.1, headless Chromium, a real mouse click on a rendered
-layer node, then Launch. Screenshots go to artifacts/browser/ (git-ignored).
+"""pv.Explorer in a real browser, as a user meets it: JupyterLab 4 (file browser open) and Notebook 7 on
+127.0.0.1, headless Chromium, a tiny HF GPT-2, the real mouse on the rendered graph.
+
+One session per front end checks, in order: a click on a layer splits and undo brings the plan back; a
+shift-click on a block opens it and the view bar folds it again; Balance into 3 stages says "balanced"; Launch
+shows the launch's phases at once, ends "done" and the numerics check matches; the layout at two widths
+(nothing sticks out of the explorer, no widget box scrolls sideways); Stop on a long run shows "stopped" less
+than a second after the kernel knew; and across the whole session no exception anywhere (kernel errors and
+stderr on iopub, which is what reaches cells and JupyterLab's log console; the browser console; page errors;
+the widget's error area). Screenshots go to artifacts/browser/<front end>/ (git-ignored).
 
 Needs ``/usr/bin/chromium`` (``apt-get install -y chromium``) and ``pip install playwright``; never
 ``playwright install``.
@@ -10,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -19,47 +28,41 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts" / "browser"
 CHROME_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
+WIDE, NARROW, HEIGHT = 1280, 1000, 1000
+LONG_RUN = 100000  # steps: a run that only Stop ends
 
+# The kernel writes what it holds to files the test reads: the plan on every change, every text the widget's
+# error area shows, and the wall-clock time at which it saw a run's status become "stopped" (from the run's
+# monitor thread, before the widget's own status callback: the progress observer subscribes first).
 CELL = """\
-import pathlib, torch, pipeviz as pv
-from pipeviz.zoo import MyNetwork
+import json, pathlib, time, torch, pipeviz as pv
+from pipeviz.zoo import gpt2
 torch.manual_seed(0)
-model, x = MyNetwork(512, [512, 1024, 256]), torch.randn(32, 512)
-ex = pv.Explorer(model, example_args=(x,), splits=["layer0"], steps=3)
-# The kernel writes its plan on every change: the test reads what the kernel really holds.
+model, ids = gpt2(n_layer=4, n_embd=128, n_head=4, vocab_size=512), torch.randint(0, 512, (16, 32))
+ex = pv.Explorer(model, example_args=(ids,), steps=3)
 ex.observe(lambda change: pathlib.Path("plan.json").write_text(change["new"]), "plan_json")
+ex.errors.observe(lambda c: c["new"] and open("errors.txt", "a").write(c["new"] + "\\n"), "value")
+watched = set()
+def on_status(run):
+    if run.status == "stopped" and not pathlib.Path("stopped.json").exists():
+        pathlib.Path("stopped.json").write_text(json.dumps({"time": time.time(), "steps": run.steps}))
+def watch_run(change):
+    if ex.run is not None and id(ex.run) not in watched:
+        watched.add(id(ex.run))
+        ex.run.subscribe_status(on_status)
+ex.progress.observe(watch_run, "value")
 ex
 """
-
-# Which plotly graph is the layer graph, and where on the page its marker for `name` is.
-MARKER_XY = """name => {
-  const gd = [...document.querySelectorAll('.pipeviz-explorer .js-plotly-plot')]
-      .find(g => g.data && g.data.some(t => t.name === 'layers'));
-  if (!gd || !gd._fullLayout || !gd._fullLayout.xaxis) return null;
-  gd.scrollIntoView({block: 'center'});
-  const t = gd.data.find(t => t.name === 'layers');
-  const i = Array.from(t.text).indexOf(name);
-  const fl = gd._fullLayout, box = gd.getBoundingClientRect();
-  return {x: box.left + fl._size.l + fl.xaxis.l2p(t.x[i]), y: box.top + fl._size.t + fl.yaxis.l2p(t.y[i])};
-}"""
-
-# The rendered graph follows the kernel: stage colours of the markers and one dashed line per split.
-GRAPH_STATE = """() => {
-  const gd = [...document.querySelectorAll('.pipeviz-explorer .js-plotly-plot')]
-      .find(g => g.data && g.data.some(t => t.name === 'layers'));
-  const t = gd.data.find(t => t.name === 'layers');
-  return {colors: new Set(Array.from(t.marker.color)).size,
-          splits: (gd.layout.shapes || []).filter(s => s.type === 'line').length};
-}"""
 
 KERNEL_IDLE = """path => {
   const app = window.jupyterapp;
@@ -70,6 +73,100 @@ KERNEL_IDLE = """path => {
             && k.status === 'idle');
 }"""
 
+# Every kernel message that carries an exception or stderr, wherever the front end routes it (a cell's output,
+# or JupyterLab's log console for widget callbacks): the notebook's kernel iopub signal sees them all.
+LISTEN_IOPUB = """() => {
+  window.__pv = {iopub: [], stderrCells: 0};
+  const k = window.jupyterapp.shell.currentWidget.context.sessionContext.session.kernel;
+  k.iopubMessage.connect((_, msg) => {
+    const t = msg.header.msg_type, c = msg.content || {};
+    if (t === 'error') window.__pv.iopub.push(`error: ${c.ename}: ${c.evalue}\\n${(c.traceback || []).join('\\n')}`);
+    else if (t === 'stream' && c.name === 'stderr') window.__pv.iopub.push(`stderr: ${c.text}`);
+  });
+  return true;
+}"""
+
+# The layer graph (the figure whose last trace is the layer markers) and where the marker of `name` is on the
+# page. Positions come from plotly's computed data (decoded arrays), names from the hover's customdata.
+MARKER_XY = """name => {
+  const gd = [...document.querySelectorAll('.pipeviz-explorer .pipeviz-graph-column .js-plotly-plot')][0];
+  if (!gd || !gd._fullLayout || !gd._fullLayout.xaxis || !gd.calcdata || !gd._fullData) return null;
+  const k = gd._fullData.length - 1, t = gd._fullData[k];
+  if (!t || t.name !== 'layers' || !t.customdata) return null;
+  const i = Array.from(t.customdata, c => c[0]).indexOf(name);
+  if (i < 0 || !gd.calcdata[k] || !gd.calcdata[k][i]) return null;
+  gd.scrollIntoView({block: 'center'});
+  const p = gd.calcdata[k][i], fl = gd._fullLayout, box = gd.getBoundingClientRect();
+  const x = box.left + fl._size.l + fl.xaxis.l2p(p.x), y = box.top + fl._size.t + fl.yaxis.l2p(p.y);
+  return Number.isFinite(x) && Number.isFinite(y) ? {x, y, symbol: gd._fullData[k].marker.symbol[i]} : null;
+}"""
+
+# The rendered graph follows the kernel: markers per layer, distinct stage colours, one dashed line per split.
+GRAPH_STATE = """() => {
+  const gd = document.querySelector('.pipeviz-explorer .pipeviz-graph-column .js-plotly-plot');
+  const t = gd._fullData[gd._fullData.length - 1];
+  return {layers: t.customdata.length, colors: new Set(Array.from(t.marker.color)).size,
+          splits: (gd.layout.shapes || []).filter(s => s.type === 'line').length};
+}"""
+
+# Layout: nothing inside the explorer ends right of the explorer's box (1 px slack), the explorer fits its
+# output area, and no widget box (nor any other element that scrolls or clips) is wider inside than it shows --
+# except the stage table's box and the graph column, which scroll inside their own box (so only their own box
+# is checked, not what is inside it). Inside an <svg>, the <svg> itself is checked (it clips its content).
+LAYOUT = """() => {
+  const ex = document.querySelector('.pipeviz-explorer');
+  const box = ex.getBoundingClientRect();
+  const own = '.pipeviz-table-box, .pipeviz-graph-column';
+  const name = el => `${el.tagName.toLowerCase()}.${[...el.classList].join('.')}`.slice(0, 140);
+  const out = [], scrolls = [];
+  for (const el of ex.querySelectorAll('*')) {
+    const r = el.getBoundingClientRect();
+    if (!r.width && !r.height) continue;  // not displayed
+    if (el.ownerSVGElement) continue;  // clipped by its <svg>, which is checked itself
+    const scroller = el.parentElement && el.parentElement.closest(own);
+    if (scroller && ex.contains(scroller)) continue;
+    if (r.right > box.right + 1) out.push(`${name(el)} ends at ${r.right.toFixed(1)} > ${box.right.toFixed(1)}`);
+  }
+  // Widget boxes, and anything else that scrolls or clips what sticks out of it (the preview's HTML, ...).
+  const clips = el => ['auto', 'scroll', 'hidden', 'clip'].includes(getComputedStyle(el).overflowX);
+  for (const el of [ex, ...ex.querySelectorAll('*')]) {
+    if (el.ownerSVGElement || el.matches(own) || !el.clientWidth) continue;
+    const scroller = el.parentElement && el.parentElement.closest(own);
+    if (scroller && ex.contains(scroller)) continue;
+    if (!el.matches('.widget-hbox, .widget-vbox') && !clips(el)) continue;
+    if (el.scrollWidth > el.clientWidth + 1) scrolls.push(`${name(el)} scrolls: ${el.scrollWidth} > ${el.clientWidth}`);
+  }
+  const host = ex.closest('.jp-OutputArea-output') || ex.parentElement;
+  const hr = host.getBoundingClientRect();
+  if (box.right > hr.right + 1) out.push(`the explorer ends at ${box.right} > its output area's ${hr.right}`);
+  return {width: Math.round(box.width), out, scrolls};
+}"""
+
+# The progress line as it changes: [ms, status, phase, whole text] at every change (a MutationObserver), and
+# when its status first read "stopped".
+WATCH_PROGRESS = """() => {
+  const el = document.querySelector('.pipeviz-explorer .pipeviz-progress');
+  window.__pv.progress = [];
+  window.__pv.stoppedAt = null;
+  const text = sel => { const e = el.querySelector(sel); return e ? e.textContent.trim() : ''; };
+  const record = () => {
+    const status = text('.pipeviz-run-status');
+    window.__pv.progress.push([Date.now(), status, text('.pipeviz-run-phase').replace(/^·\\s*/, ''), el.innerText]);
+    if (status === 'stopped' && window.__pv.stoppedAt === null) window.__pv.stoppedAt = Date.now();
+  };
+  if (window.__pv.observer) window.__pv.observer.disconnect();
+  window.__pv.observer = new MutationObserver(record);
+  window.__pv.observer.observe(el, {subtree: true, childList: true, characterData: true});
+  return Date.now();
+}"""
+
+# Page errors of a front end's own start-up, before the notebook's kernel is up and any cell ran, that are not
+# pipeviz's: Notebook 7.6's keyboard-shortcut settings handler reads the schema of a plugin the settings registry
+# just dropped (notebook_core.js, SettingRegistry.load -> pluginChanged). Printed, not failed on.
+FRONT_END_STARTUP_BUGS = ("Cannot read properties of undefined (reading 'schema')",)
+
+PHASES = re.compile(r"building the stages|starting \d+ process|ready|step \d+/\d+")
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -77,7 +174,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _wait(check: object, timeout: float, what: str, every: float = 0.2) -> object:
+def _wait(check: object, timeout: float, what: str, every: float = 0.2) -> Any:
     end = time.time() + timeout
     while time.time() < end:
         value = check()  # type: ignore[operator]
@@ -96,6 +193,8 @@ def lab(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, P
     missing = pytest.fail if os.environ.get("CI") else pytest.skip
     if importlib.util.find_spec(app) is None:
         missing(f"{app} is not installed (pip install -e '.[test]')")
+    if importlib.util.find_spec("transformers") is None:
+        missing("transformers is not installed (pip install -e '.[test]')")
     cls = "LabApp" if app == "jupyterlab" else "JupyterNotebookApp"
     if not os.path.exists(CHROMIUM):
         missing("chromium is not installed (apt-get install -y chromium)")
@@ -147,59 +246,207 @@ def lab(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, P
         log.close()
 
 
-def test_click_a_layer_then_launch(lab: tuple[str, Path], request: pytest.FixtureRequest) -> None:
+def test_explorer_as_a_user_meets_it(lab: tuple[str, Path], request: pytest.FixtureRequest) -> None:
     sync_api = pytest.importorskip("playwright.sync_api")
+    expect = sync_api.expect
     url, root = lab
-    shots = ARTIFACTS / request.node.callspec.id
+    front_end = request.node.callspec.id
+    shots = ARTIFACTS / front_end
     shots.mkdir(parents=True, exist_ok=True)
+    for old in shots.glob("*.png"):
+        old.unlink()
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROME_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page = browser.new_page(viewport={"width": WIDE, "height": HEIGHT})
         console: list[str] = []
-        page.on("console", lambda msg: console.append(msg.text))
+        page_errors: list[tuple[float, str]] = []
+        page.on("console", lambda msg: console.append(f"{msg.type}: {msg.text}"))
+        page.on("pageerror", lambda exc: page_errors.append((time.time(), f"{exc.name}: {exc.message}\n{exc.stack}")))
+        explorer = page.locator(".pipeviz-explorer")
+        preview_head = page.locator(".pipeviz-explorer .pipeviz-preview-head")
+
+        def shot(name: str) -> None:
+            page.screenshot(path=shots / f"{name}.png", full_page=True)
+
+        def click_marker(name: str, shift: bool = False) -> dict[str, Any]:
+            page.wait_for_function(f"({MARKER_XY})({json.dumps(name)})", timeout=60_000, polling=200)
+            xy = page.evaluate(f"({MARKER_XY})({json.dumps(name)})")
+            page.mouse.move(xy["x"], xy["y"])
+            page.wait_for_timeout(250)  # hover first, as a person does; plotly shows the tooltip
+            xy = page.evaluate(f"({MARKER_XY})({json.dumps(name)})")  # again: where it is after the hover
+            if shift:
+                page.keyboard.down("Shift")
+            try:
+                page.mouse.click(xy["x"], xy["y"])
+            finally:
+                if shift:
+                    page.keyboard.up("Shift")
+            page.mouse.move(2, 2)  # off the graph: no tooltip over the next screenshot
+            return xy
+
+        def settled_layout() -> dict[str, Any]:
+            """The layout check, once it passes or 5 s after a resize (the figures re-lay out after it)."""
+            end = time.time() + 5
+            page.wait_for_timeout(300)
+            while True:
+                layout: dict[str, Any] = page.evaluate(LAYOUT)
+                if (not layout["out"] and not layout["scrolls"]) or time.time() > end:
+                    return layout
+                page.wait_for_timeout(250)
+
+        def plan(check: Any, what: str) -> dict[str, Any]:
+            """The kernel's plan, once ``check(plan)`` holds."""
+            def read() -> dict[str, Any] | None:
+                try:
+                    data = json.loads((root / "plan.json").read_text())
+                except (OSError, ValueError):
+                    return None
+                return data if check(data) else None
+            return _wait(read, 30, f"the kernel's plan: {what}")
+
         try:
             page.goto(url, timeout=90_000)
             page.wait_for_function(KERNEL_IDLE, arg="explorer.ipynb", timeout=90_000, polling=200)
+            assert page.evaluate(LISTEN_IOPUB)
+            session_start = time.time()
+            if front_end == "jupyterlab":
+                page.evaluate("window.jupyterapp.commands.execute('filebrowser:activate')")
+                expect(page.locator(".jp-FileBrowser")).to_be_visible(timeout=10_000)
             page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
-            page.wait_for_function(f"({MARKER_XY})('layer1')", timeout=120_000, polling=250)
-            preview = page.locator(".pipeviz-preview-head")
-            sync_api.expect(preview).to_contain_text("2 stages", timeout=30_000)
-            page.screenshot(path=shots / "1-rendered.png", full_page=True)
+            page.wait_for_function(f"({MARKER_XY})('transformer.h.1')", timeout=120_000, polling=250)
+            expect(preview_head).to_contain_text("1 stage", timeout=30_000)
+            assert page.evaluate(f"({GRAPH_STATE})()") == {"layers": 8, "colors": 1, "splits": 0}
+            shot("1-rendered")
 
-            xy = page.evaluate(f"({MARKER_XY})('layer1')")
-            page.mouse.move(xy["x"], xy["y"])
-            page.wait_for_timeout(300)  # hover first, as a person does; plotly shows the tooltip
-            page.mouse.click(xy["x"], xy["y"])
-            sync_api.expect(preview).to_contain_text("3 stages", timeout=30_000)
-            plan = json.loads(_wait(lambda: _read_plan(root, 3), 30, "the kernel's plan with 3 stages"))
-            assert plan["stages"] == [["layer0"], ["layer1"], ["layer2", "output_proj"]]
-            assert page.locator(".pipeviz-preview .pipeviz-stage-row").count() == 3
+            # A click on a layer splits after it; undo brings back the plan before.
+            click_marker("transformer.h.1")
+            expect(preview_head).to_contain_text("2 stages", timeout=30_000)
+            two = plan(lambda d: len(d["stages"]) == 2, "2 stages after the click")
+            assert two["stages"][0][-1] == "transformer.h.1", two["stages"]
+            page.wait_for_function(f"({GRAPH_STATE})().splits === 1", timeout=30_000, polling=200)
+            undo = page.locator("button.pipeviz-undo")
+            expect(undo).to_be_enabled()
+            undo.click()
+            expect(preview_head).to_contain_text("1 stage", timeout=30_000)
+            one = plan(lambda d: len(d["stages"]) == 1, "1 stage after undo")
+            assert one["splits"] == [] and one["layers"] == two["layers"]
+            expect(page.locator(".pipeviz-explorer .pipeviz-stage-row")).to_have_count(1)
+            page.wait_for_function(f"({GRAPH_STATE})().splits === 0", timeout=30_000, polling=200)
+            expect(page.locator("button.pipeviz-redo")).to_be_enabled()
+
+            # Shift-click on a block (a square marker) opens its modules; the view bar folds them back.
+            assert click_marker("transformer.h.1", shift=True)["symbol"] == "square"
+            opened = plan(lambda d: "transformer.h.1.attn" in d["layers"], "transformer.h.1's modules")
+            assert "transformer.h.1" not in opened["layers"], opened["layers"]
+            page.wait_for_function(f"({MARKER_XY})('transformer.h.1.attn')", timeout=30_000, polling=200)
+            collapse = page.locator(".pipeviz-view-bar button.pipeviz-collapse")
+            expect(collapse).to_have_count(1, timeout=30_000)
+            expect(collapse).to_contain_text("transformer.h.1")
+            layout = settled_layout()
+            assert not layout["out"] and not layout["scrolls"], layout
+            shot("2-expanded")
+            collapse.click()
+            folded = plan(lambda d: "transformer.h.1.attn" not in d["layers"], "transformer.h.1 folded back")
+            assert folded["layers"] == one["layers"]
+            expect(collapse).to_have_count(0, timeout=30_000)
+            page.wait_for_function(f"({GRAPH_STATE})().layers === 8", timeout=30_000, polling=200)
+
+            # Stage count 3, then Balance: 3 stages, and the verdict says balanced (at the optimum).
+            stages = page.get_by_label("stages", exact=True)
+            stages.fill("3")
+            stages.press("Enter")
+            balance = page.locator("button.pipeviz-balance")
+            expect(balance).to_contain_text("Balance into 3", timeout=30_000)
+            balance.click()
+            expect(preview_head).to_contain_text("3 stages", timeout=30_000)
+            plan(lambda d: len(d["stages"]) == 3, "3 balanced stages")
+            expect(page.locator(".pipeviz-explorer .pipeviz-preview .pipeviz-balanced")).to_contain_text(
+                "✓ balanced: the slowest stage is at the optimum", timeout=30_000)
+            expect(page.locator(".pipeviz-explorer .pipeviz-imbalanced")).to_have_count(0)
+            expect(page.locator(".pipeviz-explorer .pipeviz-stage-row")).to_have_count(3)
             page.wait_for_function(f"({GRAPH_STATE})().splits === 2", timeout=30_000, polling=200)
-            assert page.evaluate(f"({GRAPH_STATE})()") == {"colors": 3, "splits": 2}
-            page.screenshot(path=shots / "2-clicked.png", full_page=True)
+            shot("3-balanced")
 
+            # Launch: a phase shows at once, then the run ends "done" and the numerics match.
+            t_click = page.evaluate(WATCH_PROGRESS)
             page.locator("button.pipeviz-launch").click()
+            page.wait_for_function("() => window.__pv.progress.some(r => r[2] || !['', 'starting'].includes(r[1]))",
+                                   timeout=30_000, polling=100)
+            status = page.locator(".pipeviz-explorer .pipeviz-run-status")
+            expect(status).to_have_text("done", timeout=120_000)
+            expect(page.locator(".pipeviz-explorer .pipeviz-numerics-check")).to_contain_text("✓ matches",
+                                                                                              timeout=60_000)
+            # (ms after the click, status, phase) of every change of the progress line
+            seen = [(t - t_click, status, phase) for t, status, phase, _ in page.evaluate("window.__pv.progress")]
+            print(f"[{front_end}] progress: {seen}")
+            shown = [(ms, status, phase) for ms, status, phase in seen if phase or status not in ("", "starting")]
+            assert shown and shown[0][0] < 3000, f"no phase within 3 s of Launch: {seen}"
+            assert any(PHASES.search(phase) for _, _, phase in shown), seen
+            assert shown[-1][1] == "done" and "running" in {status for _, status, _ in shown}, seen
             bars = page.locator(".pipeviz-run-timeline .js-plotly-plot g.trace.bars path")
-            _wait(lambda: bars.count() > 0, 120, "measured timeline bars")
-            status = page.locator(".pipeviz-run-status")
-            sync_api.expect(status).to_have_text("done", timeout=120_000)
-            numerics = page.locator(".pipeviz-numerics-check")
-            sync_api.expect(numerics).to_contain_text("✓ matches", timeout=60_000)
-            assert bars.count() >= 3 * 4 * 2  # forward and backward of every (stage, microbatch) at least
-            page.locator(".pipeviz-run-timeline").scroll_into_view_if_needed()
-            page.screenshot(path=shots / "3-launched.png", full_page=True)
-            assert not [m for m in console if "Error setting state" in m or "cannot set" in m], console
+            assert bars.count() >= 3 * 4 * 2, bars.count()  # forward and backward of every (stage, microbatch)
+
+            # Layout at two widths, with every section shown (graph, preview, simulated and measured timelines).
+            for width in (WIDE, NARROW):
+                page.set_viewport_size({"width": width, "height": HEIGHT})
+                layout = settled_layout()
+                explorer.scroll_into_view_if_needed()
+                shot(f"4-layout-{width}px")
+                page.locator(".pipeviz-run-timeline").scroll_into_view_if_needed()
+                shot(f"5-layout-{width}px-run")
+                assert not layout["out"] and not layout["scrolls"], f"at {width} px: {layout}"
+            page.set_viewport_size({"width": WIDE, "height": HEIGHT})
+
+            # Stop a long run: the browser says "stopped" less than a second after the kernel knew.
+            steps = page.get_by_label("steps", exact=True)
+            steps.fill(str(LONG_RUN))
+            steps.press("Enter")
+            page.evaluate(WATCH_PROGRESS)
+            page.locator("button.pipeviz-launch").click()
+            page.wait_for_function(
+                f"() => /step [1-9][0-9]*\\/{LONG_RUN}/.test(document.querySelector('.pipeviz-progress').innerText)",
+                timeout=120_000, polling=100)
+            expect(status).to_have_text("running")
+            page.locator("button.pipeviz-stop").click()
+            page.wait_for_function("() => window.__pv.stoppedAt !== null", timeout=30_000, polling=50)
+            lag = page.evaluate("window.__pv.stoppedAt") / 1000
+            kernel = _wait(lambda: _read_json(root / "stopped.json"), 10, "the kernel's stop time")
+            assert kernel["steps"] == LONG_RUN  # the run launched with the steps typed in the box
+            lag -= kernel["time"]
+            print(f"[{front_end}] 'stopped' shown {lag:.3f} s after the kernel knew")
+            assert lag < 1.0, f"the browser showed 'stopped' {lag:.2f} s after the kernel knew"
+            expect(status).to_have_text("stopped")
+            expect(page.locator("button.pipeviz-launch")).to_be_enabled(timeout=10_000)
+            shot("6-stopped")
+
+            # No exception anywhere in the whole session.
+            page.wait_for_timeout(500)  # late messages of the stop
+            iopub = page.evaluate("window.__pv.iopub")
+            stderr_outputs = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+            errors_txt = (root / "errors.txt").read_text() if (root / "errors.txt").exists() else ""
+            bad_console = [m for m in console if m.startswith("error:") or "Error setting state" in m
+                           or "cannot set" in m]
+            startup = [e for t, e in page_errors
+                       if t < session_start and e.split("\n")[0].endswith(FRONT_END_STARTUP_BUGS)]
+            if startup:
+                print(f"[{front_end}] the front end's own start-up errors (not pipeviz's): {startup}")
+            problems = {"kernel iopub (cells, log console)": iopub, "browser console": bad_console,
+                        "page errors": [e for _, e in page_errors if e not in startup],
+                        "widget error area": errors_txt.splitlines(),
+                        "stderr outputs in cells": stderr_outputs.count()}
+            assert not any(problems.values()), json.dumps(problems, indent=1, ensure_ascii=False)
         except Exception:
-            page.screenshot(path=shots / "failure.png", full_page=True)
+            shot("failure")
+            print("\n".join(console[-60:]))
+            print("page errors:", [e for _, e in page_errors])
+            print("kernel errors and stderr:", page.evaluate("window.__pv && window.__pv.iopub"))
             raise
         finally:
             browser.close()
 
 
-def _read_plan(root: Path, stages: int) -> str | None:
-    path = root / "plan.json"
+def _read_json(path: Path) -> Any:
     try:
-        text = path.read_text()
-        return text if len(json.loads(text)["stages"]) == stages else None
+        return json.loads(path.read_text())
     except (OSError, ValueError):
         return None

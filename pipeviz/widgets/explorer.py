@@ -160,7 +160,7 @@ class Explorer(W.VBox):
                                           tooltip="print torch's Pipe for this plan (traces it: seconds)")
         self.pipe_button.observe(lambda _: self._show_pipe(), "value")
         self.pipe_text = W.HTML(layout=W.Layout(max_width="100%"))
-        self.errors = W.HTML(layout=W.Layout(width="100%", max_width="100%"))
+        self.errors = W.HTML(layout=W.Layout(max_width="100%"))  # full width: stretched (100% + margins overflowed)
         self.errors.add_class("pipeviz-error")
         self.sim_view = TimelineView(None)
         self.sim_view.add_class("pipeviz-sim-timeline")
@@ -184,7 +184,8 @@ class Explorer(W.VBox):
         self.numerics.add_class("pipeviz-numerics")
         self.run_view = TimelineView(None)
         self.run_view.add_class("pipeviz-run-timeline")
-        left = W.VBox([self.view_bar, self.graph_figure],
+        guard = panels.shift_click_guard()
+        left = W.VBox([self.view_bar, self.graph_figure, *([guard] if guard is not None else [])],
                       layout=W.Layout(flex="0 1 auto", width=f"{GRAPH_WIDTH + 10}px", max_width="100%",
                                       max_height="760px", overflow="auto"))
         left.add_class("pipeviz-graph-column")
@@ -511,9 +512,10 @@ class Explorer(W.VBox):
                 failed = True
                 self._show_error(exc, prefix=f"{schedule} cannot run {plural(self._plan.num_stages, 'stage')}: ")
         self.preview.value = panels.preview_html(self._plan, self.sim, self.microbatches.value, failed)
+        # Shown before it is drawn: the chart takes the width it has when drawn (a hidden one has none).
+        self.sim_view.layout.display = "none" if self.sim is None else "flex"
         self.sim_view.update(self.sim, overlay=None)
         self.sim_view.summary.value = "" if self.sim is None else self.sim_view.summary.value
-        self.sim_view.layout.display = "none" if self.sim is None else "flex"
 
     def _show_pipe(self) -> None:
         if not self.pipe_button.value:

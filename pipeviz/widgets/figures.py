@@ -166,6 +166,9 @@ def timeline_layout(timeline: Timeline, overlay: Timeline | None = None, *, titl
     return {
         "title": {"text": title, "font": {"size": 13}, "x": 0.01, "xanchor": "left"},
         "height": height or 130 + 46 * ranks,
+        # The width follows the container (without it plotly fixes 700 px at the first draw: too wide for a
+        # narrow notebook, and never re-measured; with it every redraw and window resize re-measures).
+        "autosize": True,
         "margin": {"l": 60, "r": 10, "t": 56, "b": 36},
         "barmode": "overlay",
         "uniformtext": {"minsize": 8, "mode": "hide"},

@@ -197,7 +197,7 @@ def run_notes_html(run: pv.Run, sim: Timeline | None, here: Timeline | None, cor
     why = []
     ranks = run.layout.num_ranks
     if ranks > cores:
-        why.append(f"{plural(ranks, 'process')} share {plural(cores, 'CPU core')} here, so ranks wait for a core "
+        why.append(f"{ranks} processes share {plural(cores, 'CPU core')} here, so ranks wait for a core "
                    "and every step is longer than the simulation (which gives each rank a core of its own)")
     if load > cores:
         why.append(f"the machine is busy (load average {load:.1f} on {plural(cores, 'core')})")

@@ -74,6 +74,8 @@ class TimelineView(W.VBox):
                  clock: Callable[[], float] = time.perf_counter,
                  later: Callable[[float, Callable[[], None]], Any] | None = None) -> None:
         self.figure = go.FigureWidget()
+        # Follow the window's width (plotly.js re-measures on resize; the layout's autosize keeps it allowed to).
+        self.figure._config = {"responsive": True}
         self.summary = W.HTML()
         self.step_select = W.Dropdown(options=[("all steps", -1)], value=-1, description="zoom",
                                       layout=W.Layout(width="180px"))
@@ -216,6 +218,10 @@ class TimelineView(W.VBox):
             with fig.batch_update():
                 for trace, spec in zip(fig.data, traces, strict=True):
                     trace.update({k: v for k, v in spec.items() if k != "type"})
+        if fig.layout.height != layout["height"] and fig.layout.autosize:
+            # plotly.js turns autosize off (and pins the width) when a relayout sets the height without it:
+            # unset it here, so that the height goes with it below and the width keeps following the container.
+            fig.layout.autosize = None
         with fig.batch_update():
             fig.layout.update({k: v for k, v in layout.items() if k != "xaxis"})
             if self.step_select.value == -1:
