@@ -37,6 +37,9 @@ class NumericsCheck:
         param_diff: the largest absolute difference over every parameter and buffer element.
         worst: the name of the tensor with that largest difference.
         steps: steps compared; tensors: tensors compared; tolerance: the bound used.
+        output_diff: a forward-only run's (no ``loss_fn``): the largest absolute difference between
+            ``run.outputs`` and the unsplit model's outputs over every step and output tensor (``loss_diff`` is
+            then NaN: there is no loss); ``None`` for a training run.
     """
 
     ok: bool
@@ -46,9 +49,14 @@ class NumericsCheck:
     steps: int
     tensors: int
     tolerance: float
+    output_diff: float | None = None
 
     def __str__(self) -> str:
         verdict = "matches" if self.ok else "DIFFERS from"
+        if self.output_diff is not None:
+            return (f"numerics: the forward-only run {verdict} the unsplit model run the same way: max |Δoutput| "
+                    f"{self.output_diff:.1e} over {self.steps} steps, max |Δbuffer| {self.param_diff:.1e} over "
+                    f"{self.tensors} tensors (worst: {self.worst or '-'}; tolerance {self.tolerance:g})")
         return (f"numerics: the run {verdict} the unsplit model trained the same way: max |Δloss| "
                 f"{self.loss_diff:.1e} over {self.steps} steps, max |Δparam| {self.param_diff:.1e} over "
                 f"{self.tensors} tensors (worst: {self.worst or '-'}; tolerance {self.tolerance:g})")
@@ -56,6 +64,10 @@ class NumericsCheck:
 
 def check_numerics(run: Run, tolerance: float = TOLERANCE, device: str | torch.device = "cpu") -> NumericsCheck:
     """Train the unsplit model as ``run`` trained its pipeline and compare.
+
+    A forward-only run (no ``loss_fn``) is compared the same way: the unsplit model runs forward on the same
+    batches and microbatches, and ``run.outputs`` is compared with its outputs (``output_diff``), and the
+    run's buffers (running statistics) with its own.
 
     Args:
         run: a finished ``pv.Run`` (``run.wait()`` first).
@@ -70,9 +82,6 @@ def check_numerics(run: Run, tolerance: float = TOLERANCE, device: str | torch.d
     if run.status != "done":
         raise RuntimeError(f"check_numerics() needs a finished run; status is {run.status!r}. Fix: run.wait().")
     spec, graph = run.spec, run.plan.graph
-    if spec.loss_fn is None:
-        raise RuntimeError("check_numerics() compares training; this run was forward only (no loss_fn). "
-                           "Fix: compare run.outputs[step] with model(inputs) directly.")
     if spec.data is not None and run.batches is None:
         raise RuntimeError("check_numerics() needs the batches a data= run trained on; this run's were over "
                            "256 MiB, so it did not keep them. Fix: check a shorter run (steps=...).")
@@ -82,12 +91,40 @@ def check_numerics(run: Run, tolerance: float = TOLERANCE, device: str | torch.d
         from pipeviz.weights import materialize
 
         model = materialize(model, run.weights, spec.init_seed)
+    if spec.loss_fn is None:
+        return _check_outputs(run, model, batches, tolerance, device)
     assert spec.target is not None  # a training run's (validate_launch)
     ref_losses, ref_state = train_reference(
         model, spec.args, spec.target, spec.loss_fn, spec.optimizer, spec.microbatches,
         spec.steps or len(run.losses), input_kwargs=spec.kwargs or None, fixups=graph.capture.fixups,
         device=device, batches=batches)
     return compare(run.losses, run.state_dict(), ref_losses, ref_state, tolerance)
+
+
+def _check_outputs(run: Run, model: torch.nn.Module, batches: Any, tolerance: float,
+                   device: str | torch.device) -> NumericsCheck:
+    """A forward-only run against the unsplit model run forward the same way."""
+    from torch.utils import _pytree as pytree
+
+    from pipeviz.runtime.reference import forward_reference
+
+    spec = run.spec
+    want, ref_state = forward_reference(model, spec.args, spec.microbatches, spec.steps or len(run.outputs),
+                                        input_kwargs=spec.kwargs or None, fixups=run.plan.graph.capture.fixups,
+                                        device=device, batches=batches)
+    d_out = 0.0
+    for got, ref in zip(run.outputs, want, strict=False):
+        leaves = [t for t in pytree.tree_leaves(got) if isinstance(t, torch.Tensor)]
+        if len(leaves) != len(ref) or any(a.shape != b.shape for a, b in zip(leaves, ref, strict=True)):
+            d_out = float("inf")  # another structure than the model's output
+            continue
+        for a, b in zip(leaves, ref, strict=True):
+            if b.numel():
+                d_out = max(d_out, float((a.double() - b.double()).abs().max()))
+    check = compare([], run.state_dict(), [], ref_state, tolerance)
+    ok = len(run.outputs) == len(want) and d_out <= tolerance and check.param_diff <= tolerance
+    return NumericsCheck(ok, float("nan"), check.param_diff, check.worst, len(want), check.tensors, tolerance,
+                         output_diff=d_out)
 
 
 def compare(losses: list[float], state: dict[str, torch.Tensor], ref_losses: list[float],

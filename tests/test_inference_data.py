@@ -27,6 +27,22 @@ def test_forward_only_every_schedule_equals_the_model() -> None:
             torch.testing.assert_close(out, want, rtol=0, atol=1e-5)
         kinds = {e.kind for e in run.events}
         assert kinds <= {"F", "COMM"} and "F" in kinds, (schedule, kinds)
+        check = pv.check_numerics(run)
+        assert check.ok and check.output_diff is not None and check.output_diff <= 1e-5, check
+
+
+def test_check_numerics_of_a_forward_only_run_with_batchnorm_statistics() -> None:
+    # Running statistics move in a forward: the microbatched reference matches them; a changed output is caught.
+    model, args, _, _, _, splits = case("batchnorm")
+    run = pv.launch(pv.trace(model, example_args=args).split(splits), "GPipe", 4, 2)
+    assert run.wait(120) == "done", run.error
+    check = pv.check_numerics(run)
+    assert check.ok and check.steps == 2 and check.output_diff == pytest.approx(0, abs=1e-5), check
+    assert "running_mean" in " ".join(run.state_dict()) and "forward-only run matches" in str(check)
+    assert not torch.equal(run.state_dict()["bn0.running_mean"], model.state_dict()["bn0.running_mean"])
+    run.outputs[1] = run.outputs[1] + 1e-3
+    bad = pv.check_numerics(run)
+    assert not bad.ok and bad.output_diff == pytest.approx(1e-3, rel=1e-3), bad
 
 
 def test_forward_only_keeps_an_hf_output_structure() -> None:

@@ -239,6 +239,28 @@ def test_launch_fills_the_timeline_live_and_checks_numerics(explorer: pv.Explore
 
 
 @pytest.mark.slow
+def test_infer_switch_simulates_and_runs_forward_only(explorer: pv.Explorer) -> None:
+    explorer.plan = ["layer0", "layer1"]
+    train_step = explorer.sim.step_time
+    explorer.mode.value = "infer"
+    sim = explorer.sim
+    assert sim is not None and {e.kind for e in sim.events} <= {"F", "COMM"} and sim.step_time < train_step
+    assert explorer.error == "" and "mode=infer" in repr(explorer)
+    explorer.schedule.value = "ZBVZeroBubble"  # V-shaped: needs a backward
+    assert explorer.sim is None and "cannot run forward only" in explorer.error and "Fix:" in explorer.error
+    explorer.schedule.value = "GPipe"
+    assert explorer.error == "" and explorer.sim is not None
+    run = explorer.launch()
+    assert run is not None and run.spec.loss_fn is None
+    assert explorer.wait(180) == "done", explorer.error
+    assert len(run.outputs) == explorer.steps.value and run.losses == []
+    assert {e.kind for e in run.events} <= {"F", "COMM"}
+    assert "✓ matches" in explorer.numerics.value and "Δoutput" in explorer.numerics.value, explorer.numerics.value
+    with pytest.raises(ValueError, match=r"mode='fast'.*\['train', 'infer'\].*Fix"):
+        pv.Explorer(explorer.graph, mode="fast")
+
+
+@pytest.mark.slow
 def test_errors_from_the_run_appear_in_the_widget(explorer: pv.Explorer) -> None:
     explorer.plan = ["layer1"]
     explorer.loss_fn = lambda out, t: ((_ for _ in ()).throw(ValueError("loss exploded on purpose"))

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["model_output", "train_reference"]
+__all__ = ["forward_reference", "model_output", "train_reference"]
 
 
 def model_output(out: Any) -> Any:
@@ -68,3 +68,38 @@ def train_reference(
         opt.zero_grad(set_to_none=True)
         losses.append(float(torch.stack(step).mean()))
     return losses, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def forward_reference(
+    model: torch.nn.Module,
+    inputs: tuple[Any, ...],
+    microbatches: int = 1,
+    steps: int = 1,
+    input_kwargs: dict[str, Any] | None = None,
+    fixups: dict[str, Any] | None = None,
+    device: str | torch.device = "cpu",
+    batches: list[tuple[tuple[Any, ...], dict[str, Any], Any]] | None = None,
+) -> tuple[list[list[torch.Tensor]], dict[str, torch.Tensor]]:
+    """Run a deep copy of ``model`` forward only, as a forward-only pipelined run does: per step, the output's
+    tensor leaves for the whole batch (microbatches run one by one, joined along the batch dim, which is what
+    a module in training mode such as BatchNorm needs to match); returns (leaves per step, final state_dict on
+    the CPU: running statistics move in a forward too)."""
+    from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+    from pipeviz.capture import apply_fixups
+
+    model = copy.deepcopy(model).to(device)
+    apply_fixups(model, fixups or {})
+    if batches is None:
+        batches = [(tuple(inputs), dict(input_kwargs or {}), None)] * steps
+    outputs = []
+    with torch.no_grad():
+        for args, kwargs, _ in batches:
+            args, kwargs = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t,
+                                           (args, kwargs))
+            arg_mbs, kw_mbs = split_args_kwargs_into_chunks(args, kwargs, microbatches)
+            chunks = [[t for t in pytree.tree_leaves(model(*a, **k)) if isinstance(t, torch.Tensor)]
+                      for a, k in zip(arg_mbs, kw_mbs, strict=True)]
+            outputs.append([torch.cat(parts).cpu() if parts[0].dim() else parts[-1].cpu()
+                            for parts in zip(*chunks, strict=True)])
+    return outputs, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}

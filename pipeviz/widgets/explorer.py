@@ -41,6 +41,7 @@ from pipeviz.widgets.timeline_view import TimelineView
 
 __all__ = ["Explorer"]
 
+MODES = ("train", "infer")  # the run switch: train, or forward only
 GRAPH_WIDTH = 400  # px: the graph's column; the rest of the row (or the row below, when narrow) is the preview
 
 
@@ -65,6 +66,9 @@ class Explorer(W.VBox):
         example_args, example_kwargs: one full batch of inputs (what ``pv.trace`` takes).
         splits: the starting plan: a ``SplitPlan`` or layer names to split after (default: one stage).
         schedule, microbatches, steps: starting values of the controls.
+        mode: ``"train"`` (Launch trains: forwards, backwards, optimizer steps) or ``"infer"`` (forward only:
+            the simulated timeline has no backwards, Launch runs ``pv.launch`` without a ``loss_fn`` and the
+            numerics check compares ``run.outputs`` with the unsplit model's outputs). A switch in the controls.
         target, loss_fn, optimizer: what Launch trains with. Defaults: ``loss_fn`` is ``pv.cross_entropy``
             over the output's last dim and ``target`` random integer classes of that size (seed 0), so a
             classifier or a language model trains as is; ``optimizer`` is SGD with lr 0.1.
@@ -89,8 +93,11 @@ class Explorer(W.VBox):
         example_kwargs: dict[str, Any] | None = None, *, splits: SplitPlan | Iterable[str] | None = None,
         schedule: str = "1F1B", microbatches: int = 4, steps: int = 3, target: torch.Tensor | None = None,
         loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: Callable[..., Any] | None = None,
-        devices: str | list[str] = "auto", depth: int | None = None,
+        devices: str | list[str] = "auto", depth: int | None = None, mode: str = "train",
     ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is not one of {list(MODES)}. Fix: mode='train' to train, or "
+                             "mode='infer' for a forward-only run.")
         graph = model if isinstance(model, ModelGraph) else pv.trace(model, example_args, example_kwargs, depth=depth)
         self.graph: ModelGraph = graph
         self.target, self.loss_fn, self.optimizer, self.devices = target, loss_fn, optimizer, devices
@@ -106,7 +113,7 @@ class Explorer(W.VBox):
         self._finished = threading.Event()
         self._finished.set()
         self._pipe_cache: dict[tuple[str, int], str] = {}
-        self._build_ui(sched.canonical(schedule), microbatches, steps)
+        self._build_ui(sched.canonical(schedule), microbatches, steps, mode)
         super().__init__(self._children, layout=W.Layout(width="100%", max_width="100%"))
         self.add_class("pipeviz-explorer")
         self.observe(self._on_clicked, "clicked")
@@ -116,7 +123,7 @@ class Explorer(W.VBox):
         _warm_up_launches()
 
     # ----------------------------------------------------------------- UI
-    def _build_ui(self, schedule: str, microbatches: int, steps: int) -> None:
+    def _build_ui(self, schedule: str, microbatches: int, steps: int, mode: str) -> None:
         def box(flex: str = "row wrap", align_items: str = "center") -> W.Layout:
             return W.Layout(display="flex", flex_flow=flex, align_items=align_items, max_width="100%")
 
@@ -151,7 +158,12 @@ class Explorer(W.VBox):
                                              layout=W.Layout(width="150px"), style=wide)
         self.steps = W.BoundedIntText(value=steps, min=1, max=100000, description="steps",
                                       layout=W.Layout(width="110px"), style=wide)
-        for w in (self.schedule, self.microbatches):
+        self.mode = W.ToggleButtons(options=list(MODES), value=mode, description="run",
+                                    tooltips=["train: forwards, backwards and optimizer steps",
+                                              "infer: forward only (no loss_fn; run.outputs)"],
+                                    style={"button_width": "56px", "description_width": "initial"})
+        self.mode.add_class("pipeviz-mode")
+        for w in (self.schedule, self.microbatches, self.mode):
             w.observe(self._on_controls, "value")
         self.hint = W.HTML()
         self.hint.add_class("pipeviz-hint")
@@ -192,7 +204,7 @@ class Explorer(W.VBox):
         controls = W.VBox([
             W.HBox([self.stages, self.balance_by, self.balance_button, self.undo_button, self.redo_button],
                    layout=box()),
-            W.HBox([self.schedule, self.microbatches, self.steps], layout=box()),
+            W.HBox([self.mode, self.schedule, self.microbatches, self.steps], layout=box()),
             self.hint,
         ], layout=W.Layout(max_width="100%"))
         right = W.VBox([controls, self.errors, self.preview, self.pipe_button, self.pipe_text],
@@ -311,12 +323,16 @@ class Explorer(W.VBox):
         if self.run is not None and not self._finished.is_set():
             raise pv.LaunchError("A run is still going. Fix: press Stop (explorer.stop()) first.")
         args, kwargs = self.graph.example_args, dict(self.graph.example_kwargs)
-        loss_fn = self.loss_fn or cross_entropy
-        target = self.target if self.target is not None else default_target(self.graph)
         plan, schedule, mbs, steps = self._plan, self.schedule.value, self.microbatches.value, self.steps.value
-        run = pv.launch(plan, schedule=schedule, microbatches=mbs, steps=steps, inputs=args,
-                        input_kwargs=kwargs or None, target=target, loss_fn=loss_fn, optimizer=self.optimizer,
-                        devices=self.devices)
+        if self.mode.value == "infer":  # forward only: no target, loss or optimizer
+            run = pv.launch(plan, schedule=schedule, microbatches=mbs, steps=steps, inputs=args,
+                            input_kwargs=kwargs or None, devices=self.devices)
+        else:
+            loss_fn = self.loss_fn or cross_entropy
+            target = self.target if self.target is not None else default_target(self.graph)
+            run = pv.launch(plan, schedule=schedule, microbatches=mbs, steps=steps, inputs=args,
+                            input_kwargs=kwargs or None, target=target, loss_fn=loss_fn, optimizer=self.optimizer,
+                            devices=self.devices)
         self.run, self._run_plan = run, plan
         self._finished.clear()
         self.numerics.value = self.run_notes.value = ""
@@ -346,7 +362,8 @@ class Explorer(W.VBox):
             return None
         cores = _cores()
         spr = None if run.schedule in sched.SINGLE else run.layout.num_stages // run.layout.num_ranks
-        self.sim_here = pv.simulate(self._run_plan or self._plan, run.schedule, run.microbatches, spr, cores=cores)
+        self.sim_here = pv.simulate(self._run_plan or self._plan, run.schedule, run.microbatches, spr, cores=cores,
+                                    forward_only=run.spec.loss_fn is None)
         self.run_view.update(run.timeline(), overlay=self.sim_here)
         self._explain_run(run)
         return self.sim_here
@@ -504,10 +521,16 @@ class Explorer(W.VBox):
         failed = False
         schedule = self.schedule.value
         spr = None if schedule in sched.SINGLE else 2
-        if self._plan.num_stages > 1:
+        infer = self.mode.value == "infer"
+        if infer and schedule in sched.V_SHAPED:
+            failed = True
+            self._show_error(ValueError(f"{schedule} cannot run forward only: torch 2.13's V-shaped schedules "
+                                        "need a backward. Fix: pick GPipe, 1F1B, Interleaved1F1B, LoopedBFS or "
+                                        "InterleavedZeroBubble, or switch to train."))
+        elif self._plan.num_stages > 1:
             try:
                 self.sim = pv.simulate(self._plan, schedule=schedule, microbatches=self.microbatches.value,
-                                       stages_per_rank=spr)
+                                       stages_per_rank=spr, forward_only=infer)
             except (pv.ScheduleError, ValueError) as exc:  # the schedule does not fit the plan: said once, above
                 failed = True
                 self._show_error(exc, prefix=f"{schedule} cannot run {plural(self._plan.num_stages, 'stage')}: ")
@@ -552,7 +575,8 @@ class Explorer(W.VBox):
         return data
 
     def __repr__(self) -> str:
-        return f"Explorer({self._plan!r}, schedule={self.schedule.value}, microbatches={self.microbatches.value})"
+        return (f"Explorer({self._plan!r}, schedule={self.schedule.value}, microbatches={self.microbatches.value}, "
+                f"mode={self.mode.value})")
 
 
 def _cores() -> int:

@@ -208,10 +208,15 @@ def run_notes_html(run: pv.Run, sim: Timeline | None, here: Timeline | None, cor
 
 
 def numerics_html(run: pv.Run) -> str:
-    """``pv.check_numerics(run)`` as one line: the unsplit model trained the same way, compared."""
+    """``pv.check_numerics(run)`` as one line: the unsplit model trained (or, for a forward-only run, run
+    forward) the same way, compared."""
     check = pv.check_numerics(run)
     mark = ("<span style='color:#27ae60'>✓ matches</span>" if check.ok
             else "<span style='color:#c0392b'>✗ differs from</span>")
+    if check.output_diff is not None:  # a forward-only run
+        return (f"<div class='pipeviz-numerics-check'><b>Numerics check:</b> {mark} the unsplit model run forward "
+                f"the same way: max |Δoutput| = {check.output_diff:.2e} over {check.steps} steps, max |Δbuffer| = "
+                f"{check.param_diff:.2e} over {check.tensors} tensors (tolerance {check.tolerance:g}).</div>")
     return (f"<div class='pipeviz-numerics-check'><b>Numerics check:</b> {mark} the unsplit model trained the same "
             f"way: max |Δloss| = {check.loss_diff:.2e} over {check.steps} steps, max |Δparam| = "
             f"{check.param_diff:.2e} over {check.tensors} tensors (tolerance {check.tolerance:g}).</div>")
