@@ -116,8 +116,10 @@ def _concrete(d: Any) -> int:
     if isinstance(d, int):
         return d
     try:
-        hint = d.node.shape_env.size_hint(d.node.expr, allow_none=True)
-        return int(hint) if hint is not None else 0
+        env, expr = d.node.shape_env, d.node.expr
+        # A backed size has a hint (the example's value); an unbacked one (data-dependent: routed tokens) has
+        # none here, and its bytes come from the measured run instead.
+        return int(env.guarding_hint_or_throw(expr)) if env.has_guarding_hint(expr) else 0
     except Exception:
         return 0
 

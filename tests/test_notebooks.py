@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 
@@ -92,28 +94,58 @@ def test_tutorial_ends_with_exercise_and_self_check(name: str) -> None:
     assert "You will learn" in sources
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)  # nbclient's per-cell timeout should fire first and name the cell
-@pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_runs(name: str, tmp_path: Path) -> None:
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
+PARALLEL = 2  # notebooks executed at once: much of a notebook is one busy thread (kernel start, imports, tracing)
+
+
+def _execute(name: str, folder: Path) -> tuple[object, float]:
+    """Run a copy of ``name`` in ``folder`` with nbclient (the lesson's wrong and right answers appended);
+    returns the executed notebook and its seconds. Raises CellExecutionError (with the cell and traceback)."""
+    import nbclient
+    import nbformat
+
     # Run a copy in a temporary folder: anything a notebook writes next to itself stays out of the repository.
-    shutil.copy(ROOT / name, tmp_path / Path(name).name)
-    nb = nbformat.read(tmp_path / Path(name).name, as_version=4)
+    shutil.copy(ROOT / name, folder / Path(name).name)
+    nb = nbformat.read(folder / Path(name).name, as_version=4)
     solution = _builder().SOLUTIONS.get(name)
     if solution:
         right, wrong = solution
         nb.cells += [nbformat.v4.new_code_cell(f"{wrong}\ncheck(my_answer)"),
                      nbformat.v4.new_code_cell(f"{right}\ncheck(my_answer)")]
     client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT, kernel_name="python3",
-                                     resources={"metadata": {"path": str(tmp_path)}})
+                                     resources={"metadata": {"path": str(folder)}})
     start = time.perf_counter()
-    client.execute()  # raises CellExecutionError (with the cell and traceback) if any cell fails
-    elapsed = time.perf_counter() - start
+    client.execute()
+    return nb, time.perf_counter() - start
+
+
+@pytest.fixture(scope="session")
+def notebook_runs(request: pytest.FixtureRequest,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Future, Path]]]:
+    """Every selected notebook, started on first use, ``PARALLEL`` at a time (each its own kernel and folder);
+    each test then waits for its own. The whole set takes about two thirds of the time one by one."""
+    pytest.importorskip("nbformat")
+    pytest.importorskip("nbclient")
+    names = [item.callspec.params["name"] for item in request.session.items
+             if getattr(item, "originalname", "") == "test_notebook_runs"]
+    with ThreadPoolExecutor(PARALLEL, thread_name_prefix="notebook") as pool:
+        runs = {}
+        for name in names:  # in test order: the first tests wait least
+            folder = tmp_path_factory.mktemp(Path(name).stem)
+            runs[name] = (pool.submit(_execute, name, folder), folder)
+        yield runs
+        for future, _ in runs.values():
+            future.cancel()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # nbclient's per-cell timeout should fire first and name the cell
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_runs(name: str, notebook_runs: dict[str, tuple[Future, Path]]) -> None:
+    future, folder = notebook_runs[name]
+    nb, elapsed = future.result(timeout=880)  # raises the notebook's CellExecutionError, naming the cell
     print(f"{name}: {elapsed:.1f} s")
-    assert [p.name for p in tmp_path.iterdir()] == [Path(name).name], "a notebook wrote into its own folder"
-    if solution:
+    assert [p.name for p in folder.iterdir()] == [Path(name).name], "a notebook wrote into its own folder"
+    if _builder().SOLUTIONS.get(name):
         placeholder, wrong_out, right_out = (_text(c) for c in nb.cells[-3:])
         assert "❌ Not yet" in placeholder and "✅" not in placeholder, placeholder
         assert "❌ Not yet" in wrong_out and "✅" not in wrong_out, wrong_out
