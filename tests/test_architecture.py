@@ -12,6 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "pipeviz"
 VIEW_LIBRARIES = ("ipywidgets", "plotly", "anywidget")
 
@@ -114,6 +116,7 @@ def test_core_modules_importing_the_package_root() -> None:
     assert sorted(n for n, deps in graph.items() if "pipeviz" in deps and _is_core(n)) == []
 
 
+@pytest.mark.slow
 def test_the_core_runs_without_the_notebook_stack() -> None:
     # pip install pipeviz (no [notebook] extra): trace, plan, balance, simulate work with torch alone.
     code = textwrap.dedent("""

@@ -103,6 +103,7 @@ def test_trace_rejects_non_module() -> None:
         pv.trace(lambda x: x, example_args=(torch.randn(2),))
 
 
+@pytest.mark.slow
 def test_core_imports_no_view_library() -> None:
     import subprocess
 

@@ -13,6 +13,7 @@ from pipeviz import zoo
 pytest.importorskip("transformers")
 
 
+@pytest.mark.slow
 def test_gpt2_tiny_blocks_and_cache_fix() -> None:
     torch.manual_seed(0)
     model = zoo.gpt2(n_layer=3)

@@ -31,6 +31,7 @@ def test_forward_only_every_schedule_equals_the_model() -> None:
         assert check.ok and check.output_diff is not None and check.output_diff <= 1e-5, check
 
 
+@pytest.mark.slow
 def test_check_numerics_of_a_forward_only_run_with_batchnorm_statistics() -> None:
     # Running statistics move in a forward: the microbatched reference matches them; a changed output is caught.
     model, args, _, _, _, splits = case("batchnorm")
@@ -45,6 +46,7 @@ def test_check_numerics_of_a_forward_only_run_with_batchnorm_statistics() -> Non
     assert not bad.ok and bad.output_diff == pytest.approx(1e-3, rel=1e-3), bad
 
 
+@pytest.mark.slow
 def test_forward_only_keeps_an_hf_output_structure() -> None:
     model = next(r for r in ROWS if r.name == "GPT-2").build().eval()
     ids = torch.randint(0, 96, (4, 8))

@@ -52,6 +52,7 @@ def test_transformer_pipe_output() -> None:
         torch.testing.assert_close(got[0] if isinstance(got, tuple) else got, model(ids[:2]), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_hundred_different_splits_on_one_model() -> None:
     # torch's own pipeline() keeps stale markers on a reused model (2 stages became 3); pipeviz copies.
     model = MyNetwork(8, [8, 8, 8, 8, 8])

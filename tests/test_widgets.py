@@ -370,6 +370,7 @@ def test_static_fallback_for_nbconvert(explorer: pv.Explorer) -> None:
     assert {"graph"} <= set(figs) and all(hasattr(f, "to_html") for f in figs.values())
 
 
+@pytest.mark.slow
 def test_views_load_only_on_use() -> None:
     code = ("import sys, pipeviz, pipeviz.widgets, pipeviz.training; "
             "print([m for m in ('ipywidgets', 'plotly', 'anywidget') if m in sys.modules]); "
