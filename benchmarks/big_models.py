@@ -176,6 +176,9 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=8)
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # save_pretrained's shard bars would break the tables
     torch.manual_seed(0)
     if args.part in ("trace", "all"):
         part_trace(args.layers)
