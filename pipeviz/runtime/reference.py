@@ -11,7 +11,7 @@ Example:
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -45,20 +45,12 @@ def train_reference(
 
     ``batches``: one ``(args, kwargs, target)`` per step (a ``data=`` run's), instead of ``inputs``,
     ``input_kwargs`` and ``target`` every step."""
-    from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
-
-    from pipeviz.capture import apply_fixups
-
-    model = copy.deepcopy(model).to(device)
-    apply_fixups(model, fixups or {})
+    model = _copy(model, fixups, device)
     opt = (optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.1)))(list(model.parameters()))
     if batches is None:
         batches = [(tuple(inputs), dict(input_kwargs or {}), target)] * steps
     losses = []
-    for args, kwargs, tgt in batches:
-        args, kwargs, tgt = pytree.tree_map(
-            lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, (args, kwargs, tgt))
-        arg_mbs, kw_mbs = split_args_kwargs_into_chunks(args, kwargs, microbatches)
+    for arg_mbs, kw_mbs, tgt in _microbatched(batches, microbatches, device):
         step = []
         for a, k, t in zip(arg_mbs, kw_mbs, torch.tensor_split(tgt, microbatches), strict=True):
             loss = loss_fn(model_output(model(*a, **k)), t)
@@ -84,22 +76,35 @@ def forward_reference(
     tensor leaves for the whole batch (microbatches run one by one, joined along the batch dim, which is what
     a module in training mode such as BatchNorm needs to match); returns (leaves per step, final state_dict on
     the CPU: running statistics move in a forward too)."""
-    from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
-
-    from pipeviz.capture import apply_fixups
-
-    model = copy.deepcopy(model).to(device)
-    apply_fixups(model, fixups or {})
+    model = _copy(model, fixups, device)
     if batches is None:
         batches = [(tuple(inputs), dict(input_kwargs or {}), None)] * steps
     outputs = []
     with torch.no_grad():
-        for args, kwargs, _ in batches:
-            args, kwargs = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t,
-                                           (args, kwargs))
-            arg_mbs, kw_mbs = split_args_kwargs_into_chunks(args, kwargs, microbatches)
+        for arg_mbs, kw_mbs, _ in _microbatched(batches, microbatches, device):
             chunks = [[t for t in pytree.tree_leaves(model(*a, **k)) if isinstance(t, torch.Tensor)]
                       for a, k in zip(arg_mbs, kw_mbs, strict=True)]
             outputs.append([torch.cat(parts).cpu() if parts[0].dim() else parts[-1].cpu()
                             for parts in zip(*chunks, strict=True)])
     return outputs, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def _copy(model: torch.nn.Module, fixups: dict[str, Any] | None, device: str | torch.device) -> torch.nn.Module:
+    """A deep copy on ``device`` with the fixes the trace applied to its own copy (as the stages have them)."""
+    from pipeviz.capture import apply_fixups
+
+    model = copy.deepcopy(model).to(device)
+    apply_fixups(model, fixups or {})
+    return model
+
+
+def _microbatched(batches: list[tuple[tuple[Any, ...], dict[str, Any], Any]], microbatches: int,
+                  device: str | torch.device) -> Iterator[tuple[list[Any], list[Any], Any]]:
+    """Each step's (args chunks, kwargs chunks, target) on ``device``, split as torch's schedules split them."""
+    from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+    for args, kwargs, tgt in batches:
+        args, kwargs, tgt = pytree.tree_map(
+            lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, (args, kwargs, tgt))
+        arg_mbs, kw_mbs = split_args_kwargs_into_chunks(args, kwargs, microbatches)
+        yield arg_mbs, kw_mbs, tgt
