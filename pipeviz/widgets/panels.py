@@ -111,9 +111,11 @@ def short(name: str, limit: int = 40) -> str:
 
 
 def _names_cell(layers: tuple[str, ...]) -> str:
-    shown = ", ".join(layers) if len(layers) <= 4 else f"{layers[0]} … {layers[-1]} ({len(layers)})"
-    return (f"<span title='{html.escape(', '.join(layers))}' style='overflow-wrap:anywhere'>"
-            f"{html.escape(shown)}</span>")
+    words = [f"{n}," for n in layers[:-1]] + [layers[-1]] if len(layers) <= 4 else \
+        [layers[0], "…", layers[-1], f"({len(layers)})"]
+    # Each name keeps its comma: a narrow column breaks between names (or inside a long one), never before a comma.
+    shown = " ".join(f"<span style='overflow-wrap:anywhere'>{html.escape(w)}</span>" for w in words)
+    return f"<span title='{html.escape(', '.join(layers))}'>{shown}</span>"
 
 
 def verdict_html(plan: SplitPlan) -> str:
