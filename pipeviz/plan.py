@@ -427,6 +427,9 @@ class SplitPlan:
         with TRACE_LOCK, warnings.catch_warnings(), mode:
             # torch 2.13's own pytree deprecation notice, raised inside pipeline(): nothing a user can act on.
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            # A fake model: torch's split deep-copies constant tensors (GPT-2's), and Tensor.__deepcopy__ asks a
+            # FakeTensor for its data pointer, which warns; the copies are fake, and defake() replaces them.
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor", category=UserWarning)
             pipe = pipeline(model, mb_args=mb_args, mb_kwargs=mb_kwargs or None, split_spec=spec or None)
         if meta:
             defake(pipe.split_gm)
