@@ -31,6 +31,19 @@ def test_demo_writes_a_self_contained_report(tmp_path: Path) -> None:
     assert html.count('class="plotly-graph-div"') == 3
 
 
+@pytest.mark.parametrize("model", ["llama", pytest.param("moe", marks=pytest.mark.compat)])
+def test_demo_trains_the_seed_families(model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    from pipeviz.cli import main
+
+    out = tmp_path / "r.html"
+    assert main(["demo", "--model", model, "--stages", "2", "--steps", "2", "--output", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert {"llama": "LLaMA", "moe": "Mixture of experts"}[model] in text
+    assert "numerics: the run matches the unsplit model" in text and "DualPipeV" in text
+    assert out.read_text().count('class="plotly-graph-div"') == 3
+
+
 def test_demo_bad_option_is_a_clear_error(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "pipeviz.cli", "demo", "--model", "classic", "--schedule", "gpipee",
