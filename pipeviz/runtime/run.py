@@ -260,7 +260,9 @@ class Run:
     def _monitor(self, build: Callable[[], list[bytes]]) -> None:
         try:
             self._set_phase("building the stages (torch's Pipe, traced once)")
-            ctx = context()
+            # Ranks that build their own stage (weights=, a meta model) unpickle its modules: the server imports
+            # their HF code once. Other runs' ranks get generated code only, so their first launch skips it.
+            ctx = context(self.plan.graph.model if self.spec.sources is not None else None)
             payloads = build()
             if self._stop.is_set():
                 return self._finish("stopped")

@@ -120,7 +120,7 @@ class Explorer(W.VBox):
         self.observe(self._on_expanded, "expanded")
         self.observe(self._on_plan_json, "plan_json")
         self._set_plan(splits if splits is not None else self._plan, record=False)
-        _warm_up_launches()
+        _warm_up_launches(graph.model)
 
     # ----------------------------------------------------------------- UI
     def _build_ui(self, schedule: str, microbatches: int, steps: int, mode: str) -> None:
@@ -590,12 +590,14 @@ def _load() -> float:
         return 0.0
 
 
-def _warm_up_launches() -> None:
+def _warm_up_launches(model: torch.nn.Module) -> None:
     """Start the rank processes' fork server in the background (it imports torch once, for seconds), so the
     first Launch does not wait for it."""
     from pipeviz.runtime.procs import context
+    from pipeviz.weights import is_meta
 
-    threading.Thread(target=lambda: _quietly(context), daemon=True, name="pipeviz-warm-up").start()
+    preload = model if is_meta(model) else None  # a meta model's ranks build their stages from its modules
+    threading.Thread(target=lambda: _quietly(lambda: context(preload)), daemon=True, name="pipeviz-warm-up").start()
 
 
 def _quietly(fn: Callable[[], Any]) -> None:
