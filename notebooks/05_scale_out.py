@@ -24,6 +24,7 @@ import warnings
 warnings.filterwarnings("ignore", category=FutureWarning)  # torch.export internals; not about your code
 
 # %%
+import shutil
 import socket
 import subprocess
 import sys
@@ -89,6 +90,7 @@ assert run.wait(180) == "done", run.error
 gap = max(abs(a - b) for a, b in zip(watch.losses, run.losses, strict=True))
 print(f"largest loss difference, torchrun vs pv.launch: {gap:.1e}")
 assert gap < 1e-6
+shutil.rmtree(workdir)  # the exports were for this demo; a kernel's shutdown would leave them
 
 # %% [markdown]
 # On real hosts: copy `train_pp.py` and `train_pp.payload.pkl` to each (pipeviz installed), then on host *i* of

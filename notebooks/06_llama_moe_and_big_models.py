@@ -23,6 +23,7 @@ import warnings
 warnings.filterwarnings("ignore", category=FutureWarning)  # torch.export internals; not about your code
 
 # %%
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -114,3 +115,4 @@ resumed = pv.launch(meta_plan, "1F1B", 4, 2, inputs=(ids,), target=target, loss_
 resumed.wait()
 print("first run:", [round(x, 4) for x in run.losses], " resumed:", [round(x, 4) for x in resumed.losses])
 print(pv.check_numerics(resumed))
+shutil.rmtree(ckpt)  # a kernel's shutdown skips exit handlers: temporary folders go explicitly

@@ -205,3 +205,11 @@ def test_no_orphans_when_the_parent_dies(tmp_path: object) -> None:
     while any(alive(p) for p in pids) and time.time() < end:
         time.sleep(0.1)
     assert not any(alive(p) for p in pids)
+    # Its temporary files (payloads, rank logs, the state folder) stay behind; the next launch sweeps them.
+    from pipeviz.runtime.procs import sweep_stale
+
+    theirs = [n for n in os.listdir(tempfile.gettempdir()) if n.startswith("pipeviz-") and f"-{proc.pid}-" in n]
+    assert any(n.startswith("pipeviz-state-") for n in theirs), theirs
+    removed = {os.path.basename(p) for p in sweep_stale()}
+    assert set(theirs) <= removed
+    assert not any(f"-{proc.pid}-" in n for n in os.listdir(tempfile.gettempdir()))

@@ -36,6 +36,7 @@ import warnings
 warnings.filterwarnings("ignore", category=FutureWarning)  # torch.export internals; not about your code
 
 # %%
+import shutil
 import socket
 import subprocess
 import sys
@@ -119,6 +120,7 @@ ref_losses, _ = pv.train_reference(model, (x,), y, F.cross_entropy, None, microb
 gap = max(abs(a - b) for a, b in zip(watch.losses, ref_losses, strict=True))
 print(f"largest loss difference against the unsplit model: {gap:.1e}")
 assert gap < 1e-5
+shutil.rmtree(workdir)  # the exports were for this lesson; a kernel's shutdown would leave them
 
 # %% [markdown]
 # ## Exercise

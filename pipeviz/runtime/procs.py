@@ -5,12 +5,16 @@ and the rendezvous they meet at.
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 from typing import Any
 
-__all__ = ["context", "free_port", "rendezvous", "start_without_main"]
+__all__ = ["context", "free_port", "preload_modules", "rendezvous", "start_without_main", "sweep_stale", "temp_prefix"]
 
 
 def free_port() -> int:
@@ -68,6 +72,53 @@ def preload_modules(model: Any) -> list[str]:
         return []
     names = sorted({type(m).__module__ for m in model.modules()})
     return [n for n in names if n.split(".")[0] == "transformers" and n in sys.modules]
+
+
+TEMP_NAME = re.compile(r"^pipeviz-(?:state|rank\d+)-(\d+)-")  # what temp_prefix() names: kind, owner pid
+
+
+def temp_prefix(kind: str) -> str:
+    """The prefix of a launch's temporary file or folder (``state``, ``rank0``, ...), with the launching
+    process's pid, so that ``sweep_stale`` can tell when its owner is gone."""
+    return f"pipeviz-{kind}-{os.getpid()}-"
+
+
+def sweep_stale(folder: str | None = None) -> list[str]:
+    """Remove the temporary files and folders of launching processes that are gone; returns what it removed.
+
+    A run removes its own when it ends and, for what it keeps (its trained tensors), when it is collected or its
+    process exits. A process that never reaches its exit handlers leaves them: a Jupyter kernel that is shut
+    down or restarted, a killed script. Each launch sweeps up after such processes."""
+    folder = folder or tempfile.gettempdir()
+    removed: list[str] = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        m = TEMP_NAME.match(name)
+        if m is None or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+            removed.append(path)
+        except OSError:  # another user's, or another sweep was first
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists, but is not ours to signal
+        return True
+    return True
 
 
 def start_without_main(proc: Any) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from pipeviz.plan import SplitPlan
-from pipeviz.runtime.procs import context, rendezvous, start_without_main
+from pipeviz.runtime.procs import context, rendezvous, start_without_main, sweep_stale, temp_prefix
 from pipeviz.runtime.spec import (
     LaunchError,
     LaunchSpec,
@@ -88,7 +88,8 @@ class Run:
         self._state: dict[str, torch.Tensor] = {}
         self.weights: str | os.PathLike[str] | None = None  # the launch's weights=
         self._state_files: list[str] = []  # each rank's trained tensors (read lazily, memory-mapped)
-        self._state_dir = tempfile.mkdtemp(prefix="pipeviz-state-")
+        sweep_stale()  # what gone processes (a shut-down kernel) left
+        self._state_dir = tempfile.mkdtemp(prefix=temp_prefix("state"))
         weakref.finalize(self, shutil.rmtree, self._state_dir, True)
         self._step_ends: dict[int, float] = {}
         self._files: list[str] = []
@@ -276,7 +277,7 @@ class Run:
             # while the child imports torch, so the children would start one after another.
             for rank, data in enumerate(payloads):
                 path = self._write_payload(rank, data)
-                fd, log = tempfile.mkstemp(prefix=f"pipeviz-rank{rank}-", suffix=".log")
+                fd, log = tempfile.mkstemp(prefix=temp_prefix(f"rank{rank}"), suffix=".log")
                 os.close(fd)
                 self._files.append(log)
                 proc = ctx.Process(target=worker.main, args=(path, q, log, feeds[rank]), daemon=True)
@@ -351,7 +352,7 @@ class Run:
         return False
 
     def _write_payload(self, rank: int, data: bytes) -> str:
-        fd, path = tempfile.mkstemp(prefix=f"pipeviz-rank{rank}-", suffix=".pkl")
+        fd, path = tempfile.mkstemp(prefix=temp_prefix(f"rank{rank}"), suffix=".pkl")
         self._files.append(path)
         try:
             with os.fdopen(fd, "wb") as f:
