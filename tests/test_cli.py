@@ -31,7 +31,8 @@ def test_demo_writes_a_self_contained_report(tmp_path: Path) -> None:
     assert html.count('class="plotly-graph-div"') == 3
 
 
-@pytest.mark.parametrize("model", ["llama", pytest.param("moe", marks=pytest.mark.compat)])
+@pytest.mark.compat  # make compat: the families train in make test already (tests/test_families.py)
+@pytest.mark.parametrize("model", ["llama", "moe"])
 def test_demo_trains_the_seed_families(model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("transformers")
     from pipeviz.cli import main
