@@ -192,14 +192,17 @@ class _Expert(nn.Module):
 
 class RoutedMoE(nn.Module):
     """A mixture-of-experts layer, the seed's example: a learned router picks the top-k experts per token;
-    each expert runs only on the tokens routed to it (data-dependent shapes, which torch.export captures)."""
+    each expert runs only on the tokens routed to it (data-dependent shapes, which torch.export captures).
 
-    def __init__(self, d: int = 64, experts: int = 4, k: int = 2) -> None:
+    ``skip_empty=True`` skips the experts no token was routed to: a branch on values, which torch.export
+    cannot capture (``pv.trace`` says so); such a model goes through ``pv.manual_plan``."""
+
+    def __init__(self, d: int = 64, experts: int = 4, k: int = 2, skip_empty: bool = False) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(d)
         self.router = nn.Linear(d, experts, bias=False)
         self.experts = nn.ModuleList(_Expert(d, 2 * d) for _ in range(experts))
-        self.k = k
+        self.k, self.skip_empty = k, skip_empty
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -209,6 +212,8 @@ class RoutedMoE(nn.Module):
         out = torch.zeros_like(h)
         for e, expert in enumerate(self.experts):
             tokens, slot = torch.where(idx == e)
+            if self.skip_empty and tokens.numel() == 0:
+                continue
             out = out.index_add(0, tokens, expert(h[tokens]) * weights[tokens, slot].unsqueeze(-1))
         return x + out.reshape(b, t, d)
 
@@ -216,10 +221,11 @@ class RoutedMoE(nn.Module):
 class MoENet(nn.Module):
     """Token embedding, ``layers`` mixture-of-experts blocks, a vocabulary head."""
 
-    def __init__(self, vocab: int = 512, d: int = 64, layers: int = 6, experts: int = 4) -> None:
+    def __init__(self, vocab: int = 512, d: int = 64, layers: int = 6, experts: int = 4,
+                 skip_empty: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(RoutedMoE(d, experts) for _ in range(layers))
+        self.blocks = nn.ModuleList(RoutedMoE(d, experts, skip_empty=skip_empty) for _ in range(layers))
         self.head = nn.Linear(d, vocab)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

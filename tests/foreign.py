@@ -232,40 +232,9 @@ def case(name: str) -> Case:
 CASES = ("mlp_chain", "seq_blocks", "reused", "batchnorm", "kwargs", "two_outputs", "aliased", "resnet", "moe")
 
 
-class RoutedMoE(nn.Module):
-    """The seed's mixture of experts: a learned router picks the top-k experts per token and each expert runs
-    only on the tokens routed to it (data-dependent shapes: ``torch.where`` then ``index_add``)."""
+def routed_moe_net(skip_empty: bool = False) -> nn.Module:
+    """The seed's mixture of experts with routed dispatch (``pipeviz.zoo.MoENet``), small: vocab 32, 16 wide,
+    4 blocks; ``skip_empty``: with a branch on values torch.export cannot capture."""
+    from pipeviz.zoo import MoENet
 
-    def __init__(self, d: int = 16, experts: int = 4, k: int = 2, skip_empty: bool = False) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.router = nn.Linear(d, experts, bias=False)
-        self.experts = nn.ModuleList(Expert(d, 2 * d) for _ in range(experts))
-        self.k, self.skip_empty = k, skip_empty
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        h = self.norm(x).reshape(-1, d)
-        weights, idx = self.router(h).softmax(-1).topk(self.k, dim=-1)
-        weights = weights / weights.sum(-1, keepdim=True)
-        out = torch.zeros_like(h)
-        for e, expert in enumerate(self.experts):
-            tokens, slot = torch.where(idx == e)
-            if self.skip_empty and tokens.numel() == 0:  # a branch on values: torch.export cannot capture it
-                continue
-            out = out.index_add(0, tokens, expert(h[tokens]) * weights[tokens, slot].unsqueeze(-1))
-        return x + out.reshape(b, t, d)
-
-
-class RoutedMoENet(nn.Module):
-    def __init__(self, vocab: int = 32, d: int = 16, layers: int = 4, skip_empty: bool = False) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(RoutedMoE(d, skip_empty=skip_empty) for _ in range(layers))
-        self.head = nn.Linear(d, vocab)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+    return MoENet(vocab=32, d=16, layers=4, skip_empty=skip_empty)

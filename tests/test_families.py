@@ -16,7 +16,7 @@ import torch
 
 import pipeviz as pv
 from tests.compat import lm_loss, sgd
-from tests.foreign import RoutedMoENet
+from tests.foreign import routed_moe_net
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -73,7 +73,7 @@ def test_mixtral_every_schedule(schedules: tuple[str, ...]) -> None:
 @SCHEDULES
 def test_routed_moe_every_schedule(schedules: tuple[str, ...]) -> None:
     torch.manual_seed(0)
-    model = RoutedMoENet()
+    model = routed_moe_net()
     graph = pv.trace(model, example_args=(torch.randint(0, 32, (8, 6)),))
     assert graph.layer_names == ("embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head")  # MoE blocks whole
     train_under(schedules, model, torch.randint(0, 32, (8, 6)), 32)
@@ -81,7 +81,7 @@ def test_routed_moe_every_schedule(schedules: tuple[str, ...]) -> None:
 
 def test_moe_with_a_value_branch_goes_the_manual_route() -> None:
     torch.manual_seed(0)
-    model, ids = RoutedMoENet(skip_empty=True), torch.randint(0, 32, (8, 6))
+    model, ids = routed_moe_net(skip_empty=True), torch.randint(0, 32, (8, 6))
     with pytest.raises(pv.TraceError, match=r"(?s)data-dependent control flow.*manual_plan") as info:
         pv.trace(model, example_args=(ids,))
     assert "GuardOnDataDependent" in str(info.value)  # torch's own words, first line

@@ -152,10 +152,10 @@ def test_bad_checkpoints_and_uninitialisable_meta_tensors_are_named_before_any_p
 
 def test_the_fork_server_preloads_only_the_models_transformers_modules() -> None:
     from pipeviz.runtime.procs import preload_modules
-    from tests.foreign import RoutedMoENet
+    from tests.foreign import BNNet
 
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4))
     assert preload_modules(llama) == ["transformers.activations", "transformers.models.llama.modeling_llama"]
-    assert preload_modules(RoutedMoENet()) == []  # a user's own module never runs in the server
+    assert preload_modules(BNNet()) == []  # a user's own module (tests.foreign) never runs in the server
     assert preload_modules(None) == []
