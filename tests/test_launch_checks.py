@@ -5,6 +5,7 @@ No process starts in this file: ``pv.launch`` raises before it would.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -134,15 +135,11 @@ def test_trace_errors_keep_torch_logs_off_stderr(capfd: pytest.CaptureFixture[st
 
 
 def _children() -> set[int]:
-    """Live child processes of this process, from /proc (the fork server, if started, stays the same)."""
-    me, kids = os.getpid(), set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == me and fields[0] != "Z":
-                kids.add(int(entry))
+    """Live child processes of this process (the fork server, if started, stays the same)."""
+    psutil = pytest.importorskip("psutil")
+    kids = set()
+    for p in psutil.Process().children():
+        with contextlib.suppress(psutil.NoSuchProcess):  # it ended since the listing
+            if p.status() != psutil.STATUS_ZOMBIE:
+                kids.add(p.pid)
     return kids
