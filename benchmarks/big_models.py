@@ -23,6 +23,7 @@ import warnings
 from typing import Any
 
 import torch
+from preview_latency import click_latencies  # the sibling benchmark (this folder is on sys.path when run)
 
 import pipeviz as pv
 from pipeviz.plan import human_bytes
@@ -58,12 +59,7 @@ def part_trace(layer_counts: list[int]) -> None:
         pv.simulate(plan, "1F1B", 8)
         sim_s = time.perf_counter() - t
         cands = [c for c in graph.split_candidates if c.startswith("model.layers.") and c.count(".") == 2]
-        clicks = []
-        for i in range(40):
-            t = time.perf_counter()
-            plan = plan.toggle(cands[(i * 7) % len(cands)])
-            _ = [(s.layers, s.params, s.flops, s.send_bytes, s.memory_bytes) for s in plan.stages]
-            clicks.append(time.perf_counter() - t)
+        clicks = click_latencies(plan, cands, 40, 7)
         ex_ms = float("nan")
         try:
             ex = pv.Explorer(graph, splits=plan)
