@@ -480,3 +480,27 @@ def schedule_actions(schedule: str, num_ranks: int, num_stages: int, microbatche
                     acts.append(f"{a.stage_index}{kind}{a.microbatch_index}")
         out.append(acts)
     return out
+
+
+@contextlib.contextmanager
+def regions_inlined() -> Iterator[None]:
+    """Inside the block, torch's ``pipeline()`` splits a graph whose grad-mode / autocast regions are inlined and
+    whose non-tensor constants are held in modules (``pipeviz.regions``): torch 2.13–2.15 lose those regions'
+    bodies when they split the exported graph, and refuse a constant that is not a tensor."""
+    from torch.distributed.pipelining._IR import Pipe
+
+    from pipeviz.regions import hold_constants, inline_regions
+
+    original = Pipe.__dict__["_trace_with_export"]
+
+    def trace(mod: nn.Module, example_args: tuple[Any, ...], example_kwargs: dict[str, Any] | None = None) -> Any:
+        ep = original.__func__(mod, example_args, example_kwargs)
+        inline_regions(ep.graph_module)
+        hold_constants(ep.graph_module)
+        return ep
+
+    Pipe._trace_with_export = staticmethod(trace)  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        Pipe._trace_with_export = original  # type: ignore[method-assign]

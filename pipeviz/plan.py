@@ -28,7 +28,7 @@ import torch
 from torch.distributed.pipelining import SplitPoint
 from torch.utils import _pytree as pytree
 
-from pipeviz.adapter import defake, fake_cpu
+from pipeviz.adapter import defake, fake_cpu, regions_inlined
 from pipeviz.capture import TRACE_LOCK
 from pipeviz.costs import stage_info_memory
 
@@ -430,7 +430,8 @@ class SplitPlan:
             # A fake model: torch's split deep-copies constant tensors (GPT-2's), and Tensor.__deepcopy__ asks a
             # FakeTensor for its data pointer, which warns; the copies are fake, and defake() replaces them.
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor", category=UserWarning)
-            pipe = pipeline(model, mb_args=mb_args, mb_kwargs=mb_kwargs or None, split_spec=spec or None)
+            with regions_inlined():  # torch's split loses no_grad / autocast regions' bodies (pipeviz.regions)
+                pipe = pipeline(model, mb_args=mb_args, mb_kwargs=mb_kwargs or None, split_spec=spec or None)
         if meta:
             defake(pipe.split_gm)
         if pipe.num_stages != self.num_stages:  # a disagreement would be a pipeviz bug, never silently accepted
