@@ -188,7 +188,17 @@ def balance(
             f"Cannot balance {len(layers)} layers into {num_stages} non-empty stages. Valid: 1 to {len(layers)}; "
             "or go finer first (graph.expand(name) / pv.trace(..., depth=N))."
         )
-    costs = layer_costs(graph, by)
+    # A split can follow only some layers (never inside a no_grad / autocast block, never before glue alone):
+    # the layers between two such places are one block for the partition.
+    blocks = _blocks(graph)
+    if num_stages > len(blocks):
+        stuck = [b for b in blocks if len(b) > 1]
+        raise PlanError(
+            f"Cannot balance {len(layers)} layers into {num_stages} stages: a split can follow only {len(blocks) - 1} "
+            f"of them ({', '.join('+'.join(layers[i].name for i in b) for b in stuck[:3])} run as one). Valid: 1 to "
+            f"{len(blocks)}; or go finer first (graph.expand(name))."
+        )
+    costs = _summed(layer_costs(graph, by), blocks)
     memory = None
     limit = None
     if memory_limit is not None:
@@ -196,11 +206,12 @@ def balance(
         limit = memory_limit / max(1, stages_per_rank)
         flying = in_flight(schedule or "GPipe", num_stages, microbatches, stages_per_rank if schedule else None)
         memory = [
-            [stage_memory(layer.param_bytes, layer.buffer_bytes, layer.activation_bytes / microbatches * flying[j],
-                          optimizer_states) for layer in layers]
+            _summed([stage_memory(layer.param_bytes, layer.buffer_bytes,
+                                  layer.activation_bytes / microbatches * flying[j], optimizer_states)
+                     for layer in layers], blocks)
             for j in range(num_stages)
         ]
-    candidates = optimal_partitions(costs, num_stages, memory, limit)
+    candidates = [[blocks[e][-1] for e in ends] for ends in optimal_partitions(costs, num_stages, memory, limit)]
     ends = candidates[0] if candidates else None
     if schedule is not None and len(candidates) > 1:
         # Splits tied at the optimum can still differ in the step the schedule gives them (where the bubble
@@ -212,7 +223,7 @@ def balance(
         lo, hi = 0.0, sum(max(row) for row in zip(*memory, strict=True))
         for _ in range(60):
             mid = (lo + hi) / 2
-            if partition([0.0] * len(layers), num_stages, memory, mid) is None:
+            if partition([0.0] * len(blocks), num_stages, memory, mid) is None:
                 lo = mid
             else:
                 hi = mid
@@ -238,6 +249,21 @@ def _fastest(graph: ModelGraph, candidates: list[list[int]], schedule: str, micr
         if step < best_time - 1e-12:
             best, best_time = ends, step
     return best
+
+
+def _blocks(graph: ModelGraph) -> list[list[int]]:
+    """Layer indices grouped so that a split can follow each group but the last."""
+    out: list[list[int]] = [[]]
+    names = graph.layer_names
+    for i, name in enumerate(names):
+        out[-1].append(i)
+        if i < len(names) - 1 and graph.can_split_after(name):
+            out.append([])
+    return out
+
+
+def _summed(values: Sequence[float], blocks: list[list[int]]) -> list[float]:
+    return [sum(values[i] for i in b) for b in blocks]
 
 
 def _groups(graph: ModelGraph, ends: list[int]) -> list[list[str]]:

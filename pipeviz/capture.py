@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipeviz.adapter import fake_cpu
+from pipeviz.regions import REGION_META, inline_regions, leave_region
 
 __all__ = ["TRACE_LOCK", "Capture", "Op", "TraceError", "apply_fixups", "buffer_names", "capture",
            "elementwise_modules"]
@@ -50,6 +51,7 @@ class Op:
     inputs: tuple[int, ...]  # indices of the ops whose outputs this op reads
     model_inputs: tuple[str, ...]  # model input placeholders this op reads
     params: tuple[str, ...]  # canonical names of the parameters/buffers this op reads
+    region: str = ""  # the no_grad / autocast region the op runs in ("" if none): no split falls inside one
 
 
 @dataclass
@@ -240,6 +242,9 @@ def capture(
     with mode:
         ep = _export(traced, trace_args, trace_kwargs)
     gm = ep.module()
+    # no_grad / autocast blocks are higher-order ops with a body graph: inlined, their ops count (FLOPs,
+    # parameters, modules) where they run, and each op knows its region, inside which no split may fall.
+    inline_regions(gm)
     canonical, groups = _alias_groups(model)
     output_index = _logits_index(ep.call_spec.out_spec)
     out_node = next(n for n in ep.graph.nodes if n.op == "output")
@@ -292,9 +297,11 @@ def capture(
             Op(
                 index=len(ops), name=node.name, target=str(node.target), stack=tuple(stack), calls=tuple(calls),
                 flops=flops.get(node.name, 0),
-                out_bytes=(ran_bytes or {}).get(node.name, _tensor_bytes(node.meta.get("val"))),
+                # a region's leave call passes its results on: their bytes are the body's, counted there
+                out_bytes=0 if node.target is leave_region else
+                (ran_bytes or {}).get(node.name, _tensor_bytes(node.meta.get("val"))),
                 inputs=tuple(dict.fromkeys(inputs)), model_inputs=tuple(dict.fromkeys(model_inputs)),
-                params=tuple(dict.fromkeys(params)),
+                params=tuple(dict.fromkeys(params)), region=node.meta.get(REGION_META, ""),
             )
         )
     numel = {g: _lookup(model, g).numel() for g in groups}

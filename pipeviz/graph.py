@@ -317,9 +317,20 @@ class ModelGraph:
         for i in range(last, -1, -1):
             seen = seen or bool(self._tree.paths[i])
             tail_ok[i] = seen
-        names = [u for u in self._tree.units.values() if u.name != ROOT and u.last < last and tail_ok[u.last + 1]]
+        names = [u for u in self._tree.units.values() if u.name != ROOT and u.last < last and tail_ok[u.last + 1]
+                 and not self.region_at(u.last + 0.5)]
         names.sort(key=lambda u: (u.last, -u.first, self._tree.depth(u.name)))
         return [u.name for u in names]
+
+    def region_at(self, position: float) -> str:
+        """The no_grad / autocast region a split at ``position`` (between two ops) would cut through, as
+        ``"torch.no_grad() block in Rotary.forward (rotary)"``; "" when it falls outside every region. A region runs
+        whole in one stage: its grad mode or autocast state cannot cross a stage boundary."""
+        ops = self._cap.ops
+        lo, hi = int(position), int(position) + 1
+        if 0 <= lo and hi < len(ops) and ops[lo].region and ops[lo].region == ops[hi].region:
+            return ops[lo].region.partition(": ")[2]
+        return ""
 
     def refine(self, positions: Sequence[float]) -> ModelGraph:
         """This view, with every layer that a split position falls inside opened up, and stages that would

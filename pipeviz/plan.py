@@ -199,6 +199,13 @@ class SplitPlan:
                     f"Cannot split at the {point.name} of {name!r}: no module runs before it, so stage 0 would be "
                     f"empty. {g.valid_splits_text()}"
                 )
+            region = g.region_at(pos)
+            if region:
+                raise PlanError(
+                    f"Cannot split at the {point.name} of {name!r}: it runs inside a {region}, and a region "
+                    "runs whole in one stage (its grad mode or autocast state cannot cross a stage boundary). Fix: "
+                    f"split before or after the block, or move {name!r} out of it. {g.valid_splits_text()}"
+                )
             if pos in seen:
                 raise PlanError(
                     f"Splits {seen[pos]} and {name!r} at {point.name} fall on the same boundary, which would leave "

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["REGION_OPS", "enter_autocast", "enter_grad", "hold_constants", "inline_regions", "leave_region",
+__all__ = ["REGION_META", "REGION_OPS", "describe_region", "enter_autocast", "enter_grad", "hold_constants", "inline_regions", "leave_region",
            "load_constant", "region_bodies"]
 
 
@@ -113,9 +113,31 @@ def _attr(gm: fx.GraphModule, target: str) -> Any:
     return value
 
 
-def inline_regions(gm: fx.GraphModule) -> int:
+REGION_META = "pipeviz_region"  # node.meta key: the outermost region a node runs in, as ``describe_region`` says
+
+
+def describe_region(node: fx.Node) -> str:
+    """How a region's higher-order op reads in the source: ``torch.no_grad() block in Rotary.forward (rotary)``."""
+    name = _is_region(node)
+    own = _split_args(name, node.args)[0] if name else ()
+    if name == "wrap_with_set_grad_enabled":
+        what = "torch.enable_grad()" if own[0] else "torch.no_grad()"
+    else:
+        device, dtype, enabled = own[0], own[1], own[2]
+        what = f"torch.autocast({device!r}, {str(dtype).replace('torch.', '')})" if enabled \
+            else f"torch.autocast({device!r}, enabled=False)"
+    stack = node.meta.get("nn_module_stack") or {}
+    fqn, cls = list(stack.values())[-1] if stack else ("", "")
+    cls = cls.rsplit(".", 1)[-1] if isinstance(cls, str) else getattr(cls, "__name__", "")
+    where = f"{cls}.forward" + (f" ({fqn})" if fqn else "") if cls else "the model's forward"
+    return f"{what} block in {where}"
+
+
+def inline_regions(gm: fx.GraphModule, _label: str | None = None) -> int:
     """Replace every grad-mode / autocast region of ``gm`` (nested ones too) by its body between
-    ``enter_grad`` / ``enter_autocast`` and ``leave_region`` calls, in place; returns how many were inlined."""
+    ``enter_grad`` / ``enter_autocast`` and ``leave_region`` calls, in place; returns how many were inlined.
+    Every node of a region, its enter and leave calls included, gets ``meta[REGION_META]``: the outermost
+    region's description, numbered (``"2: torch.no_grad() block in Rotary.forward (rotary)"``)."""
     count = 0
     graph = gm.graph
     for node in list(graph.nodes):
@@ -124,7 +146,8 @@ def inline_regions(gm: fx.GraphModule) -> int:
             continue
         own, body_node, inputs = _split_args(name, node.args)
         body = _attr(gm, str(body_node.target))
-        count += inline_regions(body)
+        label = _label or f"{_next_id()}: {describe_region(node)}"
+        count += inline_regions(body, label)
         enter = enter_grad if name == "wrap_with_set_grad_enabled" else enter_autocast
         with graph.inserting_before(node):
             token = graph.call_function(enter, own)
@@ -132,7 +155,14 @@ def inline_regions(gm: fx.GraphModule) -> int:
             results = _copy_body(gm, body, inputs)
             leave = graph.call_function(leave_region, (token, *results))
             leave.meta = dict(node.meta)
+        for n in _between(token, leave):
+            n.meta[REGION_META] = label
         node.replace_all_uses_with(leave)
+        for user in leave.users:
+            # export gives the getitems reading a region's results the module stack of the body's last op (a
+            # module called inside the block); they run after the block, where the region was written.
+            if "nn_module_stack" in leave.meta:
+                user.meta["nn_module_stack"] = dict(leave.meta["nn_module_stack"])
         graph.erase_node(node)
         if not body_node.users:
             graph.erase_node(body_node)
@@ -143,6 +173,22 @@ def inline_regions(gm: fx.GraphModule) -> int:
         graph.lint()
         gm.recompile()
     return count
+
+
+_ids = iter(range(1, 1 << 62))
+
+
+def _next_id() -> int:
+    return next(_ids)
+
+
+def _between(first: fx.Node, last: fx.Node) -> Iterator[fx.Node]:
+    n = first
+    while True:
+        yield n
+        if n is last:
+            return
+        n = n.next
 
 
 def _copy_body(gm: fx.GraphModule, body: fx.GraphModule, inputs: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -42,3 +42,46 @@ class Tied4(nn.Module):
 
 def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.flatten(0, 1), target.flatten())
+
+
+class Rotary(nn.Module):
+    """A table computed under ``@torch.no_grad()`` with autocast off inside, as HF's rotary embeddings before
+    transformers 5.24 are: two nested regions in one layer."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", torch.linspace(0.5, 2.0, d), persistent=False)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return torch.cos(x.float() * self.inv_freq)
+
+
+class Regions(nn.Module):
+    """Every kind of grad-mode and autocast region ``torch.export`` captures as a higher-order op: a ``no_grad``
+    block between layers (frozen statistics), a decorated layer (``Rotary``), a module called inside a
+    ``no_grad`` block (an EMA teacher: not a split point), ``set_grad_enabled(True)``, and a bfloat16
+    ``autocast`` block around a layer."""
+
+    def __init__(self, d: int = 16, classes: int = 4) -> None:
+        super().__init__()
+        self.l0, self.l1, self.l2, self.l3 = (nn.Linear(d, d) for _ in range(4))
+        self.rotary = Rotary(d)
+        self.teacher = nn.Linear(d, d)
+        self.out = nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.l0(x))
+        with torch.no_grad():
+            scale = h.norm(dim=-1, keepdim=True) + 1
+        h = h / scale + self.rotary(h)
+        with torch.no_grad():
+            frozen = self.teacher(h)
+        h = torch.relu(self.l1(h)) + 0.5 * frozen
+        with torch.set_grad_enabled(True):
+            h = h * 1.5
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.l2(h)
+        h = torch.relu(self.l3(h.float()))
+        return self.out(h)

@@ -1,0 +1,113 @@
+"""Forwards with ``torch.no_grad()`` / ``set_grad_enabled`` / ``autocast`` regions (``pipeviz.regions``): traced with
+their ops where they run, never split inside, and trained or run forward exactly like the unsplit model under
+every schedule (three in ``make test``, the other four in ``make compat``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipeviz as pv
+from pipeviz.plan import PlanError
+from pipeviz.regions import REGION_META, inline_regions
+from tests.models import Regions
+
+FAST = ("1F1B", "InterleavedZeroBubble", "DualPipeV")
+REST = ("GPipe", "Interleaved1F1B", "LoopedBFS", "ZBVZeroBubble")
+FORWARD = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+
+
+def _model() -> tuple[Regions, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return Regions(), torch.randn(8, 16), torch.randint(0, 4, (8,))
+
+
+def _hops(gm: torch.fx.GraphModule) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if isinstance(n.target, torch._ops.HigherOrderOperator)]
+
+
+def test_inlined_regions_compute_what_the_model_computes_and_restore_the_grad_mode() -> None:
+    model, x, _ = _model()
+    gm = torch.export.export(model, (x,)).module()
+    assert {"wrap_with_set_grad_enabled", "wrap_with_autocast"} <= {h.rpartition(".")[2] for h in _hops(gm)}
+    assert inline_regions(gm) == 5  # no_grad x3 (one decorated), autocast x2 (one nested); set_grad_enabled(True)
+    assert _hops(gm) == []  # under grad mode is nothing for export to keep
+    labels = {n.meta[REGION_META] for n in gm.graph.nodes if REGION_META in n.meta}
+    assert any("torch.autocast('cpu', bfloat16) block in Regions.forward" in s for s in labels), labels
+    assert any("torch.no_grad() block in Rotary.forward (rotary)" in s for s in labels), labels
+    want = model(x)
+    torch.testing.assert_close(gm(x), want, rtol=0, atol=0)
+    with torch.no_grad():
+        gm(x)
+        assert not torch.is_grad_enabled()
+    assert torch.is_grad_enabled()
+    assert not torch.is_autocast_enabled("cpu")
+    # No gradient flows through a no_grad region: the teacher gets none.
+    gm(x).sum().backward()
+    assert dict(gm.named_parameters())["teacher.weight"].grad is None
+    assert dict(gm.named_parameters())["l1.weight"].grad is not None
+
+
+def test_trace_counts_region_ops_where_they_run_and_offers_no_split_inside_one() -> None:
+    model, x, _ = _model()
+    graph = pv.trace(model, example_args=(x,))
+    layers = {layer.name: layer for layer in graph.layers}
+    assert layers["teacher"].params == 16 * 16 + 16 and layers["teacher"].flops > 0  # ops inside no_grad
+    assert layers["l2"].params == 16 * 16 + 16 and layers["l2"].flops > 0  # ops inside autocast
+    assert graph.split_candidates == ["l0", "rotary", "l1", "l3"]
+    assert not graph.can_split_after("teacher") and not graph.can_split_after("l2")
+    with pytest.raises(PlanError, match=r"END of 'teacher': it runs inside a torch.no_grad\(\) block in "
+                                        r"Regions.forward.*Fix: split before or after the block"):
+        graph.split(["teacher"])
+    with pytest.raises(PlanError, match=r"BEGINNING of 'l2': it runs inside a torch.autocast\('cpu', bfloat16\)"):
+        graph.split({"l2": pv.SplitPoint.BEGINNING})
+    # Balance places splits only where they can be: teacher+l1 and l2+l3 stay together.
+    assert [s.layers for s in pv.balance(graph, 5).stages] == [
+        ("l0",), ("rotary",), ("teacher", "l1"), ("l2", "l3"), ("out",)]
+    with pytest.raises(PlanError, match="a split can follow only 4 of them .*Valid: 1 to 5"):
+        pv.balance(graph, 6)
+
+
+def test_the_pipe_of_a_model_with_regions_computes_the_model_exactly() -> None:
+    # torch's own pipeline() loses the regions' bodies ("references nonexistent attribute"); pipeviz inlines
+    # them first. Exact equality: the autocast stage really runs in bfloat16, the rotary table in float32.
+    model, x, _ = _model()
+    plan = pv.trace(model, example_args=(x,)).split(["l0", "rotary", "l1"])
+    pipe = plan.pipe(microbatches=1)
+    assert pipe.num_stages == 4
+    out = pipe(x)  # the stages in sequence, through torch's split graph
+    torch.testing.assert_close(out[0] if isinstance(out, tuple) else out, model(x), rtol=0, atol=0)
+
+
+def _train(schedules: tuple[str, ...]) -> None:
+    model, x, y = _model()
+    graph = pv.trace(model, example_args=(x,))
+    for schedule in schedules:
+        one_per_rank = schedule in ("GPipe", "1F1B")
+        plan = graph.split(["rotary"] if one_per_rank else ["l0", "rotary", "l1"])
+        run = pv.launch(plan, schedule, 4, 2, inputs=(x,), target=y, loss_fn=pv.cross_entropy,
+                        optimizer=pv.sgd(lr=0.1))
+        assert run.wait(120) == "done", f"{schedule}: {run.error}"
+        check = pv.check_numerics(run)
+        assert check.ok, f"{schedule}: {check}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedules", [FAST, pytest.param(REST, marks=pytest.mark.compat)],
+                         ids=["3-schedules", "other-4"])
+def test_a_model_with_regions_trains_like_the_unsplit_model(schedules: tuple[str, ...]) -> None:
+    _train(schedules)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedules", [FORWARD[:1], pytest.param(FORWARD[1:], marks=pytest.mark.compat)],
+                         ids=["gpipe", "other-4"])
+def test_a_model_with_regions_runs_forward_only_like_the_unsplit_model(schedules: tuple[str, ...]) -> None:
+    model, x, _ = _model()
+    graph = pv.trace(model, example_args=(x,))
+    for schedule in schedules:
+        plan = graph.split(["rotary"] if schedule in ("GPipe", "1F1B") else ["l0", "rotary", "l1"])
+        run = pv.launch(plan, schedule, 4, 1, inputs=(x,))
+        assert run.wait(120) == "done", f"{schedule}: {run.error}"
+        torch.testing.assert_close(run.outputs[0], model(x).detach(), rtol=0, atol=1e-5)
+        assert pv.check_numerics(run).ok
