@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["REGION_META", "REGION_OPS", "describe_region", "enter_autocast", "enter_grad", "hold_constants", "inline_regions", "leave_region",
-           "load_constant", "region_bodies"]
+__all__ = ["REGION_META", "REGION_OPS", "describe_region", "enter_autocast", "enter_grad", "hold_constants",
+           "inline_regions", "leave_region", "load_constant", "region_bodies"]
 
 
 def _hop(name: str) -> Any:

@@ -64,7 +64,7 @@ def test_trace_counts_region_ops_where_they_run_and_offers_no_split_inside_one()
     # Balance places splits only where they can be: teacher+l1 and l2+l3 stay together.
     assert [s.layers for s in pv.balance(graph, 5).stages] == [
         ("l0",), ("rotary",), ("teacher", "l1"), ("l2", "l3"), ("out",)]
-    with pytest.raises(PlanError, match="a split can follow only 4 of them .*Valid: 1 to 5"):
+    with pytest.raises(PlanError, match=r"a split can follow only 4 of them .*Valid: 1 to 5"):
         pv.balance(graph, 6)
 
 
