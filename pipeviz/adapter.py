@@ -499,7 +499,7 @@ def regions_inlined() -> Iterator[None]:
         hold_constants(ep.graph_module)
         return ep
 
-    Pipe._trace_with_export = staticmethod(trace)  # type: ignore[method-assign, assignment]
+    Pipe._trace_with_export = staticmethod(trace)  # type: ignore[method-assign]
     try:
         yield
     finally:
