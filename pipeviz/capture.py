@@ -76,6 +76,7 @@ class Capture:
     output_index: int | None = None  # which output leaf is ``logits`` for HF ModelOutputs (what a loss sees)
     outputs: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)  # output leaves' shapes
     out_spec: Any = None  # the output's pytree structure (an HF ModelOutput, a tuple, a tensor)
+    unsupported: list[str] = field(default_factory=list)  # ops torch's pipeline() cannot split: why, where, fix
 
     def fresh_copy(self) -> nn.Module:
         """A deep copy of the user's model with the capture's fixups applied; the original is untouched."""
@@ -145,10 +146,34 @@ def quiet_torch_logs() -> Any:
         logging.disable(previous)
 
 
-def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.export.ExportedProgram:
+@contextlib.contextmanager
+def _inference_mode_seen(seen: list[str]) -> Any:
+    """Inside the block, every ``torch.inference_mode()`` a forward enters is recorded (where it is written):
+    ``torch.export`` drops that region silently, and the graph would then compute with autograd where the
+    model does not (the pipelined run would train differently)."""
+    import traceback
+
+    cls = torch.autograd.grad_mode.inference_mode
+    original = cls.__enter__
+
+    def enter(self: Any) -> None:
+        if getattr(self, "mode", True):
+            frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
+            seen.append(f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "the forward")
+        return original(self)
+
+    cls.__enter__ = enter  # type: ignore[method-assign]
     try:
-        with TRACE_LOCK, quiet_torch_logs():
-            return torch.export.export(model, args, kwargs)
+        yield
+    finally:
+        cls.__enter__ = original  # type: ignore[method-assign]
+
+
+def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.export.ExportedProgram:
+    seen: list[str] = []
+    try:
+        with TRACE_LOCK, quiet_torch_logs(), _inference_mode_seen(seen):
+            ep = torch.export.export(model, args, kwargs)
     except Exception as exc:  # torch raises many types here; all mean "cannot capture"
         text = f"{type(exc).__name__}: {exc}".strip()
         first = text.splitlines()[0][:300]
@@ -168,6 +193,15 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
                 raise unfit from exc
             hint = "torch.export cannot capture this forward as one graph."
         raise TraceError(f"Cannot trace {type(model).__name__}: {hint}\n  torch said: {first}\n{manual}") from exc
+    if seen:
+        raise TraceError(
+            f"Cannot trace {type(model).__name__}: its forward enters torch.inference_mode() (at {seen[0]}), which "
+            "torch.export drops without a word: the captured graph would compute with autograd where the model "
+            "does not, and a pipelined run would train differently.\nFix: use torch.no_grad() there (pipeviz "
+            "splits and runs no_grad and autocast blocks exactly), or the manual route, which needs no trace: "
+            "pv.manual_plan(model, [[...stage 0 module names...], [...stage 1...]], example_args=...)."
+        )
+    return ep
 
 
 def _inputs_do_not_fit(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TraceError | None:
@@ -304,6 +338,9 @@ def capture(
                 params=tuple(dict.fromkeys(params)), region=node.meta.get(REGION_META, ""),
             )
         )
+    unsupported = _unsupported_ops(gm)
+    if unsupported:
+        notes.append(unsupported[0])
     numel = {g: _lookup(model, g).numel() for g in groups}
     nbytes = {g: _lookup(model, g).numel() * _lookup(model, g).element_size() for g in groups}
     return Capture(
@@ -312,7 +349,32 @@ def capture(
         batch_size=_batch_size(example_args, kwargs), fixups=fixups, notes=notes, output_index=output_index,
         outputs=outputs, out_spec=ep.call_spec.out_spec,
         buffers=buffer_names(model), mutated=mutated, elementwise=elementwise_modules(model),
+        unsupported=unsupported,
     )
+
+
+def _unsupported_ops(gm: torch.fx.GraphModule) -> list[str]:
+    """What torch's ``pipeline()`` cannot split, one sentence each: a higher-order op left after the regions are
+    inlined that carries a subgraph (``torch.cond``, ``while_loop``, ``map``): torch loses subgraphs when it
+    builds the stages ("Unable to find nn_module_stack"), whatever the split."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+            continue
+        subgraphs = [a for a in node.all_input_nodes if a.op == "get_attr"
+                     and isinstance(getattr(gm, str(a.target), None), torch.fx.GraphModule)]
+        if not subgraphs:
+            continue  # flat_apply and the like carry no graph: they run on the ranks
+        stack = node.meta.get("nn_module_stack") or {}
+        where = f"in module {list(stack.values())[-1][0]!r}" if stack and list(stack.values())[-1][0] \
+            else "in the model's forward"
+        out.append(
+            f"torch.{node.target.name()} ({where}, op {node.name!r}) cannot be pipelined: torch's pipeline() loses "
+            "the subgraphs it carries when it builds the stages, whatever the split. Fix: compute both branches "
+            "and pick with torch.where, or use the manual route: pv.manual_plan(model, [[...stage 0 module "
+            "names...], [...]], example_args=...)."
+        )
+    return out
 
 
 def _is_meta(model: nn.Module) -> bool:

@@ -409,7 +409,8 @@ class SplitPlan:
             ``torch.distributed.pipelining.Pipe`` with ``num_stages == plan.num_stages``.
 
         Raises:
-            PlanError: ``microbatches`` does not divide the example batch, or a manual plan.
+            PlanError: ``microbatches`` does not divide the example batch, a manual plan, or a model holding an op
+                torch cannot split (``torch.cond``: ``graph.notes`` says so at trace time).
         """
         from torch.distributed.pipelining import pipeline
 
@@ -420,6 +421,8 @@ class SplitPlan:
                 "This plan comes from pv.manual_plan: there is no traced graph to build a Pipe from. "
                 "Fix: use plan.stage_modules() (one nn.Module per stage) with torch's PipelineStage."
             )
+        if self.graph.capture.unsupported:
+            raise PlanError(self.graph.capture.unsupported[0])
         mb_args, mb_kwargs = self.microbatch_inputs(microbatches)
         model = self.graph.capture.fresh_copy()
         spec, per_call = self._torch_splits()

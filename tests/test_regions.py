@@ -111,3 +111,46 @@ def test_a_model_with_regions_runs_forward_only_like_the_unsplit_model(schedules
         assert run.wait(120) == "done", f"{schedule}: {run.error}"
         torch.testing.assert_close(run.outputs[0], model(x).detach(), rtol=0, atol=1e-5)
         assert pv.check_numerics(run).ok
+
+
+class _InferenceMode(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        with torch.inference_mode():
+            z = h * 2
+        return self.b(h) + z.clone()
+
+
+class _Cond(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h = torch.cond(h.sum() > 0, lambda t: t * 2, lambda t: t - 1, (h,))
+        return self.b(h)
+
+
+def test_what_export_cannot_capture_is_said_at_trace() -> None:
+    # torch.export drops an inference_mode block silently (the graph would train through it): refused, with the
+    # line it is written on and the routes that work.
+    with pytest.raises(pv.TraceError, match=r"(?s)enters torch.inference_mode\(\) \(at .*test_regions.py:\d+\).*"
+                                            r"Fix: use torch.no_grad\(\) there.*pv.manual_plan"):
+        pv.trace(_InferenceMode(), example_args=(torch.randn(4, 8),))
+
+
+def test_an_op_torch_cannot_split_is_named_before_any_stage_is_built() -> None:
+    x = torch.randn(4, 8)
+    graph = pv.trace(_Cond(), example_args=(x,))
+    assert any("torch.cond" in note for note in graph.notes)
+    plan = graph.split(["a"])  # the preview still works: the plan is data
+    with pytest.raises(PlanError, match=r"torch.cond \(in the model's forward, op 'cond'\) cannot be pipelined.*"
+                                        r"Fix: compute both branches and pick with torch.where"):
+        plan.pipe(2)
+    with pytest.raises(pv.LaunchError, match=r"torch.cond .* cannot be pipelined"):
+        pv.launch(plan, "1F1B", 2, 1, inputs=(x,))

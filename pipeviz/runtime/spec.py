@@ -66,6 +66,8 @@ def validate_launch(
     if not isinstance(plan, SplitPlan):
         raise LaunchError(f"launch() needs a SplitPlan (graph.split(...)), got {type(plan).__name__}.")
     name = sched.canonical(schedule)
+    if plan.graph.capture.unsupported:
+        raise LaunchError(plan.graph.capture.unsupported[0])
     if plan.num_stages < 2:
         raise LaunchError("The plan has 1 stage; a pipeline needs at least 2. Fix: plan.toggle(<layer>) to split.")
     lay = sched.layout(name, plan.num_stages, stages_per_rank)
