@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import queue
 import statistics
 import time
 import warnings
@@ -62,7 +63,12 @@ def _plain_worker(rank: int, world: int, port: int, schedule: str, mb: int, step
     if fixes:
         from pipeviz.adapter import flatten_stage
 
-        stage.submod = flatten_stage(stage.submod, {})
+        # Run the stage's forward as the flat generated code, but keep the module torch built: torch's stage
+        # reads its shapes from that graph's node metadata (placeholders' and outputs' ``meta["val"]``), which
+        # a swapped-in flat graph lacks (``KeyError: 'val'`` in ``_create_act_recv_info``). Same parameters.
+        flat = flatten_stage(stage.submod, {})
+        assert {id(p) for p in flat.parameters()} == {id(p) for p in stage.submod.parameters()}
+        stage.submod.forward = flat.forward
     sched = get_schedule_class(schedule)(stage, n_microbatches=mb, loss_fn=F.cross_entropy)
     opt = torch.optim.SGD(stage.submod.parameters(), lr=0.01)
     ends = []
@@ -89,7 +95,20 @@ def plain(schedule: str, mb: int, steps: int, fixes: bool = False) -> list[float
     procs = [ctx.Process(target=_plain_worker, args=(r, 2, port, schedule, mb, steps, q, fixes)) for r in range(2)]
     for p in procs:
         p.start()
-    ends = dict(q.get(timeout=300) for _ in procs)
+    ends: dict[int, list[float]] = {}
+    deadline = time.monotonic() + 300
+    while len(ends) < len(procs):  # a rank that dies fails the benchmark now, not after the timeout
+        try:
+            rank, rank_ends = q.get(timeout=1)
+            ends[rank] = rank_ends
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                    p.join(10)
+                raise RuntimeError(f"plain torch loop failed (exit codes {[p.exitcode for p in procs]}); "
+                                   "see the ranks' tracebacks above") from None
     for p in procs:
         p.join(30)
     step_end = [max(ends[0][i], ends[1][i]) for i in range(steps)]

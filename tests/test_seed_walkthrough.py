@@ -1,0 +1,111 @@
+"""The seed's walkthrough as the seed writes it: the classic PiPPy tutorial, plain torch, under torchrun.
+
+``MyNetwork`` split at the END of ``layer0`` and ``layer1`` by torch's own ``pipeline()``, three gloo ranks on
+the CPU, each building its stage with ``pipe.build_stage`` and running ``ScheduleGPipe`` forward only. Its
+output must equal the unsplit model's and a forward-only ``pv.launch`` of the same split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+import pipeviz as pv
+from pipeviz.runtime.procs import free_port
+from pipeviz.zoo import MyNetwork
+
+pytestmark = pytest.mark.slow
+
+IN_DIM, LAYER_DIMS, BATCH, CHUNKS = 512, [512, 1024, 256], 32, 4
+
+# The tutorial's script, unchanged in substance: only the weights and the input come from the test's files.
+SCRIPT = textwrap.dedent(f"""\
+    import os
+    import sys
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
+
+    from pipeviz.zoo import MyNetwork
+
+    here = sys.argv[1]
+    in_dim, layer_dims, batch_size, chunks = {IN_DIM}, {LAYER_DIMS}, {BATCH}, {CHUNKS}
+
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    device = torch.device("cpu")
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+    model = MyNetwork(in_dim, layer_dims)
+    model.load_state_dict(torch.load(os.path.join(here, "weights.pt")))
+    x = torch.load(os.path.join(here, "x.pt"))
+    x_chunk = torch.chunk(x, chunks)[0]
+
+    pipe = pipeline(model, mb_args=(x_chunk,),
+                    split_spec={{"layer0": SplitPoint.END, "layer1": SplitPoint.END}})
+    stage = pipe.build_stage(rank, device)
+    schedule = ScheduleGPipe(stage, n_microbatches=chunks)
+
+    if rank == 0:
+        schedule.step(x)
+    else:
+        output = schedule.step()
+    if rank == world_size - 1:
+        torch.save(output, os.path.join(here, "out.pt"))
+    dist.destroy_process_group()
+""")
+
+
+def _model() -> tuple[MyNetwork, torch.Tensor]:
+    torch.manual_seed(0)
+    return MyNetwork(IN_DIM, LAYER_DIMS), torch.randn(BATCH, IN_DIM)
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """torchrun and its workers (which run in sessions of their own, so a process group kill misses them)."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        for p in [psutil.Process(proc.pid), *tree]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        psutil.wait_procs(tree, timeout=10)
+    proc.wait(10)
+
+
+def test_seed_walkthrough_matches_unsplit_model_and_launch(tmp_path: Path) -> None:
+    model, x = _model()
+    torch.save(model.state_dict(), tmp_path / "weights.pt")
+    torch.save(x, tmp_path / "x.pt")
+    script = tmp_path / "pippy_walkthrough.py"
+    script.write_text(SCRIPT)
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(script), str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # timed out or interrupted: nothing is left running
+            _kill_tree(proc)
+    assert proc.returncode == 0, out
+
+    seed_out = torch.load(tmp_path / "out.pt")
+    with torch.no_grad():
+        expected = model(x)
+    assert seed_out.shape == expected.shape == (BATCH, 10)
+    torch.testing.assert_close(seed_out, expected, rtol=0, atol=1e-5)
+
+    plan = pv.trace(model, example_args=(x,)).split(["layer0", "layer1"])
+    run = pv.launch(plan, "GPipe", CHUNKS, 1, inputs=(x,))  # no loss_fn: forward only
+    assert run.wait(120) == "done", run.error
+    torch.testing.assert_close(seed_out, run.outputs[0], rtol=0, atol=1e-5)
