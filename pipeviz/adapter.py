@@ -361,7 +361,12 @@ def exact_split_backward() -> Iterator[None]:
     def backward_input(outputs: list[Any], output_grads: Any, input_values: list[Any], weights: Any) -> Any:
         weights = list(weights)
         _grads_off_the_input_path(outputs, output_grads, input_values, weights)
-        return original_input(outputs, output_grads, input_values, iter(weights))
+        dinputs, groups = original_input(outputs, output_grads, input_values, iter(weights))
+        # torch sends these to the previous stage as they are; autograd.grad keeps the strides of the op that
+        # made them (a transpose's), and gloo refuses a non-contiguous tensor ("input tensor has to be
+        # contiguous"). The full backward's accumulated .grad is contiguous already.
+        dinputs = tuple(d.contiguous() if isinstance(d, torch.Tensor) else d for d in dinputs)
+        return dinputs, groups
 
     def backward_weight(weights: Any, param_groups: Any, retain_graph: bool = False) -> Any:
         return original_weight(weights, param_groups, retain_graph=True)

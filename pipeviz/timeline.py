@@ -23,6 +23,7 @@ COMPUTE = ("F", "B", "I", "W")
 KINDS = {
     "F": "forward", "B": "backward (input and weight grads)", "I": "backward, input grads only",
     "W": "backward, weight grads only", "COMM": "waiting on communication",
+    "DP": "data-parallel gradient all-reduce across replicas",
 }
 
 

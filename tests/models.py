@@ -85,3 +85,23 @@ class Regions(nn.Module):
             h = self.l2(h)
         h = torch.relu(self.l3(h.float()))
         return self.out(h)
+
+
+class TiedSkipBN(nn.Module):
+    """A tied embedding and head, a skip connection over two blocks and a BatchNorm: what data parallelism
+    must keep exact (the tied copies' gradients summed across stages, the skip relayed, each replica's running
+    statistics its own)."""
+
+    def __init__(self, vocab: int = 16, d: int = 8) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.l1, self.l2, self.l3 = (nn.Linear(d, d) for _ in range(3))
+        self.bn = nn.BatchNorm1d(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        a = torch.tanh(self.l1(self.emb(ids)))
+        b = self.bn(a.transpose(1, 2)).transpose(1, 2)
+        c = torch.tanh(self.l2(b)) + a
+        return self.head(torch.tanh(self.l3(c)))

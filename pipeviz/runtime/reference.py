@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -40,11 +41,14 @@ def train_reference(
     fixups: dict[str, Any] | None = None,
     device: str | torch.device = "cpu",
     batches: list[tuple[tuple[Any, ...], dict[str, Any], Any]] | None = None,
+    replicas: int = 1,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train a deep copy of ``model`` on ``device``; returns (mean loss per step, final state_dict on the CPU).
 
     ``batches``: one ``(args, kwargs, target)`` per step (a ``data=`` run's), instead of ``inputs``,
-    ``input_kwargs`` and ``target`` every step."""
+    ``input_kwargs`` and ``target`` every step. ``replicas``: a data-parallel run's (``microbatches`` counts
+    them all: each replica runs ``microbatches // replicas`` of them); the gradients are the same, and the
+    buffers (running statistics) follow replica 0's microbatches only, as each replica keeps its own."""
     model = _copy(model, fixups, device)
     opt = (optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.1)))(list(model.parameters()))
     if batches is None:
@@ -52,9 +56,11 @@ def train_reference(
     losses = []
     for arg_mbs, kw_mbs, tgt in _microbatched(batches, microbatches, device):
         step = []
-        for a, k, t in zip(arg_mbs, kw_mbs, torch.tensor_split(tgt, microbatches), strict=True):
-            loss = loss_fn(model_output(model(*a, **k)), t)
-            (loss / microbatches).backward()
+        for i, (a, k, t) in enumerate(zip(arg_mbs, kw_mbs, torch.tensor_split(tgt, microbatches), strict=True)):
+            # (the backward too: BatchNorm's saves its running statistics, which must not change before it)
+            with _buffers_of_replica_0(model, i * replicas // microbatches):
+                loss = loss_fn(model_output(model(*a, **k)), t)
+                (loss / microbatches).backward()
             step.append(loss.detach())
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -71,6 +77,7 @@ def forward_reference(
     fixups: dict[str, Any] | None = None,
     device: str | torch.device = "cpu",
     batches: list[tuple[tuple[Any, ...], dict[str, Any], Any]] | None = None,
+    replicas: int = 1,
 ) -> tuple[list[list[torch.Tensor]], dict[str, torch.Tensor]]:
     """Run a deep copy of ``model`` forward only, as a forward-only pipelined run does: per step, the output's
     tensor leaves for the whole batch (microbatches run one by one, joined along the batch dim, which is what
@@ -82,11 +89,29 @@ def forward_reference(
     outputs = []
     with torch.no_grad():
         for arg_mbs, kw_mbs, _ in _microbatched(batches, microbatches, device):
-            chunks = [[t for t in pytree.tree_leaves(model(*a, **k)) if isinstance(t, torch.Tensor)]
-                      for a, k in zip(arg_mbs, kw_mbs, strict=True)]
+            chunks = []
+            for i, (a, k) in enumerate(zip(arg_mbs, kw_mbs, strict=True)):
+                with _buffers_of_replica_0(model, i * replicas // microbatches):
+                    chunks.append([t for t in pytree.tree_leaves(model(*a, **k)) if isinstance(t, torch.Tensor)])
             outputs.append([torch.cat(parts).cpu() if parts[0].dim() else parts[-1].cpu()
                             for parts in zip(*chunks, strict=True)])
     return outputs, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+@contextlib.contextmanager
+def _buffers_of_replica_0(model: torch.nn.Module, replica: int) -> Iterator[None]:
+    """Inside the block, a forward of replica ``replica`` > 0 leaves the buffers as they were (each replica
+    keeps its own running statistics; the run reports replica 0's)."""
+    if replica == 0:
+        yield
+        return
+    saved = {name: b.detach().clone() for name, b in model.named_buffers()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(saved[name])
 
 
 def _copy(model: torch.nn.Module, fixups: dict[str, Any] | None, device: str | torch.device) -> torch.nn.Module:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from pipeviz.capture import _batch_size
 from pipeviz.plan import SplitPlan
 from pipeviz.runtime.procs import context, rendezvous, start_without_main, sweep_stale, temp_prefix
 from pipeviz.runtime.spec import (
@@ -35,6 +36,7 @@ from pipeviz.runtime.spec import (
     cpu_sets,
     rank_payloads,
     resolve_devices,
+    share,
     validate_launch,
 )
 from pipeviz.timeline import Event, Timeline
@@ -68,6 +70,7 @@ class Run:
     def __init__(self, plan: SplitPlan, spec: LaunchSpec, timeout: float, on_nonfinite: str = "stop") -> None:
         self.plan, self.spec = plan, spec
         self.schedule, self.layout = spec.schedule, spec.layout
+        self.mesh = spec.mesh  # pipeline ranks × replicas; a process is known by mesh.coords(rank)
         self.microbatches, self.steps, self.timeout = spec.microbatches, spec.steps, timeout
         self.on_nonfinite = on_nonfinite
         self.status = "starting"
@@ -88,6 +91,8 @@ class Run:
         self._state: dict[str, torch.Tensor] = {}
         self.weights: str | os.PathLike[str] | None = None  # the launch's weights=
         self._state_files: list[str] = []  # each rank's trained tensors (read lazily, memory-mapped)
+        self._replica_files: dict[int, list[str]] = {}  # replicas > 0: their trained tensors, to check agreement
+        self._replica_outputs: dict[int, dict[int, list[Any]]] = {}  # step -> replica -> output leaves
         sweep_stale()  # what gone processes (a shut-down kernel) left
         self._state_dir = tempfile.mkdtemp(prefix=temp_prefix("state"))
         weakref.finalize(self, shutil.rmtree, self._state_dir, True)
@@ -167,14 +172,23 @@ class Run:
         """The measured ``Timeline`` so far."""
         with self._lock:
             events = list(self.events)
-        return Timeline(events, self.layout.num_ranks, self.layout.num_stages, self.microbatches, self.schedule,
-                        source="measured", meta={"devices": self.devices})
+        meta: dict[str, Any] = {"devices": self.devices}
+        if self.mesh.dp > 1:
+            meta["processes"] = [self.mesh.label(r) for r in range(self.mesh.world)]
+        return Timeline(events, self.mesh.world, self.layout.num_stages, self.microbatches, self.schedule,
+                        source="measured", meta=meta)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Trained parameters and buffers gathered from all stages, keyed by the original model's names
-        (every alias of a tied tensor, so ``model.load_state_dict(run.state_dict())`` works)."""
+        (every alias of a tied tensor, so ``model.load_state_dict(run.state_dict())`` works). With replicas
+        (``dp > 1``) these are replica 0's, after checking that every replica holds the same parameters (their
+        buffers, such as running statistics, are each replica's own, as under DDP without buffer broadcast).
+
+        Raises:
+            RuntimeError: the run has not finished, or two replicas' parameters differ (naming the tensor)."""
         if self.status != "done":
             raise RuntimeError(f"state_dict() needs a finished run; status is {self.status!r}. Fix: run.wait().")
+        self._check_replicas()
         aliases = self.plan.graph.capture.aliases
         keys = set(self.plan.graph.model.state_dict())
         out: dict[str, torch.Tensor] = {}
@@ -183,6 +197,19 @@ class Run:
                 if name in keys:
                     out[name] = value
         return out
+
+    def _check_replicas(self) -> None:
+        if not self._replica_files:
+            return
+        mine = self._trained()
+        params = set(self.plan.graph.capture.param_numel) - self.plan.graph.capture.buffers
+        for replica, files in sorted(self._replica_files.items()):
+            for path in files:
+                for name, value in torch.load(path, mmap=True, weights_only=True).items():
+                    if name in params and not torch.equal(value, mine[name]):
+                        diff = float((value.double() - mine[name].double()).abs().max())
+                        raise RuntimeError(f"Replica {replica}'s {name!r} differs from replica 0's by {diff:.1e}: "
+                                           "the replicas did not take the same updates. Please report.")
 
     def _trained(self) -> dict[str, torch.Tensor]:
         out = dict(self._state)
@@ -224,6 +251,18 @@ class Run:
                 saver(os.fspath(path))
                 written.append(os.path.join(os.fspath(path), f"{attr}.json"))
         return written
+
+    def _output(self, step: int, replica: int, leaves: list[Any]) -> None:
+        """A forward-only step's output from one replica's last stage; the step's output is the replicas'
+        outputs joined along the batch dim, replica 0's share first."""
+        parts = self._replica_outputs.setdefault(step, {})
+        parts[replica] = leaves
+        if len(parts) < self.mesh.dp:
+            return
+        del self._replica_outputs[step]
+        joined = [torch.cat(ls) if isinstance(ls[0], torch.Tensor) and ls[0].dim() else ls[0]
+                  for ls in zip(*(parts[r] for r in range(self.mesh.dp)), strict=True)]
+        self.outputs.append(self._structured(joined))
 
     def _structured(self, leaves: list[Any]) -> Any:
         """A forward-only step's output leaves back in the model's output structure (an HF ModelOutput, a
@@ -324,10 +363,12 @@ class Run:
                 except LaunchError as exc:
                     self._data_error = str(exc)
                     break
-            args, kwargs, target = batch
+            size_of = _batch_size(batch[0], batch[1]) or 1
             for rank, feed in enumerate(feeds):
-                msg = ("batch", args if rank == first_rank else (), kwargs if rank == first_rank else {},
-                       target if rank == last_rank else None)
+                pp, replica, _ = self.mesh.coords(rank)  # each replica its share of the batch
+                args, kwargs, target = share(batch, replica, self.mesh.dp, size_of)
+                msg = ("batch", args if pp == first_rank else (), kwargs if pp == first_rank else {},
+                       target if pp == last_rank else None)
                 if not self._put(feed, msg):
                     return
             if kept is not None:
@@ -388,7 +429,7 @@ class Run:
                 elif kind == "loss":
                     self.losses.append(msg[2])
                 elif kind == "output":
-                    self.outputs.append(self._structured(torch.load(io.BytesIO(msg[2]))))
+                    self._output(msg[1], msg[3] if len(msg) > 3 else 0, torch.load(io.BytesIO(msg[2])))
                 elif kind == "step":
                     finished_steps[msg[1]] = msg[2] + 1
                     self._step_ends[msg[2]] = max(self._step_ends.get(msg[2], 0.0), msg[3])
@@ -401,7 +442,12 @@ class Run:
                 elif kind == "nonfinite":
                     self.nonfinite.extend((msg[2], what) for what in msg[3])
                 elif kind == "state":
-                    if isinstance(msg[2], str):
+                    replica = self.mesh.coords(msg[1]).dp
+                    if replica and isinstance(msg[2], str):
+                        self._replica_files.setdefault(replica, []).append(msg[2])
+                    elif replica:
+                        pass  # a replica's tensors through the queue (no state folder): replica 0's stand
+                    elif isinstance(msg[2], str):
                         self._state_files.append(msg[2])
                     else:
                         self._state.update(torch.load(io.BytesIO(msg[2])))
@@ -588,6 +634,7 @@ def launch(
     data: Any = None,
     weights: str | os.PathLike[str] | None = None,
     init_seed: int = 0,
+    dp: int = 1,
 ) -> Run:
     """Start the plan's stages as processes running torch's ``schedule``; returns a ``Run`` at once.
 
@@ -628,28 +675,33 @@ def launch(
             another rank's (README, "What pipeviz fixes", has the measured gain).
         on_nonfinite: a NaN or inf loss or gradient: ``"stop"`` (the run fails before that step's update,
             naming the step, rank, stage and tensor) or ``"continue"`` (recorded in ``run.nonfinite``).
+        dp: data-parallel replicas of the pipeline (``pv.Mesh(pp, dp)``: pp × dp processes). Each replica trains
+            on its contiguous 1/dp of every batch (cut into ``microbatches``); torch's
+            ``DistributedDataParallel`` on each stage averages the gradients across replicas in the last
+            backward of a step, so the run trains like the unsplit model on the whole batch. ``run.losses`` is
+            the whole batch's loss; ``run.state_dict()`` is replica 0's, checked equal to the others'.
 
     Raises:
         LaunchError, ScheduleError, PlanError: before any process starts, naming the bad value and the fix.
     """
     spec = validate_launch(plan, schedule, microbatches, steps, inputs, input_kwargs, target, loss_fn, optimizer,
-                           stages_per_rank, timeout, data)
+                           stages_per_rank, timeout, data, dp=dp)
     if on_nonfinite not in ("stop", "continue"):
         raise LaunchError(f"on_nonfinite={on_nonfinite!r}; valid: 'stop', 'continue'.")
     spec.sources, spec.init_seed = check_weights(plan, weights, init_seed), init_seed
-    lay = spec.layout
-    stage_devices, backend, compute = resolve_devices(devices, lay.num_ranks)
+    world = spec.mesh.world
+    stage_devices, backend, compute = resolve_devices(devices, world)
     on_cpu = all(d == "cpu" for d in stage_devices) and not any(compute)
     # Two runs at once would be pinned to the same cores: the second one is left to the scheduler.
     alone = not any(r.status in ("starting", "running") for r in list(_LIVE))
-    threads, cpus = cpu_sets(lay.num_ranks, pin_cpus and on_cpu and alone)
+    threads, cpus = cpu_sets(world, pin_cpus and on_cpu and alone)
 
     run = Run(plan, spec, timeout, on_nonfinite)
     run.weights = weights
     run.devices = [c or d for c, d in zip(compute, stage_devices, strict=True)]
     run.cpus = cpus
     t0 = run.started_at
-    run._store = rendezvous(lay.num_ranks, timeout)
+    run._store = rendezvous(world, timeout)
     port = run._store.port
 
     def build() -> list[bytes]:

@@ -18,9 +18,11 @@ from torch.utils import _pytree as pytree
 
 from pipeviz import schedules as sched
 from pipeviz.capture import TRACE_LOCK, _batch_size
+from pipeviz.mesh import Mesh
 from pipeviz.plan import SplitPlan
 
-__all__ = ["LaunchError", "LaunchSpec", "cpu_sets", "data_batch", "rank_payloads", "resolve_devices", "validate_launch"]
+__all__ = ["LaunchError", "LaunchSpec", "cpu_sets", "data_batch", "rank_payloads", "resolve_devices", "share",
+           "validate_launch"]
 
 
 class LaunchError(ValueError):
@@ -43,16 +45,31 @@ class LaunchSpec:
     data: Any = None  # an iterator over the batches after the first (whose args/kwargs/target are above)
     sources: dict[str, Any] | None = None  # weights= or a meta model: where each tensor comes from on its rank
     init_seed: int = 0
+    dp: int = 1  # data-parallel replicas of the pipeline, each on 1/dp of every batch
 
     @property
     def training(self) -> bool:
         return self.loss_fn is not None
 
+    @property
+    def mesh(self) -> Mesh:
+        """The layout of the run's processes: ``layout.num_ranks`` pipeline ranks × ``dp`` replicas."""
+        return Mesh(pp=self.layout.num_ranks, dp=self.dp)
+
+
+def share(tree: Any, replica: int, replicas: int, batch: int) -> Any:
+    """Replica ``replica``'s share of a batch: every tensor whose dim 0 is the batch, cut into ``replicas``
+    contiguous parts along it (replica 0 the first part); other values as they are."""
+    if replicas == 1:
+        return tree
+    return pytree.tree_map(lambda t: t.tensor_split(replicas)[replica]
+                           if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t, tree)
+
 
 def validate_launch(
     plan: SplitPlan, schedule: str, microbatches: int, steps: int | None, inputs: Any,
     input_kwargs: dict[str, Any] | None, target: Any, loss_fn: Any, optimizer: Any, stages_per_rank: int | None,
-    timeout: float = 120.0, data: Any = None,
+    timeout: float = 120.0, data: Any = None, dp: int = 1,
 ) -> LaunchSpec:
     """Check everything a launch needs before any process starts; raises with the value, the choices and the fix.
 
@@ -71,6 +88,9 @@ def validate_launch(
     if plan.num_stages < 2:
         raise LaunchError("The plan has 1 stage; a pipeline needs at least 2. Fix: plan.toggle(<layer>) to split.")
     lay = sched.layout(name, plan.num_stages, stages_per_rank)
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+        raise LaunchError(f"dp must be a positive int (data-parallel replicas of the pipeline), got {dp!r}. Fix: "
+                          "dp=1 for one pipeline, dp=2 for two replicas each training on half of every batch.")
     if not (steps is None and data is not None) and (not isinstance(steps, int) or isinstance(steps, bool)
                                                      or steps < 1):
         raise LaunchError(f"steps must be a positive int, got {steps!r} (steps=None runs until data= runs out).")
@@ -96,7 +116,17 @@ def validate_launch(
     for leaf in pytree.tree_leaves((args, kwargs)):
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] != batch:
             raise LaunchError(f"Every input needs the same batch size (dim 0); found {batch} and {leaf.shape[0]}.")
-    sched.check_microbatches(name, plan.num_stages, microbatches, stages_per_rank, batch_size=batch)
+    if batch % dp:
+        fits = [d for d in range(1, batch + 1) if batch % d == 0 and batch // d % microbatches == 0]
+        raise LaunchError(f"dp={dp} replicas cannot share a batch of {batch} equally. Valid dp for {microbatches} "
+                          f"microbatches: {', '.join(map(str, fits)) or 'none'}; or change the batch size.")
+    try:
+        sched.check_microbatches(name, plan.num_stages, microbatches, stages_per_rank, batch_size=batch // dp)
+    except ValueError as exc:
+        if dp == 1:
+            raise
+        raise type(exc)(f"{exc} (each of the dp={dp} replicas takes {batch // dp} of the batch of {batch})") \
+            from None
     if loss_fn is None:  # a forward-only run: run.outputs
         if name in sched.V_SHAPED:
             raise LaunchError(f"{name} cannot run forward only: torch 2.13's V-shaped schedules split every backward "
@@ -108,7 +138,7 @@ def validate_launch(
         if optimizer is not None:
             raise LaunchError("optimizer= was given without a loss_fn: a forward-only run trains nothing. Fix: pass "
                               "loss_fn=... to train, or drop optimizer.")
-        return LaunchSpec(name, lay, args, kwargs, None, None, None, microbatches, steps, stream)
+        return LaunchSpec(name, lay, args, kwargs, None, None, None, microbatches, steps, stream, dp=dp)
     if not callable(loss_fn):
         raise LaunchError(f"loss_fn must be a callable loss(output, target), got {loss_fn!r}. "
                           "Fix: loss_fn=pv.cross_entropy (or torch.nn.functional.cross_entropy, or your own); "
@@ -126,7 +156,7 @@ def validate_launch(
         except Exception as exc:
             raise LaunchError(f"{label} cannot be sent to the stage processes ({exc}). Fix: define it as a plain "
                               "function or lambda, without open files, locks or CUDA state.") from exc
-    return LaunchSpec(name, lay, args, kwargs, target, loss_fn, optimizer, microbatches, steps, stream)
+    return LaunchSpec(name, lay, args, kwargs, target, loss_fn, optimizer, microbatches, steps, stream, dp=dp)
 
 
 def data_batch(item: Any, step: int, training: bool) -> tuple[Any, dict[str, Any] | None, Any]:
@@ -301,27 +331,33 @@ def rank_payloads(plan: SplitPlan, spec: LaunchSpec, devices: list[str], compute
     from pipeviz.runtime.stages import build_stages, rank_stages, tied_ranks
     from pipeviz.runtime.worker import RankPayload
 
-    lay = spec.layout
+    lay, mesh = spec.layout, spec.mesh
+    batch = _batch_size(spec.args, spec.kwargs) or 1
+    # Traced with one replica's share of the batch: its microbatches have the shape every stage will see.
+    args0, kwargs0 = share((spec.args, spec.kwargs), 0, mesh.dp, batch)
     with TRACE_LOCK:  # torch.export keeps global tracing state: two runs starting at once trace in turn
-        stages = build_stages(_with_inputs(plan, spec.args, spec.kwargs), spec.microbatches,
+        stages = build_stages(_with_inputs(plan, args0, kwargs0), spec.microbatches,
                               whole_output=spec.loss_fn is None)
     tied = tied_ranks(stages, lay.stage_ranks)
     first, last = lay.stage_ranks[0], lay.stage_ranks[-1]
     sources = stage_sources(plan, stages, spec) if spec.sources is not None else [None] * plan.num_stages
-    return [
-        cloudpickle.dumps(RankPayload(
-            rank=rank, world=lay.num_ranks, port=port, backend=backend, device=devices[rank],
+    payloads = []
+    for rank in range(mesh.world):
+        pp, replica, _ = mesh.coords(rank)
+        args, kwargs, target = share((spec.args, spec.kwargs, spec.target), replica, mesh.dp, batch)
+        payloads.append(cloudpickle.dumps(RankPayload(
+            rank=rank, world=mesh.world, port=port, backend=backend, device=devices[rank],
             compute_device=compute[rank], schedule=spec.schedule, stage_ranks=lay.stage_ranks,
             microbatches=spec.microbatches, steps=spec.steps,
-            stages=rank_stages(stages, lay.stage_ranks, rank, sources),
+            stages=rank_stages(stages, lay.stage_ranks, pp, sources),
             tied=tied, loss_fn=spec.loss_fn, optimizer=spec.optimizer,
-            args=spec.args if rank == first else (), kwargs=spec.kwargs if rank == first else {},
-            target=spec.target if rank == last else None, t0=t0, parent_pid=os.getpid(),
+            args=args if pp == first else (), kwargs=kwargs if pp == first else {},
+            target=target if pp == last else None, t0=t0, parent_pid=os.getpid(),
             timeout_s=max(timeout, 30.0), threads=threads, cpus=cpus[rank] if cpus else None,
             on_nonfinite=on_nonfinite, state_path=os.path.join(state_dir, f"rank{rank}.pt") if state_dir else None,
-        ))
-        for rank in range(lay.num_ranks)
-    ]
+            mesh=mesh if mesh.dp > 1 else None,
+        )))
+    return payloads
 
 
 def check_weights(plan: SplitPlan, weights: Any, init_seed: int) -> dict[str, Any] | None:

@@ -75,6 +75,7 @@ class RankPayload:
     on_nonfinite: str = "stop"  # a NaN or inf loss or gradient: "stop" the run, or "continue" and report it
     data: Any = None  # set by main(): the queue the launching process streams data= batches on
     state_path: str | None = None  # where this rank writes its trained tensors (else: sent on the queue)
+    mesh: Any = None  # pipeviz.mesh.Mesh when the run has replicas (dp > 1); None: one pipeline, rank = pp rank
 
 
 def main(payload_path: str, queue: Any, log_path: str | None = None, data: Any = None) -> None:
@@ -159,9 +160,9 @@ def _run(p: RankPayload, queue: Any) -> None:
 
     clock, device, compute = _connect(p, queue)
     step_box = [0]
-    stages, params, local = _stages(p, clock, step_box, device, compute)
-    groups = {name: dist.new_group(ranks) if len(ranks) > 1 else None  # same groups, same order, every rank
-              for name, ranks in sorted(p.tied.items())}
+    pp_group, dp_group = _mesh_groups(p)
+    stages, params, local = _stages(p, clock, step_box, device, compute, pp_group, dp_group)
+    groups = _tied_groups(p)
     schedule = _schedule(p, stages)
     optimizer = p.optimizer(params) if p.loss_fn is not None else None
     queue.put(("phase", p.rank, f"stage{'s' * (len(p.stages) > 1)} {', '.join(str(s.index) for s in p.stages)} "
@@ -174,7 +175,7 @@ def _run(p: RankPayload, queue: Any) -> None:
         if optimizer is None:
             finished = _infer(p, schedule, clock, step_box, device)
         else:
-            finished = _train(p, schedule, optimizer, params, local, groups, clock, step_box, device)
+            finished = _train(p, schedule, optimizer, params, local, groups, clock, step_box, device, dp_group)
     if finished:
         if p.state_path is not None:  # a file: a big stage's tensors do not pass through the queue
             torch.save(_state(p, copy=False), p.state_path)
@@ -217,10 +218,43 @@ def _connect(p: RankPayload, queue: Any) -> tuple[_Clock, torch.device, torch.de
     return clock, device, compute
 
 
+def _mesh_groups(p: RankPayload) -> tuple[Any, Any]:
+    """This process's pipeline group and data-parallel group from torch's ``DeviceMesh`` (named dims); (None,
+    None) for a run without replicas, whose pipeline is the whole world."""
+    if p.mesh is None or p.mesh.dp == 1:
+        return None, None
+    dm = p.mesh.device_mesh("cuda" if p.backend == "nccl" else "cpu")
+    return dm.get_group("pp"), dm.get_group("dp")
+
+
+def _tied_groups(p: RankPayload) -> dict[str, Any]:
+    """Per shared parameter, the process group of this replica's ranks holding a copy (None: one rank holds
+    every copy). Every process creates every replica's groups, in one order (torch's ``new_group`` rule)."""
+    import torch.distributed as dist
+
+    mine = p.mesh.coords(p.rank).dp if p.mesh is not None else 0
+    replicas = p.mesh.dp if p.mesh is not None else 1
+    out: dict[str, Any] = {}
+    for name, holders in sorted(p.tied.items()):
+        for d in range(replicas):
+            ranks = [p.mesh.rank(h, d) for h in holders] if p.mesh is not None else list(holders)
+            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            if d == mine:
+                out[name] = group
+    return out
+
+
 def _stages(p: RankPayload, clock: _Clock, step_box: list[int], device: torch.device,
-            compute: torch.device) -> tuple[list[Any], list[torch.nn.Parameter], dict[str, list[torch.Tensor]]]:
-    """torch's ``PipelineStage`` around each of this rank's runners (timed), the parameters to optimize
-    and, per shared parameter, this rank's copies."""
+            compute: torch.device, pp_group: Any = None,
+            dp_group: Any = None) -> tuple[list[Any], list[torch.nn.Parameter], dict[str, list[torch.Tensor]]]:
+    """torch's ``PipelineStage`` around each of this rank's runners (timed; in this replica's pipeline group),
+    the parameters to optimize and, per shared parameter, this rank's copies. With replicas, each runner is
+    wrapped in torch's ``DistributedDataParallel`` over its data-parallel group: torch's stage then
+    accumulates gradients under ``no_sync`` and averages them across replicas in the last backward. Not under
+    the schedules that split backwards (zero bubble, DualPipeV): with torch 2.13–2.15, DDP's reducer there
+    averages the gradients before the weight-gradient passes have run (replicas silently diverge: 7e-3 after
+    two steps) or fails ("Encountered gradient which is undefined, but still allreduced by DDP reducer"), so
+    ``_average_replicas`` averages them after the step instead."""
     from torch.distributed.pipelining import PipelineStage
 
     class Stage(PipelineStage):
@@ -264,7 +298,16 @@ def _stages(p: RankPayload, clock: _Clock, step_box: list[int], device: torch.de
         # Activations from another stage need grads; model inputs and integer tensors (masks) do not.
         ins = tuple(_like(t, device, grad=st.index > 0 and t.is_floating_point()) for t in st.inputs)
         outs = tuple(_like(t, device, grad=t.is_floating_point()) for t in st.outputs)
-        stages.append(Stage(runner, st.index, num_stages, device, input_args=ins, output_args=outs))
+        submod = runner
+        if dp_group is not None and p.loss_fn is not None and p.schedule not in ZERO_BUBBLE:
+            from torch.nn.parallel import DistributedDataParallel
+
+            # broadcast_buffers=False: running statistics stay each replica's own (replica 0's are reported);
+            # find_unused_parameters: a parameter used only under no_grad gets no gradient in any replica.
+            submod = DistributedDataParallel(runner, process_group=dp_group, broadcast_buffers=False,
+                                             find_unused_parameters=True)
+        stages.append(Stage(submod, st.index, num_stages, device, input_args=ins, output_args=outs,
+                            group=pp_group))
         named = dict(runner.stage.named_parameters(remove_duplicate=False))
         for canon, inner in st.params.items():
             t = named[inner]
@@ -304,12 +347,13 @@ def _named_loss(loss_fn: Any, p: RankPayload) -> Any:
 
 def _train(p: RankPayload, schedule: Any, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
            local: dict[str, list[torch.Tensor]], groups: dict[str, Any], clock: _Clock, step_box: list[int],
-           device: torch.device) -> bool:
+           device: torch.device, dp_group: Any = None) -> bool:
     """Run the steps; False when a NaN or inf stopped the run (every rank stops at the same step)."""
     import torch.distributed as dist
 
     first = any(st.index == 0 for st in p.stages)
     last = any(st.index == len(p.stage_ranks) - 1 for st in p.stages)
+    replica = p.mesh.coords(p.rank).dp if p.mesh is not None else 0
     names = {id(t): canon for st in p.stages for canon, inner in st.params.items()
              for n, t in st.runner.stage.named_parameters(remove_duplicate=False) if n == inner}
     for step, (args, kwargs, target) in enumerate(_batches(p, device)):
@@ -319,8 +363,14 @@ def _train(p: RankPayload, schedule: Any, optimizer: torch.optim.Optimizer, para
         if last:
             call_kwargs.update(target=target, losses=losses)
         schedule.step(*(args if first else ()), **call_kwargs)
+        if dp_group is not None and p.schedule in ZERO_BUBBLE:
+            _average_replicas(params, dp_group, p.mesh.dp, clock, p.rank, step)
         _sync_tied(local, p.tied, groups)
         loss = float(torch.stack([x.detach().float() for x in losses]).mean()) if last else 0.0
+        if last and dp_group is not None:  # the global batch's loss: the replicas' mean
+            total = torch.tensor([loss], dtype=torch.float64)
+            dist.all_reduce(total, group=dp_group)
+            loss = float(total.item()) / p.mesh.dp
         bad = _nonfinite(loss, params, names, p, step)
         flag = torch.tensor([1.0 if bad else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank learns of it and stops at the same step
@@ -331,7 +381,7 @@ def _train(p: RankPayload, schedule: Any, optimizer: torch.optim.Optimizer, para
             return False
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if last:
+        if last and replica == 0:
             clock.post(("loss", step, loss))
         clock.post(("step", p.rank, step, time.time() - p.t0))
         clock.flush()
@@ -372,7 +422,8 @@ def _infer(p: RankPayload, schedule: Any, clock: _Clock, step_box: list[int], de
             leaves = out if isinstance(out, tuple | list) else (out,)
             buf = io.BytesIO()
             torch.save([t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in leaves], buf)
-            clock.post(("output", step, buf.getvalue()))
+            replica = p.mesh.coords(p.rank).dp if p.mesh is not None else 0
+            clock.post(("output", step, buf.getvalue(), replica))
         clock.post(("step", p.rank, step, time.time() - p.t0))
         clock.flush()
     clock.flush(force=True)
@@ -425,6 +476,23 @@ def _pin(cpus: tuple[int, ...]) -> None:
 
 def _like(t: torch.Tensor, device: torch.device, grad: bool) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=device).requires_grad_(grad)
+
+
+def _average_replicas(params: list[torch.nn.Parameter], group: Any, replicas: int, clock: _Clock, rank: int,
+                      step: int) -> None:
+    """Average this rank's gradients across its replicas in one all-reduce (timed as a ``DP`` action): for
+    the schedules whose split backward DDP's reducer cannot follow (see ``_stages``)."""
+    import torch.distributed as dist
+
+    grads = [t.grad for t in params if t.grad is not None]
+    if not grads:
+        return
+    with clock.span(rank, -1, "DP", -1, step):
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=group)
+        flat /= replicas
+        for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+            g.copy_(reduced)
 
 
 def _sync_tied(local: dict[str, list[torch.Tensor]], tied: dict[str, list[int]], groups: dict[str, Any]) -> None:

@@ -1,0 +1,84 @@
+"""Pipeline × data parallel (``pv.launch(..., dp=N)``): N replicas of the pipeline, each on its share of every
+batch, train exactly like the unsplit model on the whole batch — tied weights, a skip across stages and
+BatchNorm included — under every schedule (three in ``make test``, one per runtime path; the other four in
+``make compat``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipeviz as pv
+from pipeviz.mesh import Coords, Mesh, MeshError
+from tests.models import TiedSkipBN
+
+FAST = ("1F1B", "InterleavedZeroBubble", "DualPipeV")  # DDP; a split backward, averaged after the step; the V
+REST = ("GPipe", "Interleaved1F1B", "LoopedBFS", "ZBVZeroBubble")
+
+
+def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
+def _setup() -> tuple[TiedSkipBN, torch.Tensor, torch.Tensor, pv.ModelGraph]:
+    torch.manual_seed(0)
+    model = TiedSkipBN()
+    ids = torch.randint(0, 16, (16, 4))
+    target = torch.randint(0, 16, (16, 4))
+    return model, ids, target, pv.trace(model, example_args=(ids,))
+
+
+def test_the_mesh_names_every_process_by_its_coordinates() -> None:
+    mesh = Mesh(pp=2, dp=2)
+    assert mesh.world == 4 and mesh.dims == ("pp", "dp")
+    assert [mesh.coords(r) for r in range(4)] == [Coords(0, 0, 0), Coords(0, 1, 0), Coords(1, 0, 0), Coords(1, 1, 0)]
+    assert all(mesh.rank(*mesh.coords(r)) == r for r in range(4))
+    assert mesh.pipeline(dp=1) == (1, 3) and mesh.replicas(pp=1) == (2, 3)
+    assert mesh.label(3) == "pp1 dp1" and Mesh(pp=3).label(2) == "pp2"
+    assert Mesh(pp=2, dp=2, tp=2).shards(pp=1, dp=1) == (6, 7)
+    with pytest.raises(MeshError, match=r"pp=2 × dp=3 × tp=1 = 6 processes, but the world has 8. Fix: degrees "
+                                        r"whose product is 8 \(dp=4\)"):
+        Mesh(pp=2, dp=3).check(8)
+    with pytest.raises(MeshError, match=r"dp must be a positive int .*got 0"):
+        Mesh(pp=2, dp=0)
+
+
+def test_a_replica_count_that_cannot_share_the_batch_is_refused_before_any_process() -> None:
+    _, ids, target, graph = _setup()
+    plan = graph.split(["bn"])
+    with pytest.raises(pv.LaunchError, match=r"dp=3 replicas cannot share a batch of 16 equally. Valid dp for 4 "
+                                             r"microbatches: 1, 2, 4"):
+        pv.launch(plan, "1F1B", 4, 1, inputs=(ids,), target=target, loss_fn=lm_loss, dp=3)
+    with pytest.raises(pv.LaunchError, match="dp must be a positive int"):
+        pv.launch(plan, "1F1B", 4, 1, inputs=(ids,), target=target, loss_fn=lm_loss, dp=0)
+    with pytest.raises(ValueError, match=r"each of the dp=4 replicas takes 4 of the batch of 16"):
+        pv.launch(plan, "1F1B", 8, 1, inputs=(ids,), target=target, loss_fn=lm_loss, dp=4)
+
+
+def _train(schedules: tuple[str, ...]) -> None:
+    _, ids, target, graph = _setup()
+    for schedule in schedules:
+        plan = graph.split(["bn"] if schedule in ("GPipe", "1F1B") else ["l1", "bn", "l2"])
+        run = pv.launch(plan, schedule, 4, 2, inputs=(ids,), target=target, loss_fn=lm_loss,
+                        optimizer=pv.sgd(lr=0.1), dp=2)
+        assert run.wait(180) == "done", f"{schedule}: {run.error}"
+        assert len(run.losses) == 2  # one loss per step: the whole batch's, not one per replica
+        assert run.mesh == Mesh(pp=2, dp=2) and {e.rank for e in run.events} == {0, 1, 2, 3}
+        check = pv.check_numerics(run)  # also checks that the replicas hold the same parameters
+        assert check.ok, f"{schedule}: {check}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedules", [FAST, pytest.param(REST, marks=pytest.mark.compat)],
+                         ids=["3-schedules", "other-4"])
+def test_pipeline_times_data_parallel_trains_like_the_unsplit_model(schedules: tuple[str, ...]) -> None:
+    _train(schedules)
+
+
+@pytest.mark.slow
+def test_data_parallel_forward_only_joins_the_replicas_outputs() -> None:
+    _, ids, _, graph = _setup()
+    run = pv.launch(graph.split(["bn"]), "GPipe", 2, 1, inputs=(ids,), dp=2)
+    assert run.wait(120) == "done", run.error
+    assert run.outputs[0].shape == (16, 4, 16)  # replica 0's 8 rows, then replica 1's
+    assert pv.check_numerics(run).ok  # against the unsplit model run forward on the same microbatches
