@@ -20,6 +20,7 @@ from pipeviz.costs import Costs
 from pipeviz.export import Watch, export_torchrun, watch
 from pipeviz.graph import Layer, ModelGraph, trace
 from pipeviz.manual import SequenceStage, manual_plan
+from pipeviz.mesh import Mesh, MeshError
 from pipeviz.numerics import NumericsCheck, check_numerics
 from pipeviz.plan import PlanError, SplitPlan, StageInfo
 from pipeviz.profile import Profile, profile
@@ -37,6 +38,8 @@ __all__ = [
     "Event",
     "LaunchError",
     "Layer",
+    "Mesh",
+    "MeshError",
     "ModelGraph",
     "NumericsCheck",
     "PlanError",

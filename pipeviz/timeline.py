@@ -88,6 +88,12 @@ class Timeline:
     def steps(self) -> list[int]:
         return sorted(self._by_step)
 
+    def process_label(self, rank: int) -> str:
+        """How a row is named: ``"rank 2"``, or the process's mesh coordinates (``"pp1 dp0"``: pipeline rank 1,
+        replica 0) for a run with replicas."""
+        names = self.meta.get("processes")
+        return str(names[rank]) if isinstance(names, list) and rank < len(names) else f"rank {rank}"
+
     def step_events(self, step: int) -> list[Event]:
         return list(self._by_step.get(step, ()))
 
@@ -156,10 +162,10 @@ class Timeline:
     def to_chrome_trace(self, path: str | Path) -> Path:
         """Write Chrome-trace JSON (one track per rank, microseconds, one clock) that Perfetto opens."""
         trace: list[dict[str, Any]] = [
-            {"name": "process_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
+            {"name": "process_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": self.process_label(r)}}
             for r in range(self.num_ranks)
         ]
-        trace += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
+        trace += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": self.process_label(r)}}
                   for r in range(self.num_ranks)]
         for e in self.events:
             trace.append({
