@@ -16,6 +16,13 @@ where a stage keeps ``activation_bytes / microbatches`` alive per microbatch bet
 backward (zero-bubble: the input-grad pass frees ``weight_fraction`` of it, the weight-grad pass the rest).
 The peak is read off the schedule's action order, so it is exact for that order whatever the timings.
 
+Composed with data (``dp`` replicas) and tensor (``tp`` shards) parallelism (``parallel_costs``): each replica
+trains on 1/dp of every microbatch, so a microbatch's compute, activations and hand-off bytes scale by 1/dp;
+each shard computes 1/tp of a stage and holds 1/tp of its parameters (gradients, optimizer state) and, roughly,
+of its activations (norms and buffers are replicated in truth: an approximation). Tensor parallelism pays
+all-reduces of layer outputs on the critical path (``tp_all_reduces``), and the replicas average their
+gradients once per step (``all_reduce_time`` of the rank's parameter bytes; ``pv.simulate`` places it).
+
 Example:
     >>> costs = stage_costs(plan, microbatches=4)
     >>> memory_per_rank(plan, "1F1B", microbatches=4)          # bytes per rank
@@ -24,7 +31,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from pipeviz import schedules as sched
@@ -33,8 +40,9 @@ if TYPE_CHECKING:
     from pipeviz.graph import ModelGraph
     from pipeviz.plan import SplitPlan, StageInfo
 
-__all__ = ["FLOPS_PER_S", "LINKS", "OPTIMIZER_STATES", "Costs", "in_flight", "layer_times", "memory_per_rank",
-           "peak_activations", "stage_costs", "stage_info_memory", "stage_memory"]
+__all__ = ["DDP_BUCKET_BYTES", "FLOPS_PER_S", "LINKS", "OPTIMIZER_STATES", "Costs", "all_reduce_time", "ddp_buckets",
+           "in_flight", "layer_times", "link", "memory_per_rank", "parallel_costs", "peak_activations", "stage_costs",
+           "stage_info_memory", "stage_memory", "tp_all_reduces", "tp_collectives"]
 
 # Rough defaults, overridable: sustained FLOP/s of one process, and link bandwidth/latency per transport.
 # gloo's latency is what a pipeline sees between ranks on one host (README, "Performance").
@@ -42,6 +50,7 @@ FLOPS_PER_S = {"cpu": 2e10, "cuda": 2e14}
 LINKS = {"gloo": (1e9, 2e-4), "nccl": (1e11, 1e-5), "host": (1e10, 5e-5), "none": (float("inf"), 0.0)}
 BACKWARD_PER_FORWARD = 2.0  # a backward computes two matmuls per forward matmul (input and weight grads)
 OPTIMIZER_STATES = 2  # tensors of optimizer state per parameter by default: Adam's two moments
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb=25
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,9 @@ class Costs:
         weight_fraction: share of a backward that is weight grads (``W`` in zero-bubble schedules).
         overhead: fixed seconds per action (launch and bookkeeping).
         source: ``"flops"`` or ``"measured"``.
+        collective: per stage, seconds of tensor-parallel all-reduces in one forward (and as many in one
+            backward or input-grad pass), on the critical path; empty without tensor parallelism.
+        latency: the part of each ``comm`` a smaller microbatch does not shrink (``parallel_costs``).
     """
 
     forward: tuple[float, ...]
@@ -68,15 +80,19 @@ class Costs:
     overhead: float = 0.0
     source: str = "flops"
     buffer_bytes: tuple[int, ...] = ()
+    collective: tuple[float, ...] = ()
+    latency: float = 0.0
 
     def duration(self, stage: int, kind: str) -> float:
-        """Seconds of one action: ``F``, ``B``, or a zero-bubble ``I`` / ``W`` half of a backward."""
+        """Seconds of one action: ``F``, ``B``, or a zero-bubble ``I`` / ``W`` half of a backward (tensor-parallel
+        all-reduces go with ``F``, ``B`` and ``I``: the weight-grad pass sends nothing)."""
+        coll = self.collective[stage] if self.collective and kind != "W" else 0.0
         if kind == "F":
-            return self.forward[stage] + self.overhead
+            return self.forward[stage] + coll + self.overhead
         if kind == "B":
-            return self.backward[stage] + self.overhead
+            return self.backward[stage] + coll + self.overhead
         part = self.weight_fraction if kind == "W" else 1 - self.weight_fraction
-        return self.backward[stage] * part + self.overhead
+        return self.backward[stage] * part + coll + self.overhead
 
     @classmethod
     def uniform(cls, num_stages: int, forward: float = 1.0, backward: float = 2.0, comm: float = 0.0,
@@ -132,13 +148,88 @@ def stage_costs(
         fwd[-1] += prof.loss_forward * scale
         bwd[-1] += prof.loss_backward * scale
         overhead = prof.overhead
-    link = backend or ("nccl" if str(device).startswith("cuda") else "gloo")
-    bw, lat = LINKS.get(link, LINKS["gloo"])
-    bw, lat = bandwidth or bw, latency if latency is not None else lat
+    bw, lat = link(device, backend, bandwidth, latency)
     comm = tuple(s.send_bytes / microbatches / bw + lat for s in stages[:-1])
     return Costs(tuple(fwd), tuple(bwd), comm, tuple(s.activation_bytes // microbatches for s in stages),
                  tuple(s.param_bytes for s in stages), overhead=overhead, source=source,
-                 buffer_bytes=tuple(s.buffer_bytes for s in stages))
+                 buffer_bytes=tuple(s.buffer_bytes for s in stages), latency=lat)
+
+
+def link(device: str | None = "cpu", backend: str | None = None, bandwidth: float | None = None,
+         latency: float | None = None) -> tuple[float, float]:
+    """``(bandwidth bytes/s, latency s)`` of a link: ``LINKS[backend]`` (default gloo on CPU, NCCL on GPUs),
+    either figure overridden."""
+    name = backend or ("nccl" if str(device).startswith("cuda") else "gloo")
+    bw, lat = LINKS.get(name, LINKS["gloo"])
+    return bandwidth or bw, lat if latency is None else latency
+
+
+def all_reduce_time(nbytes: float, ranks: int, via: tuple[float, float]) -> float:
+    """Seconds of a ring all-reduce of ``nbytes`` over ``ranks`` processes on link ``via``:
+    ``2(N-1)/N x bytes / bandwidth + 2(N-1) x latency`` (a reduce-scatter then an all-gather, N-1 steps each,
+    every step moving bytes/N; Patarasuk & Yuan 2009, NCCL's ring). Zero for one process or no bytes."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    bw, lat = via
+    steps = 2 * (ranks - 1)
+    return steps / ranks * nbytes / bw + steps * lat
+
+
+def ddp_buckets(nbytes: int, bucket: int = DDP_BUCKET_BYTES) -> list[int]:
+    """Gradient bytes per DDP bucket in the order DDP reduces them (reverse parameter order): full
+    ``bucket``-sized ones first, the rest (the stage's first layers, ready only at the end of the backward)
+    last. Parameter boundaries and DDP's smaller first bucket are ignored."""
+    if nbytes <= 0:
+        return []
+    full, rest = divmod(nbytes, bucket)
+    return [bucket] * full + ([rest] if rest else [])
+
+
+def tp_all_reduces(layer: Any) -> int:
+    """All-reduces of a layer's output per forward (and as many of its input grad per backward) under tensor
+    parallelism, from what the graph knows of the layer (Megatron-LM, Shoeybi et al. 2019):
+
+    - 0 for a layer without parameters, or a normalisation layer (``"Norm"`` in its kind): replicated;
+    - 1 for a single module (not expandable: ``Linear``, ``Embedding``, a convolution): one row-parallel
+      (or vocabulary-parallel) op whose output is summed across shards;
+    - 2 for a composite layer (a block): attention and MLP each end in a row-parallel all-reduce. A block
+      holding one Linear (``zoo.MyNetworkBlock``) is counted as a block too: an overestimate.
+    """
+    if not (layer.params or layer.shared) or "Norm" in layer.kind:
+        return 0
+    return 2 if layer.expandable else 1
+
+
+def tp_collectives(plan: SplitPlan, microbatches: int, dp: int = 1, tp: int = 1,
+                   via: tuple[float, float] | None = None) -> tuple[float, ...]:
+    """Per stage, seconds of tensor-parallel all-reduces in one forward of one microbatch (as many again in
+    its backward): ``sum over layers of tp_all_reduces(layer) x all_reduce_time(out_bytes / (m x dp), tp)``."""
+    via = via or link()
+    layers = {layer.name: layer for layer in plan.graph.layers}
+    return tuple(
+        sum(tp_all_reduces(layers[n]) * all_reduce_time(layers[n].out_bytes / (microbatches * dp), tp, via)
+            for n in s.layers)
+        for s in plan.stages
+    )
+
+
+def parallel_costs(costs: Costs, dp: int = 1, tp: int = 1, collective: Sequence[float] | None = None) -> Costs:
+    """``costs`` of one microbatch of a pipeline alone, for one rank of that pipeline composed with ``dp``
+    replicas and ``tp`` shards per stage: forward and backward / (dp x tp), activations / (dp x tp) (roughly,
+    for tp), hand-offs' bytes / dp (``comm - latency``), parameters / tp; ``collective`` (``tp_collectives``)
+    replaces ``costs.collective`` when given. ``dp = tp = 1`` returns ``costs`` itself."""
+    if dp == 1 and tp == 1 and collective is None:
+        return costs
+    k = dp * tp
+    return replace(
+        costs,
+        forward=tuple(f / k for f in costs.forward),
+        backward=tuple(b / k for b in costs.backward),
+        comm=tuple((c - costs.latency) / dp + costs.latency for c in costs.comm),
+        activation_bytes=tuple(round(a / k) for a in costs.activation_bytes),
+        param_bytes=tuple(round(p / tp) for p in costs.param_bytes),
+        collective=tuple(collective) if collective is not None else costs.collective,
+    )
 
 
 def peak_activations(order: Sequence[Sequence[str]], activation_bytes: Sequence[int],

@@ -5,20 +5,38 @@ as its rank is free and its input has arrived: a forward needs the previous stag
 (or input-grad) the next stage's backward, a weight-grad its own input-grad. Costs and memory come from
 ``pipeviz.costs`` (FLOPs by default, measured times on a graph with a ``pv.profile`` attached).
 
+With ``dp`` replicas and ``tp`` shards (``pv.launch(..., dp=N)``'s layout, ``pipeviz.mesh``) the costs are one
+rank's (``pipeviz.costs.parallel_costs``), the events are replica 0's pipeline (ranks ``0..pp-1``), and the
+replicas' gradient average is placed the way the runtime does it (``_Reduction``).
+
 Example:
     >>> tl = pv.simulate(plan, schedule="1F1B", microbatches=8)
+    >>> pv.simulate(plan, "1F1B", 8, dp=4, tp=2).meta["mesh"]           # (pp, dp, tp)
     >>> tl.step_time, tl.bubble_fraction, tl.peak_activation_bytes
     >>> pv.compare(plan, microbatches=8).table()
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pipeviz import schedules as sched
-from pipeviz.costs import OPTIMIZER_STATES, Costs, memory_per_rank, peak_activations, stage_costs
+from pipeviz.costs import (
+    OPTIMIZER_STATES,
+    Costs,
+    all_reduce_time,
+    ddp_buckets,
+    link,
+    memory_per_rank,
+    parallel_costs,
+    peak_activations,
+    stage_costs,
+    tp_collectives,
+)
+from pipeviz.mesh import Mesh
 from pipeviz.plan import SplitPlan
 from pipeviz.timeline import Event, Timeline
 
@@ -41,6 +59,10 @@ def simulate(
     optimizer_states: int = OPTIMIZER_STATES,
     cores: int | None = None,
     forward_only: bool = False,
+    dp: int = 1,
+    tp: int = 1,
+    dp_bandwidth: float | None = None,
+    tp_bandwidth: float | None = None,
     **cost_options: Any,
 ) -> Timeline:
     """Simulate one training step of ``plan`` under ``schedule``.
@@ -54,17 +76,45 @@ def simulate(
         optimizer_states: tensors of optimizer state per parameter for the memory figure (Adam: 2).
         cores: simulate the run on this many CPU cores ("as run here" on a machine with fewer cores than
             ranks): at most ``cores`` actions compute at once, a rank ready to compute waits for a free core.
-            Default: a core (or a GPU) per rank.
+            Default: a core (or a GPU) per rank. With replicas or shards, all ``pp x dp x tp`` processes share
+            them: replica 0's pipeline gets ``cores / (dp x tp)`` (a fraction spread as slower cores).
         forward_only: an inference run (``pv.launch`` without a ``loss_fn``): the schedule's forwards only,
             and memory without gradients or optimizer state.
+        dp: data-parallel replicas of the pipeline, each on 1/dp of every microbatch: compute, activations
+            and hand-off bytes scale by 1/dp. After its last backward each stage's gradients are averaged
+            across replicas, a ring all-reduce of its parameter bytes
+            (``pipeviz.costs.all_reduce_time``: ``2(dp-1)/dp x bytes / bandwidth + 2(dp-1) x latency``):
+
+            - DDP (every schedule but the split-backward ones): DDP's 25 MiB buckets are reduced one after
+              another on the rank's link; all but the last (the stage's first layers) start when the stage's
+              last backward starts, overlapping it, the last once that backward's compute ends. DDP's reducer
+              waits for them inside that backward, so the event ends at ``max(compute end, reduction end)``,
+              and the stage's last input grad leaves only then (as measured on a real run).
+            - InterleavedZeroBubble, ZBVZeroBubble, DualPipeV: one all-reduce of all the rank's gradients
+              after its last action, not overlapped: a ``"DP"`` event (stage -1, mb -1), as the runtime does.
+        tp: tensor-parallel shards per stage: compute, parameters (with gradients and optimizer state) and,
+            roughly, activations divide by tp; each forward and each backward (or input-grad pass) pays the
+            layers' all-reduces (``pipeviz.costs.tp_all_reduces``: 2 per block, 1 per single Linear or
+            Embedding, 0 for norms) of the layer's output, ``2(tp-1)/tp x bytes / bandwidth + 2(tp-1) x
+            latency`` each, on the critical path. Needs a plan for the collectives (none in a what-if).
+        dp_bandwidth, tp_bandwidth: bytes/s of the data- and tensor-parallel links (default: the pipeline's
+            link, ``bandwidth`` / ``backend`` / ``device`` cost options; latency from the same link).
 
     Returns:
-        A simulated ``Timeline``; ``meta`` holds ``peak_activation_bytes`` and ``memory_bytes`` per rank.
+        A simulated ``Timeline``; ``meta`` holds ``peak_activation_bytes`` and ``memory_bytes`` per rank,
+        ``mesh`` ``(pp, dp, tp)``, and with replicas ``dp_bytes`` / ``dp_seconds``: per rank, the gradient bytes
+        it all-reduces and the all-reduce seconds.
 
     Raises:
+        ValueError: ``dp`` or ``tp`` not a positive int.
         ScheduleError: an invalid schedule/microbatch combination, or a custom order that deadlocks
             (the message names what each rank waits for).
     """
+    for name, value in (("dp", dp), ("tp", tp)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            what = "data-parallel replicas" if name == "dp" else "tensor-parallel shards per stage"
+            raise ValueError(f"{name} must be a positive int (the number of {what}), got {value!r}. "
+                             f"Fix: {name}=1 for none, or a whole number such as {name}=2.")
     n = plan.num_stages if plan is not None else num_stages
     if n is None:
         raise ValueError("simulate() needs a plan, or num_stages with costs.")
@@ -80,20 +130,86 @@ def simulate(
         costs = stage_costs(plan, microbatches, **cost_options)
     if cores is not None and (not isinstance(cores, int) or cores < 1):
         raise ValueError(f"cores must be a positive int or None, got {cores!r}.")
-    if cores is None or cores >= lay.num_ranks:
-        events = _run(acts, lay, costs, n)
+    bw, lat = link(cost_options.get("device") or "cpu", cost_options.get("backend"), cost_options.get("bandwidth"),
+                   cost_options.get("latency"))
+    collective = tp_collectives(plan, microbatches, dp, tp, (tp_bandwidth or bw, lat)) if tp > 1 and plan else None
+    costs = parallel_costs(costs, dp, tp, collective)
+    red = _Reduction(acts, lay, costs, dp, (dp_bandwidth or bw, lat)) if dp > 1 and not forward_only else None
+    share = cores / (dp * tp) if cores is not None else math.inf  # replica 0's pipeline's share of the cores
+    if share >= lay.num_ranks:
+        events = _run(acts, lay, costs, n, red)
     else:
-        events = _run_on_cores(acts, lay, costs, n, cores)
+        slots = math.ceil(share)
+        events = _run_on_cores(acts, lay, costs, n, slots, slots / share, red)
+    if red is not None:
+        events += red.after_step(events)
     peaks = ([max(costs.activation_bytes[s] for s in lay.stages_of(r)) for r in range(lay.num_ranks)] if forward_only
              else peak_activations(acts, costs.activation_bytes, costs.weight_fraction))
     memory = memory_per_rank(None, lay.schedule, microbatches, stages_per_rank, optimizer_states, costs=costs,
                              order=acts, forward_only=forward_only)
-    return Timeline(events, lay.num_ranks, n, microbatches, lay.schedule, source="simulated",
-                    meta={"peak_activation_bytes": peaks, "memory_bytes": memory, "costs": costs.source,
-                          "cores": cores, "forward_only": forward_only})
+    meta: dict[str, Any] = {"peak_activation_bytes": peaks, "memory_bytes": memory, "costs": costs.source,
+                            "cores": cores, "forward_only": forward_only, "mesh": (lay.num_ranks, dp, tp)}
+    if dp > 1 or tp > 1:
+        mesh = Mesh(lay.num_ranks, dp, tp)
+        meta["processes"] = [mesh.label(mesh.rank(r)) for r in range(lay.num_ranks)]
+    if red is not None:
+        meta["dp_bytes"], meta["dp_seconds"] = red.nbytes, red.seconds
+    return Timeline(events, lay.num_ranks, n, microbatches, lay.schedule, source="simulated", meta=meta)
 
 
-def _run(acts: list[list[str]], lay: sched.Layout, costs: Costs, n: int) -> list[Event]:
+class _Reduction:
+    """Where the replicas' gradient all-reduce goes (see ``simulate``'s ``dp``): DDP's buckets overlapping each
+    stage's last backward, or one ``DP`` event per rank after its last action (split-backward schedules)."""
+
+    def __init__(self, acts: list[list[str]], lay: sched.Layout, costs: Costs, dp: int,
+                 via: tuple[float, float]) -> None:
+        self.dp, self.via, self.costs = dp, via, costs
+        self.split = lay.schedule in sched.ZERO_BUBBLE
+        self.nbytes = [sum(costs.param_bytes[s] for s in lay.stages_of(r)) for r in range(lay.num_ranks)]
+        self.seconds = [0.0] * lay.num_ranks
+        last_of: dict[tuple[int, int], int] = {}  # (rank, stage) -> index of the stage's last backward action
+        for rank, rank_acts in enumerate(acts if not self.split else []):
+            for i, action in enumerate(rank_acts):
+                s, kind, _ = sched.parse(action)
+                if kind != "F":
+                    last_of[(rank, s)] = i
+        self.last = {(rank, i): s for (rank, s), i in last_of.items()}  # (rank, action index) -> stage
+        self.link_free = [0.0] * lay.num_ranks  # DDP's reductions on one rank run one after another
+
+    def finish(self, rank: int, index: int, start: float, end: float) -> float:
+        """When action ``index`` of ``rank``, computing from ``start`` to ``end``, returns (DDP waits for its
+        buckets' all-reduces in the stage's last backward)."""
+        s = self.last.get((rank, index))
+        if s is None:
+            return end
+        buckets = ddp_buckets(self.costs.param_bytes[s])
+        if not buckets:
+            return end
+        t = max(self.link_free[rank], start)
+        for b in buckets[:-1]:  # ready while the backward runs: overlapped from its start
+            t += all_reduce_time(b, self.dp, self.via)
+        tail = all_reduce_time(buckets[-1], self.dp, self.via)  # the first layers: ready at the end
+        t = max(t, end) + tail
+        self.seconds[rank] += sum(all_reduce_time(b, self.dp, self.via) for b in buckets)
+        self.link_free[rank] = t
+        return t
+
+    def after_step(self, events: list[Event]) -> list[Event]:
+        """The split-backward schedules' ``DP`` events: each rank's gradients in one all-reduce after its last
+        action."""
+        if not self.split:
+            return []
+        out = []
+        for rank, nbytes in enumerate(self.nbytes):
+            t = all_reduce_time(nbytes, self.dp, self.via)
+            ends = [e.end for e in events if e.rank == rank]
+            if t > 0 and ends:
+                self.seconds[rank] = t
+                out.append(Event(rank, -1, "DP", -1, max(ends), max(ends) + t))
+        return out
+
+
+def _run(acts: list[list[str]], lay: sched.Layout, costs: Costs, n: int, red: _Reduction | None = None) -> list[Event]:
     done: dict[tuple[int, str, int], float] = {}
     free = [0.0] * len(acts)
     pos = [0] * len(acts)
@@ -109,6 +225,8 @@ def _run(acts: list[list[str]], lay: sched.Layout, costs: Costs, n: int) -> list
                     break
                 start = max(free[rank], ready)
                 end = start + costs.duration(s, kind)
+                if red is not None:
+                    end = red.finish(rank, pos[rank], start, end)
                 done[(s, kind, mb)] = end
                 free[rank] = end
                 pos[rank] += 1
@@ -124,9 +242,12 @@ def _run(acts: list[list[str]], lay: sched.Layout, costs: Costs, n: int) -> list
     return events
 
 
-def _run_on_cores(acts: list[list[str]], lay: sched.Layout, costs: Costs, n: int, cores: int) -> list[Event]:
+def _run_on_cores(acts: list[list[str]], lay: sched.Layout, costs: Costs, n: int, cores: int, slow: float = 1.0,
+                  red: _Reduction | None = None) -> list[Event]:
     """Like ``_run``, with at most ``cores`` actions running at once: the next action to start is always the
-    one that can start earliest (list scheduling), on the core that frees first."""
+    one that can start earliest (list scheduling), on the core that frees first; every action takes ``slow``
+    times as long (cores shared with other replicas' processes). A rank waiting on an all-reduce holds no
+    core."""
     import heapq
 
     done: dict[tuple[int, str, int], float] = {}
@@ -150,8 +271,10 @@ def _run_on_cores(acts: list[list[str]], lay: sched.Layout, costs: Costs, n: int
         core_at = heapq.heappop(core_free)
         s, kind, mb = sched.parse(acts[rank][pos[rank]])
         start = max(earliest, core_at)
-        end = start + costs.duration(s, kind)
+        end = start + costs.duration(s, kind) * slow
         heapq.heappush(core_free, end)
+        if red is not None:
+            end = red.finish(rank, pos[rank], start, end)
         done[(s, kind, mb)] = end
         free[rank] = end
         pos[rank] += 1

@@ -1,0 +1,178 @@
+"""``pv.simulate(..., dp=, tp=)``: a pipeline composed with data and tensor parallelism, on known costs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import pipeviz as pv
+from pipeviz import schedules as sched
+from pipeviz.costs import DDP_BUCKET_BYTES, all_reduce_time, ddp_buckets, memory_per_rank, parallel_costs, stage_costs
+from pipeviz.simulate import Costs
+
+BW, LAT = 1e9, 1e-4  # the link in these tests: 1 GB/s, 0.1 ms per ring step
+
+
+def _costs(param_bytes: tuple[int, ...]) -> Costs:
+    """Textbook costs (forward 1 s, backward 2 s per microbatch) with these parameter bytes per stage."""
+    return dataclasses.replace(Costs.uniform(len(param_bytes)), param_bytes=param_bytes)
+
+
+def _ring(nbytes: float, ranks: int) -> float:
+    return 2 * (ranks - 1) / ranks * nbytes / BW + 2 * (ranks - 1) * LAT
+
+
+def _compute(tl: pv.Timeline) -> list[tuple[int, int, str, int, float, float]]:
+    return [(e.rank, e.stage, e.kind, e.mb, round(e.start, 9), round(e.end, 9)) for e in tl.events
+            if e.kind in ("F", "B", "I", "W")]
+
+
+def test_ring_all_reduce_formula() -> None:
+    # 2(N-1) steps (reduce-scatter, all-gather), each moving bytes / N and paying the latency.
+    assert all_reduce_time(8e6, 4, (BW, LAT)) == pytest.approx(6 / 4 * 8e6 / BW + 6 * LAT)
+    assert all_reduce_time(8e6, 1, (BW, LAT)) == 0.0 and all_reduce_time(0, 8, (BW, LAT)) == 0.0
+    assert ddp_buckets(DDP_BUCKET_BYTES * 2 + 5) == [DDP_BUCKET_BYTES, DDP_BUCKET_BYTES, 5] and ddp_buckets(0) == []
+
+
+@pytest.mark.parametrize(("schedule", "n", "spr", "m"), [
+    ("GPipe", 3, None, 4), ("1F1B", 4, None, 8), ("Interleaved1F1B", 4, 2, 4), ("LoopedBFS", 4, 2, 4),
+    ("InterleavedZeroBubble", 4, 2, 4), ("ZBVZeroBubble", 4, 2, 4), ("DualPipeV", 4, 2, 4)])
+def test_dp1_tp1_is_the_pipeline_alone(schedule: str, n: int, spr: int | None, m: int) -> None:
+    costs = _costs((10**6,) * n)
+    alone = pv.simulate(None, schedule, m, spr, costs=costs, num_stages=n)
+    same = pv.simulate(None, schedule, m, spr, costs=costs, num_stages=n, dp=1, tp=1)
+    assert same.events == alone.events and same.memory_bytes == alone.memory_bytes
+    assert same.meta["mesh"] == (alone.num_ranks, 1, 1) and "processes" not in same.meta and "dp_bytes" not in same.meta
+
+
+def test_dp1_tp1_on_a_real_plan(classic_graph: pv.ModelGraph) -> None:
+    plan = classic_graph.split(["layer0", "layer1"])
+    assert pv.simulate(plan, "1F1B", 4, dp=1, tp=1).events == pv.simulate(plan, "1F1B", 4).events
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_ddp_step_is_the_smaller_microbatch_step_plus_the_reduction_tail(schedule: str, dp: int) -> None:
+    params = (4_000_000, 8_000_000, 2_000_000)  # one DDP bucket each: the whole reduction follows the backward
+    m, p = 4, len(params)
+    tl = pv.simulate(None, schedule, m, costs=_costs(params), num_stages=p, dp=dp, bandwidth=BW, latency=LAT)
+    # Each replica's microbatch is 1/dp as large: the pipeline alone on costs / dp.
+    smaller = pv.simulate(None, schedule, m, costs=Costs.uniform(p, 1 / dp, 2 / dp), num_stages=p)
+    assert smaller.step_time == pytest.approx((m + p - 1) * 3 / dp)
+    # DDP waits for its all-reduce in each stage's last backward, which then hands its grad on: the tails
+    # of all stages line up on the critical path of the cool-down.
+    assert tl.step_time == pytest.approx(smaller.step_time + sum(_ring(b, dp) for b in params))
+    assert tl.meta["dp_bytes"] == list(params)  # the rank's parameter (= gradient) bytes
+    assert tl.meta["dp_seconds"] == pytest.approx([_ring(b, dp) for b in params])
+    assert tl.meta["mesh"] == (p, dp, 1) and tl.meta["processes"] == [f"pp{r} dp0" for r in range(p)]
+    assert not [e for e in tl.events if e.kind == "DP"] and tl.num_ranks == p  # replica 0's rows only
+    # Only each stage's last backward is longer; everything else is the smaller-microbatch pipeline's.
+    longer = [e for e in tl.events if e.duration > 2 / dp + 1e-9]
+    assert sorted((e.stage, e.kind, e.mb) for e in longer) == [(s, "B", m - 1) for s in range(p)]
+    assert [e.duration for e in sorted(longer, key=lambda e: e.stage)] == pytest.approx(
+        [2 / dp + _ring(b, dp) for b in params])
+
+
+def test_ddp_buckets_overlap_the_last_backward() -> None:
+    # 2.5 buckets on a link that reduces one bucket in 1 s (2 replicas, no latency): the two full buckets
+    # start with the last backward (1 s of compute) and end 2 s later; the half bucket holding the first
+    # layers follows: 0.5 s. The step grows by 1.5 s, not the 2.5 s a reduction after the backward would take.
+    bw = DDP_BUCKET_BYTES
+    costs = _costs((DDP_BUCKET_BYTES * 5 // 2,))
+    base = pv.simulate(None, "1F1B", 2, costs=Costs.uniform(1, 0.5, 1.0), num_stages=1)
+    tl = pv.simulate(None, "1F1B", 2, costs=costs, num_stages=1, dp=2, bandwidth=bw, latency=0.0)
+    assert base.step_time == pytest.approx(3.0)
+    assert tl.step_time == pytest.approx(3.0 + 1.5)
+    assert tl.meta["dp_seconds"] == pytest.approx([2.5])
+    # A separate data-parallel link: twice the bandwidth halves every bucket (1 s overlapped, 0.25 s after).
+    fast = pv.simulate(None, "1F1B", 2, costs=costs, num_stages=1, dp=2, bandwidth=bw, latency=0.0,
+                       dp_bandwidth=2 * bw)
+    assert fast.step_time == pytest.approx(3.0 + 0.25)
+
+
+@pytest.mark.parametrize(("schedule", "m"), [("InterleavedZeroBubble", 4), ("ZBVZeroBubble", 4), ("DualPipeV", 4)])
+def test_split_backward_schedules_reduce_after_the_last_action(schedule: str, m: int) -> None:
+    params = (1_000_000, 3_000_000, 5_000_000, 7_000_000)
+    n, dp = len(params), 2
+    tl = pv.simulate(None, schedule, m, 2, costs=_costs(params), num_stages=n, dp=dp, bandwidth=BW, latency=LAT)
+    smaller = pv.simulate(None, schedule, m, 2, costs=Costs.uniform(n, 1 / dp, 2 / dp), num_stages=n)
+    assert _compute(tl) == _compute(smaller)  # nothing overlaps: the compute is the smaller pipeline's
+    lay = sched.layout(schedule, n, 2)
+    reduced = [sum(params[s] for s in lay.stages_of(r)) for r in range(lay.num_ranks)]
+    assert tl.meta["dp_bytes"] == reduced  # all the rank's gradients, in one all-reduce
+    dp_events = sorted((e for e in tl.events if e.kind == "DP"), key=lambda e: e.rank)
+    assert [(e.rank, e.stage, e.mb) for e in dp_events] == [(r, -1, -1) for r in range(lay.num_ranks)]
+    for e in dp_events:
+        last = max(x.end for x in tl.events if x.rank == e.rank and x.kind != "DP")
+        assert e.start == pytest.approx(last) and e.duration == pytest.approx(_ring(reduced[e.rank], dp))
+    # The step ends with the last reduction (Timeline.step_time spans compute events only).
+    end = max(e.end for e in tl.events) - min(e.start for e in tl.events)
+    assert end == pytest.approx(max(e.start + _ring(reduced[e.rank], dp) for e in dp_events))
+
+
+def test_forward_only_has_no_reduction() -> None:
+    tl = pv.simulate(None, "1F1B", 4, costs=_costs((10**6, 10**6)), num_stages=2, dp=2, forward_only=True)
+    assert "dp_bytes" not in tl.meta and {e.kind for e in tl.events} == {"F"}
+    assert tl.step_time == pytest.approx(5 * 0.5)
+
+
+def test_tp_divides_compute_and_adds_collectives(classic_graph: pv.ModelGraph) -> None:
+    plan, m, tp = classic_graph.split(["layer1"]), 4, 2
+    base = stage_costs(plan, m, bandwidth=BW, latency=LAT)
+    tl = pv.simulate(plan, "1F1B", m, tp=tp, bandwidth=BW, latency=LAT)
+    layer = {lay.name: lay for lay in classic_graph.layers}
+    # layer0, layer1 are blocks (2 all-reduces of their output each way); output_proj a single Linear (1).
+    coll = [2 * _ring(layer["layer0"].out_bytes / m, tp) + 2 * _ring(layer["layer1"].out_bytes / m, tp),
+            2 * _ring(layer["layer2"].out_bytes / m, tp) + _ring(layer["output_proj"].out_bytes / m, tp)]
+    for e in tl.events:
+        work = base.forward[e.stage] if e.kind == "F" else base.backward[e.stage]
+        assert e.duration == pytest.approx(work / tp + coll[e.stage])
+    assert tl.meta["mesh"] == (2, 1, tp) and tl.meta["processes"] == ["pp0 tp0", "pp1 tp0"]
+    # Memory per rank: parameters (and their gradients and optimizer state) and activations / tp.
+    sharded = parallel_costs(base, tp=tp)
+    assert sharded.param_bytes == tuple(round(b / tp) for b in base.param_bytes)
+    assert tl.memory_bytes == memory_per_rank(None, "1F1B", m, costs=sharded)
+    assert max(tl.memory_bytes) < max(pv.simulate(plan, "1F1B", m).memory_bytes)
+    # Zero bubble: the input-grad pass carries the backward's all-reduces, the weight-grad pass none.
+    zb = pv.simulate(plan, "InterleavedZeroBubble", m, 1, tp=tp, bandwidth=BW, latency=LAT)
+    for e in zb.events:
+        if e.kind == "W":
+            assert e.duration == pytest.approx(base.backward[e.stage] * base.weight_fraction / tp)
+        elif e.kind == "I":
+            assert e.duration == pytest.approx(base.backward[e.stage] * (1 - base.weight_fraction) / tp + coll[e.stage])
+
+
+def test_dp_and_tp_compose(classic_graph: pv.ModelGraph) -> None:
+    plan = classic_graph.split(["layer1"])
+    tl = pv.simulate(plan, "GPipe", 4, dp=2, tp=2)
+    assert tl.meta["mesh"] == (2, 2, 2) and tl.meta["processes"] == ["pp0 dp0 tp0", "pp1 dp0 tp0"]
+    assert tl.meta["dp_bytes"] == [round(s.param_bytes / 2) for s in plan.stages]  # each shard's gradients
+    assert tl.step_time < pv.simulate(plan, "GPipe", 4, tp=2).step_time
+
+
+def test_cores_are_shared_by_the_replicas() -> None:
+    # 2 pipeline ranks x 2 replicas on 2 cores: replica 0's pipeline gets one core.
+    tl = pv.simulate(None, "1F1B", 4, costs=Costs.uniform(2), num_stages=2, dp=2, cores=2)
+    one_core = pv.simulate(None, "1F1B", 4, costs=Costs.uniform(2, 0.5, 1.0), num_stages=2, cores=1)
+    assert _compute(tl) == _compute(one_core)
+    roomy = pv.simulate(None, "1F1B", 4, costs=Costs.uniform(2), num_stages=2, dp=2, cores=4)
+    assert roomy.step_time == pytest.approx(pv.simulate(None, "1F1B", 4, costs=Costs.uniform(2, 0.5, 1.0),
+                                                        num_stages=2).step_time)
+
+
+@pytest.mark.parametrize(("option", "value"), [("dp", 0), ("dp", -2), ("tp", 0), ("dp", 1.5), ("tp", "2"),
+                                               ("dp", True), ("tp", None)])
+def test_bad_degrees_are_refused(option: str, value: object) -> None:
+    with pytest.raises(ValueError) as info:
+        pv.simulate(None, "1F1B", 4, costs=Costs.uniform(2), num_stages=2, **{option: value})
+    assert str(info.value).startswith(f"{option} must be a positive int")
+    assert f"got {value!r}. Fix: {option}=1 for none" in str(info.value)
+
+
+def test_compare_takes_dp_and_tp(classic_graph: pv.ModelGraph) -> None:
+    plan = classic_graph.split(["layer1"])
+    cmp = pv.compare(plan, ["GPipe", "1F1B"], microbatches=4, dp=2, tp=2)
+    assert [r["step_time"] for r in cmp.rows] == [pv.simulate(plan, s, 4, dp=2, tp=2).step_time
+                                                  for s in ("GPipe", "1F1B")]
+    assert all(tl.meta["mesh"] == (2, 2, 2) for tl in cmp.timelines.values())
