@@ -98,7 +98,8 @@ class Timeline:
         return list(self._by_step.get(step, ()))
 
     def _span(self, events: Iterable[Event]) -> float:
-        evs = [e for e in events if e.kind in COMPUTE]
+        # A data-parallel all-reduce after the last compute (the split-backward schedules') ends the step.
+        evs = [e for e in events if e.kind in COMPUTE or e.kind == "DP"]
         return max(e.end for e in evs) - min(e.start for e in evs) if evs else 0.0
 
     @property
