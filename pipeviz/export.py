@@ -55,39 +55,47 @@ def export_torchrun(
     inputs: tuple[Any, ...] | None = None, target: torch.Tensor | None = None,
     loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: Callable[..., torch.optim.Optimizer] | None = None,
     input_kwargs: dict[str, Any] | None = None, stages_per_rank: int | None = None, events_dir: str | None = None,
-    timeout: float = 600.0,
+    timeout: float = 600.0, dp: int = 1,
 ) -> Path:
     """Write a torchrun script that trains ``plan`` with ``schedule`` (and its payload beside it).
 
     Everything is validated here, as ``pv.launch`` validates, before a script exists. The script
-    uses NCCL when every rank has its own GPU (``LOCAL_RANK``), else gloo (CPU or a shared GPU).
+    uses NCCL when every rank has its own GPU (``LOCAL_RANK``), else gloo (CPU or a shared GPU). ``dp``:
+    data-parallel replicas, laid out as ``pv.launch(..., dp=)`` lays them out (``pv.Mesh``: pipeline ranks ×
+    replicas processes in all, ranks numbered pp-major, so ``--nproc-per-node`` replicas of a stage can share
+    a host).
 
     Returns:
         The script's path. Its payload is ``<script>.payload.pkl``; events go to ``<script stem>_events/``.
     """
     import cloudpickle
 
-    from pipeviz.runtime.spec import _with_inputs, validate_launch
+    from pipeviz.capture import _batch_size
+    from pipeviz.runtime.spec import _with_inputs, share, validate_launch
     from pipeviz.runtime.stages import build_stages, tied_ranks
 
     spec = validate_launch(plan, schedule, microbatches, steps, inputs, input_kwargs, target, loss_fn, optimizer,
-                           stages_per_rank, timeout)
+                           stages_per_rank, timeout, dp=dp)
     script = Path(path)
     payload = script.with_suffix(".payload.pkl")
     events = events_dir or f"{script.stem}_events"
-    stages = build_stages(_with_inputs(plan, spec.args, spec.kwargs), microbatches)
+    batch = _batch_size(spec.args, spec.kwargs) or 1
+    args0, kwargs0 = share((spec.args, spec.kwargs), 0, dp, batch)
+    stages = build_stages(_with_inputs(plan, args0, kwargs0), microbatches)
     job = {
         "stages": stages, "tied": tied_ranks(stages, spec.layout.stage_ranks), "schedule": spec.schedule,
         "stage_ranks": spec.layout.stage_ranks, "microbatches": microbatches, "steps": steps,
         "loss_fn": spec.loss_fn, "optimizer": spec.optimizer, "args": spec.args, "kwargs": spec.kwargs,
-        "target": spec.target, "timeout": timeout,
+        "target": spec.target, "timeout": timeout, "dp": dp,
     }
     payload.write_bytes(cloudpickle.dumps(job))
     from pipeviz.version import __version__
 
-    summary = (f"{type(plan.graph.model).__name__}, {plan.num_stages} stages on {spec.layout.num_ranks} ranks, "
+    mesh = spec.mesh
+    layout = f" x {dp} replicas" if dp > 1 else ""
+    summary = (f"{type(plan.graph.model).__name__}, {plan.num_stages} stages on {spec.layout.num_ranks} ranks{layout}, "
                f"{spec.schedule}, {microbatches} microbatches, {steps} steps")
-    script.write_text(_SCRIPT.format(version=__version__, summary=summary, ranks=spec.layout.num_ranks,
+    script.write_text(_SCRIPT.format(version=__version__, summary=summary, ranks=mesh.world,
                                      name=script.name, events=events, payload=payload.name))
     script.chmod(0o755)
     return script
@@ -126,7 +134,9 @@ def run_rank(payload_path: str, events_dir: str) -> int:
 
     import cloudpickle
 
-    from pipeviz.runtime.spec import resolve_devices
+    from pipeviz.capture import _batch_size
+    from pipeviz.mesh import Mesh
+    from pipeviz.runtime.spec import resolve_devices, share
     from pipeviz.runtime.stages import rank_stages
     from pipeviz.runtime.worker import RankPayload, _run
 
@@ -137,10 +147,13 @@ def run_rank(payload_path: str, events_dir: str) -> int:
     try:
         with open(payload_path, "rb") as f:
             job = cloudpickle.loads(f.read())
-        ranks = max(job["stage_ranks"]) + 1
-        if world != ranks:
-            raise SystemExit(f"This plan needs {ranks} ranks; torchrun started {world}. Fix: --nproc-per-node "
-                             f"x --nnodes = {ranks}.")
+        mesh = Mesh(pp=max(job["stage_ranks"]) + 1, dp=job.get("dp", 1))
+        if world != mesh.world:
+            raise SystemExit(f"This plan needs {mesh.world} ranks ({mesh.pp} pipeline ranks x {mesh.dp} replicas); "
+                             f"torchrun started {world}. Fix: --nproc-per-node x --nnodes = {mesh.world}.")
+        pp, replica, _ = mesh.coords(rank)
+        args, kwargs, target = share((job["args"], job["kwargs"], job["target"]), replica, mesh.dp,
+                                     _batch_size(job["args"], job["kwargs"]) or 1)
         local_gpus = torch.cuda.device_count()
         if local_gpus:
             devices, backend, compute = resolve_devices([f"cuda:{local % local_gpus}"] * world, world)
@@ -149,16 +162,16 @@ def run_rank(payload_path: str, events_dir: str) -> int:
         else:
             devices, backend, compute = ["cpu"] * world, "gloo", [None] * world
         ranks_of = job["stage_ranks"]
-        first, last = ranks_of[0] == rank, ranks_of[-1] == rank
+        first, last = ranks_of[0] == pp, ranks_of[-1] == pp
         payload = RankPayload(
             rank=rank, world=world, port=0, backend=backend, device=devices[rank], compute_device=compute[rank],
             schedule=job["schedule"], stage_ranks=ranks_of, microbatches=job["microbatches"],
-            steps=job["steps"], stages=rank_stages(job["stages"], ranks_of, rank), tied=job["tied"],
-            loss_fn=job["loss_fn"], optimizer=job["optimizer"], args=job["args"] if first else (),
-            kwargs=job["kwargs"] if first else {}, target=job["target"] if last else None, t0=-1.0,
+            steps=job["steps"], stages=rank_stages(job["stages"], ranks_of, pp), tied=job["tied"],
+            loss_fn=job["loss_fn"], optimizer=job["optimizer"], args=args if first else (),
+            kwargs=kwargs if first else {}, target=target if last else None, t0=-1.0,
             parent_pid=os.getppid(), timeout_s=job["timeout"],
             threads=max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))),
-            init_method="env://",
+            init_method="env://", mesh=mesh if mesh.dp > 1 else None,
         )
         _run(payload, sink)
         sink.put(("done", rank))

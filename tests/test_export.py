@@ -55,21 +55,25 @@ def test_exported_script_matches_launch_and_is_watched_live(tmp_path: Path) -> N
     assert tl.order(0, step=0) == pv.schedules.orders("1F1B", 3, 4)[0]
 
 
-def test_exported_script_as_two_nodes(tmp_path: Path) -> None:
+def test_exported_script_as_two_nodes_with_replicas(tmp_path: Path) -> None:
+    # 2 agents x 2 processes: pipeline ranks x data-parallel replicas (pp-major: each host holds one stage's two
+    # replicas), training like pv.launch with the same mesh.
     plan, x, y = _plan(2)
-    script = pv.export_torchrun(plan, tmp_path / "two.py", schedule="GPipe", microbatches=4, steps=3, inputs=(x,),
-                                target=y, loss_fn=F.cross_entropy)
+    script = pv.export_torchrun(plan, tmp_path / "two.py", schedule="GPipe", microbatches=2, steps=3, inputs=(x,),
+                                target=y, loss_fn=F.cross_entropy, dp=2)
     port = str(_free_port())
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port]
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port]
     nodes = [_torchrun(script, *common, "--node-rank", str(r)) for r in range(2)]
     for node in nodes:
         out, _ = node.communicate(timeout=240)
         assert node.returncode == 0, out
-    losses = [json.loads(line)["loss"][1] for line in (tmp_path / "two_events" / "rank1.jsonl").read_text().splitlines()
-              if line.startswith('{"loss"')]
-    run = pv.launch(plan, schedule="GPipe", microbatches=4, steps=3, inputs=(x,), target=y, loss_fn=F.cross_entropy)
-    assert run.wait(120) == "done"
-    assert losses == pytest.approx(run.losses, abs=1e-6)
+    watched = pv.watch(tmp_path / "two_events", timeout=30)
+    assert watched.wait(30) == "done", watched.error
+    assert {e.rank for e in watched.events} == {0, 1, 2, 3}
+    run = pv.launch(plan, schedule="GPipe", microbatches=2, steps=3, inputs=(x,), target=y, loss_fn=F.cross_entropy,
+                    dp=2)
+    assert run.wait(120) == "done", run.error
+    assert watched.losses == pytest.approx(run.losses, abs=1e-6)  # one loss per step: the global batch's
 
 
 def test_export_validates_before_writing(tmp_path: Path) -> None:
