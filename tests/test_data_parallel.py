@@ -82,3 +82,16 @@ def test_data_parallel_forward_only_joins_the_replicas_outputs() -> None:
     assert run.wait(120) == "done", run.error
     assert run.outputs[0].shape == (16, 4, 16)  # replica 0's 8 rows, then replica 1's
     assert pv.check_numerics(run).ok  # against the unsplit model run forward on the same microbatches
+
+
+@pytest.mark.slow
+def test_data_batches_are_shared_out_so_each_step_consumes_one_global_batch() -> None:
+    _, ids, _, graph = _setup()
+    gen = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, 16, ids.shape, generator=gen), torch.randint(0, 16, ids.shape, generator=gen))
+               for _ in range(3)]
+    run = pv.launch(graph.split(["bn"]), "1F1B", 4, None, data=batches, loss_fn=lm_loss, optimizer=pv.sgd(lr=0.1),
+                    dp=2)
+    assert run.wait(120) == "done", run.error
+    assert len(run.losses) == 3
+    assert pv.check_numerics(run).ok  # the unsplit model trained on the same three whole batches
