@@ -2,12 +2,14 @@
 127.0.0.1, headless Chromium, a tiny HF GPT-2, the real mouse on the rendered graph.
 
 One session per front end checks, in order: a click on a layer splits and undo brings the plan back; a
-shift-click on a block opens it and the view bar folds it again; Balance into 3 stages says "balanced"; Launch
-shows the launch's phases at once, ends "done" and the numerics check matches; the layout at two widths
-(nothing sticks out of the explorer, no widget box scrolls sideways); Stop on a long run shows "stopped" less
-than a second after the kernel knew; and across the whole session no exception anywhere (kernel errors and
-stderr on iopub, which is what reaches cells and JupyterLab's log console; the browser console; page errors;
-the widget's error area). Screenshots go to artifacts/browser/<front end>/ (git-ignored).
+shift-click on a block opens it and the view bar folds it again; a stage count typed and Balance clicked at once
+balances into the typed count (in JupyterLab ten times in a row, 2 and 3 in turn, in a column where a relabelled
+button used to wrap away from the pointer) and 3 stages says "balanced"; Launch shows the launch's phases at
+once, ends "done" and the numerics check matches; the layout at two widths (nothing sticks out of the explorer,
+no widget box scrolls sideways); Stop on a long run shows "stopped" less than a second after the kernel knew;
+and across the whole session no exception anywhere (kernel errors and stderr on iopub, which is what reaches
+cells and JupyterLab's log console, read off the page's kernel websocket from its first frame; the browser
+console; page errors; the widget's error area). Screenshots go to artifacts/browser/<front end>/ (git-ignored).
 
 Needs ``/usr/bin/chromium`` (``apt-get install -y chromium``) and ``pip install playwright``; never
 ``playwright install``.
@@ -73,18 +75,59 @@ KERNEL_IDLE = """path => {
             && k.status === 'idle');
 }"""
 
-# Every kernel message that carries an exception or stderr, wherever the front end routes it (a cell's output,
-# or JupyterLab's log console for widget callbacks): the notebook's kernel iopub signal sees them all.
-LISTEN_IOPUB = """() => {
-  window.__pv = {iopub: [], stderrCells: 0};
-  const k = window.jupyterapp.shell.currentWidget.context.sessionContext.session.kernel;
-  k.iopubMessage.connect((_, msg) => {
-    const t = msg.header.msg_type, c = msg.content || {};
-    if (t === 'error') window.__pv.iopub.push(`error: ${c.ename}: ${c.evalue}\\n${(c.traceback || []).join('\\n')}`);
-    else if (t === 'stream' && c.name === 'stderr') window.__pv.iopub.push(`stderr: ${c.text}`);
-  });
-  return true;
-}"""
+WIDGET_CONTROL = "jupyter.widget.control"  # the comm target ipywidgets registers when the kernel imports it
+
+# Before any script of the page runs: every frame of its kernel websockets is read (Jupyter's v1 binary protocol,
+# or the legacy JSON one), in the page, from the first frame on (an iopub listener attached once the kernel is up
+# misses what came before). Kept in window.__pvKernel: the kernel's exceptions and stderr on iopub (parent msg_id,
+# text), and the comms to jupyter.widget.control the page opened before it ran any code (msg_id -> comm_id).
+KERNEL_WATCH = """(() => {
+  const k = window.__pvKernel = {ranCode: false, controlOpens: {}, problems: [], undecodable: []};
+  const seen = new Set(), utf8 = new TextDecoder();
+  const decode = data => {  // [channel, header, parent header, () => content]
+    if (typeof data === 'string') {
+      const m = JSON.parse(data);
+      return [m.channel, m.header, m.parent_header, () => m.content];
+    }
+    const buf = data instanceof ArrayBuffer ? data
+      : data.buffer.slice(data.byteOffset, data.byteOffset + data.byteLength);  // a typed array
+    const view = new DataView(buf), n = Number(view.getBigUint64(0, true)), offsets = [];
+    for (let i = 1; i <= n; i++) offsets.push(Number(view.getBigUint64(8 * i, true)));
+    const part = i => utf8.decode(new Uint8Array(buf, offsets[i], offsets[i + 1] - offsets[i]));
+    return [part(0), JSON.parse(part(1)), JSON.parse(part(2)), () => JSON.parse(part(4))];
+  };
+  const frame = (data, sent) => {
+    try {
+      const [channel, header, parent, content] = decode(data), kind = header.msg_type;
+      if (sent) {
+        if (kind === 'execute_request') k.ranCode = true;
+        else if (kind === 'comm_open' && !k.ranCode && content().target_name === '""" + WIDGET_CONTROL + """')
+          k.controlOpens[header.msg_id] = content().comm_id;
+        return;
+      }
+      if (channel !== 'iopub' || !['error', 'stream'].includes(kind) || seen.has(header.msg_id)) return;
+      seen.add(header.msg_id);  // a message reaches every websocket of the kernel
+      const c = content();
+      const text = kind === 'error' ? `error: ${c.ename}: ${c.evalue}\\n${(c.traceback || []).join('\\n')}`
+        : c.name === 'stderr' ? `stderr: ${c.text}` : null;
+      if (text !== null) k.problems.push([parent.msg_id || '', text]);
+    } catch (e) {  // reported: a check that cannot read the frames must not pass silently
+      k.undecodable.push(`${e}`);
+    }
+  };
+  const Native = window.WebSocket;
+  window.WebSocket = class extends Native {
+    constructor(url, protocols) {
+      super(url, protocols);
+      this.__pvKernel = String(url).includes('/api/kernels/');
+      if (this.__pvKernel) this.addEventListener('message', e => frame(e.data, false));
+    }
+    send(data) {
+      if (this.__pvKernel) frame(data, true);
+      super.send(data);
+    }
+  };
+})()"""
 
 # The layer graph (the figure whose last trace is the layer markers) and where the marker of `name` is on the
 # page. Positions come from plotly's computed data (decoded arrays), names from the hover's customdata.
@@ -160,12 +203,86 @@ WATCH_PROGRESS = """() => {
   return Date.now();
 }"""
 
+# Every change of the Balance button's box (relative to the explorer, so scrolling does not count), watched at
+# every frame from the moment it has stayed the same for 0.5 s (a resize re-lays the figures out for a while).
+WATCH_BALANCE = """async () => {
+  const b = document.querySelector('.pipeviz-explorer button.pipeviz-balance'), ex = b.closest('.pipeviz-explorer');
+  const box = () => {
+    const r = b.getBoundingClientRect(), e = ex.getBoundingClientRect();
+    return [r.left - e.left, r.top - e.top, r.width, r.height].map(Math.round).join(',');
+  };
+  const frame = () => new Promise(resolve => requestAnimationFrame(resolve));
+  for (let last = box(), since = performance.now(), end = since + 10000; performance.now() - since < 500;) {
+    await frame();
+    const now = box();
+    if (now !== last) [last, since] = [now, performance.now()];
+    if (performance.now() > end) break;
+  }
+  const boxes = window.__pv.balanceBoxes = [box()];
+  const watch = () => {
+    const now = box();
+    if (now !== boxes[boxes.length - 1]) boxes.push(now);
+    if (window.__pv.balanceBoxes === boxes) requestAnimationFrame(watch);
+  };
+  requestAnimationFrame(watch);
+  return boxes[0];
+}"""
+
 # Page errors of a front end's own start-up, before the notebook's kernel is up and any cell ran, that are not
 # pipeviz's: Notebook 7.6's keyboard-shortcut settings handler reads the schema of a plugin the settings registry
 # just dropped (notebook_core.js, SettingRegistry.load -> pluginChanged). Printed, not failed on.
 FRONT_END_STARTUP_BUGS = ("Cannot read properties of undefined (reading 'schema')",)
 
+TIGHT = 720  # px: JupyterLab with its file browser open, the controls' column a few px narrower than a row of
+#             controls with "Balance into 3" in it: the width at which the relabelled button wrapped away from the
+#             pointer and half of the typed-then-clicked Balances were lost (issue 17)
+
 PHASES = re.compile(r"building the stages|starting \d+ process|ready|step \d+/\d+")
+
+
+class KernelMessages:
+    """What the page and its kernel said to each other, from the first frame of the page's kernel websockets on
+    (``KERNEL_WATCH``, read at the end): the kernel's exceptions and stderr on iopub, which is what reaches cells
+    and JupyterLab's log console, and the control comms the page opened before it ran any code.
+
+    The front end's own start-up is not pipeviz's and is told apart exactly (``excused``): on connecting to a
+    kernel, the widget manager (@jupyter-widgets/jupyterlab-manager's ``ManagerBase._loadFromKernel``, in
+    JupyterLab and Notebook 7 alike) opens a comm to "jupyter.widget.control" and sends "request_states" on it, to
+    restore the widgets a running kernel already has. A fresh kernel has not imported ipywidgets, which registers
+    that target, so its comm manager logs "No such comm target registered: jupyter.widget.control" and closes the
+    comm, then "No such comm: <its id>" for the request (the manager falls back to comm_info and finds no widget).
+    The kernel logs to its stderr, which is iopub. Those lines arrive 0.1-0.3 s after the kernel's first "idle",
+    which is when the test used to start listening (an in-page iopub listener): a busy machine put them after
+    it in about one run in three (issue 17). Excused: only those two lines, only for a control comm the page
+    opened before it ran any code, and the first only as the answer to that comm_open.
+    """
+
+    def __init__(self, seen: dict[str, Any] | None) -> None:
+        if not seen:
+            seen = {"undecodable": ["none read: the page's watch (KERNEL_WATCH) did not run"]}
+        self.control_opens: dict[str, str] = seen.get("controlOpens", {})  # comm_open msg_id -> comm_id
+        self.problems: list[list[str]] = seen.get("problems", [])  # [parent msg_id, "error: ..." / "stderr: ..."]
+        self.undecodable: list[str] = seen.get("undecodable", [])
+
+    def excused(self, parent_id: str, line: str) -> bool:
+        """Whether a line of the kernel's stderr is the front end's start-up (see the class docstring)."""
+        line = line.rstrip("\n")
+        return ((line == f"No such comm target registered: {WIDGET_CONTROL}" and parent_id in self.control_opens)
+                or any(line == f"No such comm: {comm_id}" for comm_id in self.control_opens.values()))
+
+    def errors(self) -> tuple[list[str], list[str]]:
+        """(the kernel's exceptions and stderr, less the excused lines; the excused lines)"""
+        left, excused = [], []
+        for parent_id, text in self.problems:
+            if not text.startswith("stderr: "):
+                left.append(text)
+                continue
+            lines = text[len("stderr: "):].splitlines(keepends=True)
+            excused += [line for line in lines if self.excused(parent_id, line)]
+            rest = "".join(line for line in lines if not self.excused(parent_id, line))
+            if rest.strip():
+                left.append(f"stderr: {rest}")
+        return left + [f"undecodable kernel frame: {e}" for e in self.undecodable], excused
 
 
 def _free_port() -> int:
@@ -262,6 +379,7 @@ def test_explorer_as_a_user_meets_it(lab: tuple[str, Path], request: pytest.Fixt
         page_errors: list[tuple[float, str]] = []
         page.on("console", lambda msg: console.append(f"{msg.type}: {msg.text}"))
         page.on("pageerror", lambda exc: page_errors.append((time.time(), f"{exc.name}: {exc.message}\n{exc.stack}")))
+        page.add_init_script(KERNEL_WATCH)
         explorer = page.locator(".pipeviz-explorer")
         preview_head = page.locator(".pipeviz-explorer .pipeviz-preview-head")
 
@@ -307,7 +425,7 @@ def test_explorer_as_a_user_meets_it(lab: tuple[str, Path], request: pytest.Fixt
         try:
             page.goto(url, timeout=90_000)
             page.wait_for_function(KERNEL_IDLE, arg="explorer.ipynb", timeout=90_000, polling=200)
-            assert page.evaluate(LISTEN_IOPUB)
+            page.evaluate("window.__pv = {}")
             session_start = time.time()
             if front_end == "jupyterlab":
                 page.evaluate("window.jupyterapp.commands.execute('filebrowser:activate')")
@@ -351,15 +469,28 @@ def test_explorer_as_a_user_meets_it(lab: tuple[str, Path], request: pytest.Fixt
             expect(collapse).to_have_count(0, timeout=30_000)
             page.wait_for_function(f"({GRAPH_STATE})().layers === 8", timeout=30_000, polling=200)
 
-            # Stage count 3, then Balance: 3 stages, and the verdict says balanced (at the optimum).
+            # A stage count typed and Balance clicked at once, as a person does: the count reaches the kernel when
+            # the box loses focus, i.e. on the press on Balance, and the click must balance into it. In JupyterLab
+            # ten times in a row, 2 and 3 in turn, in a column where the relabelled button ("Balance into 3") used
+            # to wrap onto the next row under the pointer; the button's box must not change meanwhile. Then 3
+            # stages, and the verdict says balanced (at the optimum).
             stages = page.get_by_label("stages", exact=True)
-            stages.fill("3")
-            stages.press("Enter")
             balance = page.locator("button.pipeviz-balance")
-            expect(balance).to_contain_text("Balance into 3", timeout=30_000)
-            balance.click()
-            expect(preview_head).to_contain_text("3 stages", timeout=30_000)
-            plan(lambda d: len(d["stages"]) == 3, "3 balanced stages")
+            counts = [2, 3] * 5 if front_end == "jupyterlab" else [3]
+            if len(counts) > 1:
+                page.set_viewport_size({"width": TIGHT, "height": HEIGHT})
+            page.evaluate(WATCH_BALANCE)
+            t_balances = time.time()
+            for i, n in enumerate(counts):
+                stages.fill(str(n))
+                balance.click(delay=100)  # a person's press: the mouse button is down for about 0.1 s
+                expect(preview_head).to_contain_text(f"{n} stages", timeout=30_000)
+                plan(lambda d, n=n: len(d["stages"]) == n, f"try {i + 1}: balanced into the {n} stages typed")
+            boxes = page.evaluate("(() => { const b = window.__pv.balanceBoxes; window.__pv.balanceBoxes = null; "
+                                  "return b; })()")  # (and stops the watch)
+            print(f"[{front_end}] {len(counts)} typed-then-clicked Balances: {time.time() - t_balances:.1f} s")
+            assert len(boxes) == 1, f"the Balance button moved or resized (left,top,width,height): {boxes}"
+            page.set_viewport_size({"width": WIDE, "height": HEIGHT})
             expect(page.locator(".pipeviz-explorer .pipeviz-preview .pipeviz-balanced")).to_contain_text(
                 "✓ balanced: the slowest stage is at the optimum", timeout=30_000)
             expect(page.locator(".pipeviz-explorer .pipeviz-imbalanced")).to_have_count(0)
@@ -421,7 +552,9 @@ def test_explorer_as_a_user_meets_it(lab: tuple[str, Path], request: pytest.Fixt
 
             # No exception anywhere in the whole session.
             page.wait_for_timeout(500)  # late messages of the stop
-            iopub = page.evaluate("window.__pv.iopub")
+            iopub, excused = KernelMessages(page.evaluate("window.__pvKernel")).errors()
+            if excused:
+                print(f"[{front_end}] the front end's own start-up on the kernel's stderr (not pipeviz's): {excused}")
             stderr_outputs = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
             errors_txt = (root / "errors.txt").read_text() if (root / "errors.txt").exists() else ""
             bad_console = [m for m in console if m.startswith("error:") or "Error setting state" in m
@@ -439,7 +572,8 @@ def test_explorer_as_a_user_meets_it(lab: tuple[str, Path], request: pytest.Fixt
             shot("failure")
             print("\n".join(console[-60:]))
             print("page errors:", [e for _, e in page_errors])
-            print("kernel errors and stderr:", page.evaluate("window.__pv && window.__pv.iopub"))
+            print("kernel errors and stderr (and the front end's excused start-up):",
+                  KernelMessages(page.evaluate("window.__pvKernel")).errors())
             raise
         finally:
             browser.close()

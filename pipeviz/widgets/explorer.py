@@ -140,7 +140,8 @@ class Explorer(W.VBox):
         self.stages.observe(self._on_stages, "value")
         self.balance_by = W.Dropdown(options=["time", "flops", "params"], value="time", description="by",
                                      layout=W.Layout(width="120px"), style=wide)
-        self.balance_button = W.Button(description="Balance", icon="balance-scale", layout=W.Layout(width="auto"),
+        self.balance_button = W.Button(description="Balance", icon="balance-scale",
+                                       layout=W.Layout(width=_balance_width(len(self.graph.layers)), flex="0 0 auto"),
                                        tooltip="pv.balance(graph, stages, by=...): the best split into that many")
         self.balance_button.on_click(lambda _: self.auto_balance())
         self.balance_button.add_class("pipeviz-balance")
@@ -246,6 +247,7 @@ class Explorer(W.VBox):
         try:
             self.plan_json = value.to_json()
             self.stages.max = len(self.graph.layers)
+            self.balance_button.layout.width = _balance_width(self.stages.max)
             self.stages.value = value.num_stages
         finally:
             self._syncing = False
@@ -577,6 +579,18 @@ class Explorer(W.VBox):
     def __repr__(self) -> str:
         return (f"Explorer({self._plan!r}, schedule={self.schedule.value}, microbatches={self.microbatches.value}, "
                 f"mode={self.mode.value})")
+
+
+def _balance_width(max_stages: int) -> str:
+    """A fixed width for the Balance button that fits the longest label it can show ("Balance into <max>").
+
+    Typing a stage count relabels the button ("Balance into 3"), and the count reaches the kernel when the box
+    loses focus, i.e. on the press on Balance itself: the new label arrives while the mouse button is down. A
+    button sized to its label grew by a word there, and in a controls row a few pixels too narrow for the longer
+    label the row wrapped it onto the next line: the release landed beside it and the click was lost (Balance
+    kept the old count). Sized for the longest label, it changes text but never moves. 1ch (a digit's width)
+    is at least a letter's; 44px is the padding and the icon."""
+    return f"calc({len(f'Balance into {max_stages}')}ch + 44px)"
 
 
 def _cores() -> int:
