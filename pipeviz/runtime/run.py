@@ -442,8 +442,11 @@ class Run:
                 elif kind == "nonfinite":
                     self.nonfinite.extend((msg[2], what) for what in msg[3])
                 elif kind == "state":
-                    replica = self.mesh.coords(msg[1]).dp
-                    if replica and isinstance(msg[2], str):
+                    where = self.mesh.coords(msg[1])
+                    replica = where.dp
+                    if where.tp:
+                        pass  # a tensor-parallel shard gathered the same whole tensors as shard 0
+                    elif replica and isinstance(msg[2], str):
                         self._replica_files.setdefault(replica, []).append(msg[2])
                     elif replica:
                         pass  # a replica's tensors through the queue (no state folder): replica 0's stand
@@ -635,6 +638,8 @@ def launch(
     weights: str | os.PathLike[str] | None = None,
     init_seed: int = 0,
     dp: int = 1,
+    tp: int = 1,
+    tp_plan: dict[str, str] | None = None,
 ) -> Run:
     """Start the plan's stages as processes running torch's ``schedule``; returns a ``Run`` at once.
 
@@ -680,12 +685,16 @@ def launch(
             ``DistributedDataParallel`` on each stage averages the gradients across replicas in the last
             backward of a step, so the run trains like the unsplit model on the whole batch. ``run.losses`` is
             the whole batch's loss; ``run.state_dict()`` is replica 0's, checked equal to the others'.
+        tp: tensor-parallel shards of every stage (pp × dp × tp processes): each stage's projections sharded with
+            DTensor (``pipeviz.runtime.tensor_parallel``), column-wise then row-wise.
+        tp_plan: ``{module name: "colwise" | "rowwise"}`` for ``nn.Linear`` modules; default: Megatron's MLP rule
+            (in each stage, a Linear feeding the next Linear's input is column-wise, that one row-wise).
 
     Raises:
         LaunchError, ScheduleError, PlanError: before any process starts, naming the bad value and the fix.
     """
     spec = validate_launch(plan, schedule, microbatches, steps, inputs, input_kwargs, target, loss_fn, optimizer,
-                           stages_per_rank, timeout, data, dp=dp)
+                           stages_per_rank, timeout, data, dp=dp, tp=tp, tp_plan=tp_plan)
     if on_nonfinite not in ("stop", "continue"):
         raise LaunchError(f"on_nonfinite={on_nonfinite!r}; valid: 'stop', 'continue'.")
     spec.sources, spec.init_seed = check_weights(plan, weights, init_seed), init_seed

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,6 +46,8 @@ class LaunchSpec:
     sources: dict[str, Any] | None = None  # weights= or a meta model: where each tensor comes from on its rank
     init_seed: int = 0
     dp: int = 1  # data-parallel replicas of the pipeline, each on 1/dp of every batch
+    tp: int = 1  # tensor-parallel shards of every stage
+    tp_placements: dict[str, str] = field(default_factory=dict)  # canonical parameter name -> "shard0"/"shard1"
 
     @property
     def training(self) -> bool:
@@ -53,8 +55,9 @@ class LaunchSpec:
 
     @property
     def mesh(self) -> Mesh:
-        """The layout of the run's processes: ``layout.num_ranks`` pipeline ranks × ``dp`` replicas."""
-        return Mesh(pp=self.layout.num_ranks, dp=self.dp)
+        """The layout of the run's processes: ``layout.num_ranks`` pipeline ranks × ``dp`` replicas × ``tp``
+        shards."""
+        return Mesh(pp=self.layout.num_ranks, dp=self.dp, tp=self.tp)
 
 
 def share(tree: Any, replica: int, replicas: int, batch: int) -> Any:
@@ -69,7 +72,7 @@ def share(tree: Any, replica: int, replicas: int, batch: int) -> Any:
 def validate_launch(
     plan: SplitPlan, schedule: str, microbatches: int, steps: int | None, inputs: Any,
     input_kwargs: dict[str, Any] | None, target: Any, loss_fn: Any, optimizer: Any, stages_per_rank: int | None,
-    timeout: float = 120.0, data: Any = None, dp: int = 1,
+    timeout: float = 120.0, data: Any = None, dp: int = 1, tp: int = 1, tp_plan: Mapping[str, str] | None = None,
 ) -> LaunchSpec:
     """Check everything a launch needs before any process starts; raises with the value, the choices and the fix.
 
@@ -91,6 +94,7 @@ def validate_launch(
     if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
         raise LaunchError(f"dp must be a positive int (data-parallel replicas of the pipeline), got {dp!r}. Fix: "
                           "dp=1 for one pipeline, dp=2 for two replicas each training on half of every batch.")
+    placements = _tensor_parallel(plan, tp, tp_plan)
     if not (steps is None and data is not None) and (not isinstance(steps, int) or isinstance(steps, bool)
                                                      or steps < 1):
         raise LaunchError(f"steps must be a positive int, got {steps!r} (steps=None runs until data= runs out).")
@@ -138,7 +142,8 @@ def validate_launch(
         if optimizer is not None:
             raise LaunchError("optimizer= was given without a loss_fn: a forward-only run trains nothing. Fix: pass "
                               "loss_fn=... to train, or drop optimizer.")
-        return LaunchSpec(name, lay, args, kwargs, None, None, None, microbatches, steps, stream, dp=dp)
+        return LaunchSpec(name, lay, args, kwargs, None, None, None, microbatches, steps, stream, dp=dp, tp=tp,
+                          tp_placements=placements)
     if not callable(loss_fn):
         raise LaunchError(f"loss_fn must be a callable loss(output, target), got {loss_fn!r}. "
                           "Fix: loss_fn=pv.cross_entropy (or torch.nn.functional.cross_entropy, or your own); "
@@ -156,7 +161,34 @@ def validate_launch(
         except Exception as exc:
             raise LaunchError(f"{label} cannot be sent to the stage processes ({exc}). Fix: define it as a plain "
                               "function or lambda, without open files, locks or CUDA state.") from exc
-    return LaunchSpec(name, lay, args, kwargs, target, loss_fn, optimizer, microbatches, steps, stream, dp=dp)
+    return LaunchSpec(name, lay, args, kwargs, target, loss_fn, optimizer, microbatches, steps, stream, dp=dp, tp=tp,
+                      tp_placements=placements)
+
+
+def _tensor_parallel(plan: SplitPlan, tp: int, tp_plan: Mapping[str, str] | None) -> dict[str, str]:
+    """The placements of a tensor-parallel launch's parameters (canonical names), checked: ``tp_plan`` (module
+    name -> ``"colwise"`` / ``"rowwise"``) or Megatron's MLP rule (``default_tp_plan``)."""
+    from pipeviz.runtime.tensor_parallel import check_tp_plan, default_tp_plan
+
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise LaunchError(f"tp must be a positive int (tensor-parallel shards of every stage), got {tp!r}. Fix: tp=1 "
+                          "for unsharded stages, tp=2 to shard each stage's projections over two processes.")
+    if tp == 1:
+        if tp_plan:
+            raise LaunchError("tp_plan= was given with tp=1: nothing is sharded. Fix: tp=2 (or more), or drop tp_plan.")
+        return {}
+    model = plan.graph.model
+    chosen = dict(tp_plan) if tp_plan is not None else default_tp_plan(model, [s.layers for s in plan.stages])
+    try:
+        placements = check_tp_plan(model, chosen, tp)
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from exc
+    if not placements:
+        raise LaunchError(f"tp={tp} but nothing to shard: no stage has a pair of nn.Linear layers chaining into each "
+                          "other (Megatron's column-then-row rule). Fix: pass tp_plan={'<module>': 'colwise', "
+                          "'<module>': 'rowwise', ...}, or tp=1.")
+    canonical = {a: c for c, names in plan.graph.capture.aliases.items() for a in names}
+    return {canonical.get(n, n): place for n, place in placements.items()}
 
 
 def data_batch(item: Any, step: int, training: bool) -> tuple[Any, dict[str, Any] | None, Any]:
@@ -355,7 +387,7 @@ def rank_payloads(plan: SplitPlan, spec: LaunchSpec, devices: list[str], compute
             target=target if pp == last else None, t0=t0, parent_pid=os.getpid(),
             timeout_s=max(timeout, 30.0), threads=threads, cpus=cpus[rank] if cpus else None,
             on_nonfinite=on_nonfinite, state_path=os.path.join(state_dir, f"rank{rank}.pt") if state_dir else None,
-            mesh=mesh if mesh.dp > 1 else None,
+            mesh=mesh if mesh.world > mesh.pp else None, tp_placements=spec.tp_placements,
         )))
     return payloads
 

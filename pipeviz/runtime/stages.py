@@ -64,6 +64,7 @@ class StageRunner(nn.Module):
         # stage_backward_input); when an output is also saved for the weight-grad pass (a ReLU's result,
         # a Linear's input) that breaks the W pass. Sending copies keeps the saved tensors intact.
         self.fresh_outputs = False
+        self.tp_mesh: Any = None  # tensor parallel: the shards' 1-D DeviceMesh (pipeviz.runtime.tensor_parallel)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.index == 0:
@@ -76,7 +77,12 @@ class StageRunner(nn.Module):
             env = {k: v.to(self.compute_device) if isinstance(v, torch.Tensor) else v for k, v in env.items()}
         call_args = tuple(env[v] for v in self.calls)
         try:
-            out = self.stage(*call_args)
+            if self.tp_mesh is not None:  # sharded parameters: the graph runs on DTensors, full tensors leave
+                from pipeviz.runtime.tensor_parallel import to_full, to_replicated
+
+                out = to_full(self.stage(*to_replicated(self.tp_mesh, call_args)))
+            else:
+                out = self.stage(*call_args)
         except Exception as exc:
             raise self._located(call_args, exc) from exc
         env[("s", self.index, None)] = out

@@ -75,7 +75,8 @@ class RankPayload:
     on_nonfinite: str = "stop"  # a NaN or inf loss or gradient: "stop" the run, or "continue" and report it
     data: Any = None  # set by main(): the queue the launching process streams data= batches on
     state_path: str | None = None  # where this rank writes its trained tensors (else: sent on the queue)
-    mesh: Any = None  # pipeviz.mesh.Mesh when the run has replicas (dp > 1); None: one pipeline, rank = pp rank
+    mesh: Any = None  # pipeviz.mesh.Mesh with replicas or shards (dp or tp > 1); None: one pipeline, rank = pp rank
+    tp_placements: dict[str, str] = field(default_factory=dict)  # tp > 1: canonical name -> "shard0"/"shard1"
 
 
 def main(payload_path: str, queue: Any, log_path: str | None = None, data: Any = None) -> None:
@@ -160,8 +161,8 @@ def _run(p: RankPayload, queue: Any) -> None:
 
     clock, device, compute = _connect(p, queue)
     step_box = [0]
-    pp_group, dp_group = _mesh_groups(p)
-    stages, params, local = _stages(p, clock, step_box, device, compute, pp_group, dp_group)
+    pp_group, dp_group, tp_mesh = _mesh_groups(p)
+    stages, params, local = _stages(p, clock, step_box, device, compute, pp_group, dp_group, tp_mesh)
     groups = _tied_groups(p)
     schedule = _schedule(p, stages)
     optimizer = p.optimizer(params) if p.loss_fn is not None else None
@@ -218,13 +219,14 @@ def _connect(p: RankPayload, queue: Any) -> tuple[_Clock, torch.device, torch.de
     return clock, device, compute
 
 
-def _mesh_groups(p: RankPayload) -> tuple[Any, Any]:
-    """This process's pipeline group and data-parallel group from torch's ``DeviceMesh`` (named dims); (None,
-    None) for a run without replicas, whose pipeline is the whole world."""
-    if p.mesh is None or p.mesh.dp == 1:
-        return None, None
+def _mesh_groups(p: RankPayload) -> tuple[Any, Any, Any]:
+    """This process's pipeline group, data-parallel group and tensor-parallel (1-D) mesh from torch's
+    ``DeviceMesh`` (named dims); Nones for a pure pipeline, whose pipeline is the whole world."""
+    if p.mesh is None or p.mesh.world == p.mesh.pp:
+        return None, None, None
     dm = p.mesh.device_mesh("cuda" if p.backend == "nccl" else "cpu")
-    return dm.get_group("pp"), dm.get_group("dp")
+    return (dm.get_group("pp"), dm.get_group("dp") if p.mesh.dp > 1 else None,
+            dm["tp"] if p.mesh.tp > 1 else None)
 
 
 def _tied_groups(p: RankPayload) -> dict[str, Any]:
@@ -232,21 +234,21 @@ def _tied_groups(p: RankPayload) -> dict[str, Any]:
     every copy). Every process creates every replica's groups, in one order (torch's ``new_group`` rule)."""
     import torch.distributed as dist
 
-    mine = p.mesh.coords(p.rank).dp if p.mesh is not None else 0
-    replicas = p.mesh.dp if p.mesh is not None else 1
+    me = p.mesh.coords(p.rank) if p.mesh is not None else None
+    pipelines = [(d, t) for d in range(p.mesh.dp) for t in range(p.mesh.tp)] if p.mesh is not None else [(0, 0)]
     out: dict[str, Any] = {}
     for name, holders in sorted(p.tied.items()):
-        for d in range(replicas):
-            ranks = [p.mesh.rank(h, d) for h in holders] if p.mesh is not None else list(holders)
+        for d, t in pipelines:
+            ranks = [p.mesh.rank(h, d, t) for h in holders] if p.mesh is not None else list(holders)
             group = dist.new_group(ranks) if len(ranks) > 1 else None
-            if d == mine:
+            if me is None or (me.dp, me.tp) == (d, t):
                 out[name] = group
     return out
 
 
 def _stages(p: RankPayload, clock: _Clock, step_box: list[int], device: torch.device,
-            compute: torch.device, pp_group: Any = None,
-            dp_group: Any = None) -> tuple[list[Any], list[torch.nn.Parameter], dict[str, list[torch.Tensor]]]:
+            compute: torch.device, pp_group: Any = None, dp_group: Any = None,
+            tp_mesh: Any = None) -> tuple[list[Any], list[torch.nn.Parameter], dict[str, list[torch.Tensor]]]:
     """torch's ``PipelineStage`` around each of this rank's runners (timed; in this replica's pipeline group),
     the parameters to optimize and, per shared parameter, this rank's copies. With replicas, each runner is
     wrapped in torch's ``DistributedDataParallel`` over its data-parallel group: torch's stage then
@@ -298,8 +300,13 @@ def _stages(p: RankPayload, clock: _Clock, step_box: list[int], device: torch.de
         # Activations from another stage need grads; model inputs and integer tensors (masks) do not.
         ins = tuple(_like(t, device, grad=st.index > 0 and t.is_floating_point()) for t in st.inputs)
         outs = tuple(_like(t, device, grad=t.is_floating_point()) for t in st.outputs)
+        if tp_mesh is not None:
+            from pipeviz.runtime.tensor_parallel import shard_stage
+
+            shard_stage(runner.stage, st.params, p.tp_placements, tp_mesh)
+            runner.tp_mesh = tp_mesh
         submod = runner
-        if dp_group is not None and p.loss_fn is not None and p.schedule not in ZERO_BUBBLE:
+        if dp_group is not None and p.loss_fn is not None and not _averaged_after_step(p):
             from torch.nn.parallel import DistributedDataParallel
 
             # broadcast_buffers=False: running statistics stay each replica's own (replica 0's are reported);
@@ -353,7 +360,7 @@ def _train(p: RankPayload, schedule: Any, optimizer: torch.optim.Optimizer, para
 
     first = any(st.index == 0 for st in p.stages)
     last = any(st.index == len(p.stage_ranks) - 1 for st in p.stages)
-    replica = p.mesh.coords(p.rank).dp if p.mesh is not None else 0
+    replica = p.mesh.coords(p.rank).dp + p.mesh.coords(p.rank).tp if p.mesh is not None else 0  # 0: reports
     names = {id(t): canon for st in p.stages for canon, inner in st.params.items()
              for n, t in st.runner.stage.named_parameters(remove_duplicate=False) if n == inner}
     for step, (args, kwargs, target) in enumerate(_batches(p, device)):
@@ -363,11 +370,11 @@ def _train(p: RankPayload, schedule: Any, optimizer: torch.optim.Optimizer, para
         if last:
             call_kwargs.update(target=target, losses=losses)
         schedule.step(*(args if first else ()), **call_kwargs)
-        if dp_group is not None and p.schedule in ZERO_BUBBLE:
+        if dp_group is not None and _averaged_after_step(p):
             _average_replicas(params, dp_group, p.mesh.dp, clock, p.rank, step)
         _sync_tied(local, p.tied, groups)
         loss = float(torch.stack([x.detach().float() for x in losses]).mean()) if last else 0.0
-        if last and dp_group is not None:  # the global batch's loss: the replicas' mean
+        if last and dp_group is not None:  # the global batch's loss: the replicas' mean (shards agree)
             total = torch.tensor([loss], dtype=torch.float64)
             dist.all_reduce(total, group=dp_group)
             loss = float(total.item()) / p.mesh.dp
@@ -422,8 +429,9 @@ def _infer(p: RankPayload, schedule: Any, clock: _Clock, step_box: list[int], de
             leaves = out if isinstance(out, tuple | list) else (out,)
             buf = io.BytesIO()
             torch.save([t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in leaves], buf)
-            replica = p.mesh.coords(p.rank).dp if p.mesh is not None else 0
-            clock.post(("output", step, buf.getvalue(), replica))
+            where = p.mesh.coords(p.rank) if p.mesh is not None else None
+            if where is None or where.tp == 0:  # the shards' outputs are the same full tensors
+                clock.post(("output", step, buf.getvalue(), where.dp if where is not None else 0))
         clock.post(("step", p.rank, step, time.time() - p.t0))
         clock.flush()
     clock.flush(force=True)
@@ -439,11 +447,11 @@ def _nonfinite(loss: float, params: list[torch.nn.Parameter], names: dict[int, s
     found = []
     if not math.isfinite(loss):
         found.append(f"the loss is {loss} (step {step}, rank {p.rank}, stage {stages})")
-    grads = [t.grad for t in params if t.grad is not None]
+    grads = [_local(t.grad) for t in params if t.grad is not None]
     if grads and not bool(torch.isfinite(torch.stack([g.detach().float().sum() for g in grads])).all()):
         for t in params:
-            if t.grad is not None and not bool(torch.isfinite(t.grad).all()):
-                kind = "nan" if bool(torch.isnan(t.grad).any()) else "inf"
+            if t.grad is not None and not bool(torch.isfinite(_local(t.grad)).all()):
+                kind = "nan" if bool(torch.isnan(_local(t.grad)).any()) else "inf"
                 found.append(f"the gradient of {names.get(id(t), '?')!r} holds {kind} (step {step}, rank {p.rank}, "
                              f"stage {stages})")
     return found
@@ -459,7 +467,9 @@ def _state(p: RankPayload, copy: bool = True) -> dict[str, torch.Tensor]:
                  **dict(mod.named_buffers(remove_duplicate=False))}
         inner = {**st.params, **st.buffers}
         for canon in st.reports:
-            t = named[inner[canon]].detach().cpu()
+            value = named[inner[canon]].detach()
+            full = getattr(value, "full_tensor", None)
+            t = (full() if callable(full) else value).cpu()  # a shard gathers its stage's whole tensor
             state[canon] = t.clone() if copy else t
     return state
 
@@ -478,21 +488,33 @@ def _like(t: torch.Tensor, device: torch.device, grad: bool) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=device).requires_grad_(grad)
 
 
+def _averaged_after_step(p: RankPayload) -> bool:
+    """Whether replicas average their gradients after the step (``_average_replicas``) rather than by DDP: the
+    split-backward schedules, and tensor-parallel stages (DDP does not take DTensor parameters)."""
+    return p.schedule in ZERO_BUBBLE or (p.mesh is not None and p.mesh.tp > 1)
+
+
 def _average_replicas(params: list[torch.nn.Parameter], group: Any, replicas: int, clock: _Clock, rank: int,
                       step: int) -> None:
     """Average this rank's gradients across its replicas in one all-reduce (timed as a ``DP`` action): for
     the schedules whose split backward DDP's reducer cannot follow (see ``_stages``)."""
     import torch.distributed as dist
 
-    grads = [t.grad for t in params if t.grad is not None]
+    grads = [_local(t.grad) for t in params if t.grad is not None]
     if not grads:
         return
-    with clock.span(rank, -1, "DP", -1, step):
+    with clock.span(rank, -1, "DP", -1, step), torch.no_grad():
         flat = torch._utils._flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=group)
         flat /= replicas
         for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
             g.copy_(reduced)
+
+
+def _local(t: Any) -> Any:
+    """A DTensor's local shard (a tensor-parallel gradient), else the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 def _sync_tied(local: dict[str, list[torch.Tensor]], tied: dict[str, list[int]], groups: dict[str, Any]) -> None:
@@ -505,12 +527,16 @@ def _sync_tied(local: dict[str, list[torch.Tensor]], tied: dict[str, list[int]],
         copies = local.get(canon, [])
         if not copies:
             continue
-        grads = [c.grad if c.grad is not None else torch.zeros_like(c) for c in copies]
+        for c in copies:
+            if c.grad is None:
+                c.grad = torch.zeros_like(c)
+        grads = [_local(c.grad) for c in copies]  # a tensor-parallel copy's local part (tied: replicated)
         total = torch.stack(grads).sum(0) if len(grads) > 1 else grads[0].clone()
         if groups.get(canon) is not None:
             dist.all_reduce(total, group=groups[canon])
-        for c in copies:
-            c.grad = total.clone()
+        with torch.no_grad():
+            for g in grads:
+                g.copy_(total)
 
 
 class _Clock:
