@@ -94,7 +94,8 @@ def shard_stage(stage: nn.Module, params: Mapping[str, str], placements: Mapping
     canonical = {inner: canon for canon, inner in params.items()}
     done: dict[int, Any] = {}
     sharded = 0
-    tensors = [(n, t, True) for n, t in stage.named_parameters(remove_duplicate=False)]
+    tensors: list[tuple[str, torch.Tensor, bool]] = [
+        (n, t, True) for n, t in stage.named_parameters(remove_duplicate=False)]
     tensors += [(n, t, False) for n, t in stage.named_buffers(remove_duplicate=False)]
     for path, value, is_param in tensors:
         *owner_path, leaf = path.split(".")
