@@ -24,7 +24,7 @@
 # device (a *rank*). Stage 0 computes the first layers and sends its output activation to stage 1, and so on; the
 # backward pass sends gradients the other way. Each device holds only its stage's parameters.
 #
-# Let's do that with a small model and a pretend device of 24 MiB.
+# Let's do that with a small model and a pretend device of 40 MiB.
 
 # %%
 import warnings
@@ -44,21 +44,25 @@ x, y = torch.randn(256, 1024), torch.randint(0, 10, (256,))
 graph = pv.trace(model, example_args=(x,))
 print(f"{graph.total_params:,} parameters")
 
-DEVICE_MEMORY = 24 * 2**20             # our pretend device: 24 MiB
+DEVICE_MEMORY = 40 * 2**20             # our pretend device: 40 MiB
 whole = graph.split([])                # one stage: the whole model on one device
 print(whole)
 print(f"needs {whole.stages[0].memory_bytes / 2**20:.1f} MiB; fits on one device:",
       whole.stages[0].memory_bytes <= DEVICE_MEMORY)
+assert whole.stages[0].memory_bytes > DEVICE_MEMORY  # what the text says: the whole model does not fit
 
 # %% [markdown]
-# The `memory` column is a rough training footprint: parameters + gradients + activations. Split into three stages
-# with about equal parameters (`pv.balance` picks the cut points), each stage fits:
+# The `memory` column is the training footprint of `pipeviz.costs`, the one memory model every lesson uses:
+# parameters + gradients + Adam's two states (16 bytes per parameter, as above) + the activations kept for the
+# backward. Split into three stages with about equal parameters (`pv.balance` picks the cut points), each stage
+# fits:
 
 # %%
 plan = pv.balance(graph, num_stages=3, by="params")
 print(plan)
 print("MiB per stage:", [round(stage.memory_bytes / 2**20, 1) for stage in plan.stages])
 print("every stage fits:", all(stage.memory_bytes <= DEVICE_MEMORY for stage in plan.stages))
+assert all(stage.memory_bytes <= DEVICE_MEMORY for stage in plan.stages)  # what the text says
 
 # %% [markdown]
 # ## The naive pipeline
