@@ -19,6 +19,7 @@ from pipeviz.capture import TraceError
 from pipeviz.costs import Costs
 from pipeviz.export import Watch, export_torchrun, watch
 from pipeviz.graph import Layer, ModelGraph, trace
+from pipeviz.live import Live
 from pipeviz.manual import SequenceStage, manual_plan
 from pipeviz.mesh import Mesh, MeshError
 from pipeviz.numerics import NumericsCheck, check_numerics
@@ -38,6 +39,7 @@ __all__ = [
     "Event",
     "LaunchError",
     "Layer",
+    "Live",
     "Mesh",
     "MeshError",
     "ModelGraph",

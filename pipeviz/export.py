@@ -187,8 +187,8 @@ def run_rank(payload_path: str, events_dir: str) -> int:
 class Watch:
     """Live view of an exported run's event folder (what ``pv.watch`` returns).
 
-    Duck-types the parts of ``Run`` that views use: ``events``, ``losses``, ``status``, ``done``, ``step``,
-    ``error``, ``subscribe``, ``timeline()``, ``stop()``.
+    Satisfies ``pv.Live``, the one interface the views use (as ``pv.Run`` does): ``events``, ``losses``,
+    ``status``, ``done``, ``step``, ``error``, ``subscribe``, ``wait()``, ``timeline()``, ``stop()``.
     """
 
     def __init__(self, folder: str | os.PathLike[str], poll: float = 0.2, timeout: float | None = None) -> None:

@@ -135,3 +135,30 @@ def test_the_core_runs_without_the_notebook_stack() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["2", "True", "7"]
+
+
+def test_run_and_watch_satisfy_the_one_interface_the_views_use(tmp_path: Path) -> None:
+    import typing
+
+    import pipeviz as pv
+    from pipeviz.export import Watch
+    from pipeviz.runtime.run import Run
+
+    watch = pv.watch(tmp_path, timeout=0.1)
+    assert isinstance(watch, pv.Live)
+    watch.stop()
+    members = set(typing.get_type_hints(pv.Live)) | {"done", "subscribe", "wait", "stop", "timeline"}
+    for cls in (Run, Watch):
+        missing = [m for m in members if not hasattr(cls, m) and m not in _init_attributes(cls)]
+        assert not missing, f"{cls.__name__} lacks {missing}"
+
+
+def _init_attributes(cls: type) -> set[str]:
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__init__)))
+    return {t.attr for node in ast.walk(tree) if isinstance(node, ast.Assign | ast.AnnAssign)
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            if isinstance(t, ast.Attribute)}
