@@ -159,6 +159,7 @@ def _init_attributes(cls: type) -> set[str]:
     import textwrap
 
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__init__)))
-    return {t.attr for node in ast.walk(tree) if isinstance(node, ast.Assign | ast.AnnAssign)
-            for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
-            if isinstance(t, ast.Attribute)}
+    targets = [t for node in ast.walk(tree) if isinstance(node, ast.Assign | ast.AnnAssign)
+               for t in (node.targets if isinstance(node, ast.Assign) else [node.target])]
+    flat = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+    return {t.attr for t in flat if isinstance(t, ast.Attribute)}
