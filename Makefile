@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # On a machine without an NVIDIA GPU pin the local CPU build: an unpinned torch pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test compat lint bench clean
+.PHONY: setup demo test compat grid lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -31,6 +31,12 @@ test: lint
 # the meta device) and the LLaMA / Mixtral / MoE families under the 4 schedules `make test` leaves out.
 compat: setup
 	$(PY) -m pytest -m compat
+
+# The version grid: the adapter, runtime and family tests and chosen compat rows under each supported (torch,
+# transformers) pair, one venv per pair, built once into ${PIPEVIZ_GRID_CACHE:-/var/cache/pipeviz-grid} outside the
+# clone and rebuilt when its pins or pyproject's dependencies change. Prints a table per cell; see scripts/grid.py.
+grid:
+	$(PYTHON) scripts/grid.py
 
 bench: setup
 	$(PY) benchmarks/preview_latency.py

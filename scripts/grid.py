@@ -1,0 +1,314 @@
+#!/usr/bin/env python3
+"""The CI version grid (``make grid``): the adapter, runtime, compat and family tests under each supported
+(torch, transformers) pair, each in its own venv.
+
+Venvs live outside the clone, in ``${PIPEVIZ_GRID_CACHE:-/var/cache/pipeviz-grid}/<cell>-<hash>``, so CI runs on
+the same machine build each one once; the hash covers the cell's pins, the shared test pins, this build recipe
+and pyproject.toml's dependency list, and a venv whose hash changed (or that is missing) is rebuilt.
+
+pipeviz itself is NOT installed into the cached venvs: an editable install would point at whichever clone built
+the venv. The tests run with the clone on ``PYTHONPATH`` instead (``python -m pytest`` from the repo root, and
+spawned workers inherit the parent's ``sys.path``), which is what ``pip install --no-deps -e .`` gives, without
+pip ever weighing pyproject's torch range against the cell's pin.
+
+Usage::
+
+    python3 scripts/grid.py                 # build what is missing, run every cell, print the table
+    python3 scripts/grid.py --cells t2.15   # cells whose name contains any of these (comma-separated)
+    python3 scripts/grid.py --build-only    # only build (or find) the venvs
+    python3 scripts/grid.py -- -x           # extra pytest arguments after --
+
+Measured 2026-12-01 on the 2-core machine while other test suites ran on it (load 3-7): venv builds 96 s (2.13,
+local wheel), 147-293 s (2.14.1 from disk, 5.6 GB), 294-695 s (2.15.0, ~3 GB download, 5.6 GB); tests per cell
+5.5 / 8.8 / 6.6 min wall, 2.0 / 3.0 / 2.7 min CPU (pytest and its rank processes); 21.5 min with every venv cached.
+While a cell's tests run, the next venv is built.
+
+Exit status: 0 when every cell passed, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("PIPEVIZ_GRID_CACHE", "/var/cache/pipeviz-grid"))
+PYTHON = os.environ.get("PIPEVIZ_GRID_PYTHON", sys.executable)
+RECIPE = 1  # bump when the build steps below change: every cached venv is then rebuilt
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One (torch, transformers) pair and whatever else it must pin to install."""
+
+    name: str
+    torch: str  # an exact pin, installed first and alone
+    transformers: str
+    extra: tuple[str, ...] = ()  # pins this transformers needs beside its own ranges
+
+
+CELLS = (
+    # The oldest torch with the 4.x line: 4.57 still accepts huggingface_hub < 1.0 only (its own range says so).
+    # "+cpu": the local CPU wheel (/opt/wheels); the plain PyPI 2.13.0 is a multi-GB CUDA build.
+    Cell("t2.13-tf4.57", "torch==2.13.0+cpu", "transformers==4.57.6", ("huggingface_hub<1.0",)),
+    # torch 2.14.1's CUDA build lies on this machine's disk (/opt/pypi-more): 5.5 GB in the venv, no download.
+    Cell("t2.14-tf5.23", "torch==2.14.1", "transformers==5.23.0"),
+    # torch 2.15 is only on PyPI (a CUDA build, ~3 GB download) and needs pip's cap lifted (see lift_pip_cap).
+    Cell("t2.15-tf5.24", "torch==2.15.0", "transformers==5.24.0"),
+)
+
+# The same test tools in every cell (the versions the main .venv runs), pinned so a rebuild changes nothing else.
+TOOLS = ("pytest==9.2.0", "pytest-timeout==2.4.0", "psutil==7.2.2", "cloudpickle==3.1.3", "numpy==2.4.6",
+         "safetensors==0.8.0")
+
+# What each cell runs: one path through each runtime route, sized for CI (the grid's three cells, venv builds
+# included, should stay near 20 min on 2 cores, after `make test` and `make compat` have run everything once).
+# - tests/test_adapter.py, whole: every torch internal pipeviz touches, checked against the cell's torch.
+# - tests/test_runtime.py, whole: plain models under all 7 schedules (one stage per rank; several stages per rank;
+#   the backward split into input and weight gradients; the V shape), skips and tied weights, plus HF GPT-2, BERT
+#   and T5, and the process/event machinery.
+# - tests/test_families.py without its `other-4` parametrizations: LLaMA, Mixtral and the routed MoE under the
+#   three schedules that take the three runtime paths, and the manual route (torch's data-dependent trace error).
+#   The other four schedules take the same paths; `make compat` runs them.
+# - tests/test_compat.py (the HF matrix, ~5 min alone for 20 rows x 2 tests): training under GPipe, 1F1B and a
+#   multi-stage schedule for the rows whose code differs most between transformers releases (the rotary decoders
+#   and the MoE: TRAIN_ROWS), and the meta-device build (each rank runs HF's own initialisers, whose handling of
+#   buffers changed between releases) for a wider set (META_ROWS). Rows not in tests/compat.py are not selected.
+TESTS = ("tests/test_adapter.py", "tests/test_runtime.py", "tests/test_families.py", "tests/test_compat.py")
+TRAIN_ROWS = ("Llama", "GPT-NeoX", "Qwen2-MoE")
+META_ROWS = ("GPT-2", "Llama", "GPT-NeoX", "Qwen2-MoE", "Mixtral", "BERT", "T5")
+
+
+def select_args() -> list[str]:
+    def rows(names: tuple[str, ...]) -> str:
+        return " or ".join(f"[{r}]" for r in names)  # "[Qwen2]" does not match "[Qwen2-MoE]"
+
+    # -m "compat or not compat" overrides pyproject's addopts (-m "not compat"): the compat tests run too.
+    return [*TESTS, "-m", "compat or not compat",
+            "-k", f"not other-4 and (not test_compat.py or (unsplit_model and ({rows(TRAIN_ROWS)}))"
+                  f" or (meta_device and ({rows(META_ROWS)})))"]
+
+
+def pyproject_dependencies() -> list[str]:
+    text = (REPO / "pyproject.toml").read_text()
+    try:
+        import tomllib
+
+        return list(tomllib.loads(text)["project"]["dependencies"])
+    except ImportError:  # Python 3.10: hash the whole file (a rebuild on any change, still correct)
+        return [text]
+
+
+def cell_hash(cell: Cell) -> str:
+    key = {"cell": [cell.torch, cell.transformers, *cell.extra], "tools": TOOLS, "recipe": RECIPE,
+           "python": subprocess.run([PYTHON, "-c", "import sys; print(sys.version)"], capture_output=True,
+                                    text=True, check=True).stdout.strip(),
+           "pyproject": pyproject_dependencies()}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def lift_pip_cap() -> None:
+    """This machine image caps pip at the torch releases on its disk (/etc/xdg/pip/constraints.txt says
+    torch<=2.14.1), so ``torch==2.15.0`` is refused ('The user requested (constraint) torch<=2.14.1'). The image's
+    own note says ``rm -r /etc/xdg/pip`` lifts it; done only here, only when a 2.15 cell is being built."""
+    cap = Path("/etc/xdg/pip")
+    if cap.exists():
+        print(f"grid: removing {cap} (pip's cap at torch<=2.14.1) to install torch 2.15", flush=True)
+        shutil.rmtree(cap)
+
+
+def pip(venv: Path, *args: str) -> None:
+    cmd = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args]
+    print("grid: $", " ".join(cmd[3:]), flush=True)
+    res = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
+    # This machine's extra local indexes lack most projects: pip warns once per package; the rest is shown.
+    noise = "is ignored: it is neither a file nor a directory"
+    sys.stderr.write("".join(line for line in res.stderr.splitlines(True) if noise not in line))
+    res.check_returncode()
+
+
+def build(cell: Cell, target: Path) -> float:
+    """Create the cell's venv at ``target`` (built aside, then renamed: a half-built venv is never reused)."""
+    t0 = time.time()
+    tmp = Path(tempfile.mkdtemp(prefix=f".build-{target.name}-", dir=CACHE))
+    try:
+        subprocess.run([PYTHON, "-m", "venv", str(tmp)], check=True)
+        if cell.torch.startswith("torch==2.15"):
+            lift_pip_cap()
+        # torch first and alone, exactly pinned; every later install is constrained to the same torch, so no
+        # other requirement can ever swap it for a (CUDA) build of another version.
+        pip(tmp, cell.torch)
+        constraints = tmp / "grid-constraints.txt"
+        constraints.write_text(cell.torch + "\n")
+        pip(tmp, "-c", str(constraints), cell.transformers, *cell.extra, *TOOLS)
+        check = ("import torch, transformers; print('grid: torch', torch.__version__, '| transformers', "
+                 "transformers.__version__)")
+        subprocess.run([str(tmp / "bin" / "python"), "-c", check], check=True)
+        freeze = subprocess.run([str(tmp / "bin" / "python"), "-m", "pip", "freeze"], capture_output=True, text=True,
+                                check=True).stdout
+        (tmp / "grid-freeze.txt").write_text(freeze)
+        seconds = time.time() - t0
+        (tmp / "grid-built.json").write_text(json.dumps({"cell": cell.name, "seconds": round(seconds, 1)}))
+        tmp.rename(target)  # the venv's python finds its site-packages from pyvenv.cfg: renaming is safe
+        return seconds
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def ensure(cell: Cell) -> tuple[Path, str]:
+    """The cell's venv, built if missing; older venvs of the same cell are removed (5 GB each)."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    target = CACHE / f"{cell.name}-{cell_hash(cell)}"
+    with open(CACHE / f".{cell.name}.lock", "w") as lock:  # two CI runs on one machine: one builds, one waits
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "grid-built.json").exists():
+            return target, "cached"
+        # Older venvs of this cell, and half-built ones a killed run left (the lock says none is being built now).
+        for old in [*CACHE.glob(f"{cell.name}-*"), *CACHE.glob(f".build-{cell.name}-*")]:
+            print(f"grid: removing stale {old}", flush=True)
+            shutil.rmtree(old, ignore_errors=True)
+        print(f"grid: building {target}", flush=True)
+        seconds = build(cell, target)
+        return target, f"built {seconds:.0f} s"
+
+
+@dataclass
+class Outcome:
+    cell: Cell
+    venv: str = ""
+    versions: str = ""
+    passed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    seconds: float = 0.0
+    cpu: float = 0.0  # user + sys of pytest and every rank process: a load-independent measure of the cell's cost
+    failures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def run_cell(cell: Cell, venv: Path, extra: list[str]) -> Outcome:
+    out = Outcome(cell)
+    py = str(venv / "bin" / "python")
+    probe = ("import json, torch, transformers, tomllib\n"
+             "from pip._vendor.packaging.requirements import Requirement\n"
+             "deps = tomllib.load(open('pyproject.toml', 'rb'))['project']\n"
+             "reqs = [Requirement(r) for r in deps['dependencies'] + deps['optional-dependencies']['test']]\n"
+             "have = {'torch': torch.__version__.split('+')[0], 'transformers': transformers.__version__}\n"
+             "bad = [f'pyproject {r} excludes {r.name} {have[r.name]}' for r in reqs\n"
+             "       if r.name in have and not r.specifier.contains(have[r.name], prereleases=True)]\n"
+             "print(json.dumps([f\"torch {torch.__version__} | transformers {transformers.__version__}\", bad]))")
+    res = subprocess.run([py, "-c", probe], cwd=REPO, capture_output=True, text=True)
+    if res.returncode == 0:
+        out.versions, out.notes = json.loads(res.stdout)
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = Path(tmp) / "junit.xml"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        cmd = [py, "-m", "pytest", *select_args(), "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *extra]
+        print(f"\n===== grid cell {cell.name}: {out.versions} =====", flush=True)
+        print("grid: $", " ".join(cmd[1:]), flush=True)
+        t0, r0 = time.time(), resource.getrusage(resource.RUSAGE_CHILDREN)
+        subprocess.run(cmd, cwd=REPO, env=env)
+        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        out.seconds, out.cpu = time.time() - t0, r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime
+        if xml.exists():
+            for case in ET.parse(xml).iter("testcase"):
+                tid = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+                bad = case.find("failure")
+                if bad is None:
+                    bad = case.find("error")
+                if bad is not None:
+                    out.failed += 1
+                    out.failures.append(f"{tid}: {first_error(bad.get('message') or '', bad.text or '')}")
+                elif case.find("skipped") is not None:
+                    out.skipped += 1
+                else:
+                    out.passed += 1
+        else:
+            out.failures.append("pytest wrote no report (crashed?)")
+            out.failed += 1
+    return out
+
+
+def first_error(message: str, report: str = "") -> str:
+    """The failure's first line; where that only announces what follows ("launch failed in the parent
+    process:", "Regex pattern did not match."), also the exception or the actual message it announces, from the
+    report's ``E`` lines (junit's message attribute is shortened)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if not lines:
+        return "?"
+    head = lines[0]
+    if head.endswith((":", "did not match.")):
+        said = [m.group(1) for m in re.finditer(r"^E\s+((?:[\w.]*(?:Error|Exception)|Actual message)\b.*)$",
+                                                 report, re.MULTILINE)]
+        if said:
+            head += " ... " + said[-1].strip()
+    return head[:300]
+
+
+def table(outcomes: list[Outcome]) -> str:
+    head = (f"{'cell':<14} {'versions':<44} {'venv':<13} {'passed':>6} {'failed':>6} {'skipped':>7} {'time':>7}"
+            f" {'cpu':>7}")
+    lines = [head, "-" * len(head)]
+    for o in outcomes:
+        lines.append(f"{o.cell.name:<14} {o.versions:<44} {o.venv:<13} {o.passed:>6} {o.failed:>6} {o.skipped:>7} "
+                     f"{o.seconds / 60:>5.1f} m {o.cpu / 60:>5.1f} m")
+    for o in outcomes:
+        for note in o.notes:
+            lines.append(f"  {o.cell.name}: note: {note}")
+        for f in o.failures:
+            lines.append(f"  {o.cell.name}: FAILED {f}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cells", default="", help="comma-separated substrings of cell names (default: all)")
+    ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments")
+    args = ap.parse_args()
+    wanted = [w for w in args.cells.split(",") if w]
+    cells = [c for c in CELLS if not wanted or any(w in c.name for w in wanted)]
+    if not cells:
+        print(f"grid: no cell matches {args.cells!r}; cells: {', '.join(c.name for c in CELLS)}", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    outcomes = []
+    # Venvs are built one after another in a thread while the cells whose venvs are ready run their tests: a build
+    # mostly waits on the disk and the network (torch 2.15's ~3 GB download), the tests on the CPUs.
+    with ThreadPoolExecutor(max_workers=1) as builder:
+        venvs = {cell: builder.submit(ensure, cell) for cell in cells}
+        for cell in cells:
+            try:
+                venv, how = venvs[cell].result()
+            except Exception as exc:
+                outcomes.append(Outcome(cell, venv="build failed", failed=1, failures=[f"venv build: {exc!r}"]))
+                continue
+            print(f"grid: {cell.name}: {venv} ({how})", flush=True)
+            if not args.build_only:
+                o = run_cell(cell, venv, args.pytest_args)
+                o.venv = how
+                outcomes.append(o)
+    if args.build_only:
+        return 0 if not outcomes else 1
+    print(f"\n===== version grid ({(time.time() - t0) / 60:.1f} min in all) =====")
+    print(table(outcomes))
+    return 0 if all(o.failed == 0 and o.passed > 0 for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
