@@ -44,6 +44,20 @@ def test_architecture_built_on_the_meta_device_trains_from_its_ranks_initialiser
     plan = pv.balance(pv.trace(model, example_args=args, example_kwargs=kwargs), 2, by="params")
     run = pv.launch(plan, "1F1B", 4, 1, inputs=args, input_kwargs=kwargs or None, target=target, loss_fn=lm_loss,
                     optimizer=sgd)
+    if int(__import__("transformers").__version__.split(".")[0]) < 5:
+        # A known limit (README, "Supported versions"): transformers 4.x initialisers do not set every tensor one
+        # module at a time (rotary inv_freq, GPT-2's masked_bias, BERT's token_type_ids, T5's attention weights):
+        # a rank names the tensor left unset and the run fails; pass weights= (a checkpoint) instead.
+        from pipeviz.weights import WeightsError
+
+        if run.wait(120) == "failed":
+            assert "was left unset by its module's initialiser" in (run.error or ""), run.error
+            return
+        try:
+            pv.materialize(model, seed=0)  # the reference check_numerics builds: the same initialisers here
+        except WeightsError as exc:
+            assert "was left unset by its module's initialiser" in str(exc)
+            return
     assert run.wait(120) == "done", run.error
     check = pv.check_numerics(run)
     assert check.ok, check
@@ -55,5 +69,5 @@ def _refused_at_trace(row: object) -> None:
     from tests.compat import inputs
 
     args, kwargs, _ = inputs(row)  # type: ignore[arg-type]
-    with pytest.raises(pv.TraceError, match=r"data-dependent control flow.*pv.manual_plan"):
+    with pytest.raises(pv.TraceError, match=r"(?s)data-dependent control flow.*pv.manual_plan"):
         pv.trace(row.build(), example_args=args, example_kwargs=kwargs)  # type: ignore[attr-defined]
