@@ -11,9 +11,7 @@ import torch
 import pipeviz as pv
 from pipeviz.mesh import Coords, Mesh, MeshError
 from tests.models import TiedSkipBN
-
-FAST = ("1F1B", "InterleavedZeroBubble", "DualPipeV")  # DDP; a split backward, averaged after the step; the V
-REST = ("GPipe", "Interleaved1F1B", "LoopedBFS", "ZBVZeroBubble")
+from tests.schedule_sets import SCHEDULES
 
 
 def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -69,8 +67,7 @@ def _train(schedules: tuple[str, ...]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedules", [FAST, pytest.param(REST, marks=pytest.mark.compat)],
-                         ids=["3-schedules", "other-4"])
+@SCHEDULES
 def test_pipeline_times_data_parallel_trains_like_the_unsplit_model(schedules: tuple[str, ...]) -> None:
     _train(schedules)
 

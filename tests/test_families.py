@@ -17,14 +17,11 @@ import torch
 import pipeviz as pv
 from tests.compat import lm_loss, sgd
 from tests.foreign import routed_moe_net
+from tests.schedule_sets import SCHEDULES
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
-FAST = ("1F1B", "InterleavedZeroBubble", "DualPipeV")
-REST = ("GPipe", "Interleaved1F1B", "LoopedBFS", "ZBVZeroBubble")
-SCHEDULES = pytest.mark.parametrize("schedules", [FAST, pytest.param(REST, marks=pytest.mark.compat)],
-                                    ids=["3-schedules", "other-4"])
 
 
 def llama() -> Any:

@@ -11,9 +11,8 @@ import pipeviz as pv
 from pipeviz.plan import PlanError
 from pipeviz.regions import REGION_META, inline_regions
 from tests.models import Regions
+from tests.schedule_sets import SCHEDULES
 
-FAST = ("1F1B", "InterleavedZeroBubble", "DualPipeV")
-REST = ("GPipe", "Interleaved1F1B", "LoopedBFS", "ZBVZeroBubble")
 FORWARD = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
 
 
@@ -93,8 +92,7 @@ def _train(schedules: tuple[str, ...]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedules", [FAST, pytest.param(REST, marks=pytest.mark.compat)],
-                         ids=["3-schedules", "other-4"])
+@SCHEDULES
 def test_a_model_with_regions_trains_like_the_unsplit_model(schedules: tuple[str, ...]) -> None:
     _train(schedules)
 

@@ -11,9 +11,8 @@ import pipeviz as pv
 from pipeviz.runtime.tensor_parallel import check_tp_plan, default_tp_plan
 from pipeviz.zoo import MyNetwork
 from tests.models import TiedSkipBN
+from tests.schedule_sets import SCHEDULES
 
-FAST = ("1F1B", "InterleavedZeroBubble", "DualPipeV")
-REST = ("GPipe", "Interleaved1F1B", "LoopedBFS", "ZBVZeroBubble")
 PLAN4 = {"layer0.lin": "colwise", "layer1.lin": "rowwise", "layer2.lin": "colwise", "output_proj": "rowwise"}
 
 
@@ -62,8 +61,7 @@ def _train(schedules: tuple[str, ...], dp: int = 1) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedules", [FAST, pytest.param(REST, marks=pytest.mark.compat)],
-                         ids=["3-schedules", "other-4"])
+@SCHEDULES
 def test_pipeline_times_tensor_parallel_trains_like_the_unsplit_model(schedules: tuple[str, ...]) -> None:
     _train(schedules)
 
