@@ -69,6 +69,7 @@ def test_pipeline_times_data_parallel_trains_like_the_unsplit_model(schedules: t
 
 
 @pytest.mark.slow
+@pytest.mark.compat  # make compat (CI): keeps make test within 10 minutes
 def test_data_parallel_forward_only_joins_the_replicas_outputs() -> None:
     _, ids, _, graph = _setup()
     run = pv.launch(graph.split(["bn"]), "GPipe", 2, 1, inputs=(ids,), dp=2)
@@ -78,6 +79,7 @@ def test_data_parallel_forward_only_joins_the_replicas_outputs() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.compat  # make compat (CI): keeps make test within 10 minutes
 def test_data_batches_are_shared_out_so_each_step_consumes_one_global_batch() -> None:
     _, ids, _, graph = _setup()
     gen = torch.Generator().manual_seed(3)

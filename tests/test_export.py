@@ -55,6 +55,7 @@ def test_exported_script_matches_launch_and_is_watched_live(tmp_path: Path) -> N
     assert tl.order(0, step=0) == pv.schedules.orders("1F1B", 3, 4)[0]
 
 
+@pytest.mark.compat  # make compat (CI): keeps make test within 10 minutes
 def test_exported_script_as_two_nodes_with_replicas(tmp_path: Path) -> None:
     # 2 agents x 2 processes: pipeline ranks x data-parallel replicas (pp-major: each host holds one stage's two
     # replicas), training like pv.launch with the same mesh.

@@ -64,11 +64,13 @@ def test_pipeline_times_tensor_parallel_trains_like_the_unsplit_model(schedules:
 
 
 @pytest.mark.slow
+@pytest.mark.compat  # make compat (CI): keeps make test within 10 minutes
 def test_pipeline_data_and_tensor_parallel_together_on_8_processes() -> None:
     _train(("1F1B",), dp=2)
 
 
 @pytest.mark.slow
+@pytest.mark.compat  # make compat (CI): keeps make test within 10 minutes
 def test_tensor_parallel_keeps_tied_weights_skips_and_batchnorm_exact() -> None:
     torch.manual_seed(0)
     model = TiedSkipBN()
