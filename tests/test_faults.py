@@ -137,10 +137,23 @@ def test_stop_and_ctrl_c_in_wait(plan: pv.SplitPlan) -> None:
     run = pv.launch(plan, schedule="1F1B", microbatches=4, steps=100000, inputs=(X,), target=Y,
                     loss_fn=F.cross_entropy)
     wait_running(run)
-    threading.Timer(0.5, _thread.interrupt_main).start()
-    with pytest.raises(KeyboardInterrupt):
-        run.wait(60)
-    assert run.status == "stopped" and not left_behind(run)
+    # Ctrl-C is Python's default SIGINT handler raising KeyboardInterrupt. An earlier test in the same process can
+    # leave another handler installed (the whole suite lost this interrupt twice in a row, never the file alone),
+    # and interrupt_main() does nothing then: the test installs the default for itself.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.5, _thread.interrupt_main).start()
+        try:
+            run.wait(60)
+        except KeyboardInterrupt:
+            pass
+        else:
+            pytest.fail(f"wait() saw no Ctrl-C: the run is {run.status!r} ({run.error}); SIGINT's handler had been "
+                        f"{previous!r}")
+        assert run.status == "stopped" and not left_behind(run)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        run.stop()  # never left running for the next test (it would take the cores a run pins)
 
 
 def test_nan_stops_the_run_or_is_recorded(plan: pv.SplitPlan) -> None:
