@@ -78,6 +78,7 @@ TOOLS = ("pytest==9.2.0", "pytest-timeout==2.4.0", "psutil==7.2.2", "cloudpickle
 # What each cell runs: one path through each runtime route, sized for CI (the grid's three cells, venv builds
 # included, should stay near 20 min on 2 cores, after `make test` and `make compat` have run everything once).
 # - tests/test_adapter.py, whole: every torch internal pipeviz touches, checked against the cell's torch.
+# - tests/test_regions.py without `other-4`: no_grad / autocast regions traced, refused inside, trained exactly.
 # - tests/test_runtime.py, whole: plain models under all 7 schedules (one stage per rank; several stages per rank;
 #   the backward split into input and weight gradients; the V shape), skips and tied weights, plus HF GPT-2, BERT
 #   and T5, and the process/event machinery.
@@ -88,7 +89,8 @@ TOOLS = ("pytest==9.2.0", "pytest-timeout==2.4.0", "psutil==7.2.2", "cloudpickle
 #   multi-stage schedule for the rows whose code differs most between transformers releases (the rotary decoders
 #   and the MoE: TRAIN_ROWS), and the meta-device build (each rank runs HF's own initialisers, whose handling of
 #   buffers changed between releases) for a wider set (META_ROWS). Rows not in tests/compat.py are not selected.
-TESTS = ("tests/test_adapter.py", "tests/test_runtime.py", "tests/test_families.py", "tests/test_compat.py")
+TESTS = ("tests/test_adapter.py", "tests/test_regions.py", "tests/test_runtime.py", "tests/test_families.py",
+         "tests/test_compat.py")
 TRAIN_ROWS = ("Llama", "GPT-NeoX", "Qwen2-MoE")
 META_ROWS = ("GPT-2", "Llama", "GPT-NeoX", "Qwen2-MoE", "Mixtral", "BERT", "T5")
 
