@@ -360,7 +360,8 @@ def _train(p: RankPayload, schedule: Any, optimizer: torch.optim.Optimizer, para
 
     first = any(st.index == 0 for st in p.stages)
     last = any(st.index == len(p.stage_ranks) - 1 for st in p.stages)
-    replica = p.mesh.coords(p.rank).dp + p.mesh.coords(p.rank).tp if p.mesh is not None else 0  # 0: reports
+    # One process reports the loss: replica 0's shard 0 (the other replicas averaged into it, the shards agree).
+    reports = p.mesh is None or p.mesh.coords(p.rank)[1:] == (0, 0)
     names = {id(t): canon for st in p.stages for canon, inner in st.params.items()
              for n, t in st.runner.stage.named_parameters(remove_duplicate=False) if n == inner}
     for step, (args, kwargs, target) in enumerate(_batches(p, device)):
@@ -388,7 +389,7 @@ def _train(p: RankPayload, schedule: Any, optimizer: torch.optim.Optimizer, para
             return False
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if last and replica == 0:
+        if last and reports:
             clock.post(("loss", step, loss))
         clock.post(("step", p.rank, step, time.time() - p.t0))
         clock.flush()
