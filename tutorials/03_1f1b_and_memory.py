@@ -23,9 +23,12 @@
 #
 # ## 1F1B
 #
-# The *one-forward-one-backward* schedule starts each backward as early as possible. Stage *s* of *p* runs *p* −
-# *s* forwards to warm up, then alternates one forward, one backward, and finally drains the remaining backwards.
-# So stage 0 never holds more than **p** microbatches, stage *s* at most *p* − *s*, whatever *m* is. Its
+# The *one-forward-one-backward* schedule starts each backward as early as possible. In torch's `Schedule1F1B`,
+# stage *s* of *p* warms up with min(*m*, *p* − *s*) forwards (its `warmup_chunks`), then alternates one backward,
+# one forward (the loop runs the backward first, "1B1F") until the forwards run out, and finally drains the
+# remaining backwards. So stage 0 never holds more than **min(m, p)** microbatches, stage *s* at most min(*m*, *p* −
+# *s*): with *m* ≥ *p*, that is *p* − *s* whatever *m* is. (PipeDream-Flush's paper warms up with *p* − *s* − 1
+# forwards and then alternates forward-then-backward: the same peak.) Its
 # synchronous form, with one optimizer step after all microbatches, is PipeDream-Flush (Narayanan et al.,
 # *Memory-Efficient Pipeline-Parallel DNN Training*, ICML 2021); it is torch's `Schedule1F1B`, and it has exactly
 # the same bubble as GPipe.
@@ -56,13 +59,16 @@ print(f"step time: GPipe {gpipe.step_time}, 1F1B {one_f_one_b.step_time}  (same 
 assert gpipe.peak_activation_bytes[0] == m and one_f_one_b.peak_activation_bytes[0] == min(p, m)
 
 # %% [markdown]
-# The orders show the difference: GPipe's rank 0 runs all forwards first, 1F1B's alternates after 4 warm-up
-# forwards.
+# The orders show the difference: GPipe's rank 0 runs all forwards first, 1F1B's alternates after min(m, p) = 4
+# warm-up forwards, and rank 3 (the last stage) after min(m, p − 3) = 1.
 
 # %%
 for name, tl in (("GPipe", gpipe), ("1F1B", one_f_one_b)):
     print(f"{name:5} rank 0:", " ".join(tl.order(0)))
     print(f"{name:5} rank 3:", " ".join(tl.order(3)))
+for s in range(p):  # warm-up: the forwards before the first backward, min(m, p - s) as in torch's Schedule1F1B
+    order = one_f_one_b.order(s)
+    assert next(i for i, action in enumerate(order) if "B" in action) == min(m, p - s), order
 pv.timeline_figure(one_f_one_b)
 
 # %% [markdown]
@@ -101,10 +107,12 @@ def in_flight_peak(order):
 run = pv.launch(plan, schedule="1F1B", microbatches=8, steps=2, inputs=(x,), target=y, loss_fn=F.cross_entropy)
 assert run.wait(180) == "done", run.error
 measured = run.timeline()
+simulated = pv.simulate(plan, "1F1B", microbatches=8)
 for rank in range(3):
     order = measured.order(rank, step=1)
     print(f"rank {rank}: {in_flight_peak(order)} microbatches at most   {' '.join(order)}")
-assert in_flight_peak(measured.order(0, step=1)) == 3   # p, not m = 8
+    assert order == simulated.order(rank)          # the processes ran torch's order, as simulated
+    assert in_flight_peak(order) == 3 - rank       # p - s: 3, 2, 1, not m = 8
 pv.TimelineView(run)
 
 # %% [markdown]
