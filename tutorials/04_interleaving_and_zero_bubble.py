@@ -58,12 +58,14 @@ pv.timeline_figure(interleaved)
 # %% [markdown]
 # ## Zero bubble
 #
-# Qi et al. (*Zero Bubble Pipeline Parallelism*, ICLR 2024) observe that a layer's backward is two computations:
+# Qi et al. (*Zero Bubble Pipeline Parallelism*, ICLR 2024; arXiv 2401.10241) observe that a layer's backward is
+# two computations:
 # the gradient with respect to its **input** (needed at once by the previous stage: on the critical path) and the
 # gradient with respect to its **weights** (needed only by the optimizer step). torch calls them **I** and **W**
 # (the paper: B and W). Running I first and postponing W lets W fill the slots where a rank would otherwise wait.
-# Their ZB-V schedule (§6) also places stages in a V: rank 0 holds the first *and* the last stage, so the pipeline
-# turns around on the same rank.
+# Their ZB-V schedule (added in the arXiv version, 2401.10241; not in the ICLR paper) also places 2*p* stages in a
+# V: stages 0 … *p* − 1 go down ranks 0 … *p* − 1, the V turns at rank *p* − 1 (which holds stages *p* − 1 and *p*),
+# and stages *p* … 2*p* − 1 come back up, so rank 0 holds the first *and* the last stage (and computes the loss).
 #
 # With I = W = half a backward, compare the four-rank schedules:
 
@@ -78,6 +80,7 @@ for schedule, v in (("1F1B", 1), ("Interleaved1F1B", 2), ("InterleavedZeroBubble
     print(f"{schedule:22} bubble time {tl.step_time - ideal:5.2f}   idle share {tl.bubble_fraction:5.1%}")
 zbv = textbook("ZBVZeroBubble", 2)
 print("ZBV stage -> rank:", pv.schedules.layout("ZBVZeroBubble", 8).stage_ranks)
+assert pv.schedules.layout("ZBVZeroBubble", 8).stage_ranks == (0, 1, 2, 3, 3, 2, 1, 0)  # the V, as the text says
 print("ZBV rank 0:", " ".join(zbv.order(0)))
 pv.timeline_figure(zbv)
 
