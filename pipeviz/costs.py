@@ -30,19 +30,23 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from pipeviz import schedules as sched
+from pipeviz.hardware import DTYPE_BYTES, Hardware, hardware
 
 if TYPE_CHECKING:
+    from pipeviz.capture import Capture
     from pipeviz.graph import ModelGraph
     from pipeviz.plan import SplitPlan, StageInfo
 
-__all__ = ["DDP_BUCKET_BYTES", "FLOPS_PER_S", "LINKS", "OPTIMIZER_STATES", "Costs", "all_reduce_time", "ddp_buckets",
-           "in_flight", "layer_times", "link", "memory_per_rank", "parallel_costs", "peak_activations", "stage_costs",
-           "stage_info_memory", "stage_memory", "tp_all_reduces", "tp_collectives"]
+__all__ = ["DDP_BUCKET_BYTES", "FLOPS_PER_S", "LINKS", "OPTIMIZER_STATES", "RECOMPUTE", "CostOptions", "Costs",
+           "all_reduce_time", "ddp_buckets", "in_flight", "layer_activation_bytes", "layer_times", "link",
+           "memory_per_rank", "parallel_costs", "peak_activations", "stage_costs", "stage_info_memory", "stage_memory",
+           "tp_all_reduces", "tp_collectives"]
 
 # Rough defaults, overridable: sustained FLOP/s of one process, and link bandwidth/latency per transport.
 # gloo's latency is what a pipeline sees between ranks on one host (README, "Performance").
@@ -51,6 +55,99 @@ LINKS = {"gloo": (1e9, 2e-4), "nccl": (1e11, 1e-5), "host": (1e10, 5e-5), "none"
 BACKWARD_PER_FORWARD = 2.0  # a backward computes two matmuls per forward matmul (input and weight grads)
 OPTIMIZER_STATES = 2  # tensors of optimizer state per parameter by default: Adam's two moments
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb=25
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class CostOptions:
+    """Everything the cost model needs besides the plan: one typed object that ``stage_costs``,
+    ``memory_per_rank``, ``pv.simulate``, ``pv.balance``, ``pv.compare`` and ``pv.plan_cluster`` all take.
+
+    Example:
+        >>> opts = CostOptions(hardware="h100", dtype="bfloat16", recompute="selective")
+        >>> pv.simulate(plan, "1F1B", 8, options=opts)         # the same as the keywords below
+        >>> pv.simulate(plan, "1F1B", 8, hardware="h100", dtype="bfloat16", recompute="selective")
+
+    Attributes:
+        hardware: a ``pv.Hardware`` or preset name; layer times then come from a roofline per op
+            (``pipeviz.hardware.op_time``) and links from the hardware (intra- or inter-node by where the ranks
+            sit). ``None``: FLOPs at ``flops_per_s`` (default by ``device``) and the ``backend``'s link.
+        dtype: the training dtype (``"bfloat16"``, ``"float32"``, ...): the peak used and the size of activations,
+            hand-offs and weight reads relative to the dtype the model was traced in (parameters, gradients and
+            optimizer state keep the traced size: mixed precision keeps float32 masters). Default: the hardware's
+            fast dtype; without hardware, the traced sizes.
+        recompute: ``"none"``, ``"selective"`` (attention's score/softmax activations recomputed in the backward,
+            Korthikanti et al. 2022) or ``"full"`` (each layer keeps only its input and runs its forward again in
+            the backward).
+        device, flops_per_s, bandwidth, latency, backend: the FLOP-rate and link settings without hardware
+            (``bandwidth`` / ``latency`` override the hardware's links too).
+        optimizer_states: tensors of optimizer state per parameter (Adam: 2).
+        batch_scale: the step's batch as a multiple of the traced example batch, in tokens (``pv.plan_cluster``
+            plans a global batch and sequence length the graph was not traced with): compute, activations and
+            hand-offs scale with it, parameters do not.
+
+    Raises:
+        ValueError: an unknown recompute mode, hardware or dtype (the message lists the valid ones).
+    """
+
+    hardware: Hardware | str | None = None
+    dtype: str | None = None
+    recompute: str = "none"
+    device: str = "cpu"
+    flops_per_s: float | None = None
+    bandwidth: float | None = None
+    latency: float | None = None
+    backend: str | None = None
+    optimizer_states: int = OPTIMIZER_STATES
+    batch_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"Unknown recompute={self.recompute!r}; valid: {', '.join(RECOMPUTE)}. Fix: "
+                             "recompute='selective' keeps all but attention's scores, 'full' only each layer's input.")
+        if self.hardware is not None:
+            hw = hardware(self.hardware)
+            object.__setattr__(self, "hardware", hw)
+            object.__setattr__(self, "dtype", hw.dtype(self.dtype))
+        elif self.dtype is not None:
+            name = str(self.dtype).lower().removeprefix("torch.")
+            name = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16"}.get(name, name)
+            if name not in DTYPE_BYTES:
+                raise ValueError(f"Unknown dtype {self.dtype!r}; valid: {', '.join(DTYPE_BYTES)}.")
+            object.__setattr__(self, "dtype", name)
+        if not self.batch_scale > 0:
+            raise ValueError(f"batch_scale must be positive, got {self.batch_scale!r}.")
+
+    @classmethod
+    def of(cls, options: CostOptions | None = None, **changes: Any) -> CostOptions:
+        """``options`` (default: all defaults) with every keyword that is not ``None`` replaced: how the
+        functions that take both ``options=`` and today's keywords merge them."""
+        given = {k: v for k, v in changes.items() if v is not None}
+        base = options if options is not None else cls()
+        return replace(base, **given) if given else base
+
+    @property
+    def hw(self) -> Hardware | None:
+        """The ``Hardware`` (resolved from a name on construction), or None."""
+        return self.hardware if isinstance(self.hardware, Hardware) else None
+
+    def link(self, span: int = 2) -> tuple[float, float]:
+        """``(bandwidth, latency)`` between ranks ``span`` apart (a group over ``span`` consecutive ranks): the
+        hardware's intra- or inter-node link, else the backend's; ``bandwidth`` / ``latency`` override."""
+        hw = self.hw
+        if hw is None:
+            return link(self.device, self.backend, self.bandwidth, self.latency)
+        bw, lat = hw.link(span)
+        return self.bandwidth or bw, lat if self.latency is None else self.latency
+
+    def byte_scale(self, graph: ModelGraph) -> float:
+        """Activation and hand-off bytes in ``dtype`` relative to the traced ones (1 without a dtype)."""
+        if self.dtype is None:
+            return 1.0
+        cap = graph.capture
+        numel = sum(cap.param_numel.values())
+        traced = sum(cap.param_bytes.values()) / numel if numel else 4.0
+        return DTYPE_BYTES[self.dtype] / (traced or 4.0)
 
 
 @dataclass(frozen=True)
@@ -69,6 +166,10 @@ class Costs:
         collective: per stage, seconds of tensor-parallel all-reduces in one forward (and as many in one
             backward or input-grad pass), on the critical path; empty without tensor parallelism.
         latency: the part of each ``comm`` a smaller microbatch does not shrink (``parallel_costs``).
+        recompute_bytes: per stage, activations a backward rebuilds for a moment under recomputation (one
+            layer's, the largest); empty without recomputation.
+        send_bytes: per boundary, bytes one microbatch hands on (``pv.simulate`` prices them on the link the
+            two ranks share); empty when unknown.
     """
 
     forward: tuple[float, ...]
@@ -82,6 +183,8 @@ class Costs:
     buffer_bytes: tuple[int, ...] = ()
     collective: tuple[float, ...] = ()
     latency: float = 0.0
+    recompute_bytes: tuple[int, ...] = ()
+    send_bytes: tuple[float, ...] = ()
 
     def duration(self, stage: int, kind: str) -> float:
         """Seconds of one action: ``F``, ``B``, or a zero-bubble ``I`` / ``W`` half of a backward (tensor-parallel
@@ -102,44 +205,180 @@ class Costs:
                    (activation_bytes,) * num_stages, (0,) * num_stages)
 
 
-def layer_times(graph: ModelGraph, microbatches: int = 1, device: str = "cpu",
-                flops_per_s: float | None = None) -> tuple[list[float], list[float], str]:
+def layer_times(graph: ModelGraph, microbatches: float = 1, device: str | None = None,
+                flops_per_s: float | None = None, options: CostOptions | None = None,
+                ) -> tuple[list[float], list[float], str]:
     """Per-layer forward and backward seconds for one microbatch, and where they come from.
 
     Measured when the graph carries a ``pv.profile`` of its layers (``graph.with_profile``), scaled from the
-    microbatch size it was measured at; otherwise FLOPs at ``flops_per_s`` (default by device).
+    microbatch size it was measured at (a measurement wins over any estimate); else, on a ``Hardware``
+    (``options.hardware``), a roofline per op: ``max(flops / (peak x efficiency), bytes / memory_bandwidth)``
+    summed over the layer's ops (matmuls by their FLOPs, elementwise ops by the bytes they read and write, views
+    free; backward = 2 x forward); else FLOPs at ``flops_per_s`` (default by device). Recomputation adds to the
+    backward: the whole forward (``"full"``) or attention's score ops (``"selective"``).
+
+    Example:
+        >>> fwd, bwd, source = layer_times(graph, 4, options=CostOptions(hardware="h100"))
 
     Returns:
-        ``(forward, backward, source)`` with ``source`` ``"measured"`` or ``"flops"``.
+        ``(forward, backward, source)`` with ``source`` ``"measured"``, ``"roofline"`` or ``"flops"``.
     """
+    opts = CostOptions.of(options, device=device, flops_per_s=flops_per_s)
+    k = opts.batch_scale / microbatches  # the microbatch as a fraction of the traced example batch
     prof = graph.profile
+    table = _op_table(graph.capture)
+    spans = list(zip(graph.index.layer_first, graph.index.layer_last, strict=True))
+    sel_flops = [sum(table.flops[i] for i in table.selective if a <= i <= b) for a, b in spans]
+    hw = opts.hw
     if prof is not None and all(name in prof.forward for name in graph.layer_names):
-        scale = prof.microbatches / microbatches  # a microbatch of 1/m of the batch takes m_prof/m as long
-        return ([prof.forward[n] * scale for n in graph.layer_names],
-                [prof.backward[n] * scale for n in graph.layer_names], "measured")
-    rate = flops_per_s or FLOPS_PER_S["cuda" if str(device).startswith("cuda") else "cpu"]
-    fwd = [layer.flops / microbatches / rate for layer in graph.layers]
-    return fwd, [f * BACKWARD_PER_FORWARD for f in fwd], "flops"
+        scale = prof.microbatches * k  # a microbatch of 1/m of the batch takes m_prof/m as long
+        fwd = [prof.forward[n] * scale for n in graph.layer_names]
+        bwd = [prof.backward[n] * scale for n in graph.layer_names]
+        # Selective recomputation's share of a measured forward: its ops' share of the layer's FLOPs.
+        sel = [f * sf / layer.flops if layer.flops else 0.0
+               for f, sf, layer in zip(fwd, sel_flops, graph.layers, strict=True)]
+        source = "measured"
+    elif hw is not None:
+        rate, bw, s = hw.rate(opts.dtype), hw.memory_bandwidth, opts.byte_scale(graph)
+        times = [max(f * k / rate, (a * k + w) * s / bw) for f, a, w in zip(table.flops, table.act, table.weight,
+                                                                                 strict=True)]
+        fwd = [sum(times[a:b + 1]) for a, b in spans]
+        bwd = [f * BACKWARD_PER_FORWARD for f in fwd]
+        sel = [sum(times[i] for i in table.selective if a <= i <= b) for a, b in spans]
+        source = "roofline"
+    else:
+        rate = opts.flops_per_s or FLOPS_PER_S["cuda" if str(opts.device).startswith("cuda") else "cpu"]
+        fwd = [layer.flops * k / rate for layer in graph.layers]
+        bwd = [f * BACKWARD_PER_FORWARD for f in fwd]
+        sel = [f * k / rate for f in sel_flops]
+        source = "flops"
+    if opts.recompute == "full":
+        bwd = [b + f for b, f in zip(bwd, fwd, strict=True)]
+    elif opts.recompute == "selective":
+        bwd = [b + x for b, x in zip(bwd, sel, strict=True)]
+    return fwd, bwd, source
+
+
+def layer_activation_bytes(graph: ModelGraph, options: CostOptions | None = None) -> list[float]:
+    """Per layer, the activation bytes one example batch keeps alive until its backward, in ``options.dtype``:
+
+    - ``"none"``: every activation the layer makes (``Layer.activation_bytes``);
+    - ``"selective"``: all but attention's scores, their scaling/masking and softmax (and its dropout): the
+      ``5as/h`` term of Korthikanti et al. 2022; a fused attention (SDPA, flash) stores none of them anyway;
+    - ``"full"``: only the layer's input (taken as its output's size, as in a residual stream).
+    """
+    opts = options or CostOptions()
+    s = opts.byte_scale(graph)
+    if opts.recompute == "none":
+        return [layer.activation_bytes * s for layer in graph.layers]
+    if opts.recompute == "full":
+        return [min(layer.out_bytes, layer.activation_bytes) * s for layer in graph.layers]
+    table = _op_table(graph.capture)
+    spans = zip(graph.index.layer_first, graph.index.layer_last, strict=True)
+    return [(layer.activation_bytes - sum(table.out[i] for i in table.selective if a <= i <= b)) * s
+            for layer, (a, b) in zip(graph.layers, spans, strict=True)]
+
+
+# Ops that move no data: views, metadata and Python-level getters (the roofline gives them no time).
+_FREE = frozenset({"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze",
+                   "slice", "select", "alias", "detach", "as_strided", "split", "split_with_sizes", "chunk", "unbind",
+                   "sym_size", "sym_numel", "sym_stride", "getitem", "lift_fresh_copy", "view_as_real",
+                   "view_as_complex", "_assert_tensor_metadata", "empty", "scalar_tensor", "arange"})
+
+
+@dataclass(frozen=True)
+class _OpTable:
+    """Per op of a capture: forward FLOPs, activation bytes read + written, weight bytes read, output bytes, and
+    the ops selective recomputation drops (attention scores)."""
+
+    flops: tuple[float, ...]
+    act: tuple[float, ...]
+    weight: tuple[float, ...]
+    out: tuple[float, ...]
+    selective: tuple[int, ...]
+
+
+_OP_TABLES: dict[int, tuple[weakref.ref[Capture], _OpTable]] = {}
+
+
+def _op_table(cap: Capture) -> _OpTable:
+    hit = _OP_TABLES.get(id(cap))
+    if hit is not None and hit[0]() is cap:
+        return hit[1]
+    ops = cap.ops
+    flops, act, weight, out = [], [], [], []
+    for op in ops:
+        base = op.target.split(".")[1] if op.target.startswith("aten.") else op.target.rsplit(".", 1)[-1]
+        free = base in _FREE and not op.flops
+        flops.append(float(op.flops))
+        out.append(float(op.out_bytes))
+        act.append(0.0 if free else float(op.out_bytes + sum(ops[i].out_bytes for i in op.inputs)))
+        weight.append(0.0 if free else float(sum(cap.param_bytes.get(p, 0) for p in op.params)))
+    table = _OpTable(tuple(flops), tuple(act), tuple(weight), tuple(out), _attention_scores(cap))
+    _OP_TABLES[id(cap)] = (weakref.ref(cap), table)
+    return table
+
+
+def _attention_scores(cap: Capture) -> tuple[int, ...]:
+    """Ops whose outputs are attention scores (Korthikanti et al.'s selectively recomputed part): each softmax,
+    the ops before it with the same output size back to the score matmul (scaling, masking), and the ops after
+    it with the same size (dropout)."""
+    ops = cap.ops
+    readers: dict[int, list[int]] = {}
+    for op in ops:
+        for i in op.inputs:
+            readers.setdefault(i, []).append(op.index)
+    marked: set[int] = set()
+    for op in ops:
+        if "softmax" not in op.target:
+            continue
+        size = op.out_bytes
+        todo = [op.index]
+        while todo:
+            i = todo.pop()
+            if i in marked:
+                continue
+            marked.add(i)
+            if "bmm" in ops[i].target or "matmul" in ops[i].target or "baddbmm" in ops[i].target:
+                continue  # the score matmul: its inputs (queries, keys) are kept anyway
+            todo += [j for j in ops[i].inputs if ops[j].out_bytes == size]
+            todo += [j for j in readers.get(i, []) if ops[j].out_bytes == size and j > op.index]
+    return tuple(sorted(marked))
 
 
 def stage_costs(
-    plan: SplitPlan, microbatches: int, device: str = "cpu", flops_per_s: float | None = None,
-    bandwidth: float | None = None, latency: float | None = None, backend: str | None = None,
+    plan: SplitPlan, microbatches: float, device: str | None = None, flops_per_s: float | None = None,
+    bandwidth: float | None = None, latency: float | None = None, backend: str | None = None, *,
+    hardware: Hardware | str | None = None, dtype: str | None = None, recompute: str | None = None,
+    options: CostOptions | None = None,
 ) -> Costs:
     """Costs of ``plan``'s stages for one microbatch (see the module docstring for the rules).
 
-    Communication: bytes / ``bandwidth`` + ``latency``, defaults per backend (gloo on CPU, NCCL on GPUs).
+    Example:
+        >>> stage_costs(plan, 8, hardware="h100", dtype="bfloat16", recompute="full").backward
+
+    Args:
+        plan: the split.
+        microbatches: microbatches the (traced example, times ``options.batch_scale``) batch is cut into.
+        device, flops_per_s, bandwidth, latency, backend, hardware, dtype, recompute: ``CostOptions`` fields,
+            given as keywords (they override ``options``).
+        options: a ``CostOptions``.
+
+    Communication: bytes / bandwidth + latency: the hardware's intra-node link, or the backend's (gloo on CPU,
+    NCCL on GPUs); ``pv.simulate`` re-prices each boundary on the link its two ranks share.
     """
+    opts = CostOptions.of(options, device=device, flops_per_s=flops_per_s, bandwidth=bandwidth, latency=latency,
+                          backend=backend, hardware=hardware, dtype=dtype, recompute=recompute)
     g = plan.graph
     stages = plan.stages
-    fwd_l, bwd_l, source = layer_times(g, microbatches, device, flops_per_s)
+    fwd_l, bwd_l, source = layer_times(g, microbatches, options=opts)
     pos = {n: i for i, n in enumerate(g.layer_names)}
     fwd = [sum(fwd_l[pos[n]] for n in s.layers) for s in stages]
     bwd = [sum(bwd_l[pos[n]] for n in s.layers) for s in stages]
     overhead = 0.0
     prof = g.profile
     if source == "measured" and prof is not None:
-        scale = prof.microbatches / microbatches
+        scale = prof.microbatches * opts.batch_scale / microbatches
         # Ops between layers (embedding sums, masks) are timed as a whole; share them by FLOPs.
         total = sum(s.flops for s in stages) or 1
         fwd = [f + prof.glue_forward * scale * s.flops / total for f, s in zip(fwd, stages, strict=True)]
@@ -148,11 +387,19 @@ def stage_costs(
         fwd[-1] += prof.loss_forward * scale
         bwd[-1] += prof.loss_backward * scale
         overhead = prof.overhead
-    bw, lat = link(device, backend, bandwidth, latency)
-    comm = tuple(s.send_bytes / microbatches / bw + lat for s in stages[:-1])
-    return Costs(tuple(fwd), tuple(bwd), comm, tuple(s.activation_bytes // microbatches for s in stages),
-                 tuple(s.param_bytes for s in stages), overhead=overhead, source=source,
-                 buffer_bytes=tuple(s.buffer_bytes for s in stages), latency=lat)
+    bs = opts.byte_scale(g) * opts.batch_scale
+    stored = layer_activation_bytes(g, opts)
+    dropped = [layer.activation_bytes * opts.byte_scale(g) - kept for layer, kept in zip(g.layers, stored, strict=True)]
+    acts = tuple(int(s.activation_bytes * bs - sum(dropped[pos[n]] for n in s.layers) * opts.batch_scale)
+                 // microbatches for s in stages)
+    rebuilt = (tuple(round(max(dropped[pos[n]] for n in s.layers) * opts.batch_scale / microbatches) for s in stages)
+               if opts.recompute != "none" else ())
+    sends = tuple(s.send_bytes * bs / microbatches for s in stages[:-1])
+    bw, lat = opts.link(2)
+    comm = tuple(b / bw + lat for b in sends)
+    return Costs(tuple(fwd), tuple(bwd), comm, tuple(int(a) for a in acts), tuple(s.param_bytes for s in stages),
+                 overhead=overhead, source=source, buffer_bytes=tuple(s.buffer_bytes for s in stages), latency=lat,
+                 recompute_bytes=rebuilt, send_bytes=sends)
 
 
 def link(device: str | None = "cpu", backend: str | None = None, bandwidth: float | None = None,
@@ -200,14 +447,15 @@ def tp_all_reduces(layer: Any) -> int:
     return 2 if layer.expandable else 1
 
 
-def tp_collectives(plan: SplitPlan, microbatches: int, dp: int = 1, tp: int = 1,
-                   via: tuple[float, float] | None = None) -> tuple[float, ...]:
+def tp_collectives(plan: SplitPlan, microbatches: float, dp: int = 1, tp: int = 1,
+                   via: tuple[float, float] | None = None, scale: float = 1.0) -> tuple[float, ...]:
     """Per stage, seconds of tensor-parallel all-reduces in one forward of one microbatch (as many again in
-    its backward): ``sum over layers of tp_all_reduces(layer) x all_reduce_time(out_bytes / (m x dp), tp)``."""
+    its backward): ``sum over layers of tp_all_reduces(layer) x all_reduce_time(out_bytes / (m x dp), tp)``
+    (``scale``: the bytes' dtype and batch relative to the traced ones, ``CostOptions``)."""
     via = via or link()
     layers = {layer.name: layer for layer in plan.graph.layers}
     return tuple(
-        sum(tp_all_reduces(layers[n]) * all_reduce_time(layers[n].out_bytes / (microbatches * dp), tp, via)
+        sum(tp_all_reduces(layers[n]) * all_reduce_time(layers[n].out_bytes * scale / (microbatches * dp), tp, via)
             for n in s.layers)
         for s in plan.stages
     )
@@ -229,6 +477,8 @@ def parallel_costs(costs: Costs, dp: int = 1, tp: int = 1, collective: Sequence[
         activation_bytes=tuple(round(a / k) for a in costs.activation_bytes),
         param_bytes=tuple(round(p / tp) for p in costs.param_bytes),
         collective=tuple(collective) if collective is not None else costs.collective,
+        recompute_bytes=tuple(round(a / k) for a in costs.recompute_bytes),
+        send_bytes=tuple(b / dp for b in costs.send_bytes),
     )
 
 
@@ -275,13 +525,17 @@ def stage_memory(param_bytes: int, buffer_bytes: int, activation_bytes_in_flight
 
 
 def memory_per_rank(plan: SplitPlan | None, schedule: str, microbatches: int, stages_per_rank: int | None = None,
-                    optimizer_states: int = OPTIMIZER_STATES, costs: Costs | None = None,
-                    order: Sequence[Sequence[str]] | None = None, forward_only: bool = False,
-                    **cost_options: Any) -> list[int]:
+                    optimizer_states: int | None = None, costs: Costs | None = None,
+                    order: Sequence[Sequence[str]] | None = None, forward_only: bool = False, *,
+                    hardware: Hardware | str | None = None, dtype: str | None = None, recompute: str | None = None,
+                    options: CostOptions | None = None, **link_options: Any) -> list[int]:
     """Bytes each rank holds at its peak when ``plan`` trains under ``schedule`` (the module's formula).
 
     ``forward_only``: an inference run keeps weights and buffers, no gradients or optimizer state, and one
-    microbatch's activations of a stage at a time.
+    microbatch's activations of a stage at a time. Under recomputation a backward rebuilds one layer's
+    activations for a moment: the largest such layer of the rank's stages adds to its peak.
+    ``optimizer_states`` defaults to ``options.optimizer_states`` (Adam's 2); ``link_options`` are the other
+    ``stage_costs`` keywords (``device``, ``bandwidth``, ...).
 
     Example:
         >>> memory_per_rank(plan, "GPipe", 8) == [s.memory_bytes for s in plan.stages]    # one stage per rank
@@ -290,7 +544,10 @@ def memory_per_rank(plan: SplitPlan | None, schedule: str, microbatches: int, st
     if costs is None:
         if plan is None:
             raise ValueError("memory_per_rank() needs a plan, or costs=Costs(...).")
-        costs = stage_costs(plan, microbatches, **cost_options)
+        costs = stage_costs(plan, microbatches, hardware=hardware, dtype=dtype, recompute=recompute, options=options,
+                            **link_options)
+    if optimizer_states is None:
+        optimizer_states = options.optimizer_states if options is not None else OPTIMIZER_STATES
     n = len(costs.forward)
     lay = sched.layout(schedule, n, stages_per_rank)
     acts = [list(a) for a in order] if order is not None else sched.orders(schedule, n, microbatches, stages_per_rank)
@@ -299,8 +556,10 @@ def memory_per_rank(plan: SplitPlan | None, schedule: str, microbatches: int, st
         return [max(costs.activation_bytes[s] for s in lay.stages_of(r))
                 + sum(costs.param_bytes[s] + buffers[s] for s in lay.stages_of(r)) for r in range(lay.num_ranks)]
     peaks = peak_activations(acts, costs.activation_bytes, costs.weight_fraction)
+    rebuilt = costs.recompute_bytes or (0,) * n
     return [
-        peaks[r] + sum(stage_memory(costs.param_bytes[s], buffers[s], 0, optimizer_states) for s in lay.stages_of(r))
+        peaks[r] + max(rebuilt[s] for s in lay.stages_of(r))
+        + sum(stage_memory(costs.param_bytes[s], buffers[s], 0, optimizer_states) for s in lay.stages_of(r))
         for r in range(lay.num_ranks)
     ]
 

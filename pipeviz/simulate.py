@@ -20,22 +20,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipeviz import schedules as sched
 from pipeviz.costs import (
-    OPTIMIZER_STATES,
+    CostOptions,
     Costs,
     all_reduce_time,
     ddp_buckets,
-    link,
     memory_per_rank,
     parallel_costs,
     peak_activations,
     stage_costs,
     tp_collectives,
 )
+from pipeviz.hardware import Hardware
 from pipeviz.mesh import Mesh
 from pipeviz.plan import SplitPlan
 from pipeviz.timeline import Event, Timeline
@@ -48,6 +48,13 @@ def estimate_costs(plan: SplitPlan, microbatches: int, **options: Any) -> Costs:
     return stage_costs(plan, microbatches, **options)
 
 
+def _degree(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        what = "data-parallel replicas" if name == "dp" else "tensor-parallel shards per stage"
+        raise ValueError(f"{name} must be a positive int (the number of {what}), got {value!r}. "
+                         f"Fix: {name}=1 for none, or a whole number such as {name}=2.")
+
+
 def simulate(
     plan: SplitPlan | None = None,
     schedule: str = "1F1B",
@@ -56,14 +63,23 @@ def simulate(
     costs: Costs | None = None,
     order: Sequence[Sequence[str]] | None = None,
     num_stages: int | None = None,
-    optimizer_states: int = OPTIMIZER_STATES,
+    optimizer_states: int | None = None,
     cores: int | None = None,
     forward_only: bool = False,
     dp: int = 1,
     tp: int = 1,
     dp_bandwidth: float | None = None,
     tp_bandwidth: float | None = None,
-    **cost_options: Any,
+    *,
+    hardware: Hardware | str | None = None,
+    dtype: str | None = None,
+    recompute: str | None = None,
+    options: CostOptions | None = None,
+    device: str | None = None,
+    flops_per_s: float | None = None,
+    bandwidth: float | None = None,
+    latency: float | None = None,
+    backend: str | None = None,
 ) -> Timeline:
     """Simulate one training step of ``plan`` under ``schedule``.
 
@@ -72,8 +88,9 @@ def simulate(
         schedule: any of torch's schedules; ``order`` overrides its action order (a custom schedule).
         microbatches: microbatches per step.
         stages_per_rank: multi-stage schedules (default 2).
-        costs: per-stage ``Costs``; default ``pipeviz.costs.stage_costs(plan, microbatches, **cost_options)``.
-        optimizer_states: tensors of optimizer state per parameter for the memory figure (Adam: 2).
+        costs: per-stage ``Costs``; default ``pipeviz.costs.stage_costs(plan, microbatches, options=...)``.
+        optimizer_states: tensors of optimizer state per parameter for the memory figure (default
+            ``options.optimizer_states``, Adam's 2).
         cores: simulate the run on this many CPU cores ("as run here" on a machine with fewer cores than
             ranks): at most ``cores`` actions compute at once, a rank ready to compute waits for a free core.
             Default: a core (or a GPU) per rank. With replicas or shards, all ``pp x dp x tp`` processes share
@@ -99,6 +116,13 @@ def simulate(
             latency`` each, on the critical path. Needs a plan for the collectives (none in a what-if).
         dp_bandwidth, tp_bandwidth: bytes/s of the data- and tensor-parallel links (default: the pipeline's
             link, ``bandwidth`` / ``backend`` / ``device`` cost options; latency from the same link).
+        hardware, dtype, recompute, device, flops_per_s, bandwidth, latency, backend: ``pipeviz.costs.CostOptions``
+            fields as keywords (they override ``options``). On a ``hardware`` the ranks are placed as
+            ``pv.launch`` places them (``pipeviz.mesh``: pipeline rank outermost, shard innermost), node by node:
+            a hand-off between two pipeline ranks in one node goes over ``intra_node``, else ``inter_node``; the
+            shards' all-reduces over the link their group spans, likewise the replicas'; each replica's
+            microbatch is costed at its own size (a roofline does not divide by dp).
+        options: a ``pipeviz.costs.CostOptions`` (hardware, dtype, recompute, links, batch scale).
 
     Returns:
         A simulated ``Timeline``; ``meta`` holds ``peak_activation_bytes`` and ``memory_bytes`` per rank,
@@ -111,10 +135,11 @@ def simulate(
             (the message names what each rank waits for).
     """
     for name, value in (("dp", dp), ("tp", tp)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            what = "data-parallel replicas" if name == "dp" else "tensor-parallel shards per stage"
-            raise ValueError(f"{name} must be a positive int (the number of {what}), got {value!r}. "
-                             f"Fix: {name}=1 for none, or a whole number such as {name}=2.")
+        _degree(name, value)
+    opts = CostOptions.of(options, hardware=hardware, dtype=dtype, recompute=recompute, device=device,
+                          flops_per_s=flops_per_s, bandwidth=bandwidth, latency=latency, backend=backend)
+    if optimizer_states is None:
+        optimizer_states = opts.optimizer_states
     n = plan.num_stages if plan is not None else num_stages
     if n is None:
         raise ValueError("simulate() needs a plan, or num_stages with costs.")
@@ -124,17 +149,31 @@ def simulate(
         acts = [[a for a in rank_acts if sched.parse(a)[1] == "F"] for rank_acts in acts]
     else:
         sched.validate(acts, n, microbatches, lay.stage_ranks)
+    hw = opts.hw
+    per_replica = hw is not None and costs is None  # a roofline: cost one replica's microbatch at its own size
     if costs is None:
         if plan is None:
             raise ValueError("simulate() without a plan needs costs=Costs(...).")
-        costs = stage_costs(plan, microbatches, **cost_options)
+        copts = replace(opts, batch_scale=opts.batch_scale / dp) if per_replica else opts
+        costs = stage_costs(plan, microbatches, options=copts)
     if cores is not None and (not isinstance(cores, int) or cores < 1):
         raise ValueError(f"cores must be a positive int or None, got {cores!r}.")
-    bw, lat = link(cost_options.get("device") or "cpu", cost_options.get("backend"), cost_options.get("bandwidth"),
-                   cost_options.get("latency"))
-    collective = tp_collectives(plan, microbatches, dp, tp, (tp_bandwidth or bw, lat)) if tp > 1 and plan else None
-    costs = parallel_costs(costs, dp, tp, collective)
-    red = _Reduction(acts, lay, costs, dp, (dp_bandwidth or bw, lat)) if dp > 1 and not forward_only else None
+    mesh = Mesh(lay.num_ranks, dp, tp)
+    bw, lat = opts.link(2)
+    tp_via = opts.link(tp) if hw is not None else (tp_bandwidth or bw, lat)
+    dp_via = opts.link(mesh.replicas(0)[-1] + 1) if hw is not None else (dp_bandwidth or bw, lat)
+    if tp_bandwidth and hw is not None:
+        tp_via = (tp_bandwidth, tp_via[1])
+    if dp_bandwidth and hw is not None:
+        dp_via = (dp_bandwidth, dp_via[1])
+    collective = None
+    if tp > 1 and plan is not None:
+        scale = opts.byte_scale(plan.graph) * opts.batch_scale
+        collective = tp_collectives(plan, microbatches, dp, tp, tp_via, scale)
+    costs = parallel_costs(costs, 1 if per_replica else dp, tp, collective)
+    if hw is not None and costs.send_bytes:
+        costs = replace(costs, comm=_placed_comm(costs, lay, mesh, opts))
+    red = _Reduction(acts, lay, costs, dp, dp_via) if dp > 1 and not forward_only else None
     share = cores / (dp * tp) if cores is not None else math.inf  # replica 0's pipeline's share of the cores
     if share >= lay.num_ranks:
         events = _run(acts, lay, costs, n, red)
@@ -149,12 +188,27 @@ def simulate(
                              order=acts, forward_only=forward_only)
     meta: dict[str, Any] = {"peak_activation_bytes": peaks, "memory_bytes": memory, "costs": costs.source,
                             "cores": cores, "forward_only": forward_only, "mesh": (lay.num_ranks, dp, tp)}
+    if hw is not None:
+        meta["hardware"], meta["dtype"], meta["recompute"] = hw.name, opts.dtype, opts.recompute
     if dp > 1 or tp > 1:
-        mesh = Mesh(lay.num_ranks, dp, tp)
         meta["processes"] = [mesh.label(mesh.rank(r)) for r in range(lay.num_ranks)]
     if red is not None:
         meta["dp_bytes"], meta["dp_seconds"] = red.nbytes, red.seconds
     return Timeline(events, lay.num_ranks, n, microbatches, lay.schedule, source="simulated", meta=meta)
+
+
+def _placed_comm(costs: Costs, lay: sched.Layout, mesh: Mesh, opts: CostOptions) -> tuple[float, ...]:
+    """Each boundary's hand-off on the link between the two ranks' devices: intra-node when both sit in one node
+    (``devices_per_node`` consecutive process ranks), else inter-node."""
+    hw = opts.hw
+    assert hw is not None
+    out = []
+    for s, nbytes in enumerate(costs.send_bytes):
+        a, b = mesh.rank(lay.stage_ranks[s]), mesh.rank(lay.stage_ranks[s + 1])
+        same_node = a // hw.devices_per_node == b // hw.devices_per_node
+        bw, lat = opts.link(1 if same_node else hw.devices_per_node + 1)
+        out.append(nbytes / bw + lat)
+    return tuple(out)
 
 
 class _Reduction:

@@ -1,0 +1,247 @@
+"""``Hardware``: what a device can do, for costs on machines a notebook never ran on.
+
+One table of named presets (``HARDWARE``), each figure with the datasheet it comes from, plus ``"cpu"``: this
+machine, from a short measurement. The cost model (``pipeviz.costs``) turns a layer's ops into seconds on a
+``Hardware`` with a roofline per op (``op_time``): ``max(flops / (peak[dtype] x efficiency), bytes /
+memory_bandwidth)``.
+
+``efficiency`` is the one calibration constant per GPU type: the fraction of the datasheet's dense peak a
+well-shaped matmul reaches in practice (large training runs report 35-55 % model FLOPs utilisation on
+A100/H100, Megatron-LM and torchtitan alike). Change it with ``hw.with_efficiency(0.45)`` or
+``dataclasses.replace(hw, efficiency=0.45)``.
+
+Example:
+    >>> hw = pv.hardware("H100")                 # case-insensitive; pv.HARDWARE lists the presets
+    >>> hw.peak("bfloat16") / 1e12
+    989.5
+    >>> pv.simulate(plan, "1F1B", 8, hardware=hw.with_efficiency(0.45), dtype="bfloat16")
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+
+__all__ = ["DTYPES", "DTYPE_BYTES", "HARDWARE", "Hardware", "HardwareError", "hardware", "measure_cpu", "op_time"]
+
+
+DTYPES = ("float32", "tf32", "bfloat16", "float16", "fp8")
+DTYPE_BYTES = {"float32": 4, "tf32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
+                  "float8": "fp8", "float8_e4m3fn": "fp8"}
+
+
+class HardwareError(ValueError):
+    """An unknown hardware name or dtype; the message lists the valid ones."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One kind of accelerator and the links between its devices.
+
+    Example:
+        >>> h100 = pv.hardware("h100-sxm")
+        >>> h100.rate("bfloat16")                 # achieved matmul FLOP/s: peak x efficiency
+        >>> slower = h100.with_efficiency(0.4)
+
+    Attributes:
+        name: the preset's name.
+        flops: dtype name -> dense peak FLOP/s of one device (keys among ``DTYPES``).
+        memory_bytes: device memory (datasheet figure; a little of it is the runtime's).
+        memory_bandwidth: device memory bytes/s (what elementwise ops are bound by).
+        devices_per_node: devices that share the fast intra-node link.
+        intra_node: ``(bandwidth bytes/s per device per direction, latency s)`` within a node (NVLink).
+        inter_node: ``(bandwidth bytes/s per device, latency s)`` between nodes (InfiniBand).
+        efficiency: achieved fraction of peak for matmuls (the calibration constant).
+        collective_efficiency: achieved fraction of link bandwidth in collectives and hand-offs.
+    """
+
+    name: str
+    flops: Mapping[str, float]
+    memory_bytes: int
+    memory_bandwidth: float
+    devices_per_node: int
+    intra_node: tuple[float, float]
+    inter_node: tuple[float, float]
+    efficiency: float = 0.55
+    collective_efficiency: float = 0.8
+
+    def __post_init__(self) -> None:
+        unknown = [k for k in self.flops if k not in DTYPES]
+        if unknown:
+            raise HardwareError(f"Hardware {self.name!r}: unknown dtype(s) {unknown} in flops; valid: "
+                                f"{', '.join(DTYPES)}.")
+        for label, value in (("efficiency", self.efficiency), ("collective_efficiency", self.collective_efficiency)):
+            if not 0 < value <= 1:
+                raise HardwareError(f"{label} must be in (0, 1], got {value!r}. Fix: e.g. {label}=0.5.")
+        # An immutable copy, so the frozen dataclass stays hashable (costs are cached per Hardware).
+        object.__setattr__(self, "flops", MappingProxyType(dict(self.flops)))
+
+    def __hash__(self) -> int:
+        return hash((self.name, tuple(sorted(self.flops.items())), self.memory_bytes, self.memory_bandwidth,
+                     self.devices_per_node, self.intra_node, self.inter_node, self.efficiency,
+                     self.collective_efficiency))
+
+    def dtype(self, dtype: str | None = None) -> str:
+        """The canonical dtype name (``"bf16"`` -> ``"bfloat16"``); ``None``: bfloat16 where the device computes it
+        at least as fast as float32 (every GPU preset), else float32 (a CPU without bfloat16 units).
+
+        Raises:
+            HardwareError: a dtype this hardware has no figure for (the message lists the ones it has).
+        """
+        if dtype is None:
+            fast = self.flops.get("bfloat16", 0.0) >= self.flops.get("float32", 0.0)
+            return "bfloat16" if fast and "bfloat16" in self.flops else "float32"
+        name = str(dtype).lower().removeprefix("torch.")
+        name = _DTYPE_ALIASES.get(name, name)
+        if name not in self.flops:
+            raise HardwareError(f"Hardware {self.name!r} has no peak for dtype {dtype!r}; valid: "
+                                f"{', '.join(self.flops)}. Fix: dtype='{self.dtype(None)}'.")
+        return name
+
+    def peak(self, dtype: str | None = None) -> float:
+        """Dense peak FLOP/s of one device in ``dtype`` (datasheet)."""
+        return self.flops[self.dtype(dtype)]
+
+    def rate(self, dtype: str | None = None) -> float:
+        """Achieved matmul FLOP/s: ``peak(dtype) x efficiency``."""
+        return self.peak(dtype) * self.efficiency
+
+    def with_efficiency(self, efficiency: float) -> Hardware:
+        """This hardware with another calibration constant (``dataclasses.replace`` does the same)."""
+        return replace(self, efficiency=efficiency)
+
+    def link(self, span: int) -> tuple[float, float]:
+        """``(bandwidth, latency)`` of a link between devices ``span`` ranks apart or a group spanning ``span``
+        consecutive ranks: intra-node when it fits in one node, else inter-node; bandwidth x
+        ``collective_efficiency``."""
+        bw, lat = self.intra_node if span <= self.devices_per_node else self.inter_node
+        return bw * self.collective_efficiency, lat
+
+
+# Datasheet figures. Dense (no 2:4 sparsity) tensor-core peaks per GPU; torchtitan's get_peak_flops keeps the
+# same BF16 numbers (A100 312e12, H100 SXM 989e12, H200 989e12, B200 2.25e15).
+# Links: NVLink bandwidth per direction (the datasheets quote both directions together); between nodes one
+# InfiniBand NIC per GPU as in NVIDIA's DGX systems. Latencies are typical NCCL figures, not datasheet ones.
+_GB = 1e9
+_PRESETS: dict[str, Hardware] = {
+    # NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf), A100 80GB SXM:
+    # FP32 19.5 TF, TF32 156 TF, BF16/FP16 312 TF, 80 GB HBM2e at 2,039 GB/s, NVLink 600 GB/s (both ways).
+    # DGX A100 user guide: 8 GPUs, 8x 200 Gb/s HDR InfiniBand (25 GB/s per GPU).
+    "a100-80gb": Hardware("a100-80gb", {"float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12, "float16": 312e12},
+                          80 * 10**9, 2039 * _GB, 8, (300 * _GB, 5e-6), (25 * _GB, 1e-5)),
+    # NVIDIA H100 Tensor Core GPU datasheet (resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet),
+    # H100 SXM: FP32 67 TF, TF32 494.5 TF, BF16/FP16 989.5 TF, FP8 1,979 TF (halves of the sparsity figures),
+    # 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s (both ways). DGX H100: 8x 400 Gb/s NDR InfiniBand (50 GB/s per GPU).
+    "h100-sxm": Hardware("h100-sxm", {"float32": 67e12, "tf32": 494.5e12, "bfloat16": 989.5e12, "float16": 989.5e12,
+                                      "fp8": 1979e12},
+                         80 * 10**9, 3350 * _GB, 8, (450 * _GB, 5e-6), (50 * _GB, 1e-5)),
+    # NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200), H200 SXM: the H100's compute
+    # (BF16 989 TF, FP8 1,979 TF dense), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; DGX H200: 8x 400 Gb/s NDR.
+    "h200": Hardware("h200", {"float32": 67e12, "tf32": 494.5e12, "bfloat16": 989.5e12, "float16": 989.5e12,
+                              "fp8": 1979e12},
+                     141 * 10**9, 4800 * _GB, 8, (450 * _GB, 5e-6), (50 * _GB, 1e-5)),
+    # NVIDIA HGX B200 datasheet (nvidia.com/en-us/data-center/hgx), per GPU of 8: FP32 75 TF, TF32 1.1 PF,
+    # BF16/FP16 2.25 PF, FP8 4.5 PF (dense), 180 GB HBM3e at 8 TB/s (1.44 TB, 64 TB/s for 8), NVLink 5 1.8 TB/s
+    # (both ways). DGX B200: 8x 400 Gb/s ConnectX-7 (50 GB/s per GPU).
+    "b200": Hardware("b200", {"float32": 75e12, "tf32": 1.1e15, "bfloat16": 2.25e15, "float16": 2.25e15,
+                              "fp8": 4.5e15},
+                     180 * 10**9, 8000 * _GB, 8, (900 * _GB, 5e-6), (50 * _GB, 1e-5)),
+}
+_ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "h200-sxm": "h200", "b200-sxm": "b200"}
+
+
+@functools.lru_cache(maxsize=1)
+def measure_cpu(seconds: float = 0.3) -> Hardware:
+    """``"cpu"``: this machine as one device, from a short measurement (cached for the process).
+
+    float32 and bfloat16 matmul FLOP/s (512 x 512 and 128 x 128 products at torch's current thread count) and
+    memory bandwidth (copying 32 MiB); each rate is what was achieved, so ``efficiency`` is 1. Links are gloo's on
+    one host (``pipeviz.costs.LINKS``); memory is the machine's RAM.
+    """
+    import torch
+
+    def timed(fn: object, work: float) -> float:
+        assert callable(fn)
+        fn()  # warm up
+        n, start = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            elapsed = time.perf_counter() - start
+            if elapsed > seconds / 3 and n >= 3:
+                return work * n / elapsed
+
+    flops: dict[str, float] = {}
+    for name, dt, k in (("float32", torch.float32, 512), ("bfloat16", torch.bfloat16, 128)):
+        a = torch.randn(k, k).to(dt)  # bfloat16 is slow on CPUs without its units: a smaller product
+        flops[name] = timed(lambda a=a: a @ a, 2 * k**3)
+    src = torch.empty(2**23, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    bandwidth = timed(lambda: dst.copy_(src), 2 * src.numel() * 4)  # a copy reads and writes every byte
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 16 * 2**30
+    gloo = (1e9, 2e-4)  # pipeviz.costs.LINKS["gloo"]: what a pipeline sees between ranks on one host
+    return Hardware("cpu", flops, int(ram), bandwidth, os.cpu_count() or 1, gloo, gloo, efficiency=1.0,
+                    collective_efficiency=1.0)
+
+
+class _Presets(Mapping[str, Hardware]):
+    """``pv.HARDWARE``: the presets by lowercase name; ``"cpu"`` is measured when first looked up."""
+
+    def __getitem__(self, key: str) -> Hardware:
+        name = _ALIASES.get(key, key)
+        if name == "cpu":
+            return measure_cpu()
+        return _PRESETS[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*_PRESETS, "cpu"])
+
+    def __len__(self) -> int:
+        return len(_PRESETS) + 1
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and (_ALIASES.get(key, key) in _PRESETS or key == "cpu")
+
+    def __repr__(self) -> str:
+        return f"HARDWARE({', '.join(self)}; aliases {', '.join(_ALIASES)})"
+
+
+HARDWARE: Mapping[str, Hardware] = _Presets()
+
+
+def hardware(spec: str | Hardware) -> Hardware:
+    """The ``Hardware`` for a preset name (case-insensitive, aliases ``a100``, ``h100``) or a ``Hardware`` itself.
+
+    Example:
+        >>> pv.hardware("H100").name
+        'h100-sxm'
+
+    Raises:
+        HardwareError: an unknown name (the message lists the valid ones).
+        TypeError: neither a name nor a ``Hardware``.
+    """
+    if isinstance(spec, Hardware):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"hardware= takes a preset name or a pv.Hardware, got {spec!r} ({type(spec).__name__}).")
+    key = spec.strip().lower()
+    if key not in HARDWARE:
+        raise HardwareError(f"Unknown hardware {spec!r}; valid: {', '.join(HARDWARE)} (aliases: "
+                            f"{', '.join(_ALIASES)}). Fix: hardware='h100', or build a pv.Hardware(...).")
+    return HARDWARE[key]
+
+
+def op_time(flops: float, nbytes: float, hw: Hardware, dtype: str | None = None) -> float:
+    """Seconds of one op on ``hw``: the roofline ``max(flops / rate(dtype), bytes / memory_bandwidth)``.
+
+    A large matmul is compute-bound (the first term), an elementwise op memory-bound (the second).
+    """
+    return max(flops / hw.rate(dtype), nbytes / hw.memory_bandwidth)
