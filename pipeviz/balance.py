@@ -1,23 +1,31 @@
 """``balance()``: the contiguous split that minimises the slowest stage, optimally, under a memory limit.
 
 Exact dynamic programming over contiguous partitions (the linear-partition problem): O(stages x layers^2).
+``compare()`` simulates a plan under every schedule on the same number of ranks: a schedule with v stages per
+rank gets a split into ranks x v stages balanced the same way.
+
 Example:
     >>> plan = pv.balance(graph, num_stages=4)                       # by time (measured or FLOP-estimated)
     >>> plan = pv.balance(graph, 4, by="params", memory_limit=2**30, schedule="1F1B", microbatches=8)
+    >>> plan = pv.balance(graph, 8, hardware="h100", dtype="bfloat16", recompute="full")
+    >>> print(pv.compare(plan, microbatches=8).table())               # 4 ranks in every row
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
-from pipeviz.costs import OPTIMIZER_STATES, in_flight, layer_times, stage_memory
+from pipeviz import schedules as sched
+from pipeviz.costs import CostOptions, in_flight, layer_activation_bytes, layer_times, stage_memory
 from pipeviz.graph import ModelGraph
+from pipeviz.hardware import Hardware
 from pipeviz.plan import PlanError, SplitPlan
 from pipeviz.schedules import ScheduleError
-from pipeviz.simulate import simulate
+from pipeviz.simulate import Comparison, simulate
 
-__all__ = ["BY", "balance", "layer_costs", "optimal_partitions", "partition", "slowest_stage"]
+__all__ = ["BY", "balance", "compare", "layer_costs", "optimal_partitions", "partition", "slowest_stage"]
 
 
 BY = ("time", "flops", "params")
@@ -127,11 +135,11 @@ def optimal_partitions(costs: Sequence[float], k: int, memory: Sequence[Sequence
     return sorted(out, key=spread) or [best]
 
 
-def slowest_stage(plan: SplitPlan, by: str = "time") -> tuple[float, float]:
+def slowest_stage(plan: SplitPlan, by: str = "time", options: CostOptions | None = None) -> tuple[float, float]:
     """The plan's slowest stage and the best slowest stage any split into as many stages reaches, in the
     per-layer costs ``by`` uses: ``(slowest, optimum)``. The preview's verdict compares the two."""
     graph = plan.graph
-    costs = layer_costs(graph, by)
+    costs = layer_costs(graph, by, options)
     pos = {n: i for i, n in enumerate(graph.layer_names)}
     slowest = max(sum(costs[pos[n]] for n in s.layers) for s in plan.stages)
     ends = partition(costs, plan.num_stages)
@@ -142,23 +150,25 @@ def slowest_stage(plan: SplitPlan, by: str = "time") -> tuple[float, float]:
     return slowest, optimum
 
 
-def layer_costs(graph: ModelGraph, by: str = "time") -> list[float]:
+def layer_costs(graph: ModelGraph, by: str = "time", options: CostOptions | None = None) -> list[float]:
     """Per-layer cost for balancing: forward + backward seconds (``pipeviz.costs.layer_times``: measured on a
-    graph with a ``pv.profile`` attached, else from FLOPs), FLOPs, or parameter counts."""
+    graph with a ``pv.profile`` attached, else a roofline on ``options.hardware``, else from FLOPs; with
+    ``options.recompute``'s extra forward work), FLOPs, or parameter counts."""
     if by not in BY:
         raise ValueError(f"Unknown balance criterion by={by!r}; valid: {', '.join(BY)}.")
     if by == "params":
         return [float(layer.params) for layer in graph.layers]
     if by == "flops":
         return [float(layer.flops) for layer in graph.layers]
-    fwd, bwd, _ = layer_times(graph)
+    fwd, bwd, _ = layer_times(graph, options=options)
     return [f + b for f, b in zip(fwd, bwd, strict=True)]
 
 
 def balance(
     graph: ModelGraph, num_stages: int, by: str = "time", memory_limit: float | None = None,
     schedule: str | None = None, microbatches: int = 1, stages_per_rank: int = 1,
-    optimizer_states: int = OPTIMIZER_STATES,
+    optimizer_states: int | None = None, *, hardware: Hardware | str | None = None, dtype: str | None = None,
+    recompute: str | None = None, options: CostOptions | None = None,
 ) -> SplitPlan:
     """The contiguous split of ``graph`` into ``num_stages`` stages that minimises the slowest stage.
 
@@ -175,11 +185,16 @@ def balance(
             under ``schedule`` (default GPipe: all of them; 1F1B: p - stage). With v stages per rank each stage
             gets limit / v.
         schedule, microbatches: for the in-flight activation count.
+        optimizer_states: default ``options.optimizer_states`` (Adam's 2).
+        hardware, dtype, recompute, options: the cost model's settings (``pipeviz.costs.CostOptions``), the same
+            ``pv.simulate`` takes: times on a ``Hardware``'s roofline, activations kept under recomputation.
 
     Raises:
         PlanError: more stages than layers, or no split fits the limit (the message gives the smallest
             limit that fits).
     """
+    opts = CostOptions.of(options, hardware=hardware, dtype=dtype, recompute=recompute,
+                          optimizer_states=optimizer_states)
     layers = graph.layers
     if not isinstance(num_stages, int) or num_stages < 1:
         raise PlanError(f"num_stages must be a positive int, got {num_stages!r}.")
@@ -198,17 +213,18 @@ def balance(
             f"of them ({', '.join('+'.join(layers[i].name for i in b) for b in stuck[:3])} run as one). Valid: 1 to "
             f"{len(blocks)}; or go finer first (graph.expand(name))."
         )
-    costs = _summed(layer_costs(graph, by), blocks)
+    costs = _summed(layer_costs(graph, by, opts), blocks)
     memory = None
     limit = None
     if memory_limit is not None:
         # pipeviz.costs' formula, layer by layer: a stage's memory is the sum over its layers.
         limit = memory_limit / max(1, stages_per_rank)
         flying = in_flight(schedule or "GPipe", num_stages, microbatches, stages_per_rank if schedule else None)
+        kept = layer_activation_bytes(graph, opts)
         memory = [
             _summed([stage_memory(layer.param_bytes, layer.buffer_bytes,
-                                  layer.activation_bytes / microbatches * flying[j], optimizer_states)
-                     for layer in layers], blocks)
+                                  act * opts.batch_scale / microbatches * flying[j], opts.optimizer_states)
+                     for layer, act in zip(layers, kept, strict=True)], blocks)
             for j in range(num_stages)
         ]
     candidates = [[blocks[e][-1] for e in ends] for ends in optimal_partitions(costs, num_stages, memory, limit)]
@@ -216,7 +232,7 @@ def balance(
     if schedule is not None and len(candidates) > 1:
         # Splits tied at the optimum can still differ in the step the schedule gives them (where the bubble
         # falls, what crosses each boundary): take the one with the shortest simulated step.
-        ends = _fastest(graph, candidates, schedule, microbatches, stages_per_rank)
+        ends = _fastest(graph, candidates, schedule, microbatches, stages_per_rank, opts)
     if ends is None:
         # The smallest feasible limit: the same optimal partition with memory as the cost.
         assert memory is not None
@@ -238,12 +254,13 @@ def balance(
 
 
 def _fastest(graph: ModelGraph, candidates: list[list[int]], schedule: str, microbatches: int,
-             stages_per_rank: int) -> list[int]:
+             stages_per_rank: int, options: CostOptions) -> list[int]:
     best, best_time = candidates[0], float("inf")
     for ends in candidates:
         plan = SplitPlan.from_stages(graph, _groups(graph, ends))
         try:
-            step = simulate(plan, schedule, microbatches, None if stages_per_rank == 1 else stages_per_rank).step_time
+            step = simulate(plan, schedule, microbatches, None if stages_per_rank == 1 else stages_per_rank,
+                            options=options).step_time
         except ScheduleError:  # this schedule cannot run such a plan: the evenest split stands
             return candidates[0]
         if step < best_time - 1e-12:
@@ -273,3 +290,69 @@ def _groups(graph: ModelGraph, ends: list[int]) -> list[list[str]]:
         out.append(names[start:e + 1])
         start = e + 1
     return out
+
+
+def compare(plan: SplitPlan, schedules: Sequence[str] | None = None, microbatches: int = 8,
+            stages_per_rank: int | None = None, *, by: str = "time", hardware: Hardware | str | None = None,
+            dtype: str | None = None, recompute: str | None = None, options: CostOptions | None = None,
+            **simulate_options: Any) -> Comparison:
+    """Simulate ``plan`` under several schedules (default: all 7) on the same number of devices, and tabulate
+    step time, bubble and memory.
+
+    The plan's stage count is the rank count ``p`` of every row: one-stage-per-rank schedules (GPipe, 1F1B) run
+    ``plan`` itself; a schedule with ``v`` stages per rank (``stages_per_rank``, default 2) runs a split of the
+    plan's graph into ``p x v`` stages balanced the same way (``pv.balance(graph, p * v, by=by)`` with the same
+    cost options), so each row answers "which schedule on these p devices". Rows give ``ranks`` and ``stages``
+    (and the ``plan`` they ran).
+
+    Schedules that cannot run (more stages than the graph has layers, a microbatch count the schedule refuses)
+    are listed in ``skipped`` with the reason; with ``forward_only=True`` (an inference run) the V-shaped ones too,
+    as torch's cannot run without a backward.
+
+    Example:
+        >>> cmp = pv.compare(plan, microbatches=8, hardware="h100")
+        >>> [(r["schedule"], r["ranks"], r["stages"]) for r in cmp.rows]
+
+    Args:
+        plan: the split; its stage count is the number of ranks.
+        schedules: schedule names (case-insensitive); default all.
+        microbatches: per step.
+        stages_per_rank: for the multi-stage schedules (default 2).
+        by: how the multi-stage splits are balanced (``pv.balance``'s ``by``).
+        hardware, dtype, recompute, options: cost options (``pipeviz.costs.CostOptions``).
+        simulate_options: the rest of ``pv.simulate``'s keywords (``dp``, ``tp``, ``forward_only``, ``cores``, ...).
+    """
+    opts = CostOptions.of(options, hardware=hardware, dtype=dtype, recompute=recompute)
+    ranks = plan.num_stages
+    v = stages_per_rank or 2
+    rows, tls, skipped = [], {}, {}
+    split: SplitPlan | PlanError | None = None
+    for name in schedules or sched.ALL:
+        canon = sched.canonical(name)
+        if simulate_options.get("forward_only") and canon in sched.V_SHAPED:
+            skipped[canon] = f"{canon} cannot run forward only (torch 2.13's V-shaped schedules need a backward)."
+            continue
+        single = canon in sched.SINGLE
+        run_plan = plan
+        if not single:
+            if split is None:
+                try:
+                    split = balance(plan.graph, ranks * v, by=by, options=opts)
+                except PlanError as exc:
+                    split = exc
+            if isinstance(split, PlanError):
+                skipped[canon] = (f"{canon} on {ranks} ranks needs {ranks * v} stages ({v} per rank): "
+                                  f"{str(split).split('. Valid')[0]}. Fix: a finer graph (graph.expand(name)) or "
+                                  "fewer ranks.")
+                continue
+            run_plan = split
+        try:
+            tl = simulate(run_plan, canon, microbatches, None if single else v, options=opts, **simulate_options)
+        except ScheduleError as exc:
+            skipped[canon] = str(exc)
+            continue
+        tls[canon] = tl
+        rows.append({"schedule": canon, "ranks": tl.num_ranks, "stages": run_plan.num_stages,
+                     "step_time": tl.step_time, "bubble": tl.bubble_fraction, "memory_bytes": tl.meta["memory_bytes"],
+                     "peak_activation_bytes": tl.meta["peak_activation_bytes"], "plan": run_plan})
+    return Comparison(rows, tls, skipped)

@@ -13,7 +13,7 @@ Example:
     >>> tl = pv.simulate(plan, schedule="1F1B", microbatches=8)
     >>> pv.simulate(plan, "1F1B", 8, dp=4, tp=2).meta["mesh"]           # (pp, dp, tp)
     >>> tl.step_time, tl.bubble_fraction, tl.peak_activation_bytes
-    >>> pv.compare(plan, microbatches=8).table()
+    >>> pv.compare(plan, microbatches=8).table()        # pipeviz.balance.compare: every schedule on p ranks
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from pipeviz.mesh import Mesh
 from pipeviz.plan import SplitPlan
 from pipeviz.timeline import Event, Timeline
 
-__all__ = ["Comparison", "Costs", "compare", "estimate_costs", "simulate"]
+__all__ = ["Comparison", "Costs", "estimate_costs", "simulate"]
 
 
 def estimate_costs(plan: SplitPlan, microbatches: int, **options: Any) -> Costs:
@@ -361,47 +361,24 @@ def _ready(s: int, kind: str, mb: int, done: dict[tuple[int, str, int], float], 
 
 @dataclass
 class Comparison:
-    """What-if table over schedules: ``rows`` of dicts, ``timelines`` by schedule, ``skipped`` with reasons."""
+    """What-if table over schedules (``pv.compare``): ``rows`` of dicts (schedule, ranks, stages, step_time, bubble,
+    memory_bytes, peak_activation_bytes, plan), ``timelines`` by schedule, ``skipped`` with reasons."""
 
     rows: list[dict[str, Any]]
     timelines: dict[str, Timeline]
     skipped: dict[str, str] = field(default_factory=dict)
 
     def table(self) -> str:
-        head = f"{'schedule':<22}{'ranks':>6}{'step':>12}{'bubble':>9}  peak memory per rank"
+        """One line per schedule: ranks, stages, step, bubble, peak memory per rank; then the skipped ones."""
+        head = f"{'schedule':<22}{'ranks':>6}{'stages':>7}{'step':>12}{'bubble':>9}  peak memory per rank"
         lines = [head]
         for r in self.rows:
             mem = ", ".join(f"{b / 2**20:.1f}" for b in r["memory_bytes"])
-            lines.append(f"{r['schedule']:<22}{r['ranks']:>6}{r['step_time'] * 1e3:>10.3f}ms{r['bubble']:>8.0%}  "
-                         f"[{mem}] MiB")
+            stages = r.get("stages", r["ranks"])
+            lines.append(f"{r['schedule']:<22}{r['ranks']:>6}{stages:>7}{r['step_time'] * 1e3:>10.3f}ms"
+                         f"{r['bubble']:>8.0%}  [{mem}] MiB")
         lines += [f"{k:<22}skipped: {v.split('. Fix:')[0]}" for k, v in self.skipped.items()]
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.table()
-
-
-def compare(plan: SplitPlan, schedules: Sequence[str] | None = None, microbatches: int = 8,
-            stages_per_rank: int | None = None, **simulate_options: Any) -> Comparison:
-    """Simulate ``plan`` under several schedules (default: all 7) and tabulate step time, bubble and memory.
-
-    Schedules that cannot run this plan (e.g. ZBV with an odd stage count) are listed in ``skipped``; with
-    ``forward_only=True`` (an inference run) the V-shaped ones too, as torch's cannot run without a backward.
-    """
-    rows, tls, skipped = [], {}, {}
-    for name in schedules or sched.ALL:
-        canon = sched.canonical(name)
-        if simulate_options.get("forward_only") and canon in sched.V_SHAPED:
-            skipped[canon] = f"{canon} cannot run forward only (torch 2.13's V-shaped schedules need a backward)."
-            continue
-        spr = None if canon in sched.SINGLE else stages_per_rank
-        try:
-            tl = simulate(plan, canon, microbatches, spr, **simulate_options)
-        except sched.ScheduleError as exc:
-            skipped[canon] = str(exc)
-            continue
-        tls[canon] = tl
-        rows.append({"schedule": canon, "ranks": tl.num_ranks, "step_time": tl.step_time,
-                     "bubble": tl.bubble_fraction, "memory_bytes": tl.meta["memory_bytes"],
-                     "peak_activation_bytes": tl.meta["peak_activation_bytes"]})
-    return Comparison(rows, tls, skipped)

@@ -75,5 +75,12 @@ def test_simulate_a_real_plan_and_compare(classic_graph: pv.ModelGraph) -> None:
     assert names == ["GPipe", "1F1B"]  # 3 stages: the multi-stage schedules need an even count
     assert set(cmp.skipped) == {"Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"}
     assert "1F1B" in cmp.table()
+    assert "needs 6 stages (2 per rank)" in cmp.skipped["Interleaved1F1B"]  # 4 layers cannot make 6 stages
     four = classic_graph.split(["layer0", "layer1", "layer2"])
-    assert len(pv.compare(four, microbatches=4).rows) == 7
+    two = classic_graph.split(["layer1"])
+    rows = pv.compare(two, microbatches=4).rows
+    assert len(rows) == 7  # every schedule on the same 2 ranks: the multi-stage ones on a balanced 4-stage split
+    assert {(r["ranks"], r["stages"]) for r in rows if r["schedule"] in ("GPipe", "1F1B")} == {(2, 2)}
+    assert {(r["ranks"], r["stages"]) for r in rows if r["schedule"] not in ("GPipe", "1F1B")} == {(2, 4)}
+    assert next(r for r in rows if r["schedule"] == "ZBVZeroBubble")["plan"] == pv.balance(classic_graph, 4)
+    assert len(pv.compare(four, microbatches=4).rows) == 2
