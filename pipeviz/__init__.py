@@ -14,11 +14,12 @@ below (``pv.Explorer``, ``pv.TimelineView``, the figure functions) load them on 
 
 from torch.distributed.pipelining import SplitPoint
 
-from pipeviz.balance import balance
+from pipeviz.balance import balance, compare
 from pipeviz.capture import TraceError
-from pipeviz.costs import Costs
+from pipeviz.costs import CostOptions, Costs
 from pipeviz.export import Watch, export_torchrun, watch
 from pipeviz.graph import Layer, ModelGraph, trace
+from pipeviz.hardware import HARDWARE, Hardware, HardwareError, hardware
 from pipeviz.live import Live
 from pipeviz.manual import SequenceStage, manual_plan
 from pipeviz.mesh import Mesh, MeshError
@@ -27,16 +28,20 @@ from pipeviz.plan import PlanError, SplitPlan, StageInfo
 from pipeviz.profile import Profile, profile
 from pipeviz.runtime import LaunchError, Run, launch, train_reference
 from pipeviz.schedules import ScheduleError
-from pipeviz.simulate import Comparison, compare, estimate_costs, simulate
+from pipeviz.simulate import Comparison, estimate_costs, simulate
 from pipeviz.timeline import Event, Timeline
 from pipeviz.training import cross_entropy, sgd
 from pipeviz.version import __version__ as __version__
 from pipeviz.weights import materialize
 
 __all__ = [
+    "HARDWARE",
     "Comparison",
+    "CostOptions",
     "Costs",
     "Event",
+    "Hardware",
+    "HardwareError",
     "LaunchError",
     "Layer",
     "Live",
@@ -61,6 +66,7 @@ __all__ = [
     "cross_entropy",
     "estimate_costs",
     "export_torchrun",
+    "hardware",
     "launch",
     "manual_plan",
     "materialize",
