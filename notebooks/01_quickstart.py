@@ -14,14 +14,19 @@
 # PiPPy, the project that became `torch.distributed.pipelining`, introduced itself with a small network,
 # `MyNetwork(512, [512, 1024, 256])`: mark split points after `layer0` and `layer1`
 # (`annotate_split_points(mn, {'layer0': SplitPoint.END, 'layer1': SplitPoint.END})`), build the `Pipe` for a batch
-# of 32 in 4 chunks (`pipeline(mn, chunks, example_args=(x,))`), then run its three stages under `torchrun`. Here is
-# the same walkthrough, from one notebook:
+# of 32 in 4 chunks (`pipeline(mn, chunks, example_args=(x,))`), then run its three stages under `torchrun`.
+# This notebook first runs that walkthrough **as the seed wrote it, in today's plain torch**, then does the same
+# from one notebook with pipeviz:
 #
+# 0. **the seed's own code**: a script under `torchrun`, 3 processes, forward only; its output checked against
+#    the unsplit model and against pipeviz,
 # 1. **trace** the model once and look at its layers,
 # 2. **split** it and preview every stage (parameters, FLOPs, bytes sent, memory) without building anything,
 # 3. **simulate** a training step,
 # 4. **launch** the three stages as real processes and watch the timeline fill in live,
 # 5. **check the numerics** against the unsplit model.
+#
+# A glossary in English and Chinese (for readers of the Chinese PiPPy tutorial) closes the notebook.
 
 # %%
 import warnings
@@ -29,7 +34,12 @@ import warnings
 warnings.filterwarnings("ignore", category=FutureWarning)  # torch.export internals; not about your code
 
 # %%
+import shutil
+import socket
+import subprocess
+import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 import torch
@@ -42,6 +52,130 @@ torch.manual_seed(0)
 model = MyNetwork(512, [512, 1024, 256])  # blocks layer0, layer1, layer2 (Linear + ReLU), then output_proj
 x = torch.randn(32, 512)                  # one full batch of inputs
 y = torch.randint(0, 10, (32,))           # its class labels
+
+# %% [markdown]
+# ## 0. The seed's code, in plain torch
+#
+# Today's torch spells the seed's steps `pipeline(model, mb_args, split_spec=...)` (the split points move from
+# `annotate_split_points` into `split_spec`), `pipe.build_stage(rank, device)` and a schedule object; rank 0 feeds
+# the batch with `schedule.step(x)`, the others call `schedule.step()`, and the last rank gets the output. Forward
+# only: no loss, no backward. Here is the script, written to a temporary folder with this notebook's weights and
+# input so that its output can be compared:
+
+# %%
+SEED_SCRIPT = textwrap.dedent("""\
+    import os
+    import sys
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
+
+    from pipeviz.zoo import MyNetwork
+
+    here = sys.argv[1]
+    in_dim, layer_dims, batch_size, chunks = 512, [512, 1024, 256], 32, 4
+
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    device = torch.device("cpu")
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+    model = MyNetwork(in_dim, layer_dims)
+    model.load_state_dict(torch.load(os.path.join(here, "weights.pt")))
+    x = torch.load(os.path.join(here, "x.pt"))
+    x_chunk = torch.chunk(x, chunks)[0]
+
+    pipe = pipeline(model, mb_args=(x_chunk,),
+                    split_spec={"layer0": SplitPoint.END, "layer1": SplitPoint.END})
+    stage = pipe.build_stage(rank, device)
+    schedule = ScheduleGPipe(stage, n_microbatches=chunks)
+
+    if rank == 0:
+        schedule.step(x)
+    else:
+        output = schedule.step()
+    if rank == world_size - 1:
+        torch.save(output, os.path.join(here, "out.pt"))
+    dist.destroy_process_group()
+""")
+seed_dir = Path(tempfile.mkdtemp(prefix="pipeviz_seed_"))  # keep the script's files out of the repository
+torch.save(model.state_dict(), seed_dir / "weights.pt")
+torch.save(x, seed_dir / "x.pt")
+(seed_dir / "pippy_walkthrough.py").write_text(SEED_SCRIPT)
+print(SEED_SCRIPT)
+
+
+# %% [markdown]
+# `torchrun --nproc-per-node 3 pippy_walkthrough.py` starts three processes, one per stage (here as `python -m
+# torch.distributed.run`, with this kernel's interpreter, on a free local port):
+
+# %%
+def free_port() -> int:
+    """A TCP port nobody listens on now (for torchrun's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "pippy_walkthrough.py", str(seed_dir)]
+print(" ".join(command[1:]))
+done = subprocess.run(command, cwd=seed_dir, capture_output=True, text=True, timeout=240)
+assert done.returncode == 0, done.stdout + done.stderr
+seed_out = torch.load(seed_dir / "out.pt").detach()   # saved from inside the schedule, with its graph
+with torch.no_grad():
+    expected = model(x)
+seed_gap = float((seed_out - expected).abs().max())
+print(f"the seed's output: {tuple(seed_out.shape)}, max |difference| from model(x): {seed_gap:.1e}")
+assert seed_out.shape == (32, 10) and seed_gap < 1e-5
+shutil.rmtree(seed_dir)
+
+# %% [markdown]
+# ### The same with pipeviz, side by side
+#
+# No script, no process group: `graph.split` names the same split points, and `pv.launch` without a `loss_fn` is
+# a forward-only run of torch's same `ScheduleGPipe` on three processes. `run.outputs[step]` is the whole batch's
+# output, the microbatches joined back.
+
+# %%
+seed_plan = pv.trace(model, example_args=(x,)).split(["layer0", "layer1"])   # = split_spec {...: END}
+infer = pv.launch(seed_plan, "GPipe", microbatches=4, steps=1, inputs=(x,))   # no loss_fn: forward only
+assert infer.wait(180) == "done", infer.error
+pv_gap = float((infer.outputs[0] - seed_out).abs().max())
+print(f"pipeviz's output: max |difference| from the seed's {pv_gap:.1e}, from model(x) "
+      f"{float((infer.outputs[0] - expected).abs().max()):.1e}")
+assert pv_gap < 1e-5
+print(pv.check_numerics(infer))
+assert pv.check_numerics(infer).ok
+
+# %% [markdown]
+# Where each step of the seed lives today, and in pipeviz:
+
+# %%
+from IPython.display import Markdown
+
+STEPS = [  # (PiPPy, the seed) -> (torch.distributed.pipelining today) -> (pipeviz)
+    ("`annotate_split_points(mn, {'layer0': SplitPoint.END, ...})`",
+     "`split_spec={'layer0': SplitPoint.END, ...}` in `pipeline(...)`",
+     "`graph = pv.trace(model, example_args=(x,))`; `graph.split(['layer0', 'layer1'])`"),
+    ("`pipe = pipeline(mn, chunks, example_args=(x,))`",
+     "`pipe = pipeline(model, mb_args=(x_chunk,), split_spec=...)`",
+     "`plan.pipe(microbatches=4)`: torch's `Pipe`, from a deep copy"),
+    ("`PipelineStage(pipe, rank, device)`", "`stage = pipe.build_stage(rank, device)`",
+     "`pv.launch(plan, ...)` builds every stage, one process each"),
+    ("`torchrun --nproc-per-node 3`, `init_process_group`", "the same",
+     "`pv.launch` starts the processes (gloo / NCCL); `pv.export_torchrun` for many hosts"),
+    ("`ScheduleGPipe(stage, chunks)`", "`ScheduleGPipe(stage, n_microbatches=chunks)`, `Schedule1F1B`, …",
+     "`schedule='GPipe'`: any of torch's seven, by name"),
+    ("`stage(x)` on rank 0, `stage()` elsewhere", "`schedule.step(x)` on rank 0, `schedule.step()` elsewhere",
+     "`run = pv.launch(plan, ..., inputs=(x,))`; `run.wait()`; `run.outputs[step]`"),
+    ("`loss_fn=` on the stage", "`Schedule…(stage, n, loss_fn=...)`; `step(x, target=y)`",
+     "`pv.launch(..., target=y, loss_fn=..., optimizer=...)`; `run.losses`"),
+    ("—", "—", "`pv.simulate`, `pv.balance`, `pv.check_numerics`, `pv.TimelineView`, `pv.Explorer`"),
+]
+Markdown("| PiPPy (the seed) | torch today | pipeviz |\n|---|---|---|\n"
+         + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in STEPS))
 
 # %% [markdown]
 # ## 1. Trace once
@@ -137,3 +271,28 @@ assert check.ok
 
 # %% [markdown]
 # Next: `02_exploring_splits` (the Explorer widget on GPT-2 and BERT), or start the lessons in `tutorials/`.
+
+# %% [markdown]
+# ## Glossary · 术语表
+#
+# | English | 中文 | in pipeviz / torch |
+# |---|---|---|
+# | pipeline parallelism | 流水线并行 | `torch.distributed.pipelining` |
+# | stage | 阶段 | `plan.stages`, `PipelineStage` |
+# | rank (a process) | 进程编号 (rank) | `rank`; one process per rank |
+# | microbatch | 微批次 | `microbatches=`, torch's `n_microbatches` (the seed: *chunks*) |
+# | bubble (idle time) | 气泡 (空闲时间) | `tl.bubble_fraction` |
+# | split point | 分割点 | `graph.split([...])`, `SplitPoint.END` / `BEGINNING` |
+# | schedule | 调度 | `schedule="1F1B"`; `pipeviz.schedules.orders` |
+# | warm-up / cool-down (drain) | 预热 / 冷却 | the forwards before the first backward; the last backwards |
+# | interleaved (virtual stages) | 交错 (虚拟阶段) | `Interleaved1F1B`, `stages_per_rank=` |
+# | activations | 激活值 | `peak_activation_bytes` |
+# | activation recomputation (checkpointing) | 激活重计算 (重计算) | `torch.utils.checkpoint` |
+# | skip connection | 跳跃连接 | `graph.skip_edges` |
+# | shared (tied) weights | 共享权重 | `StageInfo.shared_params` |
+# | composability | 组合性 | `pv.launch(..., dp=, tp=)`, `pv.Mesh` |
+# | data parallel / tensor parallel | 数据并行 / 张量并行 | `dp=`, `tp=` |
+# | process group | 进程组 | `dist.init_process_group("gloo")`, `PipelineStage(..., group=)` |
+# | forward / backward | 前向 / 反向传播 | `F`, `B` (input grads `I`, weight grads `W`) |
+# | zero bubble | 零气泡 | `InterleavedZeroBubble`, `ZBVZeroBubble` |
+# | inference (forward only) | 推理 (仅前向) | `pv.launch` without `loss_fn`, `run.outputs` |

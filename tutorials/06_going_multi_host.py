@@ -142,7 +142,8 @@ def check(answer):
     if answer is None:
         print("❌ Not yet: set my_answer above. Hint: draw the V: stages 0-3 go down ranks 0-3, 4-7 come back.")
     elif answer == expected:
-        print(f"✅ Correct: stage 7 is on rank {last_rank}, node {expected}: the V turns at the last rank.")
+        print(f"✅ Correct: stage 7 is on rank {last_rank}, node {expected}: the V turns at rank 3 (stages 3 and 4)"
+              " and comes back, so rank 0 holds the first and the last stage.")
     elif answer in (0, 1):
         print("❌ Not yet: hint: with 4 ranks, stage s < 4 is on rank s and stage s >= 4 on rank 7 - s.")
     else:
