@@ -26,7 +26,7 @@ from pipeviz.mesh import Mesh, MeshError
 from pipeviz.numerics import NumericsCheck, check_numerics
 from pipeviz.plan import PlanError, SplitPlan, StageInfo
 from pipeviz.profile import Profile, profile
-from pipeviz.runtime import LaunchError, Run, launch, train_reference
+from pipeviz.runtime import LaunchConfig, LaunchError, Run, launch, train_reference
 from pipeviz.schedules import ScheduleError
 from pipeviz.simulate import Comparison, estimate_costs, simulate
 from pipeviz.timeline import Event, Timeline
@@ -42,6 +42,7 @@ __all__ = [
     "Event",
     "Hardware",
     "HardwareError",
+    "LaunchConfig",
     "LaunchError",
     "Layer",
     "Live",

@@ -19,11 +19,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
 from pipeviz.plan import SplitPlan
+from pipeviz.runtime.config import UNSET, LaunchConfig, LaunchOptions, launch_config
 from pipeviz.timeline import Event, Timeline
 
 _SCRIPT = '''#!/usr/bin/env python
@@ -51,50 +52,51 @@ if __name__ == "__main__":
 
 
 def export_torchrun(
-    plan: SplitPlan, path: str | os.PathLike[str], schedule: str = "1F1B", microbatches: int = 8, steps: int = 1,
-    inputs: tuple[Any, ...] | None = None, target: torch.Tensor | None = None,
-    loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: Callable[..., torch.optim.Optimizer] | None = None,
-    input_kwargs: dict[str, Any] | None = None, stages_per_rank: int | None = None, events_dir: str | None = None,
-    timeout: float = 600.0, dp: int = 1,
+    plan: SplitPlan, path: str | os.PathLike[str], schedule: str = UNSET, microbatches: int = UNSET,
+    steps: int = UNSET, *, inputs: tuple[Any, ...] | None = None, target: torch.Tensor | None = None,
+    input_kwargs: dict[str, Any] | None = None, events_dir: str | None = None, config: LaunchConfig | None = None,
+    **options: Unpack[LaunchOptions],
 ) -> Path:
-    """Write a torchrun script that trains ``plan`` with ``schedule`` (and its payload beside it).
+    """Write a torchrun script that trains ``plan`` as ``pv.launch`` would (and its payload beside it).
 
-    Everything is validated here, as ``pv.launch`` validates, before a script exists. The script
-    uses NCCL when every rank has its own GPU (``LOCAL_RANK``), else gloo (CPU or a shared GPU). ``dp``:
-    data-parallel replicas, laid out as ``pv.launch(..., dp=)`` lays them out (``pv.Mesh``: pipeline ranks ×
-    replicas processes in all, ranks numbered pp-major, so ``--nproc-per-node`` replicas of a stage can share
-    a host).
+    Takes the one launch configuration ``pv.launch`` takes (``config=pv.LaunchConfig(...)`` and/or its fields as
+    keywords, the same defaults), and everything is validated here, as ``pv.launch`` validates, before a script
+    exists. The script uses NCCL when every process has its own GPU (``LOCAL_RANK``), else gloo (CPU or a shared
+    GPU). With ``dp`` replicas and ``tp`` shards the processes are laid out as ``pv.launch`` lays them out
+    (``pv.Mesh``: pipeline ranks × replicas × shards, numbered pp-major then dp then tp, so a host's
+    ``--nproc-per-node`` consecutive ranks hold a stage's shards and replicas).
+
+    Example:
+        >>> cfg = pv.LaunchConfig(schedule="1F1B", microbatches=4, steps=100, loss_fn=pv.cross_entropy, dp=2)
+        >>> pv.export_torchrun(plan, "train.py", config=cfg, inputs=(x,), target=y)
 
     Returns:
         The script's path. Its payload is ``<script>.payload.pkl``; events go to ``<script stem>_events/``.
+
+    Raises:
+        LaunchError, ScheduleError, PlanError: what ``pv.launch`` would refuse, and ``devices`` other than
+        ``"auto"`` (torchrun gives each process its ``LOCAL_RANK`` GPU).
     """
     import cloudpickle
 
-    from pipeviz.capture import _batch_size
-    from pipeviz.runtime.spec import _with_inputs, share, validate_launch
-    from pipeviz.runtime.stages import build_stages, tied_ranks
+    from pipeviz.runtime.spec import LaunchError, spec_stages, validate_launch
 
-    spec = validate_launch(plan, schedule, microbatches, steps, inputs, input_kwargs, target, loss_fn, optimizer,
-                           stages_per_rank, timeout, dp=dp)
+    cfg = launch_config(config, schedule=schedule, microbatches=microbatches, steps=steps, **options)
+    if cfg.devices != "auto":
+        raise LaunchError(f"devices={cfg.devices!r} cannot be exported: under torchrun each process takes its "
+                          "LOCAL_RANK GPU (or the CPU without GPUs). Fix: devices='auto' (the default).")
+    spec = validate_launch(plan, cfg, inputs=inputs, input_kwargs=input_kwargs, target=target)
     script = Path(path)
     payload = script.with_suffix(".payload.pkl")
     events = events_dir or f"{script.stem}_events"
-    batch = _batch_size(spec.args, spec.kwargs) or 1
-    args0, kwargs0 = share((spec.args, spec.kwargs), 0, dp, batch)
-    stages = build_stages(_with_inputs(plan, args0, kwargs0), microbatches)
-    job = {
-        "stages": stages, "tied": tied_ranks(stages, spec.layout.stage_ranks), "schedule": spec.schedule,
-        "stage_ranks": spec.layout.stage_ranks, "microbatches": microbatches, "steps": steps,
-        "loss_fn": spec.loss_fn, "optimizer": spec.optimizer, "args": spec.args, "kwargs": spec.kwargs,
-        "target": spec.target, "timeout": timeout, "dp": dp,
-    }
-    payload.write_bytes(cloudpickle.dumps(job))
+    stages, tied = spec_stages(plan, spec)
+    payload.write_bytes(cloudpickle.dumps({"spec": spec, "stages": stages, "tied": tied}))
     from pipeviz.version import __version__
 
     mesh = spec.mesh
-    layout = f" x {dp} replicas" if dp > 1 else ""
+    layout = "".join(f" x {n} {what}" for n, what in ((mesh.dp, "replicas"), (mesh.tp, "shards")) if n > 1)
     summary = (f"{type(plan.graph.model).__name__}, {plan.num_stages} stages on {spec.layout.num_ranks} ranks{layout}, "
-               f"{spec.schedule}, {microbatches} microbatches, {steps} steps")
+               f"{spec.schedule}, {spec.microbatches} microbatches, {spec.steps} steps")
     script.write_text(_SCRIPT.format(version=__version__, summary=summary, ranks=mesh.world,
                                      name=script.name, events=events, payload=payload.name))
     script.chmod(0o755)
@@ -134,11 +136,8 @@ def run_rank(payload_path: str, events_dir: str) -> int:
 
     import cloudpickle
 
-    from pipeviz.capture import _batch_size
-    from pipeviz.mesh import Mesh
-    from pipeviz.runtime.spec import resolve_devices, share
-    from pipeviz.runtime.stages import rank_stages
-    from pipeviz.runtime.worker import RankPayload, _run
+    from pipeviz.runtime.spec import rank_payload, resolve_devices
+    from pipeviz.runtime.worker import _run
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -147,13 +146,12 @@ def run_rank(payload_path: str, events_dir: str) -> int:
     try:
         with open(payload_path, "rb") as f:
             job = cloudpickle.loads(f.read())
-        mesh = Mesh(pp=max(job["stage_ranks"]) + 1, dp=job.get("dp", 1))
+        spec = job["spec"]
+        mesh = spec.mesh
         if world != mesh.world:
-            raise SystemExit(f"This plan needs {mesh.world} ranks ({mesh.pp} pipeline ranks x {mesh.dp} replicas); "
-                             f"torchrun started {world}. Fix: --nproc-per-node x --nnodes = {mesh.world}.")
-        pp, replica, _ = mesh.coords(rank)
-        args, kwargs, target = share((job["args"], job["kwargs"], job["target"]), replica, mesh.dp,
-                                     _batch_size(job["args"], job["kwargs"]) or 1)
+            raise SystemExit(f"This plan needs {mesh.world} processes ({mesh.pp} pipeline ranks x {mesh.dp} replicas "
+                             f"x {mesh.tp} shards); torchrun started {world}. Fix: --nproc-per-node x --nnodes = "
+                             f"{mesh.world}.")
         local_gpus = torch.cuda.device_count()
         if local_gpus:
             devices, backend, compute = resolve_devices([f"cuda:{local % local_gpus}"] * world, world)
@@ -161,17 +159,10 @@ def run_rank(payload_path: str, events_dir: str) -> int:
                 devices, backend, compute = ["cpu"] * world, "gloo", [f"cuda:{local % local_gpus}"] * world
         else:
             devices, backend, compute = ["cpu"] * world, "gloo", [None] * world
-        ranks_of = job["stage_ranks"]
-        first, last = ranks_of[0] == pp, ranks_of[-1] == pp
-        payload = RankPayload(
-            rank=rank, world=world, port=0, backend=backend, device=devices[rank], compute_device=compute[rank],
-            schedule=job["schedule"], stage_ranks=ranks_of, microbatches=job["microbatches"],
-            steps=job["steps"], stages=rank_stages(job["stages"], ranks_of, pp), tied=job["tied"],
-            loss_fn=job["loss_fn"], optimizer=job["optimizer"], args=args if first else (),
-            kwargs=kwargs if first else {}, target=target if last else None, t0=-1.0,
-            parent_pid=os.getppid(), timeout_s=job["timeout"],
+        payload = rank_payload(
+            spec, job["stages"], job["tied"], rank, backend=backend, device=devices[rank], compute=compute[rank],
+            parent_pid=os.getppid(), timeout=spec.config.timeout, init_method="env://",
             threads=max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))),
-            init_method="env://", mesh=mesh if mesh.dp > 1 else None,
         )
         _run(payload, sink)
         sink.put(("done", rank))

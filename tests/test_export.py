@@ -58,10 +58,11 @@ def test_exported_script_matches_launch_and_is_watched_live(tmp_path: Path) -> N
 @pytest.mark.compat  # make compat (CI): keeps make test within 10 minutes
 def test_exported_script_as_two_nodes_with_replicas(tmp_path: Path) -> None:
     # 2 agents x 2 processes: pipeline ranks x data-parallel replicas (pp-major: each host holds one stage's two
-    # replicas), training like pv.launch with the same mesh.
+    # replicas), training like pv.launch with the same mesh -- both given the one LaunchConfig.
     plan, x, y = _plan(2)
-    script = pv.export_torchrun(plan, tmp_path / "two.py", schedule="GPipe", microbatches=2, steps=3, inputs=(x,),
-                                target=y, loss_fn=F.cross_entropy, dp=2)
+    cfg = pv.LaunchConfig(schedule="GPipe", microbatches=2, steps=3, loss_fn=F.cross_entropy, dp=2)
+    script = pv.export_torchrun(plan, tmp_path / "two.py", config=cfg, inputs=(x,), target=y)
+    assert "2 stages on 2 ranks x 2 replicas, GPipe, 2 microbatches, 3 steps" in script.read_text()
     port = str(_free_port())
     common = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port]
     nodes = [_torchrun(script, *common, "--node-rank", str(r)) for r in range(2)]
@@ -71,10 +72,26 @@ def test_exported_script_as_two_nodes_with_replicas(tmp_path: Path) -> None:
     watched = pv.watch(tmp_path / "two_events", timeout=30)
     assert watched.wait(30) == "done", watched.error
     assert {e.rank for e in watched.events} == {0, 1, 2, 3}
-    run = pv.launch(plan, schedule="GPipe", microbatches=2, steps=3, inputs=(x,), target=y, loss_fn=F.cross_entropy,
-                    dp=2)
+    run = pv.launch(plan, config=cfg, inputs=(x,), target=y)
     assert run.wait(120) == "done", run.error
     assert watched.losses == pytest.approx(run.losses, abs=1e-6)  # one loss per step: the global batch's
+
+
+@pytest.mark.compat
+def test_exported_script_with_tensor_parallel_shards(tmp_path: Path) -> None:
+    # pp 2 x tp 2 under torchrun: the exported ranks build their payloads with pv.launch's one builder, so each
+    # stage's projections are sharded as in pv.launch(..., tp=2), and the losses agree.
+    plan, x, y = _plan(2)
+    cfg = pv.LaunchConfig(schedule="1F1B", microbatches=2, steps=2, loss_fn=F.cross_entropy, tp=2)
+    script = pv.export_torchrun(plan, tmp_path / "tp.py", config=cfg, inputs=(x,), target=y)
+    proc = _torchrun(script, "--nproc-per-node", "4", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()))
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    watched = pv.watch(tmp_path / "tp_events", timeout=30)
+    assert watched.wait(30) == "done", watched.error
+    run = pv.launch(plan, config=cfg, inputs=(x,), target=y)
+    assert run.wait(120) == "done", run.error
+    assert len(watched.losses) == 2 and watched.losses == pytest.approx(run.losses, abs=1e-6)
 
 
 def test_export_validates_before_writing(tmp_path: Path) -> None:

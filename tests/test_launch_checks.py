@@ -110,9 +110,9 @@ def test_the_same_checks_guard_export(plan: pv.SplitPlan, tmp_path: object) -> N
 
 
 def test_a_list_of_inputs_is_taken_as_a_tuple(plan: pv.SplitPlan) -> None:
-    spec = validate_launch(plan, "1F1B", 4, 1, [X], None, Y, F.cross_entropy, None, None)
+    spec = validate_launch(plan, pv.LaunchConfig(loss_fn=F.cross_entropy), inputs=[X], target=Y)
     assert spec.args == (X,)
-    spec = validate_launch(plan, "1F1B", 4, 1, X, None, Y, F.cross_entropy, None, None)  # a bare tensor too
+    spec = validate_launch(plan, pv.LaunchConfig(loss_fn=F.cross_entropy), inputs=X, target=Y)  # a bare tensor too
     assert spec.args == (X,)
 
 

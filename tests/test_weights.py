@@ -102,7 +102,7 @@ def test_a_checkpoint_starts_a_real_or_meta_model_and_ranks_get_no_values(tmp_pa
     # what each rank is sent: its own stage, with no model values (every parameter a meta tensor)
     from pipeviz.runtime.spec import check_weights, rank_payloads, validate_launch
 
-    spec = validate_launch(plan, "1F1B", 4, 1, (IDS,), None, IDS, lm_loss, None, None)
+    spec = validate_launch(plan, pv.LaunchConfig(microbatches=4, loss_fn=lm_loss), inputs=(IDS,), target=IDS)
     spec.sources = check_weights(plan, tmp_path / "hf", 0)
     payloads = rank_payloads(plan, spec, ["cpu", "cpu"], [None, None], "gloo", 0, 0.0, 60.0, 1, None)
     for data in payloads:

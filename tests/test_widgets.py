@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -243,6 +244,30 @@ def test_launch_fills_the_timeline_live_and_checks_numerics(explorer: pv.Explore
     assert counts == sorted(counts) and len(set(counts)) >= 2 and explorer.run_view.redraws >= 3
     assert {t.meta[1] for t in explorer.run_view.figure.data if t.meta and len(t.x)} >= {"F", "B"}
     assert any(t.meta[0].endswith("(overlay)") and len(t.x) for t in explorer.run_view.figure.data)
+
+
+@pytest.mark.slow
+@needs_sim
+def test_dp_and_tp_controls_simulate_draw_the_mesh_and_launch_the_one_config(explorer: pv.Explorer,
+                                                                             tmp_path: Path) -> None:
+    explorer.plan = ["layer1"]
+    assert "2 processes" in text(explorer.mesh_view.value) and explorer.sim.meta["mesh"] == (2, 1, 1)
+    explorer.dp.value, explorer.tp.value = 2, 2
+    assert explorer.error == "" and explorer.sim.meta["mesh"] == (2, 2, 2)
+    mesh = text(explorer.mesh_view.value)
+    assert "8 processes (2 pipeline ranks × 2 replicas × 2 shards" in mesh
+    assert mesh.count("process ") == 8 and "replica 1 · shard 1" in mesh and "pp1: stage ■1process 4" in mesh
+    explorer.tp.value = 1
+    cfg = explorer.launch_config()
+    assert (cfg.schedule, cfg.microbatches, cfg.steps, cfg.dp, cfg.tp) == ("1F1B", 4, explorer.steps.value, 2, 1)
+    script = pv.export_torchrun(explorer.plan, tmp_path / "ex.py", config=cfg,
+                                inputs=explorer.graph.example_args, target=torch.randint(0, 10, (32,)))
+    assert "x 2 replicas" in script.read_text()
+    run = explorer.launch()  # pp 2 x dp 2: four processes, one loss per step
+    assert run is not None and run.mesh == pv.Mesh(pp=2, dp=2)
+    assert explorer.wait(180) == "done", explorer.error
+    assert len(run.losses) == explorer.steps.value and "✓ matches" in explorer.numerics.value, explorer.numerics.value
+    assert {run.timeline().process_label(r) for r in range(4)} == {"pp0 dp0", "pp0 dp1", "pp1 dp0", "pp1 dp1"}
 
 
 @pytest.mark.slow

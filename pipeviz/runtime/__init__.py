@@ -1,11 +1,13 @@
 """Run a plan as real processes: ``launch`` -> ``Run`` (events, losses, state), and the unsplit reference.
 
-``spec`` checks a launch and builds each rank's payload, ``procs`` starts rank processes, ``worker`` is one
-rank, ``stages`` builds the stage modules, ``run`` watches a launch.
+``config`` is the one launch configuration (``LaunchConfig``), ``spec`` checks a launch and builds each rank's
+payload, ``procs`` starts rank processes, ``worker`` is one rank, ``stages`` builds the stage modules, ``run``
+watches a launch.
 """
 
+from pipeviz.runtime.config import LaunchConfig
 from pipeviz.runtime.reference import train_reference
 from pipeviz.runtime.run import Run, launch
 from pipeviz.runtime.spec import LaunchError
 
-__all__ = ["LaunchError", "Run", "launch", "train_reference"]
+__all__ = ["LaunchConfig", "LaunchError", "Run", "launch", "train_reference"]

@@ -21,13 +21,14 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Unpack
 
 import torch
 
 from pipeviz.capture import _batch_size
 from pipeviz.plan import SplitPlan
+from pipeviz.runtime.config import UNSET, LaunchConfig, LaunchOptions, launch_config
 from pipeviz.runtime.procs import context, rendezvous, start_without_main, sweep_stale, temp_prefix
 from pipeviz.runtime.spec import (
     LaunchError,
@@ -621,25 +622,17 @@ def _reap_all() -> None:
 
 def launch(
     plan: SplitPlan,
-    schedule: str = "1F1B",
-    microbatches: int = 4,
-    steps: int | None = 1,
+    schedule: str = UNSET,
+    microbatches: int = UNSET,
+    steps: int | None = UNSET,
+    *,
     inputs: tuple[Any, ...] | Any = None,
     input_kwargs: dict[str, Any] | None = None,
     target: Any = None,
-    loss_fn: Callable[..., torch.Tensor] | None = None,
-    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
-    devices: str | Sequence[str] = "auto",
-    stages_per_rank: int | None = None,
-    timeout: float = 120.0,
-    pin_cpus: bool = True,
-    on_nonfinite: str = "stop",
     data: Any = None,
     weights: str | os.PathLike[str] | None = None,
-    init_seed: int = 0,
-    dp: int = 1,
-    tp: int = 1,
-    tp_plan: dict[str, str] | None = None,
+    config: LaunchConfig | None = None,
+    **options: Unpack[LaunchOptions],
 ) -> Run:
     """Start the plan's stages as processes running torch's ``schedule``; returns a ``Run`` at once.
 
@@ -648,6 +641,15 @@ def launch(
     weight-grad action streams back as an ``Event``. Skip connections are relayed stage by stage and shared
     weights' gradients are summed across the stages holding them, so the run trains like the unsplit model
     (same microbatching, mean loss per microbatch).
+
+    How to run is one ``pv.LaunchConfig`` (``config=``), the same object ``pv.export_torchrun``, the CLI and the
+    Explorer take, or its fields as keywords (they override ``config``'s); ``schedule``, ``microbatches`` and
+    ``steps`` may also come first, by position. Defaults: ``LaunchConfig()``'s.
+
+    Example:
+        >>> run = pv.launch(plan, "1F1B", 4, 3, inputs=(x,), target=y, loss_fn=pv.cross_entropy)
+        >>> run = pv.launch(plan, config=pv.LaunchConfig(schedule="GPipe", dp=2, loss_fn=pv.cross_entropy),
+        ...                 inputs=(x,), target=y)
 
     Args:
         plan: the ``SplitPlan``.
@@ -693,29 +695,27 @@ def launch(
     Raises:
         LaunchError, ScheduleError, PlanError: before any process starts, naming the bad value and the fix.
     """
-    spec = validate_launch(plan, schedule, microbatches, steps, inputs, input_kwargs, target, loss_fn, optimizer,
-                           stages_per_rank, timeout, data, dp=dp, tp=tp, tp_plan=tp_plan)
-    if on_nonfinite not in ("stop", "continue"):
-        raise LaunchError(f"on_nonfinite={on_nonfinite!r}; valid: 'stop', 'continue'.")
-    spec.sources, spec.init_seed = check_weights(plan, weights, init_seed), init_seed
+    cfg = launch_config(config, schedule=schedule, microbatches=microbatches, steps=steps, **options)
+    spec = validate_launch(plan, cfg, inputs=inputs, input_kwargs=input_kwargs, target=target, data=data)
+    spec.sources, spec.init_seed = check_weights(plan, weights, cfg.init_seed), cfg.init_seed
     world = spec.mesh.world
-    stage_devices, backend, compute = resolve_devices(devices, world)
+    stage_devices, backend, compute = resolve_devices(cfg.devices, world)
     on_cpu = all(d == "cpu" for d in stage_devices) and not any(compute)
     # Two runs at once would be pinned to the same cores: the second one is left to the scheduler.
     alone = not any(r.status in ("starting", "running") for r in list(_LIVE))
-    threads, cpus = cpu_sets(world, pin_cpus and on_cpu and alone)
+    threads, cpus = cpu_sets(world, cfg.pin_cpus and on_cpu and alone)
 
-    run = Run(plan, spec, timeout, on_nonfinite)
+    run = Run(plan, spec, cfg.timeout, cfg.on_nonfinite)
     run.weights = weights
     run.devices = [c or d for c, d in zip(compute, stage_devices, strict=True)]
     run.cpus = cpus
     t0 = run.started_at
-    run._store = rendezvous(world, timeout)
+    run._store = rendezvous(world, cfg.timeout)
     port = run._store.port
 
     def build() -> list[bytes]:
-        return rank_payloads(plan, spec, stage_devices, compute, backend, port, t0, timeout, threads, cpus,
-                             on_nonfinite, run._state_dir)
+        return rank_payloads(plan, spec, stage_devices, compute, backend, port, t0, cfg.timeout, threads, cpus,
+                             run._state_dir)
 
     run._start(build)
     return run

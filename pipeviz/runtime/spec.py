@@ -2,8 +2,9 @@
 cores of each rank, and each rank's payload. Shared by ``pv.launch`` and ``pv.export_torchrun``.
 
 Example:
-    >>> spec = validate_launch(plan, "1F1B", 4, 3, (x,), None, y, F.cross_entropy, None, None)
-    >>> devices, backend, compute = resolve_devices("auto", spec.layout.num_ranks)
+    >>> cfg = LaunchConfig(schedule="1F1B", microbatches=4, steps=3, loss_fn=F.cross_entropy)
+    >>> spec = validate_launch(plan, cfg, inputs=(x,), target=y)
+    >>> devices, backend, compute = resolve_devices("auto", spec.mesh.world)
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from pipeviz import schedules as sched
 from pipeviz.capture import TRACE_LOCK, _batch_size
 from pipeviz.mesh import Mesh
 from pipeviz.plan import SplitPlan
+from pipeviz.runtime.config import LaunchConfig
 
-__all__ = ["LaunchError", "LaunchSpec", "cpu_sets", "data_batch", "rank_payloads", "resolve_devices", "share",
-           "validate_launch"]
+__all__ = ["LaunchError", "LaunchSpec", "cpu_sets", "data_batch", "rank_payload", "rank_payloads", "resolve_devices",
+           "share", "spec_stages", "validate_launch"]
 
 
 class LaunchError(ValueError):
@@ -48,6 +50,7 @@ class LaunchSpec:
     dp: int = 1  # data-parallel replicas of the pipeline, each on 1/dp of every batch
     tp: int = 1  # tensor-parallel shards of every stage
     tp_placements: dict[str, str] = field(default_factory=dict)  # canonical parameter name -> "shard0"/"shard1"
+    config: LaunchConfig = field(default_factory=LaunchConfig)  # the options it was validated from
 
     @property
     def training(self) -> bool:
@@ -69,19 +72,24 @@ def share(tree: Any, replica: int, replicas: int, batch: int) -> Any:
                            if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t, tree)
 
 
-def validate_launch(
-    plan: SplitPlan, schedule: str, microbatches: int, steps: int | None, inputs: Any,
-    input_kwargs: dict[str, Any] | None, target: Any, loss_fn: Any, optimizer: Any, stages_per_rank: int | None,
-    timeout: float = 120.0, data: Any = None, dp: int = 1, tp: int = 1, tp_plan: Mapping[str, str] | None = None,
-) -> LaunchSpec:
+def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inputs: Any = None,
+                    input_kwargs: dict[str, Any] | None = None, target: Any = None, data: Any = None) -> LaunchSpec:
     """Check everything a launch needs before any process starts; raises with the value, the choices and the fix.
 
-    Checked: the plan and schedule (stage and microbatch rules), ``steps`` and ``timeout``, the inputs (a
-    tensor, a tuple or list of them; each like the traced example: same dtype, same shape after the batch
-    dim), the target, ``loss_fn`` (called once on an output like the last stage's: it must return a scalar
-    tensor), ``optimizer`` (built once on a dummy parameter) and that both can be sent to the stage processes.
+    Checked: the plan and the config's schedule (stage and microbatch rules), ``steps``, ``timeout`` and
+    ``on_nonfinite``, the layout (``dp``, ``tp``, ``tp_plan``), the inputs (a tensor, a tuple or list of them;
+    each like the traced example: same dtype, same shape after the batch dim), the target, ``loss_fn`` (called
+    once on an output like the last stage's: it must return a scalar tensor), ``optimizer`` (built once on a
+    dummy parameter) and that both can be sent to the stage processes.
     """
     import cloudpickle
+
+    config = config or LaunchConfig()
+    schedule, microbatches, steps, stages_per_rank = (config.schedule, config.microbatches, config.steps,
+                                                      config.stages_per_rank)
+    loss_fn, optimizer, timeout, dp, tp = config.loss_fn, config.optimizer, config.timeout, config.dp, config.tp
+    if config.on_nonfinite not in ("stop", "continue"):
+        raise LaunchError(f"on_nonfinite={config.on_nonfinite!r}; valid: 'stop', 'continue'.")
 
     if not isinstance(plan, SplitPlan):
         raise LaunchError(f"launch() needs a SplitPlan (graph.split(...)), got {type(plan).__name__}.")
@@ -94,7 +102,7 @@ def validate_launch(
     if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
         raise LaunchError(f"dp must be a positive int (data-parallel replicas of the pipeline), got {dp!r}. Fix: "
                           "dp=1 for one pipeline, dp=2 for two replicas each training on half of every batch.")
-    placements = _tensor_parallel(plan, tp, tp_plan)
+    placements = _tensor_parallel(plan, tp, config.tp_plan)
     if not (steps is None and data is not None) and (not isinstance(steps, int) or isinstance(steps, bool)
                                                      or steps < 1):
         raise LaunchError(f"steps must be a positive int, got {steps!r} (steps=None runs until data= runs out).")
@@ -143,7 +151,7 @@ def validate_launch(
             raise LaunchError("optimizer= was given without a loss_fn: a forward-only run trains nothing. Fix: pass "
                               "loss_fn=... to train, or drop optimizer.")
         return LaunchSpec(name, lay, args, kwargs, None, None, None, microbatches, steps, stream, dp=dp, tp=tp,
-                          tp_placements=placements)
+                          tp_placements=placements, config=config)
     if not callable(loss_fn):
         raise LaunchError(f"loss_fn must be a callable loss(output, target), got {loss_fn!r}. "
                           "Fix: loss_fn=pv.cross_entropy (or torch.nn.functional.cross_entropy, or your own); "
@@ -162,7 +170,7 @@ def validate_launch(
             raise LaunchError(f"{label} cannot be sent to the stage processes ({exc}). Fix: define it as a plain "
                               "function or lambda, without open files, locks or CUDA state.") from exc
     return LaunchSpec(name, lay, args, kwargs, target, loss_fn, optimizer, microbatches, steps, stream, dp=dp, tp=tp,
-                      tp_placements=placements)
+                      tp_placements=placements, config=config)
 
 
 def _tensor_parallel(plan: SplitPlan, tp: int, tp_plan: Mapping[str, str] | None) -> dict[str, str]:
@@ -353,43 +361,61 @@ def resolve_devices(devices: str | Sequence[str], num_ranks: int) -> tuple[list[
 
 def rank_payloads(plan: SplitPlan, spec: LaunchSpec, devices: list[str], compute: list[str | None], backend: str,
                   port: int, t0: float, timeout: float, threads: int,
-                  cpus: list[tuple[int, ...]] | None, on_nonfinite: str = "stop",
-                  state_dir: str | None = None) -> list[bytes]:
+                  cpus: list[tuple[int, ...]] | None, state_dir: str | None = None) -> list[bytes]:
     """Build the stages once (here, not in every rank) and pickle each rank's share of the run: with
     ``spec.sources`` (weights= or a meta model) the stages go without the values their ranks load or
     initialise themselves. Each rank writes its trained tensors to ``state_dir``."""
     import cloudpickle
 
-    from pipeviz.runtime.stages import build_stages, rank_stages, tied_ranks
-    from pipeviz.runtime.worker import RankPayload
+    stages, tied = spec_stages(plan, spec)
+    sources = stage_sources(plan, stages, spec) if spec.sources is not None else None
+    return [cloudpickle.dumps(rank_payload(
+        spec, stages, tied, rank, sources=sources, port=port, backend=backend, device=devices[rank],
+        compute=compute[rank], t0=t0, parent_pid=os.getpid(), timeout=max(timeout, 30.0), threads=threads,
+        cpus=cpus[rank] if cpus else None, state_path=os.path.join(state_dir, f"rank{rank}.pt") if state_dir else None,
+    )) for rank in range(spec.mesh.world)]
 
-    lay, mesh = spec.layout, spec.mesh
+
+def spec_stages(plan: SplitPlan, spec: LaunchSpec) -> tuple[Any, dict[str, list[int]]]:
+    """The launch's stages (``pipeviz.runtime.stages.build_stages``), traced with one replica's microbatch, and
+    the pipeline ranks holding each shared parameter."""
+    from pipeviz.runtime.stages import build_stages, tied_ranks
+
     batch = _batch_size(spec.args, spec.kwargs) or 1
     # Traced with one replica's share of the batch: its microbatches have the shape every stage will see.
-    args0, kwargs0 = share((spec.args, spec.kwargs), 0, mesh.dp, batch)
+    args0, kwargs0 = share((spec.args, spec.kwargs), 0, spec.dp, batch)
     with TRACE_LOCK:  # torch.export keeps global tracing state: two runs starting at once trace in turn
         stages = build_stages(_with_inputs(plan, args0, kwargs0), spec.microbatches,
                               whole_output=spec.loss_fn is None)
-    tied = tied_ranks(stages, lay.stage_ranks)
+    return stages, tied_ranks(stages, spec.layout.stage_ranks)
+
+
+def rank_payload(spec: LaunchSpec, stages: Any, tied: dict[str, list[int]], rank: int, *, sources: Any = None,
+                 port: int = 0, backend: str = "gloo", device: str = "cpu", compute: str | None = None,
+                 t0: float = -1.0, parent_pid: int = 0, timeout: float = 120.0, threads: int = 1,
+                 cpus: tuple[int, ...] | None = None, init_method: str | None = None,
+                 state_path: str | None = None) -> Any:
+    """Process ``rank``'s share of a launch (a ``worker.RankPayload``), the one builder ``pv.launch`` and an
+    exported script's ranks use: its coordinates' stages, its replica's share of the batch (the inputs on the
+    first pipeline rank, the target on the last), and the layout."""
+    from pipeviz.runtime.stages import rank_stages
+    from pipeviz.runtime.worker import RankPayload
+
+    lay, mesh = spec.layout, spec.mesh
+    pp, replica, _ = mesh.coords(rank)
+    batch = _batch_size(spec.args, spec.kwargs) or 1
+    args, kwargs, target = share((spec.args, spec.kwargs, spec.target), replica, mesh.dp, batch)
     first, last = lay.stage_ranks[0], lay.stage_ranks[-1]
-    sources = stage_sources(plan, stages, spec) if spec.sources is not None else [None] * plan.num_stages
-    payloads = []
-    for rank in range(mesh.world):
-        pp, replica, _ = mesh.coords(rank)
-        args, kwargs, target = share((spec.args, spec.kwargs, spec.target), replica, mesh.dp, batch)
-        payloads.append(cloudpickle.dumps(RankPayload(
-            rank=rank, world=mesh.world, port=port, backend=backend, device=devices[rank],
-            compute_device=compute[rank], schedule=spec.schedule, stage_ranks=lay.stage_ranks,
-            microbatches=spec.microbatches, steps=spec.steps,
-            stages=rank_stages(stages, lay.stage_ranks, pp, sources),
-            tied=tied, loss_fn=spec.loss_fn, optimizer=spec.optimizer,
-            args=args if pp == first else (), kwargs=kwargs if pp == first else {},
-            target=target if pp == last else None, t0=t0, parent_pid=os.getpid(),
-            timeout_s=max(timeout, 30.0), threads=threads, cpus=cpus[rank] if cpus else None,
-            on_nonfinite=on_nonfinite, state_path=os.path.join(state_dir, f"rank{rank}.pt") if state_dir else None,
-            mesh=mesh if mesh.world > mesh.pp else None, tp_placements=spec.tp_placements,
-        )))
-    return payloads
+    return RankPayload(
+        rank=rank, world=mesh.world, port=port, backend=backend, device=device, compute_device=compute,
+        schedule=spec.schedule, stage_ranks=lay.stage_ranks, microbatches=spec.microbatches, steps=spec.steps,
+        stages=rank_stages(stages, lay.stage_ranks, pp, sources),
+        tied=tied, loss_fn=spec.loss_fn, optimizer=spec.optimizer,
+        args=args if pp == first else (), kwargs=kwargs if pp == first else {},
+        target=target if pp == last else None, t0=t0, parent_pid=parent_pid, timeout_s=timeout, threads=threads,
+        cpus=cpus, init_method=init_method, on_nonfinite=spec.config.on_nonfinite, state_path=state_path,
+        mesh=mesh if mesh.world > mesh.pp else None, tp_placements=spec.tp_placements,
+    )
 
 
 def check_weights(plan: SplitPlan, weights: Any, init_seed: int) -> dict[str, Any] | None:

@@ -32,6 +32,7 @@ import pipeviz as pv
 from pipeviz import schedules as sched
 from pipeviz.graph import ModelGraph
 from pipeviz.plan import SplitPlan
+from pipeviz.runtime.config import UNSET, launch_config
 from pipeviz.timeline import Timeline
 from pipeviz.training import cross_entropy, default_target
 from pipeviz.widgets import panels
@@ -65,14 +66,17 @@ class Explorer(W.VBox):
         model: an ``nn.Module`` (traced once here) or an already traced ``pv.ModelGraph``.
         example_args, example_kwargs: one full batch of inputs (what ``pv.trace`` takes).
         splits: the starting plan: a ``SplitPlan`` or layer names to split after (default: one stage).
-        schedule, microbatches, steps: starting values of the controls.
+        schedule, microbatches, steps: starting values of the controls (default: ``config``'s).
+        config: a ``pv.LaunchConfig``, the one launch configuration ``pv.launch`` and ``pv.export_torchrun`` take:
+            its schedule, microbatches, steps, ``dp`` and ``tp`` start the controls; Launch runs the config the
+            controls make (``explorer.launch_config()``) with its other options (timeouts, pinning, ...).
         mode: ``"train"`` (Launch trains: forwards, backwards, optimizer steps) or ``"infer"`` (forward only:
             the simulated timeline has no backwards, Launch runs ``pv.launch`` without a ``loss_fn`` and the
             numerics check compares ``run.outputs`` with the unsplit model's outputs). A switch in the controls.
         target, loss_fn, optimizer: what Launch trains with. Defaults: ``loss_fn`` is ``pv.cross_entropy``
             over the output's last dim and ``target`` random integer classes of that size (seed 0), so a
             classifier or a language model trains as is; ``optimizer`` is SGD with lr 0.1.
-        devices: passed to ``pv.launch`` (``"auto"``, ``"cpu"``, ...).
+        devices: passed to ``pv.launch`` (``"auto"``, ``"cpu"``, ...); default: ``config``'s.
         depth: granularity of the trace (``None``: the model's natural blocks).
 
     Attributes:
@@ -91,16 +95,20 @@ class Explorer(W.VBox):
     def __init__(
         self, model: torch.nn.Module | ModelGraph, example_args: tuple[Any, ...] | Any = (),
         example_kwargs: dict[str, Any] | None = None, *, splits: SplitPlan | Iterable[str] | None = None,
-        schedule: str = "1F1B", microbatches: int = 4, steps: int = 3, target: torch.Tensor | None = None,
+        schedule: str = UNSET, microbatches: int = UNSET, steps: int = UNSET, target: torch.Tensor | None = None,
         loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: Callable[..., Any] | None = None,
-        devices: str | list[str] = "auto", depth: int | None = None, mode: str = "train",
+        devices: str | list[str] = UNSET, depth: int | None = None, mode: str = "train",
+        config: pv.LaunchConfig | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {list(MODES)}. Fix: mode='train' to train, or "
                              "mode='infer' for a forward-only run.")
         graph = model if isinstance(model, ModelGraph) else pv.trace(model, example_args, example_kwargs, depth=depth)
         self.graph: ModelGraph = graph
-        self.target, self.loss_fn, self.optimizer, self.devices = target, loss_fn, optimizer, devices
+        self.config = launch_config(config, schedule=schedule, microbatches=microbatches, steps=steps,
+                                    devices=devices)
+        self.target, self.devices = target, self.config.devices
+        self.loss_fn, self.optimizer = loss_fn or self.config.loss_fn, optimizer or self.config.optimizer
         self.run: pv.Run | None = None
         self.sim: Timeline | None = None
         self.sim_here: Timeline | None = None
@@ -113,7 +121,7 @@ class Explorer(W.VBox):
         self._finished = threading.Event()
         self._finished.set()
         self._pipe_cache: dict[tuple[str, int], str] = {}
-        self._build_ui(sched.canonical(schedule), microbatches, steps, mode)
+        self._build_ui(sched.canonical(self.config.schedule), self.config.microbatches, self.config.steps or 1, mode)
         super().__init__(self._children, layout=W.Layout(width="100%", max_width="100%"))
         self.add_class("pipeviz-explorer")
         self.observe(self._on_clicked, "clicked")
@@ -159,12 +167,20 @@ class Explorer(W.VBox):
                                              layout=W.Layout(width="150px"), style=wide)
         self.steps = W.BoundedIntText(value=steps, min=1, max=100000, description="steps",
                                       layout=W.Layout(width="110px"), style=wide)
+        self.dp = W.BoundedIntText(value=self.config.dp, min=1, max=1024, description="dp",
+                                   layout=W.Layout(width="90px"), style=wide,
+                                   tooltip="data-parallel replicas of the pipeline (pv.launch(..., dp=N))")
+        self.tp = W.BoundedIntText(value=self.config.tp, min=1, max=64, description="tp",
+                                   layout=W.Layout(width="90px"), style=wide,
+                                   tooltip="tensor-parallel shards of every stage (pv.launch(..., tp=K))")
+        self.mesh_view = W.HTML(layout=W.Layout(max_width="100%", overflow="auto"))
+        self.mesh_view.add_class("pipeviz-mesh")
         self.mode = W.ToggleButtons(options=list(MODES), value=mode, description="run",
                                     tooltips=["train: forwards, backwards and optimizer steps",
                                               "infer: forward only (no loss_fn; run.outputs)"],
                                     style={"button_width": "56px", "description_width": "initial"})
         self.mode.add_class("pipeviz-mode")
-        for w in (self.schedule, self.microbatches, self.mode):
+        for w in (self.schedule, self.microbatches, self.mode, self.dp, self.tp):
             w.observe(self._on_controls, "value")
         self.hint = W.HTML()
         self.hint.add_class("pipeviz-hint")
@@ -206,9 +222,10 @@ class Explorer(W.VBox):
             W.HBox([self.stages, self.balance_by, self.balance_button, self.undo_button, self.redo_button],
                    layout=box()),
             W.HBox([self.mode, self.schedule, self.microbatches, self.steps], layout=box()),
+            W.HBox([self.dp, self.tp], layout=box()),
             self.hint,
         ], layout=W.Layout(max_width="100%"))
-        right = W.VBox([controls, self.errors, self.preview, self.pipe_button, self.pipe_text],
+        right = W.VBox([controls, self.errors, self.preview, self.mesh_view, self.pipe_button, self.pipe_text],
                        layout=W.Layout(flex="1 1 380px", min_width="0", max_width="100%"))
         right.add_class("pipeviz-preview-column")
         self.run_section = W.VBox([self.run_notes, self.here_button, self.numerics, self.run_view],
@@ -325,16 +342,12 @@ class Explorer(W.VBox):
         if self.run is not None and not self._finished.is_set():
             raise pv.LaunchError("A run is still going. Fix: press Stop (explorer.stop()) first.")
         args, kwargs = self.graph.example_args, dict(self.graph.example_kwargs)
-        plan, schedule, mbs, steps = self._plan, self.schedule.value, self.microbatches.value, self.steps.value
-        if self.mode.value == "infer":  # forward only: no target, loss or optimizer
-            run = pv.launch(plan, schedule=schedule, microbatches=mbs, steps=steps, inputs=args,
-                            input_kwargs=kwargs or None, devices=self.devices)
+        plan, cfg = self._plan, self.launch_config()
+        if cfg.loss_fn is None:  # forward only: no target, loss or optimizer
+            run = pv.launch(plan, config=cfg, inputs=args, input_kwargs=kwargs or None)
         else:
-            loss_fn = self.loss_fn or cross_entropy
             target = self.target if self.target is not None else default_target(self.graph)
-            run = pv.launch(plan, schedule=schedule, microbatches=mbs, steps=steps, inputs=args,
-                            input_kwargs=kwargs or None, target=target, loss_fn=loss_fn, optimizer=self.optimizer,
-                            devices=self.devices)
+            run = pv.launch(plan, config=cfg, inputs=args, input_kwargs=kwargs or None, target=target)
         self.run, self._run_plan = run, plan
         self._finished.clear()
         self.numerics.value = self.run_notes.value = ""
@@ -348,6 +361,18 @@ class Explorer(W.VBox):
         run.subscribe(lambda batch: self._on_run_events(run))
         self._mark_run()
         return run
+
+    def launch_config(self) -> pv.LaunchConfig:
+        """The ``pv.LaunchConfig`` Launch runs: the Explorer's ``config`` with the controls' schedule, microbatches,
+        steps, dp and tp (and, in infer mode, no loss or optimizer); ``pv.export_torchrun(plan, path,
+        config=explorer.launch_config(), ...)`` writes the same run for torchrun."""
+        schedule = self.schedule.value
+        infer = self.mode.value == "infer"
+        return self.config.replace(
+            schedule=schedule, microbatches=self.microbatches.value, steps=self.steps.value,
+            stages_per_rank=self.config.stages_per_rank if schedule not in sched.SINGLE else None,
+            loss_fn=None if infer else self.loss_fn or cross_entropy, optimizer=None if infer else self.optimizer,
+            devices=self.devices, dp=self.dp.value, tp=self.tp.value)
 
     @guarded
     def stop(self) -> None:
@@ -365,7 +390,7 @@ class Explorer(W.VBox):
         cores = _cores()
         spr = None if run.schedule in sched.SINGLE else run.layout.num_stages // run.layout.num_ranks
         self.sim_here = pv.simulate(self._run_plan or self._plan, run.schedule, run.microbatches, spr, cores=cores,
-                                    forward_only=run.spec.loss_fn is None)
+                                    forward_only=run.spec.loss_fn is None, dp=run.mesh.dp, tp=run.mesh.tp)
         self.run_view.update(run.timeline(), overlay=self.sim_here)
         self._explain_run(run)
         return self.sim_here
@@ -532,11 +557,12 @@ class Explorer(W.VBox):
         elif self._plan.num_stages > 1:
             try:
                 self.sim = pv.simulate(self._plan, schedule=schedule, microbatches=self.microbatches.value,
-                                       stages_per_rank=spr, forward_only=infer)
+                                       stages_per_rank=spr, forward_only=infer, dp=self.dp.value, tp=self.tp.value)
             except (pv.ScheduleError, ValueError) as exc:  # the schedule does not fit the plan: said once, above
                 failed = True
                 self._show_error(exc, prefix=f"{schedule} cannot run {plural(self._plan.num_stages, 'stage')}: ")
         self.preview.value = panels.preview_html(self._plan, self.sim, self.microbatches.value, failed)
+        self.mesh_view.value = panels.mesh_html(self._plan, self.sim, self.dp.value, self.tp.value, self.schedule.value)
         # Shown before it is drawn: the chart takes the width it has when drawn (a hidden one has none).
         self.sim_view.layout.display = "none" if self.sim is None else "flex"
         self.sim_view.update(self.sim, overlay=None)

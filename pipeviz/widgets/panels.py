@@ -22,8 +22,8 @@ from pipeviz.widgets.figures import plural, stage_color
 if TYPE_CHECKING:
     from pipeviz.widgets.explorer import Explorer
 
-__all__ = ["error_html", "guarded", "notes_html", "numerics_html", "preview_html", "progress_html", "run_notes_html",
-           "shift_click_guard", "short", "soon", "stage_times", "static_html", "verdict_html"]
+__all__ = ["error_html", "guarded", "mesh_html", "notes_html", "numerics_html", "preview_html", "progress_html",
+           "run_notes_html", "shift_click_guard", "short", "soon", "stage_times", "static_html", "verdict_html"]
 
 
 def guarded(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -170,6 +170,43 @@ def preview_html(plan: SplitPlan, sim: Timeline | None, microbatches: int, faile
                  f"{per_rank}</div>")
     return (f"<div class='pipeviz-preview' style='font-size:12px;max-width:100%'>{head}{table}"
             f"<div>{verdict_html(plan)}</div>{extra}</div>")
+
+
+def mesh_html(plan: SplitPlan, sim: Timeline | None, dp: int = 1, tp: int = 1, schedule: str | None = None) -> str:
+    """The processes a launch of ``plan`` starts (``pv.Mesh(pp, dp, tp)``): a row per pipeline rank (the stages it
+    holds, in their colours), a column per replica and shard, each cell the process rank and its coordinates.
+    ``sim`` (or ``schedule``) gives the stages' ranks; empty for a one-stage plan or a schedule that cannot run."""
+    from pipeviz import schedules as sched
+    from pipeviz.mesh import Mesh
+
+    if plan.num_stages < 2:
+        return ""
+    name = sim.schedule if sim is not None else schedule
+    if name is None:
+        return ""
+    try:
+        spr = None if sched.canonical(name) in sched.SINGLE else 2
+        lay = sched.layout(name, plan.num_stages, spr)
+        mesh = Mesh(pp=lay.num_ranks, dp=dp, tp=tp)
+    except ValueError:
+        return ""
+    cell = "padding:2px 6px;border:1px solid #ddd;white-space:nowrap;text-align:center"
+    heads = "".join(f"<th style='{cell}'>{'replica ' + str(d) if dp > 1 else ''}"
+                    f"{' · ' if dp > 1 and tp > 1 else ''}{'shard ' + str(t) if tp > 1 else ''}</th>"
+                    for d in range(dp) for t in range(tp))
+    rows = [f"<tr><th style='{cell}'>pipeline rank</th>{heads}</tr>"] if dp * tp > 1 else []
+    for p in range(mesh.pp):
+        held = [s for s, r in enumerate(lay.stage_ranks) if r == p]
+        swatches = " ".join(f"<span style='color:{stage_color(s)}'>■</span>{s}" for s in held)
+        cells = "".join(f"<td style='{cell}' title='{html.escape(mesh.label(mesh.rank(p, d, t)))}'>"
+                        f"process {mesh.rank(p, d, t)}</td>" for d in range(dp) for t in range(tp))
+        rows.append(f"<tr class='pipeviz-mesh-row'><th style='{cell};text-align:left'>pp{p}: stage"
+                    f"{'s' * (len(held) > 1)} {swatches}</th>{cells}</tr>")
+    what = " × ".join(f"{n} {w}" for n, w in ((mesh.pp, "pipeline ranks"), (dp, "replicas"), (tp, "shards"))
+                      if w == "pipeline ranks" or n > 1)
+    return (f"<div class='pipeviz-mesh-box' style='font-size:12px;max-width:100%;overflow-x:auto'>"
+            f"<b>{mesh.world} process{'es' * (mesh.world != 1)}</b> ({what}: pv.Mesh(pp={mesh.pp}, dp={dp}, tp={tp}))"
+            f"<table style='border-collapse:collapse'>{''.join(rows)}</table></div>")
 
 
 def progress_html(run: pv.Run) -> str:

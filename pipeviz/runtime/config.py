@@ -1,0 +1,109 @@
+"""One launch configuration: the options of a run, shared by ``pv.launch``, ``pv.export_torchrun``, the CLI and the
+Explorer, with one set of defaults.
+
+A ``LaunchConfig`` says *how* to run a plan (schedule, microbatches, steps, loss and optimizer, layout, devices,
+time limits); the data a run trains on (``inputs=``/``target=``/``data=``/``weights=``) is given beside it. Every
+front door takes either a config, keyword options, or both (options override the config's fields):
+
+Example:
+    >>> cfg = pv.LaunchConfig(schedule="GPipe", microbatches=8, steps=3, loss_fn=pv.cross_entropy, dp=2)
+    >>> run = pv.launch(plan, config=cfg, inputs=(x,), target=y)
+    >>> pv.export_torchrun(plan, "train.py", config=cfg.replace(steps=100), inputs=(x,), target=y)
+    >>> pv.launch(plan, "1F1B", 4, 3, inputs=(x,), target=y, loss_fn=pv.cross_entropy)   # as before
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, TypedDict
+
+import torch
+
+__all__ = ["UNSET", "LaunchConfig", "LaunchOptions", "launch_config"]
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()  # "not given here": take the config's value (``steps=None`` is a value: until data= ends)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """How to run a plan; every field keyword-only, every front door's defaults these.
+
+    Attributes:
+        schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV
+            (case-insensitive).
+        microbatches: microbatches per step (per replica with ``dp``); must divide the batch.
+        steps: optimizer steps; ``None`` with ``data=``: until the data runs out.
+        stages_per_rank: for multi-stage schedules (default 2).
+        loss_fn: mean-reduced loss ``(output, target) -> scalar``; ``None``: a forward-only run.
+        optimizer: ``params -> torch.optim.Optimizer`` (default ``pv.sgd(lr=0.1)``), built on every rank.
+        devices: ``"auto"``, ``"cpu"``, ``"cuda"`` or one device per process (``pv.launch``; an exported script
+            takes each process's ``LOCAL_RANK`` GPU).
+        timeout: seconds without progress before the run is declared hung and stopped.
+        pin_cpus: on the CPU, give each process its own cores (``pv.launch``).
+        on_nonfinite: a NaN or inf loss or gradient: ``"stop"`` the run or ``"continue"`` and record it.
+        init_seed: a meta model without weights: the seed of each rank's own initialisation.
+        dp: data-parallel replicas of the pipeline (``pv.Mesh(pp, dp, tp)``).
+        tp: tensor-parallel shards of every stage.
+        tp_plan: ``{module name: "colwise" | "rowwise"}`` for tensor parallelism; default: Megatron's MLP rule.
+    """
+
+    schedule: str = "1F1B"
+    microbatches: int = 4
+    steps: int | None = 1
+    stages_per_rank: int | None = None
+    loss_fn: Callable[..., torch.Tensor] | None = None
+    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None
+    devices: str | Sequence[str] = "auto"
+    timeout: float = 120.0
+    pin_cpus: bool = True
+    on_nonfinite: str = "stop"
+    init_seed: int = 0
+    dp: int = 1
+    tp: int = 1
+    tp_plan: Mapping[str, str] | None = None
+
+    def replace(self, **changes: Any) -> LaunchConfig:
+        """A copy with ``changes``; an unknown option is named with the valid ones."""
+        _check_names(changes)
+        return dataclasses.replace(self, **changes)
+
+
+class LaunchOptions(TypedDict, total=False):
+    """The keyword options ``pv.launch`` and ``pv.export_torchrun`` take beside ``schedule``, ``microbatches`` and
+    ``steps`` (their own parameters): ``LaunchConfig``'s other fields."""
+
+    stages_per_rank: int | None
+    loss_fn: Callable[..., torch.Tensor] | None
+    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None
+    devices: str | Sequence[str]
+    timeout: float
+    pin_cpus: bool
+    on_nonfinite: str
+    init_seed: int
+    dp: int
+    tp: int
+    tp_plan: Mapping[str, str] | None
+
+
+def _check_names(changes: Mapping[str, Any]) -> None:
+    valid = [f.name for f in fields(LaunchConfig)]
+    unknown = sorted(set(changes) - set(valid))
+    if unknown:
+        raise TypeError(f"Unknown launch option {unknown[0]!r}; valid: {', '.join(valid)}. Fix: spell it as one of "
+                        "those, or pass data as inputs=, input_kwargs=, target=, data= or weights=.")
+
+
+def launch_config(config: LaunchConfig | None, **given: Any) -> LaunchConfig:
+    """``config`` (default ``LaunchConfig()``) with the options given at the call (``UNSET`` ones left out)."""
+    if config is not None and not isinstance(config, LaunchConfig):
+        raise TypeError(f"config must be a pv.LaunchConfig, got {type(config).__name__}. Fix: "
+                        "config=pv.LaunchConfig(schedule='1F1B', microbatches=4, ...), or the options as keywords.")
+    return (config or LaunchConfig()).replace(**{k: v for k, v in given.items() if v is not UNSET})
