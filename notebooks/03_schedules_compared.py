@@ -21,7 +21,7 @@
 # | Interleaved1F1B | *v* | 1F1B over *v* model chunks per rank: bubble / *v* (Narayanan et al. 2021) |
 # | LoopedBFS | *v* | breadth-first over the chunks (Lamy-Poirier 2023) |
 # | InterleavedZeroBubble | *v* | backward = input-grad *I* + weight-grad *W*; *W* fills bubbles (Qi et al. 2024) |
-# | ZBVZeroBubble | 2, V-shaped | zero bubble with rank 0 holding the first and the last stage (Qi et al. 2024, §6) |
+# | ZBVZeroBubble | 2, V-shaped | zero bubble, V: rank 0 holds the first and last stage (Qi et al., arXiv 2401.10241) |
 # | DualPipeV | 2, V-shaped | overlaps a forward and a backward (DeepSeek-V3, 2024) |
 
 # %%
@@ -30,6 +30,8 @@ import warnings
 warnings.filterwarnings("ignore", category=FutureWarning)  # torch.export internals; not about your code
 
 # %%
+import os
+
 import plotly.graph_objects as go
 import torch
 import torch.nn.functional as F
@@ -95,13 +97,15 @@ fig
 # ## Two real runs
 #
 # 1F1B on a 2-stage plan and ZBVZeroBubble on the 4-stage plan: both on 2 processes. `pv.profile` first measures
-# each layer at the microbatch size (one thread, as each rank gets on this machine); `graph.with_profile` attaches
+# each layer at the microbatch size (with the threads each of the 2 ranks gets: the cores this process may use,
+# halved, at least one); `graph.with_profile` attaches
 # the measurements, so plans made from that graph, or moved onto it with `plan.onto`, simulate with measured
 # costs. The ranks run exactly the simulated order; times differ by communication and by what else the machine is
 # doing.
 
 # %%
-graph = graph.with_profile(pv.profile(graph, microbatches=4, threads=1))
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+graph = graph.with_profile(pv.profile(graph, microbatches=4, threads=max(1, CORES // 2)))
 plan2 = pv.balance(graph, num_stages=2)   # balanced by measured time
 plan4 = plan4.onto(graph)                 # the same 4 stages as above, now with measured costs
 runs = {}
