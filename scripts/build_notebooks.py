@@ -42,6 +42,19 @@ SOLUTIONS: dict[str, tuple[str, str]] = {
         "my_answer = ['layer3', 'layer4']",
     ),
     "tutorials/06_going_multi_host.ipynb": ("my_answer = 0", "my_answer = 1"),
+    "tutorials/07_zero_bubble_and_its_memory.ipynb": ("my_answer = 1 + 7 / 16", "my_answer = 2"),
+    "tutorials/08_choosing_microbatches.ipynb": (
+        "my_answer = min(MS, key=lambda m: pv.simulate(plan, '1F1B', m, bandwidth=1e8, latency=1e-3).step_time)",
+        "my_answer = 64",
+    ),
+    "tutorials/09_inference_pipelining.ipynb": ("my_answer = 3 / 11", "my_answer = 3 / 8"),
+    "tutorials/10_custom_schedules.ipynb": (
+        "my_answer = [['0F0', '0F1', '0F2', '0B0', '0F3', '0B1', '0B2', '0B3'],\n"
+        "             ['1F0', '1F1', '1B0', '1F2', '1B1', '1F3', '1B2', '1B3'],\n"
+        "             ['2F0', '2B0', '2F1', '2B1', '2F2', '2B2', '2F3', '2B3']]",
+        "my_answer = pv.schedules.orders('GPipe', 3, 4)",
+    ),
+    "tutorials/11_composing_pp_dp_tp.ipynb": ("my_answer = 5", "my_answer = 3"),
 }
 
 METADATA = {

@@ -1,0 +1,186 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 7 · Zero bubble and its memory price
+#
+# **You will learn:** what each bubble-shrinking schedule costs in activation memory — interleaving's factor
+# 1 + (*p* − 1)/(*p*·*v*), breadth-first's memory growing with *m*, ZB-V's flat and balanced memory — what is left
+# of the bubble under "zero bubble", and why DualPipeV brings nothing on a dense model; on the simulator and on
+# real runs.
+#
+# Lesson 4 measured bubbles in time only. Every schedule also decides **how many microbatches' activations each
+# rank keeps alive at once** (lesson 3: GPipe all *m*, 1F1B at most *p* on rank 0): a forward adds a microbatch's
+# activations, its backward frees them. Split backwards free in two steps: the input-grad pass `I` frees part
+# (we count half), the weight-grad pass `W` the rest — postponing `W` keeps memory alive longer.
+#
+# The units: **one microbatch's activations for a rank's whole share of the model**. A rank holding *v* stages of
+# a *v*·*p*-stage model keeps 1/*v* of that per stage and microbatch.
+
+# %%
+import warnings
+
+warnings.filterwarnings("ignore", category=FutureWarning)  # torch.export internals; not about your code
+
+# %%
+import torch
+import torch.nn.functional as F
+
+import pipeviz as pv
+from pipeviz.zoo import MyNetwork
+
+p = 4  # ranks
+SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2), ("Interleaved1F1B", 4), ("LoopedBFS", 2),
+             ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2))
+
+
+def textbook(schedule, v, m):
+    """p ranks, each with per-microbatch work F = 1, B = 2 (I = W = 1) and 12 units of activations, cut into v
+    stages; free communication."""
+    costs = pv.Costs.uniform(p * v, forward=1 / v, backward=2 / v, activation_bytes=12 // v)
+    return pv.simulate(None, schedule, m, costs=costs, num_stages=p * v, stages_per_rank=None if v == 1 else v)
+
+
+rows = {}
+print(f"{'schedule':22} v    m   bubble time   activations held per rank (microbatches)")
+for schedule, v in SCHEDULES:
+    for m in (8, 16, 32):
+        tl = textbook(schedule, v, m)
+        held = [b / 12 for b in tl.peak_activation_bytes]
+        rows[schedule, v, m] = (tl.step_time - 3 * m, held)
+        print(f"{schedule:22} {v}  {m:3}   {tl.step_time - 3 * m:8.2f}      {held}")
+
+# %% [markdown]
+# ## What the table says (each claim asserted below)
+#
+# - **1F1B** holds *p* − *r* microbatches on rank *r*: rank 0 is the bottleneck, with *p*.
+# - **Interleaved1F1B** (depth-first: each microbatch runs through a rank's chunks as early as possible) divides
+#   the bubble time by *v* but holds *more* on rank 0: *p*·(1 + (*p* − 1)/(*p*·*v*)) microbatches — its warm-up
+#   runs extra forwards of the later chunks (Narayanan et al. 2021 give this factor).
+# - **LoopedBFS** (breadth-first: every microbatch through chunk 0, then every one through chunk 1) has the same
+#   bubble as interleaving but holds **all *m*** microbatches, like GPipe: its memory grows with *m*.
+# - **ZBVZeroBubble** leaves a bubble of (*p* − 1)·*F*, with *F* the forward of one stage (here 1/2): the first
+#   microbatch must travel down the V before any backward exists, and no weight-grad pass can fill that fill-up.
+#   Its memory is **flat in *m***, **equal on every rank** and at **1F1B's rank-0 level, *p***: the V gives rank 0
+#   the last stage, whose backward frees memory early, and rank *p* − 1 the middle.
+# - **InterleavedZeroBubble** reaches the same bubble with a 1F1B-like memory slope (rank 0 holds *p*).
+# - **DualPipeV** (DeepSeek-V3) has ZB-V's bubble here and holds slightly more. Its point is elsewhere: it runs the
+#   forward of one microbatch and the backward of another *together*, so that a mixture-of-experts model's
+#   all-to-all communication of one hides behind the other's compute. A dense model with free communication has
+#   nothing to hide, so the simulator shows no gain.
+
+# %%
+for m in (8, 16, 32):
+    bubble, held = rows["1F1B", 1, m]
+    assert held == [p - r for r in range(p)]
+    for v in (2, 4):
+        bubble_i, held_i = rows["Interleaved1F1B", v, m]
+        assert abs(bubble_i - bubble / v) < 1e-9                       # bubble time / v
+        assert abs(held_i[0] - p * (1 + (p - 1) / (p * v))) < 1e-9     # memory factor 1 + (p-1)/(pv)
+    assert rows["LoopedBFS", 2, m][1] == [m] * p                       # breadth-first: all m
+    bubble_z, held_z = rows["ZBVZeroBubble", 2, m]
+    assert abs(bubble_z - (p - 1) * 0.5) < 1e-9                         # (p - 1) F, F = one stage's forward
+    assert held_z == [p] * p                                           # flat in m, balanced, 1F1B's rank 0
+    assert rows["InterleavedZeroBubble", 2, m][1][0] == p
+    bubble_d, held_d = rows["DualPipeV", 2, m]
+    assert abs(bubble_d - bubble_z) < 1e-9 and min(held_d) >= p        # no gain here, no less memory
+print("all claims hold for m = 8, 16, 32")
+
+# %%
+pv.timeline_figure(textbook("ZBVZeroBubble", 2, 8))
+
+# %% [markdown]
+# ## On real runs
+#
+# A small model, 4 stages on **2 processes** (ZB-V, interleaving and LoopedBFS hold 2 stages per rank) or 2
+# stages (1F1B), with 4 and 8 microbatches. pipeviz records the order in which each process really ran its actions;
+# replaying it with the rule above (`F` +1, `B` −1, `I` and `W` −½ each, per stage divided by the stages a rank
+# holds) counts the activations each rank really kept alive. (This counts microbatches, not bytes: allocator
+# measurements of a run are not part of this lesson.)
+
+# %%
+def held_by(order, stages_per_rank):
+    """Most microbatches' activations alive at once, replaying one rank's actions ("0F3", "1I0", "1W0")."""
+    alive = peak = 0.0
+    for action in order:
+        kind = next(ch for ch in action if ch.isalpha())
+        alive += {"F": 1.0, "B": -1.0, "I": -0.5, "W": -0.5}[kind] / stages_per_rank
+        peak = max(peak, alive)
+    return peak
+
+
+torch.manual_seed(0)
+model = MyNetwork(256, [256] * 7)          # layer0 .. layer6, output_proj
+x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+graph = pv.trace(model, example_args=(x,))
+plans = {1: pv.balance(graph, num_stages=2), 2: pv.balance(graph, num_stages=4)}
+
+real = {}
+for schedule, v, m in (("1F1B", 1, 4), ("Interleaved1F1B", 2, 4), ("LoopedBFS", 2, 4), ("LoopedBFS", 2, 8),
+                       ("ZBVZeroBubble", 2, 4), ("ZBVZeroBubble", 2, 8)):
+    run = pv.launch(plans[v], schedule=schedule, microbatches=m, steps=2, inputs=(x,), target=y,
+                    loss_fn=F.cross_entropy)
+    assert run.wait(180) == "done", run.error
+    tl, sim = run.timeline(), pv.simulate(plans[v], schedule, microbatches=m)
+    orders = [tl.order(rank, step=1) for rank in range(2)]
+    assert orders == [sim.order(rank) for rank in range(2)]           # the processes ran the simulated order
+    real[schedule, m] = [held_by(order, v) for order in orders]
+    print(f"{schedule:15} m = {m}: held per rank {real[schedule, m]}   measured step {tl.step_time * 1e3:6.1f} ms")
+
+# %% [markdown]
+# The same pattern on real processes, *p* = 2: 1F1B holds 2 and 1; interleaving 2·(1 + 1/4) = 2.5 on rank 0;
+# LoopedBFS all *m* (4, then 8); ZB-V 2 on both ranks for 4 and for 8 microbatches.
+
+# %%
+assert real["1F1B", 4] == [2, 1]
+assert real["Interleaved1F1B", 4][0] == 2 * (1 + 1 / 4)
+assert real["LoopedBFS", 4] == [4, 4] and real["LoopedBFS", 8] == [8, 8]
+assert real["ZBVZeroBubble", 4] == real["ZBVZeroBubble", 8] == [2, 2]
+pv.TimelineView(run)
+
+# %% [markdown]
+# ## The price, summed up
+#
+# Zero bubble is not free: ZB-V needs exactly two stages per rank in a V, weight-grad passes that keep part of
+# each microbatch's activations alive until they run, and a runtime that splits every backward in two (torch does,
+# with `stage.backward_weight_one_chunk`). What it buys is 1F1B's worst-rank memory on *every* rank with a bubble
+# of only the fill-up. Interleaving pays with memory on the first ranks and *v* times more messages; breadth-first
+# pays with memory growing like GPipe's.
+#
+# ## Exercise
+#
+# With **p = 8** ranks and **v = 2** stages per rank, how many times more activations does **Interleaved1F1B**
+# keep on **rank 0** than plain **1F1B** does (enough microbatches, e.g. m = 16)? Set `my_answer` to the factor.
+
+# %%
+my_answer = None  # your answer here: a number
+
+
+# %%
+def check(answer):
+    """Rank 0's simulated peak under Interleaved1F1B (16 stages on 8 ranks) over 1F1B's (8 stages), m = 16."""
+    inter = pv.simulate(None, "Interleaved1F1B", 16, costs=pv.Costs.uniform(16, activation_bytes=1),
+                        num_stages=16, stages_per_rank=2).peak_activation_bytes[0] / 2   # per-rank units
+    plain = pv.simulate(None, "1F1B", 16, costs=pv.Costs.uniform(8, activation_bytes=1),
+                        num_stages=8).peak_activation_bytes[0]
+    expected = inter / plain
+    if answer is None:
+        print("❌ Not yet: set my_answer above. Hint: 1 + (p - 1) / (p · v).")
+    elif not isinstance(answer, (int, float)):
+        print(f"❌ Not yet: my_answer should be a number, got {answer!r}.")
+    elif abs(answer - expected) < 1e-6:
+        print(f"✅ Correct: 1 + 7 / 16 = {expected}: rank 0 holds {inter:g} microbatches instead of {plain}.")
+    elif abs(answer - 2) < 1e-6:
+        print("❌ Not yet: v = 2 stages do not double the memory: each stage is half the size.")
+    else:
+        print(f"❌ Not yet: not {answer!r}. Hint: the factor is 1 + (p - 1) / (p · v).")
+
+
+check(my_answer)

@@ -1,0 +1,146 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 8 · Choosing the number of microbatches
+#
+# **You will learn:** how to pick *m* when the global batch is fixed: more microbatches shrink the bubble and
+# 1F1B's memory, but each microbatch gets smaller, so the hardware works less efficiently and every hand-off pays
+# its latency more often. Measured on real sweeps, and with a link-speed sweep in the simulator.
+#
+# ## Three forces
+#
+# The optimizer wants a **global batch** of *B* samples per step; the pipeline cuts it into *m* microbatches of
+# *B*/*m*.
+#
+# 1. **Bubble**: (*p* − 1)/(*m* + *p* − 1) (lesson 2) — falls with *m*.
+# 2. **Memory**: under 1F1B rank 0 holds min(*m*, *p*) microbatches of *B*/*m* samples each, so its activations
+#    *fall* like 1/*m* once *m* ≥ *p*; GPipe holds all *m*, i.e. the whole batch, whatever *m* is.
+# 3. **Efficiency**: a microbatch of a few samples leaves a GPU's (or a CPU's) arithmetic units idle, and each
+#    of the *m* hand-offs between stages pays the link's latency. Both grow with *m*.
+
+# %%
+import warnings
+
+warnings.filterwarnings("ignore", category=FutureWarning)  # torch.export internals; not about your code
+
+# %%
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+import pipeviz as pv
+from pipeviz.zoo import MyNetwork
+
+torch.manual_seed(0)
+BATCH = 128
+model = MyNetwork(512, [512] * 5)        # layer0 .. layer4, output_proj
+x, y = torch.randn(BATCH, 512), torch.randint(0, 10, (BATCH,))
+plan = pv.balance(pv.trace(model, example_args=(x,)), num_stages=2)
+print(plan)
+
+# %% [markdown]
+# ## Bubble and memory, simulated
+#
+# The simulator's costs here come from FLOPs: a microbatch half the size takes half the time, exactly. That is the
+# ideal hardware, where only the bubble and the hand-offs matter.
+
+# %%
+MS = (2, 4, 8, 16, 32, 64)
+print("  m   bubble   1F1B rank-0 activations   GPipe rank-0 activations")
+sims = {}
+for m in MS:
+    one, gpipe = pv.simulate(plan, "1F1B", m), pv.simulate(plan, "GPipe", m)
+    sims[m] = one
+    print(f"{m:3}   {one.bubble_fraction:5.0%}    {one.peak_activation_bytes[0] / 2**10:8.0f} KiB"
+          f"              {gpipe.peak_activation_bytes[0] / 2**10:8.0f} KiB")
+    assert gpipe.peak_activation_bytes[0] == pv.simulate(plan, "GPipe", MS[0]).peak_activation_bytes[0]  # flat
+for a, b in itertools.pairwise(MS):
+    assert sims[b].peak_activation_bytes[0] < sims[a].peak_activation_bytes[0]   # 1F1B: falls like 1/m
+
+# %% [markdown]
+# ## The cost of communication
+#
+# Every microbatch crosses each boundary twice (its activation forward, its gradient back): 2·*m* messages per
+# boundary and step, each costing latency + bytes/bandwidth. `pv.simulate` takes the link's `bandwidth` (bytes/s)
+# and `latency` (s). On a slow link the per-message latency soon outweighs the shrinking bubble:
+
+# %%
+LINKS = {"default (gloo, local)": {}, "1 GB/s, 0.1 ms": {"bandwidth": 1e9, "latency": 1e-4},
+         "100 MB/s, 1 ms": {"bandwidth": 1e8, "latency": 1e-3}}
+best = {}
+for name, link in LINKS.items():
+    steps = {m: pv.simulate(plan, "1F1B", m, **link).step_time for m in MS}
+    best[name] = min(steps, key=steps.get)
+    print(f"{name:22}", "  ".join(f"m={m}: {t * 1e3:5.1f} ms" for m, t in steps.items()), f"  best m = {best[name]}")
+assert best["100 MB/s, 1 ms"] < best["1 GB/s, 0.1 ms"]   # slower links want fewer, larger microbatches
+
+# %% [markdown]
+# ## A real sweep
+#
+# The same global batch on two real processes, with 2, 8 and 32 microbatches (64, 16 and 4 samples each). Besides
+# the step we add up the time the ranks spent computing: the same samples and the same arithmetic every time, so
+# any growth is lost efficiency.
+
+# %%
+real = {}
+for m in (2, 8, 32):
+    run = pv.launch(plan, "1F1B", microbatches=m, steps=3, inputs=(x,), target=y, loss_fn=F.cross_entropy)
+    assert run.wait(180) == "done", run.error
+    tl = run.timeline()
+    compute = sorted(sum(e.duration for e in tl.step_events(s) if e.kind in ("F", "B")) for s in tl.steps[1:])
+    real[m] = (tl.step_time, compute[len(compute) // 2])
+    print(f"m = {m:2} ({BATCH // m:3} samples each): step {tl.step_time * 1e3:6.1f} ms   "
+          f"compute {real[m][1] * 1e3:6.1f} ms   bubble {tl.bubble_fraction:4.0%}   "
+          f"(simulated from FLOPs: {sims[m].step_time * 1e3:5.1f} ms)")
+# What the text claims: the same work costs more in small pieces, and so many microbatches lose on the real step.
+assert real[32][1] > 1.5 * real[2][1], real
+assert real[32][0] > min(real[2][0], real[8][0]), real
+
+# %% [markdown]
+# On the real runs the computing time grows as the microbatches shrink (the cell asserts more than 1.5× from 64 to
+# 4 samples): each operation has a fixed cost that a small microbatch cannot hide. The simulator from FLOPs does
+# not know that; `pv.profile` at the microbatch size you plan to use (lesson 5) does. With 32 microbatches the real
+# step is longer than with fewer, although the bubble formula keeps improving.
+#
+# **A recipe:** take the largest *m* whose microbatch still keeps the hardware efficient (on GPUs, often a few
+# samples or a few thousand tokens; measure), check that 1F1B's memory fits (it only falls with *m*), and with a
+# slow link between stages prefer fewer, larger microbatches. Schedules that shrink the bubble another way
+# (interleaving, zero bubble: lessons 4 and 7) need less *m* for the same bubble.
+#
+# ## Exercise
+#
+# On the slow link (**100 MB/s, 1 ms** latency), which *m* among 2, 4, 8, 16, 32, 64 gives the shortest simulated
+# 1F1B step for `plan`? Set `my_answer` to it (use `pv.simulate(plan, "1F1B", m, bandwidth=..., latency=...)`).
+
+# %%
+my_answer = None  # your answer here: one of 2, 4, 8, 16, 32, 64
+
+
+# %%
+def check(answer):
+    """The m with the shortest simulated 1F1B step on a 100 MB/s, 1 ms link."""
+    steps = {m: pv.simulate(plan, "1F1B", m, bandwidth=1e8, latency=1e-3).step_time for m in MS}
+    expected = min(steps, key=steps.get)
+    if answer is None:
+        print("❌ Not yet: set my_answer above. Hint: simulate each m and keep the shortest step_time.")
+    elif answer not in steps:
+        print(f"❌ Not yet: choose one of {MS}, got {answer!r}.")
+    elif answer == expected:
+        print(f"✅ Correct: m = {expected} ({steps[expected] * 1e3:.1f} ms): fewer microbatches pay less latency, "
+              "more shrink the bubble.")
+    elif answer > expected:
+        print(f"❌ Not yet: m = {answer} takes {steps[answer] * 1e3:.1f} ms: each extra message costs 1 ms here.")
+    else:
+        print(f"❌ Not yet: m = {answer} takes {steps[answer] * 1e3:.1f} ms: the bubble is still large.")
+
+
+check(my_answer)

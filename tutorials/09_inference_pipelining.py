@@ -1,0 +1,157 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 9 · Inference pipelining
+#
+# **You will learn:** how a pipeline runs forward only (the seed's own walkthrough), what its bubble and memory
+# are without backwards, why pipelining raises throughput but not the latency of one batch, and which schedules
+# can run without a backward.
+#
+# ## Forward only
+#
+# Serving a model too big for one device splits it the same way training does, but each microbatch only flows
+# *down* the pipeline: no backward, no gradients, no optimizer state. With *p* equal stages of forward time *F*
+# and *m* microbatches the step takes (*m* + *p* − 1)·*F*, so the bubble is the same (*p* − 1)/(*m* + *p* − 1) as
+# GPipe's; the memory per rank is its stage's weights plus the activations of the microbatch it is computing
+# (nothing waits for a backward).
+
+# %%
+import warnings
+
+warnings.filterwarnings("ignore", category=FutureWarning)  # torch.export internals; not about your code
+
+# %%
+import torch
+
+import pipeviz as pv
+from pipeviz.zoo import MyNetwork
+
+p = 3
+for m in (1, 2, 4, 8):
+    tl = pv.simulate(None, "GPipe", m, costs=pv.Costs.uniform(p), num_stages=p, forward_only=True)
+    assert tl.step_time == m + p - 1 and abs(tl.bubble_fraction - (p - 1) / (m + p - 1)) < 1e-9
+    print(f"m = {m}: step {tl.step_time:g} F, bubble {tl.bubble_fraction:.0%}")
+
+# %% [markdown]
+# ## Throughput, not latency
+#
+# One microbatch alone still crosses all *p* stages one after the other: *p*·*F*, no faster than one device would
+# be (plus the hand-offs). What the pipeline adds is **throughput**: once full, it finishes a microbatch every *F*.
+# A batch whose forward takes *F*<sub>b</sub> per stage, cut into *m* microbatches, is done after (*m* + *p* −
+# 1)·*F*<sub>b</sub>/*m*: from *p*·*F*<sub>b</sub> at *m* = 1 towards *F*<sub>b</sub> — as long as small
+# microbatches stay efficient and each rank has its own device (lesson 8). The simulator, with ideal costs:
+
+# %%
+for m in (1, 2, 4, 8):
+    tl = pv.simulate(None, "GPipe", m, costs=pv.Costs.uniform(p, forward=1 / m), num_stages=p, forward_only=True)
+    assert abs(tl.step_time - (m + p - 1) / m) < 1e-9
+    print(f"batch in {m} microbatch(es): done after {tl.step_time:.2f} F_b")
+
+# %% [markdown]
+#
+# ## A real forward-only run
+#
+# `pv.launch` without a `loss_fn` runs torch's schedule forward only; `run.outputs[step]` is the model's output for
+# the whole batch, the microbatches joined back, and `pv.check_numerics` compares it with the unsplit model's.
+
+# %%
+torch.manual_seed(0)
+model = MyNetwork(1024, [1024] * 6).eval()
+x = torch.randn(256, 1024)
+plan = pv.balance(pv.trace(model, example_args=(x,)), num_stages=p, by="params")
+
+runs = {}
+for m in (1, 4):
+    run = pv.launch(plan, "GPipe", microbatches=m, steps=3, inputs=(x,))   # no loss_fn: forward only
+    assert run.wait(180) == "done", run.error
+    runs[m] = run
+with torch.no_grad():
+    expected = model(x)
+for m, run in runs.items():
+    tl = run.timeline()
+    gap = float((run.outputs[-1] - expected).abs().max())
+    print(f"m = {m}: output {tuple(run.outputs[-1].shape)}, max |difference| from model(x) {gap:.1e}; "
+          f"step {tl.step_time * 1e3:6.1f} ms, bubble {tl.bubble_fraction:4.0%}")
+    assert gap < 1e-5
+    assert {e.kind for e in tl.events} & {"B", "I", "W"} == set()          # forwards only
+    assert tl.order(0, step=1) == pv.simulate(plan, "GPipe", m, forward_only=True).order(0)
+numerics = pv.check_numerics(runs[4])
+print(numerics)
+assert numerics.ok
+# What the text claims: more microbatches leave less of the devices idle on the real run too.
+assert runs[4].timeline().bubble_fraction < runs[1].timeline().bubble_fraction
+
+# %% [markdown]
+# The outputs equal the unsplit model's, only forwards ran, in the order the simulator plays, and the devices
+# idled less with 4 microbatches than with 1 (the cell asserts each). The step itself need not shrink here: with
+# more ranks than free cores, ranks that could work at once share a core.
+
+# %%
+pv.TimelineView(runs[4])
+
+# %% [markdown]
+# ## Memory without training
+#
+# `pv.simulate(..., forward_only=True)` counts weights and one microbatch's activations per rank; training adds
+# gradients and Adam's two states (16 bytes per parameter instead of 4, lesson 1) and every activation a backward
+# still needs: about 4× here.
+
+# %%
+infer_mem = pv.simulate(plan, "GPipe", 4, forward_only=True).memory_bytes
+train_mem = pv.simulate(plan, "GPipe", 4).memory_bytes
+print("forward only (MiB):", [round(b / 2**20, 1) for b in infer_mem])
+print("training     (MiB):", [round(b / 2**20, 1) for b in train_mem])
+assert all(3.5 * i < t for i, t in zip(infer_mem, train_mem, strict=True))   # weights vs weights x 4 + acts
+
+# %% [markdown]
+# ## Which schedules run forward only
+#
+# GPipe and 1F1B are the same without backwards. The V-shaped schedules (ZBVZeroBubble, DualPipeV) are built
+# around split backwards; torch's implementation needs one, so pipeviz refuses them before starting anything,
+# and `pv.compare(..., forward_only=True)` lists them as skipped:
+
+# %%
+print(pv.compare(plan, microbatches=4, forward_only=True).table())
+plan4 = pv.balance(pv.trace(model, example_args=(x,)), num_stages=4, by="params")
+try:
+    pv.launch(plan4, "ZBVZeroBubble", microbatches=4, steps=1, inputs=(x,))
+    raise AssertionError("a V-shaped schedule ran forward only")
+except pv.LaunchError as err:
+    print("refused:", err)
+
+# %% [markdown]
+# ## Exercise
+#
+# A forward-only pipeline of **p = 4** equal stages serves a batch cut into **m = 8** microbatches. What share of
+# the devices' time is idle? Set `my_answer` to a number between 0 and 1.
+
+# %%
+my_answer = None  # your answer here: a number
+
+
+# %%
+def check(answer):
+    """The forward-only GPipe bubble of 4 equal stages and 8 microbatches, from pipeviz's simulation."""
+    expected = pv.simulate(None, "GPipe", 8, costs=pv.Costs.uniform(4), num_stages=4,
+                           forward_only=True).bubble_fraction
+    if answer is None:
+        print("❌ Not yet: set my_answer above. Hint: the step is (m + p - 1) F; each rank computes m F of it.")
+    elif not isinstance(answer, (int, float)):
+        print(f"❌ Not yet: my_answer should be a number, got {answer!r}.")
+    elif abs(answer - expected) < 1e-3:
+        print(f"✅ Correct: (p - 1) / (m + p - 1) = 3 / 11 = {expected:.3f}, as for GPipe's training step.")
+    elif abs(answer - 3 / 8) < 1e-3:
+        print("❌ Not yet: 3/8 is (p - 1) / m, the bubble measured against the ideal time. Hint: share of the step.")
+    else:
+        print(f"❌ Not yet: not {answer!r}. Hint: (p - 1) / (m + p - 1).")
+
+
+check(my_answer)

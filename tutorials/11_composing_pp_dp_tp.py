@@ -1,0 +1,142 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 11 · Composing pipeline, data and tensor parallelism
+#
+# **You will learn:** how pipeline parallelism (PP) combines with data parallelism (DP) and tensor parallelism
+# (TP) on a mesh of processes, what each costs (the simulator), and that the combination trains exactly like the
+# unsplit model (real runs).
+#
+# ## Three ways to cut the work
+#
+# - **PP** cuts the model by layers: stages talk once per microbatch and boundary (one activation forward, one
+#   gradient back), so it tolerates slow links — across nodes.
+# - **DP** copies the whole pipeline: each replica trains on 1/*dp* of every batch, and after the backward the
+#   replicas average their gradients (one all-reduce per step, mostly hidden behind the last backward).
+# - **TP** cuts each layer's matrices (Megatron-LM: a column-wise Linear, then a row-wise one): each shard computes
+#   and stores 1/*tp* of a stage but pays an all-reduce of the layer's output on the critical path, in every forward
+#   and backward — it needs the fastest links, inside a node.
+#
+# A run with all three has *pp* × *dp* × *tp* processes on a mesh; pipeviz numbers them like torchtitan, `pp`
+# outermost and `tp` innermost, and names each by its coordinates:
+
+# %%
+import warnings
+
+warnings.filterwarnings("ignore", category=FutureWarning)  # torch.export internals; not about your code
+
+# %%
+import torch
+import torch.nn.functional as F
+
+import pipeviz as pv
+from pipeviz.zoo import MyNetwork
+
+mesh = pv.Mesh(pp=2, dp=2, tp=2)
+print(f"{mesh.world} processes")
+for rank in range(mesh.world):
+    print(f"rank {rank}: {mesh.label(rank)}")
+assert mesh.rank(pp=1, dp=0, tp=0) == 4 and mesh.coords(3) == (0, 1, 1)
+
+# %% [markdown]
+# ## What each costs, simulated
+#
+# One small model in two stages, 1F1B, 4 microbatches: `pv.simulate(..., dp=, tp=)` shows replica 0's pipeline.
+# With `dp=2` each replica computes on half the batch and adds the gradients' all-reduce; with `tp=2` each shard
+# holds half the stage and pays two all-reduces per block on the critical path. `dp_bandwidth=` / `tp_bandwidth=`
+# set those links (bytes/s).
+
+# %%
+torch.manual_seed(0)
+model = MyNetwork(256, [256] * 3)
+x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+plan = pv.balance(pv.trace(model, example_args=(x,)), num_stages=2)
+
+cases = {"pp=2": {}, "pp=2 dp=2": {"dp": 2}, "pp=2 dp=2, slow DP link (100 MB/s)": {"dp": 2, "dp_bandwidth": 1e8},
+         "pp=2 tp=2": {"tp": 2}, "pp=2 dp=2 tp=2": {"dp": 2, "tp": 2}}
+sims = {}
+for name, options in cases.items():
+    tl = sims[name] = pv.simulate(plan, "1F1B", 4, **options)
+    print(f"{name:36} step {tl.step_time * 1e3:6.2f} ms   memory per rank "
+          f"{[round(b / 2**20, 2) for b in tl.memory_bytes]} MiB")
+
+# %% [markdown]
+# What the table says (asserted below):
+#
+# - **DP** keeps each rank's memory (every replica holds the whole stage) and its step about the same, for twice
+#   the samples per step; the all-reduce shows when the DP link is slow.
+# - **TP** halves each rank's memory, but on this small model and these links its all-reduces cost more than the
+#   halved compute saves: TP pays off for large layers on fast links (NVLink inside a node), not here.
+
+# %%
+base = sims["pp=2"]
+assert all(abs(a - b) / b < 0.1 for a, b in zip(sims["pp=2 dp=2"].memory_bytes, base.memory_bytes, strict=True))
+assert sims["pp=2 dp=2, slow DP link (100 MB/s)"].step_time > sims["pp=2 dp=2"].step_time
+assert all(a < 0.6 * b for a, b in zip(sims["pp=2 tp=2"].memory_bytes, base.memory_bytes, strict=True))
+assert sims["pp=2 tp=2"].step_time > base.step_time
+
+# %% [markdown]
+# ## Real runs: exact, whatever the layout
+#
+# `pv.launch(..., dp=2)` starts 2 replicas of the 2-stage pipeline (4 processes; torch's
+# `DistributedDataParallel` on each stage averages the gradients); `tp=2` shards each stage over 2 processes with
+# torch's DTensor. `pv.check_numerics` trains the unsplit model on the same batches and compares losses and every
+# parameter.
+
+# %%
+runs = {}
+for name, options in (("pp=2 dp=2", {"dp": 2}), ("pp=2 tp=2", {"tp": 2})):
+    run = pv.launch(plan, "1F1B", microbatches=4, steps=2, inputs=(x,), target=y, loss_fn=F.cross_entropy,
+                    **options)
+    assert run.wait(240) == "done", run.error
+    runs[name] = run
+    numerics = pv.check_numerics(run)
+    print(f"{name}: {run.mesh}, losses {[round(v, 4) for v in run.losses]}")
+    print("   ", numerics)
+    assert numerics.ok and run.mesh.world == 4
+pv.TimelineView(runs["pp=2 dp=2"])
+
+# %% [markdown]
+# Each row of the timeline is a process named by its coordinates (`pp1 dp0`: stage 1 of replica 0).
+#
+# ## Choosing the degrees
+#
+# A common recipe (the Ultra-Scale Playbook, torchtitan): TP inside a node up to its fast-link size, PP across
+# nodes until each stage's weights and activations fit, DP for everything left, to grow the global batch. The
+# simulator prices each choice before any process starts.
+#
+# ## Exercise
+#
+# On a mesh with **pp = 2, dp = 2, tp = 2**, which **rank** is the second tensor-parallel shard (tp = 1) of stage
+# 1 (pp = 1) in replica 0 (dp = 0)? Set `my_answer` to that rank number.
+
+# %%
+my_answer = None  # your answer here: an integer
+
+
+# %%
+def check(answer):
+    """The rank of coordinates (pp=1, dp=0, tp=1) on pipeviz's (pp, dp, tp) mesh."""
+    mesh = pv.Mesh(pp=2, dp=2, tp=2)
+    expected = mesh.rank(pp=1, dp=0, tp=1)
+    if answer is None:
+        print("❌ Not yet: set my_answer above. Hint: rank = (pp · dp_size + dp) · tp_size + tp.")
+    elif not isinstance(answer, int):
+        print(f"❌ Not yet: a rank is a whole number, got {answer!r}.")
+    elif answer == expected:
+        print(f"✅ Correct: rank {expected} = {mesh.label(expected)}: pp outermost, tp innermost.")
+    elif 0 <= answer < mesh.world:
+        print(f"❌ Not yet: rank {answer} is {mesh.label(answer)}. Hint: pp is the outermost dimension.")
+    else:
+        print(f"❌ Not yet: ranks go from 0 to {mesh.world - 1}.")
+
+
+check(my_answer)
