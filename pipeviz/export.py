@@ -23,8 +23,10 @@ from typing import Any, Unpack
 
 import torch
 
+from pipeviz.mesh import Coords
 from pipeviz.plan import SplitPlan
 from pipeviz.runtime.config import UNSET, LaunchConfig, LaunchOptions, launch_config
+from pipeviz.runtime.messages import Done, Events, Failed, Loss, Message, State, StepEnd
 from pipeviz.timeline import Event, Timeline
 
 _SCRIPT = '''#!/usr/bin/env python
@@ -104,23 +106,19 @@ def export_torchrun(
 
 
 class _JsonLines:
-    """The worker's message sink under torchrun: one JSON line per message, flushed as it comes."""
+    """The worker's message sink under torchrun: one JSON line per message (``Message.to_json``), flushed as it
+    comes; a rank's trained tensors go to a file beside it."""
 
     def __init__(self, folder: str, rank: int) -> None:
         os.makedirs(folder, exist_ok=True)
         self.folder, self.rank = folder, rank
         self.f = open(os.path.join(folder, f"rank{rank}.jsonl"), "w", buffering=1)
 
-    def put(self, msg: tuple[Any, ...]) -> None:
-        kind = msg[0]
-        if kind == "events":
-            for e in msg[1]:
-                self.f.write(json.dumps({"event": list(e)}) + "\n")
-        elif kind == "state":
-            Path(self.folder, f"state_rank{self.rank}.pt").write_bytes(msg[2])
-            self.f.write(json.dumps({"state": f"state_rank{self.rank}.pt"}) + "\n")
-        else:
-            self.f.write(json.dumps({kind: list(msg[1:])}) + "\n")
+    def put(self, msg: Message) -> None:
+        if isinstance(msg, State) and isinstance(msg.data, bytes):
+            Path(self.folder, f"state_rank{self.rank}.pt").write_bytes(msg.data)
+            msg = State(msg.rank, msg.coords, f"state_rank{self.rank}.pt")
+        self.f.write(json.dumps(msg.to_json()) + "\n")
 
     def close(self) -> None:
         self.f.close()
@@ -143,6 +141,7 @@ def run_rank(payload_path: str, events_dir: str) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
     sink = _JsonLines(events_dir, rank)
+    coords = Coords(-1, 0, 0)  # known once the payload is read
     try:
         with open(payload_path, "rb") as f:
             job = cloudpickle.loads(f.read())
@@ -164,11 +163,12 @@ def run_rank(payload_path: str, events_dir: str) -> int:
             parent_pid=os.getppid(), timeout=spec.config.timeout, init_method="env://",
             threads=max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))),
         )
+        coords = payload.coords
         _run(payload, sink)
-        sink.put(("done", rank))
+        sink.put(Done(rank, coords))
         return 0
-    except BaseException:
-        sink.put(("error", rank, traceback.format_exc()))
+    except BaseException as exc:
+        sink.put(Failed(rank, coords, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         traceback.print_exc()
         return 1
     finally:
@@ -235,18 +235,18 @@ class Watch:
                     if not line.endswith("\n"):  # a line still being written: read it next time
                         break
                     self._offsets[path.name] = f.tell()
-                    msg = json.loads(line)
-                    if "event" in msg:
-                        new.append(Event(*msg["event"]))
-                    elif "loss" in msg:
-                        self.losses.append(msg["loss"][1])
-                    elif "step" in msg:
-                        self._steps[rank] = msg["step"][1] + 1
+                    msg = Message.from_json(json.loads(line))
+                    if isinstance(msg, Events):
+                        new.extend(Event(*e) for e in msg.events)
+                    elif isinstance(msg, Loss):
+                        self.losses.append(msg.value)
+                    elif isinstance(msg, StepEnd):
+                        self._steps[rank] = msg.step + 1
                         self.step = min(self._steps.values())
-                    elif "done" in msg:
+                    elif isinstance(msg, Done):
                         self._done.add(rank)
-                    elif "error" in msg:
-                        self.error = f"rank {rank} failed:\n{msg['error'][1]}"
+                    elif isinstance(msg, Failed):
+                        self.error = f"rank {rank} failed:\n{msg.traceback}"
         if new:
             self.events.extend(new)
             for cb in list(self._subscribers):

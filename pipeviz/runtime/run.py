@@ -29,6 +29,7 @@ import torch
 from pipeviz.capture import _batch_size
 from pipeviz.plan import SplitPlan
 from pipeviz.runtime.config import UNSET, LaunchConfig, LaunchOptions, launch_config
+from pipeviz.runtime.messages import Done, Events, Failed, Loss, Message, NonFinite, Output, Phase, State, StepEnd
 from pipeviz.runtime.procs import context, rendezvous, start_without_main, sweep_stale, temp_prefix
 from pipeviz.runtime.spec import (
     LaunchError,
@@ -284,6 +285,12 @@ class Run:
         self._thread = threading.Thread(target=self._monitor, args=(build,), daemon=True, name="pipeviz-run")
         self._thread.start()
 
+    def _who(self, msg: Message) -> str:
+        """The sender in words: ``"rank 2"``, with its coordinates when the run has replicas or shards."""
+        if self.mesh.world == self.mesh.pp:
+            return f"rank {msg.rank}"
+        return f"rank {msg.rank} ({' '.join(f'{d}{getattr(msg.coords, d)}' for d in self.mesh.dims)})"
+
     def _set_phase(self, text: str) -> None:
         self.phase = text
         self.phases.append((time.time() - self.started_at, text))
@@ -419,46 +426,44 @@ class Run:
                 self._kill_all()
                 return self._finish("stopped")
             try:
-                msg: tuple[Any, ...] | None = q.get(timeout=0.2)  # blocking: the parent stays off the ranks' cores
+                msg: Message | None = q.get(timeout=0.2)  # blocking: the parent stays off the ranks' cores
             except queue_mod.Empty:
                 msg = None
             if msg is not None:
                 last_progress = time.time()
-                kind = msg[0]
-                if kind == "events":  # workers batch them (SEND_INTERVAL, 0.1 s)
-                    self._publish([Event(*e) for e in msg[1]])
-                elif kind == "loss":
-                    self.losses.append(msg[2])
-                elif kind == "output":
-                    self._output(msg[1], msg[3] if len(msg) > 3 else 0, torch.load(io.BytesIO(msg[2])))
-                elif kind == "step":
-                    finished_steps[msg[1]] = msg[2] + 1
-                    self._step_ends[msg[2]] = max(self._step_ends.get(msg[2], 0.0), msg[3])
+                if isinstance(msg, Events):  # workers batch them (SEND_INTERVAL, 0.1 s)
+                    self._publish([Event(*e) for e in msg.events])
+                elif isinstance(msg, Loss):  # one per step: the global batch's, from replica 0's shard 0
+                    self.losses.append(msg.value)
+                elif isinstance(msg, Output):
+                    self._output(msg.step, msg.coords.dp, torch.load(io.BytesIO(msg.data)))
+                elif isinstance(msg, StepEnd):
+                    finished_steps[msg.rank] = msg.step + 1
+                    self._step_ends[msg.step] = max(self._step_ends.get(msg.step, 0.0), msg.time)
                     step = min(finished_steps.get(r, 0) for r in range(world))
                     if step != self.step:
                         self.step = step
                         self._set_phase(f"step {step}/{self.steps or '?'}")
-                elif kind == "phase":
-                    self._set_phase(f"rank {msg[1]}: {msg[2]}")
-                elif kind == "nonfinite":
-                    self.nonfinite.extend((msg[2], what) for what in msg[3])
-                elif kind == "state":
-                    where = self.mesh.coords(msg[1])
-                    replica = where.dp
-                    if where.tp:
+                elif isinstance(msg, Phase):
+                    self._set_phase(f"{self._who(msg)}: {msg.text}")
+                elif isinstance(msg, NonFinite):
+                    self.nonfinite.extend((msg.step, what) for what in msg.what)
+                elif isinstance(msg, State):
+                    replica = msg.coords.dp
+                    if msg.coords.tp:
                         pass  # a tensor-parallel shard gathered the same whole tensors as shard 0
-                    elif replica and isinstance(msg[2], str):
-                        self._replica_files.setdefault(replica, []).append(msg[2])
+                    elif replica and isinstance(msg.data, str):
+                        self._replica_files.setdefault(replica, []).append(msg.data)
                     elif replica:
                         pass  # a replica's tensors through the queue (no state folder): replica 0's stand
-                    elif isinstance(msg[2], str):
-                        self._state_files.append(msg[2])
+                    elif isinstance(msg.data, str):
+                        self._state_files.append(msg.data)
                     else:
-                        self._state.update(torch.load(io.BytesIO(msg[2])))
-                elif kind == "done":
-                    done.add(msg[1])
-                elif kind == "error":
-                    errors[msg[1]] = (msg[2], msg[3], msg[4])
+                        self._state.update(torch.load(io.BytesIO(msg.data)))
+                elif isinstance(msg, Done):
+                    done.add(msg.rank)
+                elif isinstance(msg, Failed):
+                    errors[msg.rank] = (msg.summary, msg.traceback, msg.log_tail)
                 continue  # drain what is queued before checking on the processes
             crashed = [r for r, p in enumerate(self._procs) if p.exitcode not in (None, 0) and r not in done]
             if errors or crashed:
@@ -497,10 +502,10 @@ class Run:
                 msg = q.get(timeout=0.05)
             except queue_mod.Empty:
                 continue
-            if msg[0] == "error":
-                errors.setdefault(msg[1], (msg[2], msg[3], msg[4]))
-            elif msg[0] == "events":
-                self._publish([Event(*e) for e in msg[1]])
+            if isinstance(msg, Failed):
+                errors.setdefault(msg.rank, (msg.summary, msg.traceback, msg.log_tail))
+            elif isinstance(msg, Events):
+                self._publish([Event(*e) for e in msg.events])
 
         def where(r: int) -> str:
             stages = self.layout.stages_of(r) if r >= 0 else []

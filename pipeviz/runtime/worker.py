@@ -3,11 +3,8 @@
 Started by ``pipeviz.runtime.run`` through ``torch.multiprocessing`` (spawn), or by an exported torchrun
 script. Everything it needs arrives as one cloudpickled ``RankPayload`` holding only this rank's stages
 (flat ``fx.GraphModule``s built by the launching process), and everything it reports goes to the parent
-over one queue:
-
-    ("phase", rank, text)   ("events", [(rank, stage, kind, mb, start, end, step), ...])   ("loss", step, value)
-    ("step", rank, step, time)   ("nonfinite", rank, step, [what, ...])   ("state", rank, bytes)
-    ("done", rank)   ("error", rank, summary, traceback, log tail)
+over one queue as typed messages (``pipeviz.runtime.messages``), each carrying the sender's rank and mesh
+coordinates: ``Phase``, ``Events``, ``Loss``, ``Output``, ``StepEnd``, ``NonFinite``, ``State``, ``Done``, ``Failed``.
 
 torch's own log lines and anything else the rank prints to stderr go to a file of the rank's; the tail of it
 comes with an error (in ``run.error``), never to the user's terminal or notebook.
@@ -36,6 +33,8 @@ from typing import Any
 
 import torch
 
+from pipeviz.mesh import Coords
+from pipeviz.runtime.messages import Done, Events, Failed, Loss, Message, NonFinite, Output, Phase, State, StepEnd
 from pipeviz.runtime.stages import StepError
 from pipeviz.schedules import SINGLE, ZERO_BUBBLE
 
@@ -78,6 +77,11 @@ class RankPayload:
     mesh: Any = None  # pipeviz.mesh.Mesh with replicas or shards (dp or tp > 1); None: one pipeline, rank = pp rank
     tp_placements: dict[str, str] = field(default_factory=dict)  # tp > 1: canonical name -> "shard0"/"shard1"
 
+    @property
+    def coords(self) -> Coords:
+        """This process's place in the mesh (pipeline rank, replica, shard)."""
+        return self.mesh.coords(self.rank) if self.mesh is not None else Coords(self.rank, 0, 0)
+
 
 def main(payload_path: str, queue: Any, log_path: str | None = None, data: Any = None) -> None:
     """Process entry point (started by ``launch``): reads its payload from ``payload_path`` and deletes it;
@@ -88,20 +92,20 @@ def main(payload_path: str, queue: Any, log_path: str | None = None, data: Any =
     import cloudpickle
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's own pytree deprecation noise
-    rank = -1
+    rank, coords = -1, Coords(-1, 0, 0)
     _quiet_stderr(log_path)
     try:
         with open(payload_path, "rb") as f:
             payload: RankPayload = cloudpickle.loads(f.read())
         os.unlink(payload_path)
-        rank = payload.rank
+        rank, coords = payload.rank, payload.coords
         payload.data = data
         threading.Thread(target=_watch_parent, args=(payload.parent_pid,), daemon=True).start()
         _run(payload, queue)
-        queue.put(("done", rank))
+        queue.put(Done(rank, coords))
     except BaseException as exc:  # report everything, including SystemExit from user code
         summary = _summary(exc)
-        queue.put(("error", rank, summary, traceback.format_exc(), _tail(log_path)))
+        queue.put(Failed(rank, coords, summary, traceback.format_exc(), _tail(log_path)))
         queue.close()
         queue.join_thread()
         sys.exit(1)
@@ -166,8 +170,8 @@ def _run(p: RankPayload, queue: Any) -> None:
     groups = _tied_groups(p)
     schedule = _schedule(p, stages)
     optimizer = p.optimizer(params) if p.loss_fn is not None else None
-    queue.put(("phase", p.rank, f"stage{'s' * (len(p.stages) > 1)} {', '.join(str(s.index) for s in p.stages)} "
-                                "ready"))
+    queue.put(Phase(p.rank, p.coords, f"stage{'s' * (len(p.stages) > 1)} "
+                                      f"{', '.join(str(s.index) for s in p.stages)} ready"))
 
     def comm(start: float, end: float) -> None:
         clock.record((p.rank, -1, "COMM", -1, start - clock.t0, end - clock.t0, step_box[0]))
@@ -180,11 +184,11 @@ def _run(p: RankPayload, queue: Any) -> None:
     if finished:
         if p.state_path is not None:  # a file: a big stage's tensors do not pass through the queue
             torch.save(_state(p, copy=False), p.state_path)
-            queue.put(("state", p.rank, p.state_path))
+            queue.put(State(p.rank, p.coords, p.state_path))
         else:
             buf = io.BytesIO()
             torch.save(_state(p), buf)
-            queue.put(("state", p.rank, buf.getvalue()))
+            queue.put(State(p.rank, p.coords, buf.getvalue()))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -215,7 +219,7 @@ def _connect(p: RankPayload, queue: Any) -> tuple[_Clock, torch.device, torch.de
         torch.cuda.set_device(device)
     compute = torch.device(p.compute_device) if p.compute_device else device
     clock = _Clock(p.t0, compute if compute.type == "cuda" else None)
-    clock.queue = queue
+    clock.queue, clock.rank, clock.coords = queue, p.rank, p.coords
     return clock, device, compute
 
 
@@ -383,15 +387,15 @@ def _train(p: RankPayload, schedule: Any, optimizer: torch.optim.Optimizer, para
         flag = torch.tensor([1.0 if bad else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank learns of it and stops at the same step
         if bad:
-            clock.post(("nonfinite", p.rank, step, bad))
+            clock.post(NonFinite(p.rank, p.coords, step, bad))
         if flag.item() and p.on_nonfinite == "stop":
             clock.flush(force=True)
             return False
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if last and reports:
-            clock.post(("loss", step, loss))
-        clock.post(("step", p.rank, step, time.time() - p.t0))
+            clock.post(Loss(p.rank, p.coords, step, loss))
+        clock.post(StepEnd(p.rank, p.coords, step, time.time() - p.t0))
         clock.flush()
     clock.flush(force=True)
     return True
@@ -430,10 +434,9 @@ def _infer(p: RankPayload, schedule: Any, clock: _Clock, step_box: list[int], de
             leaves = out if isinstance(out, tuple | list) else (out,)
             buf = io.BytesIO()
             torch.save([t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in leaves], buf)
-            where = p.mesh.coords(p.rank) if p.mesh is not None else None
-            if where is None or where.tp == 0:  # the shards' outputs are the same full tensors
-                clock.post(("output", step, buf.getvalue(), where.dp if where is not None else 0))
-        clock.post(("step", p.rank, step, time.time() - p.t0))
+            if p.coords.tp == 0:  # the shards' outputs are the same full tensors
+                clock.post(Output(p.rank, p.coords, step, buf.getvalue()))
+        clock.post(StepEnd(p.rank, p.coords, step, time.time() - p.t0))
         clock.flush()
     clock.flush(force=True)
     return True
@@ -551,9 +554,10 @@ class _Clock:
         self.t0, self.cuda = t0, cuda
         self.pending: list[tuple[Any, ...]] = []
         self.buffer: list[tuple[Any, ...]] = []
-        self.outbox: list[tuple[Any, ...]] = []
+        self.outbox: list[Message] = []
         self.sent_at = 0.0
         self.queue: Any = None
+        self.rank, self.coords = -1, Coords(-1, 0, 0)  # the sender named in every message
         self.anchor: tuple[float, Any] | None = None
 
     def span(self, rank: int, stage: int, kind: str, mb: int, step: int) -> _Span:
@@ -565,13 +569,13 @@ class _Clock:
         if event[5] - self.sent_at > SEND_INTERVAL:
             self.send()
 
-    def post(self, msg: tuple[Any, ...]) -> None:
+    def post(self, msg: Message) -> None:
         """A message (loss, step end) to send with the next batch of events."""
         self.outbox.append(msg)
 
     def send(self) -> None:
         if self.buffer:
-            self.queue.put(("events", self.buffer))
+            self.queue.put(Events(self.rank, self.coords, self.buffer))
             self.buffer = []
         for msg in self.outbox:
             self.queue.put(msg)

@@ -1,0 +1,135 @@
+"""The messages a rank process sends to whoever watches it (``pv.launch``'s ``Run`` over a queue, an exported
+script's JSON-lines files read by ``pv.watch``): typed, each carrying its sender's rank and mesh coordinates.
+
+Example:
+    >>> msg = Loss(rank=3, coords=Coords(1, 1, 0), step=0, value=2.3)
+    >>> Message.from_json(msg.to_json()) == msg
+    True
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from pipeviz.mesh import Coords
+
+__all__ = ["Done", "Events", "Failed", "Loss", "Message", "NonFinite", "Output", "Phase", "State", "StepEnd"]
+
+
+@dataclass(frozen=True)
+class Message:
+    """What every message says about its sender: the process ``rank`` and its ``coords`` (pipeline rank,
+    replica, shard)."""
+
+    rank: int
+    coords: Coords
+    kinds: ClassVar[dict[str, type[Message]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        Message.kinds[cls.__name__] = cls
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (bytes as base64, events as lists); ``Message.from_json`` reads it back."""
+        out: dict[str, Any] = {"type": type(self).__name__}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bytes):
+                value = {"base64": base64.b64encode(value).decode()}
+            elif f.name == "events":
+                value = [list(e) for e in value]
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> Message:
+        """The message ``to_json`` wrote.
+
+        Raises:
+            ValueError: an unknown message type (a file from another pipeviz version).
+        """
+        kind = Message.kinds.get(data.get("type", ""))
+        if kind is None:
+            raise ValueError(f"Unknown message type {data.get('type')!r}; valid: {', '.join(sorted(Message.kinds))}.")
+        values = {k: v for k, v in data.items() if k != "type"}
+        for k, v in values.items():
+            if isinstance(v, dict) and "base64" in v:
+                values[k] = base64.b64decode(v["base64"])
+        values["coords"] = Coords(*values["coords"])
+        if "events" in values:
+            values["events"] = [tuple(e) for e in values["events"]]
+        return kind(**values)
+
+
+@dataclass(frozen=True)
+class Phase(Message):
+    """Start-up progress ("stages 0, 3 ready")."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Events(Message):
+    """A batch of timed actions: ``(rank, stage, kind, mb, start, end, step)`` tuples (``pv.Event``'s fields)."""
+
+    events: list[tuple[Any, ...]]
+
+
+@dataclass(frozen=True)
+class Loss(Message):
+    """The loss of step ``step``: the whole (global) batch's, sent by one process (replica 0's shard 0 of the
+    last stage)."""
+
+    step: int
+    value: float
+
+
+@dataclass(frozen=True)
+class Output(Message):
+    """A forward-only step's output (``torch.save``d list of tensors) of the sender's replica."""
+
+    step: int
+    data: bytes
+
+
+@dataclass(frozen=True)
+class StepEnd(Message):
+    """The sender finished step ``step`` at ``time`` seconds after the run's start."""
+
+    step: int
+    time: float
+
+
+@dataclass(frozen=True)
+class NonFinite(Message):
+    """NaN or inf found in step ``step``: what (the loss, a gradient) and where."""
+
+    step: int
+    what: list[str]
+
+
+@dataclass(frozen=True)
+class State(Message):
+    """The sender's trained tensors under the original model's names: ``torch.save``d bytes, or the path of a
+    file holding them."""
+
+    data: bytes | str
+
+
+@dataclass(frozen=True)
+class Done(Message):
+    """The sender ended cleanly."""
+
+
+@dataclass(frozen=True)
+class Failed(Message):
+    """The sender failed: a one-line summary, the traceback, and the tail of its log."""
+
+    summary: str
+    traceback: str
+    log_tail: str = ""
