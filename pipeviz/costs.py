@@ -239,12 +239,8 @@ def layer_times(graph: ModelGraph, microbatches: float = 1, device: str | None =
                for f, sf, layer in zip(fwd, sel_flops, graph.layers, strict=True)]
         source = "measured"
     elif hw is not None:
-        rate, bw, s = hw.rate(opts.dtype), hw.memory_bandwidth, opts.byte_scale(graph)
-        times = [max(f * k / rate, (a * k + w) * s / bw) for f, a, w in zip(table.flops, table.act, table.weight,
-                                                                                 strict=True)]
-        fwd = [sum(times[a:b + 1]) for a, b in spans]
+        fwd, sel = _roofline(graph, hw, opts.dtype, k, opts.byte_scale(graph))
         bwd = [f * BACKWARD_PER_FORWARD for f in fwd]
-        sel = [sum(times[i] for i in table.selective if a <= i <= b) for a, b in spans]
         source = "roofline"
     else:
         rate = opts.flops_per_s or FLOPS_PER_S["cuda" if str(opts.device).startswith("cuda") else "cpu"]
@@ -257,6 +253,30 @@ def layer_times(graph: ModelGraph, microbatches: float = 1, device: str | None =
     elif opts.recompute == "selective":
         bwd = [b + x for b, x in zip(bwd, sel, strict=True)]
     return fwd, bwd, source
+
+
+_ROOFLINE: dict[tuple[Any, ...], tuple[_OpTable, list[float], list[float]]] = {}
+
+
+def _roofline(graph: ModelGraph, hw: Hardware, dtype: str | None, k: float,
+              s: float) -> tuple[list[float], list[float]]:
+    """Per layer, forward seconds on ``hw`` (the roofline per op, summed) and those of its attention-score ops;
+    remembered for the last few (graph, hardware, microbatch size) asked: the planner asks many times."""
+    key = (id(graph.capture), graph.layer_names, hw, dtype, k, s)
+    table = _op_table(graph.capture)
+    hit = _ROOFLINE.get(key)
+    if hit is not None and hit[0] is table:  # the same capture, not a new one at a reused address
+        return hit[1], hit[2]
+    rate, bw = hw.rate(dtype), hw.memory_bandwidth
+    times = [max(f * k / rate, (a * k + w) * s / bw) for f, a, w in zip(table.flops, table.act, table.weight,
+                                                                             strict=True)]
+    spans = list(zip(graph.index.layer_first, graph.index.layer_last, strict=True))
+    fwd = [sum(times[a:b + 1]) for a, b in spans]
+    sel = [sum(times[i] for i in table.selective if a <= i <= b) for a, b in spans]
+    if len(_ROOFLINE) > 256:
+        _ROOFLINE.clear()
+    _ROOFLINE[key] = (table, fwd, sel)
+    return fwd, sel
 
 
 def layer_activation_bytes(graph: ModelGraph, options: CostOptions | None = None) -> list[float]:

@@ -1,0 +1,411 @@
+"""``plan_cluster()``: the whole training layout for a GPU count, a global batch and a memory budget, ranked.
+
+A layout is pipeline x data x tensor parallel degrees (``pp x dp x tp = gpus``, tensor parallelism within a
+node), a schedule with its stages per rank, a microbatch size (hence the microbatch count) and a recomputation
+mode. Every option is priced by the one cost model (``pipeviz.costs`` on a ``pv.Hardware``) and simulated by
+``pv.simulate``; only options that fit the memory are kept.
+
+Example:
+    >>> cp = pv.plan_cluster(graph, gpus=64, hardware="h100", global_batch=512)
+    >>> print(cp.table())
+    >>> best = cp.rows[0]; best.pp, best.dp, best.tp, best.schedule, best.microbatches
+    >>> pv.simulate(best.plan, best.schedule, best.microbatches, best.stages_per_rank, **best.simulate_options)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pipeviz import schedules as sched
+from pipeviz.balance import balance
+from pipeviz.costs import RECOMPUTE, CostOptions, Costs, memory_per_rank, parallel_costs, stage_costs
+from pipeviz.graph import ModelGraph
+from pipeviz.hardware import Hardware
+from pipeviz.hardware import hardware as find_hardware
+from pipeviz.plan import PlanError, SplitPlan, human_bytes
+from pipeviz.simulate import simulate
+
+__all__ = ["ClusterPlan", "LayoutOption", "plan_cluster"]
+
+@dataclass(frozen=True)
+class LayoutOption:
+    """One way to train on the cluster, with what the simulator predicts for it.
+
+    Attributes:
+        pp, dp, tp: pipeline ranks, data-parallel replicas, tensor-parallel shards (``pp x dp x tp`` GPUs).
+        schedule, stages_per_rank: the pipeline schedule (torch's name) and stages each pipeline rank holds.
+        microbatch_size, microbatches: sequences per microbatch (per replica) and microbatches per step.
+        recompute: ``"none"``, ``"selective"`` or ``"full"``.
+        plan: the balanced ``SplitPlan`` (``pp x stages_per_rank`` stages).
+        step_time: seconds per training step; tokens_per_s: the cluster's throughput.
+        tflops_per_gpu, mfu: model FLOPs (6 x params x tokens style: 3 x the forward, recomputation not counted)
+            per second per GPU, and as a fraction of the hardware's dense peak in the dtype.
+        bubble: idle fraction of the pipeline ranks.
+        peak_memory: the most bytes any device holds.
+        extrapolated: the step and memory come from two shorter simulations (see ``plan_cluster``).
+    """
+
+    pp: int
+    dp: int
+    tp: int
+    schedule: str
+    stages_per_rank: int
+    microbatch_size: int
+    microbatches: int
+    recompute: str
+    plan: SplitPlan = field(repr=False, compare=False)
+    step_time: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    mfu: float
+    bubble: float
+    peak_memory: int
+    extrapolated: bool = False
+    options: CostOptions = field(default_factory=CostOptions, repr=False, compare=False)
+
+    @property
+    def gpus(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    @property
+    def simulate_options(self) -> dict[str, Any]:
+        """Keywords that make ``pv.simulate(plan, schedule, microbatches, stages_per_rank, **these)`` reproduce
+        this row: ``dp``, ``tp`` and the cost options (hardware, dtype, recompute, batch scale)."""
+        return {"dp": self.dp, "tp": self.tp, "options": self.options}
+
+    def label(self) -> str:
+        """``"pp4 dp8 tp2 1F1B mb=2x64 selective"``."""
+        v = f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
+        return (f"pp{self.pp} dp{self.dp} tp{self.tp} {self.schedule}{v} mb={self.microbatch_size}x"
+                f"{self.microbatches} {self.recompute}")
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    """``plan_cluster``'s answer: ``rows`` best first (only options that fit), and how the search went.
+
+    Attributes:
+        rows: ``LayoutOption``s, fastest step first.
+        hardware, gpus, global_batch, seq_len, dtype, memory_limit: the question asked.
+        considered: layouts enumerated; simulated: those simulated; pruned: those dropped by a bound (memory or
+            step time) without simulating; too_big: those simulated and found over the memory limit.
+        notes: what the search assumed (sequence-length scaling, selective recomputation with fused attention).
+    """
+
+    rows: tuple[LayoutOption, ...]
+    hardware: Hardware
+    gpus: int
+    global_batch: int
+    seq_len: int
+    dtype: str
+    memory_limit: int
+    considered: int = 0
+    simulated: int = 0
+    pruned: int = 0
+    too_big: int = 0
+    notes: tuple[str, ...] = ()
+
+    @property
+    def best(self) -> LayoutOption:
+        """The fastest option that fits.
+
+        Raises:
+            PlanError: no option fits (the message says what to change).
+        """
+        if not self.rows:
+            raise PlanError(self._none_fit())
+        return self.rows[0]
+
+    def _none_fit(self) -> str:
+        return (f"No layout of {self.gpus} x {self.hardware.name} fits {human_bytes(self.memory_limit)} per device "
+                f"for a global batch of {self.global_batch} x {self.seq_len} tokens. Fix: more GPUs, recompute="
+                "'full', a smaller global batch or sequence, or a larger memory_limit.")
+
+    def table(self, top: int = 10) -> str:
+        """The ``top`` rows as text: layout, step, tokens/s, TFLOP/s per GPU, MFU, bubble, peak memory."""
+        head = (f"{self.gpus} x {self.hardware.name} ({self.dtype}, efficiency {self.hardware.efficiency:g}), global "
+                f"batch {self.global_batch} x {self.seq_len} tokens, memory limit {human_bytes(self.memory_limit)}")
+        if not self.rows:
+            return head + "\n" + self._none_fit()
+        rows = [("#", "pp", "dp", "tp", "schedule", "v", "mb size", "mbs", "recompute", "step", "tokens/s",
+                 "TFLOP/s/GPU", "MFU", "bubble", "peak memory")]
+        for i, r in enumerate(self.rows[:top], 1):
+            rows.append((str(i), str(r.pp), str(r.dp), str(r.tp), r.schedule, str(r.stages_per_rank),
+                         str(r.microbatch_size), str(r.microbatches), r.recompute,
+                         f"{r.step_time:.3f} s" + ("*" if r.extrapolated else ""), f"{r.tokens_per_s:,.0f}",
+                         f"{r.tflops_per_gpu:.0f}", f"{r.mfu:.1%}", f"{r.bubble:.0%}", human_bytes(r.peak_memory)))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        lines = ["  ".join(c.rjust(w) if j not in (4, 8) else c.ljust(w) for j, (c, w) in
+                           enumerate(zip(r, widths, strict=True))).rstrip() for r in rows]
+        tail = [f"{len(self.rows)} options fit; {self.considered} considered, {self.simulated} simulated, "
+                f"{self.pruned} pruned by a bound, {self.too_big} over the memory limit."]
+        if any(r.extrapolated for r in self.rows[:top]):
+            tail.append("* extrapolated from two shorter simulations (the step grows linearly in microbatches).")
+        return "\n".join([head, *lines, *tail, *self.notes])
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def plan_cluster(
+    graph: ModelGraph, gpus: int, hardware: Hardware | str, global_batch: int, seq_len: int | None = None,
+    memory_limit: float | None = None, schedules: Sequence[str] | None = None,
+    recompute: Sequence[str] | str | None = None, dtype: str | None = "bfloat16", *,
+    tp: Sequence[int] | None = None, microbatch_sizes: Sequence[int] | None = None,
+    stages_per_rank: Sequence[int] = (2,), optimizer_states: int = 2, top: int = 10,
+) -> ClusterPlan:
+    """Rank every layout of ``gpus`` devices for training ``graph``'s model, fastest first; only those that fit.
+
+    Searched: tensor-parallel degree ``tp`` (powers of two up to a node, dividing ``gpus``), pipeline ranks ``pp``
+    (divisors of ``gpus / tp`` up to the number of places the graph can be split), ``dp = gpus / (pp x tp)``
+    (dividing the global batch), every schedule (multi-stage ones with ``stages_per_rank``), microbatch sizes
+    (powers of two dividing the per-replica batch, up to 64), and the recomputation modes. Each option's split
+    is ``pv.balance``'s optimum into ``pp x v`` stages on the hardware's roofline (exact, by dynamic
+    programming); its step and memory are ``pv.simulate``'s (ranks placed node by node, as ``pv.simulate``
+    documents), with ``m`` microbatches simulated exactly up to ``3 x pp``; beyond, from two simulations at
+    ``2 x pp`` and ``3 x pp`` microbatches (counts every schedule accepts), extrapolated linearly in the
+    microbatch count for the step, the busy time and the memory: a pipeline past its warm-up adds the same time
+    per microbatch, GPipe's activations grow linearly and the others' saturate. Checked against full simulations
+    on uneven stages: equal for GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble and ZBVZeroBubble,
+    about 1 % off for DualPipeV. Such rows say ``extrapolated``.
+
+    Bound (why the ranking is exact): the ``top`` rows are the true best ``top`` options of the search space.
+    An option is dropped unsimulated only when a lower bound already rules it out: its memory lower bound
+    (parameters, gradients, optimizer state and one microbatch's activations of the rank's stages) exceeds the
+    limit, or its step lower bound (the busiest rank's compute, ``microbatches x sum of F + B`` over its
+    stages, plus the forwards before its first stage and, without a split backward, the backwards after its
+    last; no communication) is slower than the ``top``-th best simulated step. Options are simulated in order of
+    that lower bound.
+
+    Sequence length: costs are scaled from the traced example by tokens (``global_batch x seq_len`` over the
+    example's), which is exact for everything but attention's quadratic part; trace at the target sequence
+    length for that (``pipeviz plan`` does). A model on the meta device is planned without weights.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     model = pv.zoo.llama_config("llama-3-8b")
+        >>> graph = pv.trace(model, example_args=(torch.zeros(1, 8192, dtype=torch.long),))
+        >>> print(pv.plan_cluster(graph, gpus=64, hardware="h100", global_batch=512).table())
+
+    Args:
+        graph: the traced model (``pv.trace``; meta-device models work).
+        gpus: devices in all.
+        hardware: a ``pv.Hardware`` or preset name (``pv.HARDWARE``).
+        global_batch: sequences per training step (all replicas together).
+        seq_len: tokens per sequence (default: the traced example's dim 1).
+        memory_limit: bytes per device (default the hardware's memory).
+        schedules: schedule names to consider (default all of torch's).
+        recompute: modes to consider (default all three).
+        dtype: the training dtype (the peak used, activation bytes).
+        tp: tensor-parallel degrees to consider (default powers of two up to ``devices_per_node``).
+        microbatch_sizes: sequences per microbatch to consider (default powers of two up to 64).
+        stages_per_rank: for the multi-stage schedules.
+        optimizer_states: tensors of optimizer state per parameter (Adam: 2).
+        top: rows kept (and proven best).
+
+    Returns:
+        A ``ClusterPlan``; ``.rows`` best first, ``.table()`` as text.
+
+    Raises:
+        ValueError: a non-positive ``gpus`` / ``global_batch``, an unknown hardware, dtype, schedule or mode.
+    """
+    hw = find_hardware(hardware)
+    for name, value in (("gpus", gpus), ("global_batch", global_batch)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    dt = hw.dtype(dtype)
+    limit = int(memory_limit if memory_limit is not None else hw.memory_bytes)
+    names = [sched.canonical(s) for s in (schedules or sched.ALL)]
+    modes = [recompute] if isinstance(recompute, str) else list(recompute or RECOMPUTE)
+    for mode in modes:
+        CostOptions(recompute=mode)  # validates the name
+    ex_batch = graph.batch_size or 1
+    ex_seq = _example_seq_len(graph)
+    seq = seq_len or ex_seq
+    per_token = seq / ex_seq / ex_batch  # one sequence of seq tokens, relative to the traced example batch
+    notes = []
+    if seq != ex_seq:
+        notes.append(f"Costs scaled from the traced {ex_seq} tokens to {seq} by tokens (attention's quadratic part "
+                     "is not rescaled): trace at the target length to include it.")
+    blocks = _split_blocks(graph)
+    base = CostOptions(hardware=hw, dtype=dt, optimizer_states=optimizer_states)
+    plans: dict[int, SplitPlan | None] = {}
+    costs_cache: dict[tuple[int, int, str], Costs] = {}
+
+    def plan_for(n: int) -> SplitPlan | None:
+        if n not in plans:
+            try:
+                plans[n] = balance(graph, n, options=base)
+            except PlanError:
+                plans[n] = None
+        return plans[n]
+
+    def costs_for(n: int, b: int, mode: str) -> Costs:
+        key = (n, b, mode)
+        if key not in costs_cache:
+            plan = plans[n]
+            assert plan is not None
+            costs_cache[key] = stage_costs(plan, 1, options=replace(base, recompute=mode, batch_scale=b * per_token))
+        return costs_cache[key]
+
+    # Selective recomputation drops attention's stored scores; a fused attention (SDPA) stores none, so there it
+    # is "none" again: one of the two is enough.
+    if "selective" in modes and "none" in modes and _no_scores(graph, base):
+        modes.remove("selective")
+        notes.append("selective recomputation = none here: the model's attention is fused (no stored scores).")
+
+    tps = list(tp) if tp is not None else [t for t in (1, 2, 4, 8, 16) if t <= hw.devices_per_node]
+    candidates: list[tuple[float, tuple[Any, ...]]] = []
+    considered = pruned = 0
+    model_flops = 3 * graph.total_flops * per_token * global_batch  # forward + backward (2x), no recomputation
+    for t in tps:
+        if gpus % t:
+            continue
+        for pp in [d for d in range(1, gpus // t + 1) if (gpus // t) % d == 0 and d <= len(blocks)]:
+            dp = gpus // (t * pp)
+            if global_batch % dp:
+                continue
+            per_replica = global_batch // dp
+            sizes = [b for b in (microbatch_sizes or [2**i for i in range(7)]) if per_replica % b == 0]
+            for name in names:
+                vs = [1] if name in sched.SINGLE else [v for v in stages_per_rank if pp > 1 and pp * v <= len(blocks)]
+                if name in sched.V_SHAPED:
+                    vs = [v for v in vs if v == 2]
+                if pp == 1 and name != "1F1B":
+                    continue  # one stage: every schedule is the same sequence of forwards and backwards
+                for v in vs:
+                    n = pp * v
+                    if plan_for(n) is None:
+                        continue
+                    for b in sizes:
+                        m = per_replica // b
+                        try:
+                            sched.check_microbatches(name, n, m, v if v > 1 else None)
+                        except sched.ScheduleError:
+                            continue
+                        for mode in modes:
+                            considered += 1
+                            c = parallel_costs(costs_for(n, b, mode), 1, t)
+                            lay = sched.layout(name, n, v if v > 1 else None)
+                            work = _step_bound(c, lay, m)
+                            mem_lb = max(_static_memory(c, lay.stages_of(r), optimizer_states)
+                                         + max(c.activation_bytes[s] for s in lay.stages_of(r))
+                                         for r in range(lay.num_ranks))
+                            if mem_lb > limit:
+                                pruned += 1
+                                continue
+                            candidates.append((work, (t, pp, dp, name, v, b, m, mode)))
+    candidates.sort(key=lambda c: c[0])
+    rows: list[LayoutOption] = []
+    simulated = too_big = 0
+    for bound, (t, pp, dp, name, v, b, m, mode) in candidates:
+        if len(rows) >= top and bound > rows[top - 1].step_time:
+            pruned += 1
+            continue
+        plan = plans[pp * v]
+        assert plan is not None
+        if _memory(parallel_costs(costs_for(pp * v, b, mode), 1, t), name, pp * v, m, v, optimizer_states) > limit:
+            too_big += 1
+            continue
+        opts = replace(base, recompute=mode, batch_scale=b * per_token * dp * m)
+        step, busy, memory, extrapolated = _simulate(plan, name, m, v, dp, t, opts)
+        simulated += 1
+        rows.append(LayoutOption(
+            pp=pp, dp=dp, tp=t, schedule=name, stages_per_rank=v, microbatch_size=b, microbatches=m, recompute=mode,
+            plan=plan, step_time=step, tokens_per_s=global_batch * seq / step,
+            tflops_per_gpu=model_flops / step / gpus / 1e12, mfu=model_flops / step / gpus / hw.peak(dt),
+            bubble=max(0.0, 1 - busy / (pp * step)), peak_memory=int(memory), extrapolated=extrapolated,
+            options=opts))
+        rows.sort(key=lambda r: r.step_time)
+    return ClusterPlan(tuple(rows[:top]), hw, gpus, global_batch, seq, dt, limit, considered, simulated, pruned,
+                       too_big, tuple(notes))
+
+
+def _simulate(plan: SplitPlan, name: str, m: int, v: int, dp: int, tp: int,
+              opts: CostOptions) -> tuple[float, float, float, bool]:
+    """(step seconds, busy seconds summed over pipeline ranks, peak bytes per device, extrapolated)."""
+    n = plan.num_stages
+    spr = v if v > 1 else None
+
+    def run(count: int) -> tuple[float, float, float]:
+        # batch_scale is the whole step's; with fewer microbatches each keeps its size.
+        o = replace(opts, batch_scale=opts.batch_scale * count / m)
+        tl = simulate(plan, name, count, spr, dp=dp, tp=tp, options=o, order=_orders(name, n, count, spr))
+        start = min(e.start for e in tl.events)
+        step = max(e.end for e in tl.events) - start
+        busy = sum(e.duration for e in tl.events if e.kind in ("F", "B", "I", "W"))
+        return step, busy, float(max(tl.meta["memory_bytes"]))
+
+    pp = n // v
+    m1, m2 = 2 * pp, 3 * pp
+    if m <= m2:
+        return (*run(m), False)
+    a, b = run(m1), run(m2)
+    k = (m - m2) / (m2 - m1)
+    return (b[0] + k * (b[0] - a[0]), b[1] + k * (b[1] - a[1]), b[2] + k * (b[2] - a[2]), True)
+
+
+def _memory(c: Costs, name: str, n: int, m: int, v: int, optimizer_states: int) -> float:
+    """Peak bytes per device (``pipeviz.costs.memory_per_rank``), extrapolated past ``3 x pp`` microbatches as the
+    step is (see ``plan_cluster``)."""
+    spr = v if v > 1 else None
+    pp = n // v
+
+    def at(count: int) -> float:
+        return float(max(memory_per_rank(None, name, count, spr, optimizer_states, costs=c,
+                                         order=_orders(name, n, count, spr))))
+
+    if m <= 3 * pp:
+        return at(m)
+    a, b = at(2 * pp), at(3 * pp)
+    return b + (m - 3 * pp) / pp * (b - a)
+
+
+def _step_bound(c: Costs, lay: sched.Layout, m: int) -> float:
+    """A lower bound on the step: for each rank, its first input cannot arrive before microbatch 0's forwards
+    through the stages before it, it computes ``m x`` its stages' forward and backward, and (schedules without a
+    split backward) the stages before it still run their last backward after its own. Communication and
+    collectives only add, so they are left out."""
+    best = 0.0
+    for r in range(lay.num_ranks):
+        stages = lay.stages_of(r)
+        first = min(stages)
+        head = sum(c.forward[s] for s in range(first))
+        tail = sum(c.backward[s] for s in range(first)) if lay.schedule not in sched.ZERO_BUBBLE else 0.0
+        best = max(best, head + m * sum(c.forward[s] + c.backward[s] for s in stages) + tail)
+    return best
+
+
+@functools.lru_cache(maxsize=256)
+def _orders(name: str, n: int, m: int, spr: int | None) -> tuple[tuple[str, ...], ...]:
+    """``sched.orders``, cached: torch's own schedule code builds the multi-stage ones, slowly."""
+    return tuple(tuple(a) for a in sched.orders(name, n, m, spr))
+
+
+def _static_memory(c: Costs, stages: list[int], optimizer_states: int) -> int:
+    buffers = c.buffer_bytes or (0,) * len(c.param_bytes)
+    return sum(c.param_bytes[s] * (2 + optimizer_states) + buffers[s] for s in stages)
+
+
+def _split_blocks(graph: ModelGraph) -> list[int]:
+    """Indices of the layers a split can follow (plus the last): how many stages the graph allows."""
+    names = graph.layer_names
+    return [i for i, n in enumerate(names) if i == len(names) - 1 or graph.can_split_after(n)]
+
+
+def _example_seq_len(graph: ModelGraph) -> int:
+    import torch
+
+    for x in [*graph.example_args, *graph.example_kwargs.values()]:
+        if isinstance(x, torch.Tensor) and x.dim() >= 2:
+            return int(x.shape[1])
+    return 1
+
+
+def _no_scores(graph: ModelGraph, opts: CostOptions) -> bool:
+    from pipeviz.costs import layer_activation_bytes
+
+    return layer_activation_bytes(graph, replace(opts, recompute="selective")) == layer_activation_bytes(graph, opts)
