@@ -25,6 +25,7 @@ from pipeviz.manual import SequenceStage, manual_plan
 from pipeviz.mesh import Mesh, MeshError
 from pipeviz.numerics import NumericsCheck, check_numerics
 from pipeviz.plan import PlanError, SplitPlan, StageInfo
+from pipeviz.planner import ClusterPlan, LayoutOption, plan_cluster
 from pipeviz.profile import Profile, profile
 from pipeviz.runtime import LaunchConfig, LaunchError, Run, launch, train_reference
 from pipeviz.schedules import ScheduleError
@@ -36,6 +37,7 @@ from pipeviz.weights import materialize
 
 __all__ = [
     "HARDWARE",
+    "ClusterPlan",
     "Comparison",
     "CostOptions",
     "Costs",
@@ -45,6 +47,7 @@ __all__ = [
     "LaunchConfig",
     "LaunchError",
     "Layer",
+    "LayoutOption",
     "Live",
     "Mesh",
     "MeshError",
@@ -71,6 +74,7 @@ __all__ = [
     "launch",
     "manual_plan",
     "materialize",
+    "plan_cluster",
     "profile",
     "sgd",
     "simulate",

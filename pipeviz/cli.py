@@ -3,9 +3,13 @@
     pipeviz demo [--model classic|gpt2|llama|moe|all] [--stages N] [--schedule 1F1B] [--microbatches 4]
                  [--steps 5] [--devices auto] [--output pipeviz-report.html]
     pipeviz lab  [notebook]      # JupyterLab on the notebooks and tutorials
+    pipeviz plan --model llama-3-8b --gpus 64 --hardware h100 --global-batch 512 [--seq-len 8192]
+                 [--config path/to/config.json] [--memory-gib 80] [--dtype bfloat16] [--efficiency 0.55] [--top 10]
 
 ``pipeviz demo`` is the headless main job: trace, auto-balance, simulate every schedule, launch a real
 run with a progress bar, check numerics against the unsplit model, write one HTML report.
+``pipeviz plan`` builds a well-known model (or any HF config) on the meta device, traces it without weights and
+prints ``pv.plan_cluster``'s ranked layouts for a cluster.
 """
 
 from __future__ import annotations
@@ -138,6 +142,29 @@ def demo(a: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def plan(a: argparse.Namespace) -> int:
+    """Trace a model on the meta device and print the ranked cluster layouts."""
+    import dataclasses
+
+    warnings.filterwarnings("ignore")
+    hw = pv.hardware(a.hardware)  # bad options fail before any work
+    if a.efficiency is not None:
+        hw = dataclasses.replace(hw, efficiency=a.efficiency)
+    source = a.config or a.model
+    model, default_seq = zoo.from_config(source)
+    seq = a.seq_len or default_seq
+    t = time.time()
+    graph = pv.trace(model, example_args=(torch.zeros(1, seq, dtype=torch.long),))
+    print(f"{source}: {graph.total_params / 1e9:.2f} B parameters, {len(graph.layers)} layers, traced on the meta "
+          f"device at {seq} tokens in {time.time() - t:.1f} s")
+    t = time.time()
+    limit = a.memory_gib * 2**30 if a.memory_gib else None
+    cp = pv.plan_cluster(graph, a.gpus, hw, a.global_batch, memory_limit=limit, dtype=a.dtype, top=a.top)
+    print(f"planned in {time.time() - t:.1f} s\n")
+    print(cp.table(a.top))
+    return 0 if cp.rows else 1
+
+
 def lab(a: argparse.Namespace) -> int:
     """Start JupyterLab in the project's notebooks folder."""
     here = Path(__file__).resolve().parent.parent
@@ -157,6 +184,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--devices", default="auto", help="auto, cpu, cuda, or a comma-separated list per rank")
     d.add_argument("--output", default="pipeviz-report.html")
     d.set_defaults(func=demo)
+    p = sub.add_parser("plan", help="rank pp x dp x tp layouts, schedules and microbatches for a cluster")
+    p.add_argument("--model", default="llama-3-8b", help=f"one of {', '.join(zoo.CONFIGS)}")
+    p.add_argument("--config", default=None, help="an HF config.json instead of --model")
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--hardware", default="h100", help="a100, h100, h200, b200, cpu (pv.HARDWARE)")
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
+    p.add_argument("--memory-gib", type=float, default=None, help="per device (default: the hardware's)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--efficiency", type=float, default=None, help="achieved fraction of peak (default: preset's)")
+    p.add_argument("--top", type=int, default=10)
+    p.set_defaults(func=plan)
     lb = sub.add_parser("lab", help="JupyterLab on the notebooks")
     lb.add_argument("path", nargs="?")
     lb.set_defaults(func=lab)
@@ -165,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.devices = args.devices.split(",")
     try:
         return int(args.func(args))
-    except (pv.PlanError, pv.ScheduleError, pv.LaunchError) as exc:
+    except (pv.PlanError, pv.ScheduleError, pv.LaunchError, pv.HardwareError) as exc:
         print(f"pipeviz: {exc}", file=sys.stderr)
         return 2
 

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MoENet", "MyNetwork", "MyNetworkBlock", "RoutedMoE", "SkipNet", "TiedNet", "TinyTransformer",
-           "TransformerBlock", "bert", "gpt2", "llama", "mixtral"]
+__all__ = ["CONFIGS", "MoENet", "MyNetwork", "MyNetworkBlock", "RoutedMoE", "SkipNet", "TiedNet", "TinyTransformer",
+           "TransformerBlock", "bert", "from_config", "gpt2", "llama", "mixtral"]
 
 
 class MyNetworkBlock(nn.Module):
@@ -233,3 +233,59 @@ class MoENet(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+# Published configurations of well-known models (HF config fields), for planning on the meta device: no weights.
+# Llama 3 / 3.1: Meta's model cards and params.json (Grattafiori et al. 2024, "The Llama 3 Herd of Models",
+# table 3); GPT-3 175B: Brown et al. 2020, table 2.1 (96 layers, d_model 12288, 96 heads, context 2048).
+CONFIGS: dict[str, tuple[str, dict[str, Any], int]] = {
+    "llama-3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                 max_position_embeddings=8192, rope_theta=500000.0), 8192),
+    "llama-3-70b": ("llama", dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                  num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                                  max_position_embeddings=8192, rope_theta=500000.0), 8192),
+    "llama-3.1-405b": ("llama", dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                                     num_attention_heads=128, num_key_value_heads=8, vocab_size=128256,
+                                     max_position_embeddings=131072, rope_theta=500000.0), 8192),
+    "gpt3-175b": ("gpt2", dict(n_embd=12288, n_layer=96, n_head=96, vocab_size=50257, n_positions=2048), 2048),
+}
+
+
+def from_config(name_or_path: str) -> tuple[nn.Module, int]:
+    """A well-known model (``CONFIGS``: ``"llama-3-8b"``, ``"llama-3-70b"``, ``"llama-3.1-405b"``,
+    ``"gpt3-175b"``) or any HF ``config.json`` built on the meta device (no memory, no weights), with its
+    training sequence length (for a config file: its ``max_position_embeddings`` / ``n_positions``, at most 8192).
+
+    Example:
+        >>> model, seq = zoo.from_config("llama-3-70b")
+        >>> graph = pv.trace(model, example_args=(torch.zeros(1, seq, dtype=torch.long),))
+
+    Raises:
+        ValueError: neither a known name nor an existing file (the message lists the names).
+    """
+    import os
+
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+
+    key = name_or_path.strip().lower()
+    if key in CONFIGS:
+        family, fields, seq = CONFIGS[key]
+        with torch.device("meta"):
+            if family == "llama":
+                return LlamaForCausalLM(LlamaConfig(**fields)), seq
+            return GPT2LMHeadModel(GPT2Config(**fields, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)), seq
+    if not os.path.exists(name_or_path):
+        raise ValueError(f"Unknown model {name_or_path!r}; valid: {', '.join(CONFIGS)}, or the path of an HF "
+                         "config.json. Fix: --model llama-3-8b, or --config path/to/config.json.")
+    cfg = AutoConfig.from_pretrained(name_or_path)
+    seq = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg), min(int(seq), 8192)
