@@ -1,0 +1,138 @@
+"""pv.Hardware: presets, lookup and errors; the roofline per op; the one cost model on named hardware."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import pipeviz as pv
+from pipeviz.costs import CostOptions, layer_times, stage_costs
+from pipeviz.hardware import HARDWARE, op_time
+
+
+class Scale(nn.Module):
+    """An elementwise layer: no FLOPs counted, only bytes read and written."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2.0
+
+
+class MatmulThenScale(nn.Module):
+    def __init__(self, d: int = 2048) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d, bias=False)
+        self.scale = Scale()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale(self.lin(x))
+
+
+def test_presets_and_lookup() -> None:
+    assert list(HARDWARE) == ["a100-80gb", "h100-sxm", "h200", "b200", "cpu"]
+    assert pv.hardware("H100") is pv.hardware("h100-sxm") is HARDWARE["h100"]
+    assert pv.hardware(" A100 ").name == "a100-80gb"
+    h100 = pv.hardware("h100")
+    assert h100.peak("bfloat16") == 989.5e12 and h100.peak("bf16") == 989.5e12 and h100.peak("fp8") == 1979e12
+    assert pv.hardware("a100").peak("bfloat16") == 312e12 and pv.hardware("b200").peak("bfloat16") == 2.25e15
+    assert pv.hardware("h200").memory_bytes == 141 * 10**9 and pv.hardware("h200").memory_bandwidth == 4.8e12
+    assert h100.rate("bfloat16") == pytest.approx(989.5e12 * h100.efficiency)
+    assert 0.5 <= h100.efficiency <= 0.6
+    slower = h100.with_efficiency(0.3)
+    assert slower == dataclasses.replace(h100, efficiency=0.3) and slower != h100 and hash(slower) == hash(
+        dataclasses.replace(h100, efficiency=0.3))
+    assert pv.hardware(slower) is slower
+    # Links: a group within a node uses NVLink, beyond one the network; both at collective_efficiency.
+    assert h100.link(8) == (450e9 * h100.collective_efficiency, 5e-6)
+    assert h100.link(9) == (50e9 * h100.collective_efficiency, 1e-5)
+
+
+def test_cpu_is_measured() -> None:
+    cpu = pv.hardware("CPU")
+    assert cpu is pv.hardware("cpu")  # measured once, cached
+    assert cpu.flops["float32"] > 1e8 and cpu.memory_bandwidth > 1e8 and cpu.efficiency == 1.0
+    assert cpu.dtype() in ("float32", "bfloat16")
+
+
+def test_unknown_names_list_the_valid_ones() -> None:
+    with pytest.raises(pv.HardwareError) as info:
+        pv.hardware("v100")
+    assert "Unknown hardware 'v100'; valid: a100-80gb, h100-sxm, h200, b200, cpu" in str(info.value)
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(pv.HardwareError, match="has no peak for dtype 'int4'; valid: float32, tf32"):
+        pv.hardware("a100").peak("int4")
+    with pytest.raises(pv.HardwareError, match="efficiency must be in"):
+        pv.hardware("h100").with_efficiency(1.5)
+    with pytest.raises(TypeError):
+        pv.hardware(3)  # type: ignore[arg-type]
+    with pytest.raises(pv.HardwareError, match="Unknown hardware 'tpu'"):
+        pv.simulate(None, "1F1B", 4, costs=pv.Costs.uniform(2), num_stages=2, hardware="tpu")
+
+
+def test_roofline_per_op() -> None:
+    h100 = pv.hardware("h100")
+    # A 8192^3 matmul: 1.1 TFLOP, 400 MB: compute-bound. An elementwise add of 1 GB: memory-bound.
+    big = 2 * 8192**3
+    assert op_time(big, 3 * 8192**2 * 2, h100, "bfloat16") == pytest.approx(big / h100.rate("bfloat16"))
+    assert op_time(2**28, 3 * 2**30, h100) == pytest.approx(3 * 2**30 / h100.memory_bandwidth)
+
+
+def test_layer_times_on_hardware_are_a_roofline() -> None:
+    x = torch.randn(1024, 2048)
+    graph = pv.trace(MatmulThenScale(), example_args=(x,))
+    h100 = pv.hardware("h100")
+    opts = CostOptions(hardware=h100, dtype="float32")
+    fwd, bwd, source = layer_times(graph, 1, options=opts)
+    assert source == "roofline" and bwd == [2 * f for f in fwd]
+    lin, scale = graph.layer("lin"), graph.layer("scale")
+    assert fwd[0] == pytest.approx(lin.flops / h100.rate("float32"))  # 8.6 GFLOP: compute-bound
+    assert scale.flops == 0
+    assert fwd[1] == pytest.approx(2 * x.numel() * 4 / h100.memory_bandwidth)  # reads and writes 8 MiB
+    # Half the efficiency: the matmul takes twice as long, the elementwise layer is unchanged.
+    half, _, _ = layer_times(graph, 1, options=CostOptions(hardware=h100.with_efficiency(h100.efficiency / 2),
+                                                           dtype="float32"))
+    assert half[0] == pytest.approx(2 * fwd[0]) and half[1] == pytest.approx(fwd[1])
+    # bfloat16: 2 bytes per activation instead of 4, and the bfloat16 peak.
+    bf, _, _ = layer_times(graph, 1, options=CostOptions(hardware=h100, dtype="bfloat16"))
+    assert bf[1] == pytest.approx(fwd[1] / 2) and bf[0] == pytest.approx(lin.flops / h100.rate("bfloat16"))
+    # A profile still wins over any estimate.
+    prof = pv.Profile("cpu", 1, {"lin": 0.5, "scale": 0.25}, {"lin": 1.0, "scale": 0.5}, 0.0, 0.0, 0.0, 0.0)
+    measured, _, src = layer_times(graph.with_profile(prof), 1, options=opts)
+    assert src == "measured" and measured == [0.5, 0.25]
+
+
+def test_simulate_plumbs_hardware_everywhere(classic_graph: pv.ModelGraph) -> None:
+    plan = classic_graph.split(["layer1"])
+    a100 = pv.simulate(plan, "1F1B", 4, hardware="a100")
+    h100 = pv.simulate(plan, "1F1B", 4, hardware="H100")
+    assert h100.step_time < a100.step_time and h100.meta["hardware"] == "h100-sxm"
+    assert h100.meta["dtype"] == "bfloat16" and h100.meta["costs"] == "roofline"
+    # Keywords and an options object are the same thing, in simulate, stage_costs, memory and balance.
+    opts = pv.CostOptions(hardware="h100", dtype="bfloat16", recompute="full")
+    assert pv.simulate(plan, "1F1B", 4, options=opts).events == pv.simulate(
+        plan, "1F1B", 4, hardware="h100", dtype="bfloat16", recompute="full").events
+    assert stage_costs(plan, 4, options=opts) == stage_costs(plan, 4, hardware="h100", recompute="full")
+    assert pv.balance(classic_graph, 2, hardware="h100") == pv.balance(classic_graph, 2, options=CostOptions("h100"))
+    # Without hardware nothing changes: FLOPs at the device's rate, the backend's link.
+    assert stage_costs(plan, 4).source == "flops"
+
+
+def test_hand_offs_use_the_link_the_two_ranks_share(classic_graph: pv.ModelGraph) -> None:
+    plan = classic_graph.split(["layer1"])
+    hw = pv.hardware("h100")
+    costs = stage_costs(plan, 1, hardware=hw)
+
+    def gap(tl: pv.Timeline) -> float:
+        f0 = next(e for e in tl.events if e.kind == "F" and e.stage == 0 and e.mb == 0)
+        f1 = next(e for e in tl.events if e.kind == "F" and e.stage == 1 and e.mb == 0)
+        return f1.start - f0.end
+
+    nbytes = costs.send_bytes[0]
+    # One pipeline on two GPUs of one node: NVLink.
+    assert gap(pv.simulate(plan, "GPipe", 1, hardware=hw)) == pytest.approx(nbytes / hw.link(2)[0] + hw.link(2)[1])
+    # With 8 shards per stage the next pipeline rank is 8 process ranks on: another node, InfiniBand (the
+    # sharded microbatch's bytes are the whole microbatch's: every shard sends the full activation).
+    far = pv.simulate(plan, "GPipe", 1, hardware=hw, tp=8)
+    assert gap(far) == pytest.approx(nbytes / hw.link(9)[0] + hw.link(9)[1])
