@@ -67,6 +67,23 @@ for a, b in itertools.pairwise(MS):
     assert sims[b].peak_activation_bytes[0] < sims[a].peak_activation_bytes[0]   # 1F1B: falls like 1/m
 
 # %% [markdown]
+# ### Another memory knob: activation recomputation
+#
+# When even 1F1B's activations do not fit, a stage can keep only each layer's *input* and run the layer's forward
+# again during the backward (GPipe's paper does this; `torch.utils.checkpoint`). `pv.simulate(...,
+# recompute="full")` prices it: less activation memory, a longer backward. (Simulated only: `pv.launch` runs the
+# stages as traced, without recomputation.)
+
+# %%
+plain, recomputed = pv.simulate(plan, "1F1B", 8), pv.simulate(plan, "1F1B", 8, recompute="full")
+print(f"1F1B, m = 8: peak activations {[b // 2**10 for b in plain.peak_activation_bytes]} KiB, "
+      f"step {plain.step_time * 1e3:.1f} ms")
+print(f"  recompute: peak activations {[b // 2**10 for b in recomputed.peak_activation_bytes]} KiB, "
+      f"step {recomputed.step_time * 1e3:.1f} ms")
+assert all(r < a for r, a in zip(recomputed.peak_activation_bytes, plain.peak_activation_bytes, strict=True))
+assert recomputed.step_time > plain.step_time
+
+# %% [markdown]
 # ## The cost of communication
 #
 # Every microbatch crosses each boundary twice (its activation forward, its gradient back): 2·*m* messages per

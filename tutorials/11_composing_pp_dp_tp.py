@@ -12,8 +12,8 @@
 # # Lesson 11 · Composing pipeline, data and tensor parallelism
 #
 # **You will learn:** how pipeline parallelism (PP) combines with data parallelism (DP) and tensor parallelism
-# (TP) on a mesh of processes, what each costs (the simulator), and that the combination trains exactly like the
-# unsplit model (real runs).
+# (TP) on a mesh of processes, what each costs (the simulator), that the combination trains exactly like the
+# unsplit model (real runs), and how `plan_cluster` chooses the degrees for a cluster.
 #
 # ## Three ways to cut the work
 #
@@ -112,6 +112,38 @@ pv.TimelineView(runs["pp=2 dp=2"])
 # A common recipe (the Ultra-Scale Playbook, torchtitan): TP inside a node up to its fast-link size, PP across
 # nodes until each stage's weights and activations fit, DP for everything left, to grow the global batch. The
 # simulator prices each choice before any process starts.
+#
+# `plan_cluster` (`pipeviz.planner`) searches them all for a GPU count, a hardware preset and a global batch:
+# every *pp* × *dp* × *tp* (TP within a node), schedule, microbatch size and recomputation mode, each balanced and
+# simulated on the hardware's roofline, keeping only what fits in memory, fastest first. A 0.6 B-parameter
+# Llama-shaped model on the meta device (no memory), 32 H100s, 256 sequences of 2048 tokens per step:
+
+# %%
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pipeviz.planner import plan_cluster
+
+config = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=8, num_attention_heads=16,
+                     num_key_value_heads=8, vocab_size=32000)
+with torch.device("meta"):
+    llama = LlamaForCausalLM(config)
+llama_graph = pv.trace(llama, example_args=(torch.zeros(1, 2048, dtype=torch.long),))
+roomy = plan_cluster(llama_graph, gpus=32, hardware="h100-sxm", global_batch=256, top=5)
+print(roomy.table())
+
+# %% [markdown]
+# A model this small fits on one GPU, so the planner may need no pipeline at all. Give each device only 8 GiB
+# (a bigger model, in effect) and pipelining becomes necessary: the fastest layout that fitted no longer does.
+
+# %%
+LIMIT = 8 * 2**30
+tight = plan_cluster(llama_graph, gpus=32, hardware="h100-sxm", global_batch=256, memory_limit=LIMIT, top=5)
+print(tight.table())
+assert all(row.peak_memory <= LIMIT for row in tight.rows)
+assert roomy.rows[0].peak_memory > LIMIT and tight.rows[0].pp > 1
+print("fastest within 8 GiB:", tight.rows[0].label())
+
+# %% [markdown]
 #
 # ## Exercise
 #
