@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # On a machine without an NVIDIA GPU pin the local CPU build: an unpinned torch pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test compat grid lint bench clean
+.PHONY: setup demo test compat grid lint bench render clean
 
 setup: $(VENV)/.installed
 
@@ -37,6 +37,11 @@ compat: setup
 # clone and rebuilt when its pins or pyproject's dependencies change. Prints a table per cell; see scripts/grid.py.
 grid:
 	$(PYTHON) scripts/grid.py
+
+# Executed HTML renderings of every lesson and demo notebook (outputs and plotly figures embedded, readable offline)
+# in build/html/ (gitignored), with an index; exits 1 if a notebook fails. See scripts/render.py.
+render: setup
+	$(PY) scripts/render.py --out build/html
 
 bench: setup
 	$(PY) benchmarks/preview_latency.py
