@@ -116,3 +116,64 @@ def test_exact_split_backward_gives_every_weight_its_gradient(fixed: bool) -> No
     else:  # torch 2.13 alone: the position table gets no gradient (if this passes, torch fixed it)
         got = split()
         assert got["pos.weight"] is None
+
+
+def test_the_timed_stage_overrides_match_this_torchs_pipeline_stage() -> None:
+    adapter.check_stage_methods()  # the three overridden methods take the parameters the overrides pass on
+    assert set(adapter.OVERRIDDEN) == {"forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"}
+
+
+_TIMED_STAGE = """
+import contextlib, sys, tempfile, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import schedules
+from pipeviz.adapter import timed_stage_class
+
+dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+seen = []
+
+@contextlib.contextmanager
+def span(stage, kind, mb):
+    seen.append(f"{stage}{kind}{mb}")
+    yield
+
+Stage = timed_stage_class(span)
+torch.manual_seed(0)
+a, b, x, y = nn.Linear(4, 4), nn.Linear(4, 2), torch.randn(4, 4), torch.randn(4, 2)
+train = sys.argv[1] != "forward"
+grad = dict(requires_grad=train)
+stages = [Stage(a, 0, 2, torch.device("cpu"), input_args=(torch.empty(2, 4),),
+                output_args=(torch.empty(2, 4, **grad),)),
+          Stage(b, 1, 2, torch.device("cpu"), input_args=(torch.empty(2, 4, **grad),),
+                output_args=(torch.empty(2, 2, **grad),))]
+if train:
+    cls = schedules.get_schedule_class(sys.argv[1])
+    schedule = cls(stages, n_microbatches=2, loss_fn=nn.functional.mse_loss)
+    losses = []
+    schedule.step(x, target=y, losses=losses)
+    ref = [nn.functional.mse_loss(b(a(x[i:i + 2])), y[i:i + 2]).item() for i in (0, 2)]
+    assert [l.item() for l in losses] == ref, (losses, ref)
+else:  # forward only: one stage of both layers (torch cannot run two adjacent stages of one rank without a backward)
+    whole = Stage(nn.Sequential(a, b), 0, 1, torch.device("cpu"), input_args=(torch.empty(2, 4),),
+                  output_args=(torch.empty(2, 2),))
+    with torch.no_grad():
+        assert torch.equal(schedules.ScheduleGPipe(whole, n_microbatches=2).step(x), b(a(x)))
+print(" ".join(seen))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize(("schedule", "kinds"), [("Interleaved1F1B", {"F", "B"}), ("ZBVZeroBubble", {"F", "I", "W"}),
+                                                 ("forward", {"F"})])
+def test_the_timed_stage_times_every_action_torchs_schedules_run(schedule: str, kinds: set[str]) -> None:
+    # Two stages of a real schedule on one rank (a 1-process gloo group): every action the schedule runs is
+    # timed once, with its stage and microbatch, and the losses are the unsplit model's.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _TIMED_STAGE, schedule], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    actions = out.stdout.split()
+    assert {a[1] for a in actions} == kinds and len(actions) == len(set(actions))
+    stages = 1 if schedule == "forward" else 2
+    assert len(actions) == stages * 2 * len(kinds)  # every (stage, microbatch) once per kind

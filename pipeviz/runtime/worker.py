@@ -261,29 +261,9 @@ def _stages(p: RankPayload, clock: _Clock, step_box: list[int], device: torch.de
     averages the gradients before the weight-gradient passes have run (replicas silently diverge: 7e-3 after
     two steps) or fails ("Encountered gradient which is undefined, but still allreduced by DDP reducer"), so
     ``_average_replicas`` averages them after the step instead."""
-    from torch.distributed.pipelining import PipelineStage
+    from pipeviz.adapter import timed_stage_class
 
-    class Stage(PipelineStage):
-        """torch's PipelineStage, timing every forward, backward, input-grad and weight-grad action."""
-
-        def forward_one_chunk(self, fwd_chunk_id: int, *a: Any, **k: Any) -> Any:
-            with clock.span(p.rank, self.stage_index, "F", fwd_chunk_id, step_box[0]):
-                return super().forward_one_chunk(fwd_chunk_id, *a, **k)
-
-        def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
-                               last_backward: bool = False) -> Any:
-            if not self.has_backward:  # a forward-only run: torch calls it, and it does nothing
-                return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                                  last_backward=last_backward)
-            with clock.span(p.rank, self.stage_index, "B" if full_backward else "I", bwd_chunk_id, step_box[0]):
-                return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                                  last_backward=last_backward)
-
-        def backward_weight_one_chunk(self, bwd_chunk_id: int, *a: Any, **k: Any) -> Any:
-            if not self.has_backward:
-                return super().backward_weight_one_chunk(bwd_chunk_id, *a, **k)
-            with clock.span(p.rank, self.stage_index, "W", bwd_chunk_id, step_box[0]):
-                return super().backward_weight_one_chunk(bwd_chunk_id, *a, **k)
+    Stage = timed_stage_class(lambda stage, kind, mb: clock.span(p.rank, stage, kind, mb, step_box[0]))
 
     num_stages = len(p.stage_ranks)
     stages = []

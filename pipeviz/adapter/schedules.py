@@ -1,0 +1,95 @@
+"""torch's ``Pipe`` graph, its schedules' blocking waits and action orders, and ``pipeline()`` over inlined regions."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch import fx, nn
+
+
+def split_graph(pipe: Any) -> fx.Graph:
+    """The top-level graph of torch's ``Pipe``: placeholders, one ``call_module`` per stage, the output."""
+    graph = getattr(getattr(pipe, "split_gm", None), "graph", None)
+    if not isinstance(graph, fx.Graph):
+        raise RuntimeError("torch's Pipe has no split_gm graph any more; pipeviz needs updating for this torch.")
+    return graph
+
+
+@contextlib.contextmanager
+def timed_waits(record: Callable[[float, float], None], threshold: float = 1e-4) -> Iterator[None]:
+    """Inside the block, ``record(start, end)`` (wall clock) every blocking wait of torch's schedules on
+    batched sends and receives that lasts more than ``threshold`` seconds."""
+    import time
+
+    from torch.distributed.pipelining import schedules
+
+    original = schedules._wait_batch_p2p
+
+    def timed(work: Any) -> Any:
+        if not work:  # torch waits on empty lists too: nothing to time
+            return original(work)
+        start = time.time()
+        out = original(work)
+        end = time.time()
+        if end - start > threshold:
+            record(start, end)
+        return out
+
+    schedules._wait_batch_p2p = timed
+    try:
+        yield
+    finally:
+        schedules._wait_batch_p2p = original
+
+
+def schedule_actions(schedule: str, num_ranks: int, num_stages: int, microbatches: int) -> list[list[str]]:
+    """Per-rank compute actions (``2F0``, ``1I3``, ``0W3``) of a multi-stage torch schedule, as its
+    constructor lays them out in ``pipeline_order`` (overlapped F/B pairs of DualPipeV in run order)."""
+    from unittest import mock
+
+    from torch.distributed.pipelining.schedules import get_schedule_class
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    # torch builds pipeline_order from a few stage attributes; a spec'd stand-in is enough (torch's own
+    # _schedule_visualizer does the same).
+    stage = mock.create_autospec(PipelineStage, instance=True)
+    stage.group_rank, stage.group_size, stage.submod, stage.num_stages = 0, num_ranks, None, num_stages
+    sched = get_schedule_class(schedule)([stage] * (num_stages // num_ranks), microbatches)
+    out: list[list[str]] = []
+    for rank in range(num_ranks):
+        acts: list[str] = []
+        for action in sched.pipeline_order[rank]:
+            if action is None:
+                continue
+            for a in getattr(action, "sub_actions", None) or [action]:
+                kind = a.computation_type.value if hasattr(a.computation_type, "value") else str(a.computation_type)
+                if kind in ("F", "B", "I", "W"):
+                    acts.append(f"{a.stage_index}{kind}{a.microbatch_index}")
+        out.append(acts)
+    return out
+
+
+@contextlib.contextmanager
+def regions_inlined() -> Iterator[None]:
+    """Inside the block, torch's ``pipeline()`` splits a graph whose grad-mode / autocast regions are inlined and
+    whose non-tensor constants are held in modules (``pipeviz.regions``): torch 2.13–2.15 lose those regions'
+    bodies when they split the exported graph, and refuse a constant that is not a tensor."""
+    from torch.distributed.pipelining._IR import Pipe
+
+    from pipeviz.regions import hold_constants, inline_regions
+
+    original = Pipe.__dict__["_trace_with_export"]
+
+    def trace(mod: nn.Module, example_args: tuple[Any, ...], example_kwargs: dict[str, Any] | None = None) -> Any:
+        ep = original.__func__(mod, example_args, example_kwargs)
+        inline_regions(ep.graph_module)
+        hold_constants(ep.graph_module)
+        return ep
+
+    Pipe._trace_with_export = staticmethod(trace)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Pipe._trace_with_export = original  # type: ignore[method-assign]

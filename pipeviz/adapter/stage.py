@@ -1,0 +1,68 @@
+"""torch's ``PipelineStage`` with every action timed: the three methods pipeviz overrides, with their torch
+signatures, in one place (``tests/test_adapter.py`` checks them against the installed torch)."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+# The PipelineStage methods a timed stage overrides, with the parameters torch 2.13–2.15 give them.
+OVERRIDDEN = {
+    "forward_one_chunk": ("self", "fwd_chunk_id", "args", "kwargs"),
+    "backward_one_chunk": ("self", "bwd_chunk_id", "loss", "full_backward", "last_backward"),
+    "backward_weight_one_chunk": ("self", "bwd_chunk_id", "last_backward"),
+}
+
+Span = Callable[[int, str, int], contextlib.AbstractContextManager[Any]]
+
+
+def check_stage_methods() -> None:
+    """Raise ``RuntimeError`` naming the method whose parameters differ from ``OVERRIDDEN`` in this torch."""
+    from torch.distributed.pipelining import PipelineStage
+
+    for name, expected in OVERRIDDEN.items():
+        method = getattr(PipelineStage, name, None)
+        if method is None:
+            raise RuntimeError(f"torch's PipelineStage has no {name} any more; pipeviz's timed stage needs updating.")
+        got = tuple(list(inspect.signature(method).parameters)[:len(expected)])
+        if got != expected:
+            raise RuntimeError(f"torch's PipelineStage.{name} takes {got}, pipeviz expects {expected}; pipeviz's "
+                               "timed stage needs updating for this torch.")
+
+
+def timed_stage_class(span: Span) -> type[Any]:
+    """A ``PipelineStage`` subclass that times each action: ``span(stage_index, kind, microbatch)`` is entered
+    around every forward (``"F"``), full backward (``"B"``), input-grad (``"I"``) and weight-grad (``"W"``) pass
+    of a stage that computes one (a forward-only stage's no-op backward calls are not timed).
+
+    Example:
+        >>> Stage = timed_stage_class(lambda s, kind, mb: clock.span(rank, s, kind, mb, step))
+        >>> stage = Stage(module, stage_index, num_stages, device, group=pp_group)
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    class TimedStage(PipelineStage):
+        """torch's PipelineStage, timing every forward, backward, input-grad and weight-grad action."""
+
+        def forward_one_chunk(self, fwd_chunk_id: int, *a: Any, **k: Any) -> Any:
+            with span(self.stage_index, "F", fwd_chunk_id):
+                return super().forward_one_chunk(fwd_chunk_id, *a, **k)
+
+        def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
+                               last_backward: bool = False) -> Any:
+            if not self.has_backward:  # a forward-only run: torch calls it, and it does nothing
+                return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                                  last_backward=last_backward)
+            with span(self.stage_index, "B" if full_backward else "I", bwd_chunk_id):
+                return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                                  last_backward=last_backward)
+
+        def backward_weight_one_chunk(self, bwd_chunk_id: int, *a: Any, **k: Any) -> Any:
+            if not self.has_backward:
+                return super().backward_weight_one_chunk(bwd_chunk_id, *a, **k)
+            with span(self.stage_index, "W", bwd_chunk_id):
+                return super().backward_weight_one_chunk(bwd_chunk_id, *a, **k)
+
+    return TimedStage
