@@ -151,7 +151,11 @@ def plan(a: argparse.Namespace) -> int:
     if a.efficiency is not None:
         hw = dataclasses.replace(hw, efficiency=a.efficiency)
     source = a.config or a.model
-    model, default_seq = zoo.from_config(source)
+    try:
+        model, default_seq = zoo.from_config(source)
+    except ValueError as exc:
+        print(f"pipeviz: {exc}", file=sys.stderr)
+        return 2
     seq = a.seq_len or default_seq
     t = time.time()
     graph = pv.trace(model, example_args=(torch.zeros(1, seq, dtype=torch.long),))

@@ -21,7 +21,15 @@ from typing import Any
 
 from pipeviz import schedules as sched
 from pipeviz.balance import balance
-from pipeviz.costs import RECOMPUTE, CostOptions, Costs, memory_per_rank, parallel_costs, stage_costs
+from pipeviz.costs import (
+    RECOMPUTE,
+    CostOptions,
+    Costs,
+    memory_per_rank,
+    parallel_costs,
+    stage_costs,
+    tp_collectives,
+)
 from pipeviz.graph import ModelGraph
 from pipeviz.hardware import Hardware
 from pipeviz.hardware import hardware as find_hardware
@@ -165,12 +173,12 @@ def plan_cluster(
     (powers of two dividing the per-replica batch, up to 64), and the recomputation modes. Each option's split
     is ``pv.balance``'s optimum into ``pp x v`` stages on the hardware's roofline (exact, by dynamic
     programming); its step and memory are ``pv.simulate``'s (ranks placed node by node, as ``pv.simulate``
-    documents), with ``m`` microbatches simulated exactly up to ``3 x pp``; beyond, from two simulations at
-    ``2 x pp`` and ``3 x pp`` microbatches (counts every schedule accepts), extrapolated linearly in the
+    documents), with ``m`` microbatches simulated exactly up to ``6 x pp``; beyond, from two simulations at
+    ``4 x pp`` and ``6 x pp`` microbatches (counts every schedule accepts), extrapolated linearly in the
     microbatch count for the step, the busy time and the memory: a pipeline past its warm-up adds the same time
     per microbatch, GPipe's activations grow linearly and the others' saturate. Checked against full simulations
-    on uneven stages: equal for GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble and ZBVZeroBubble,
-    about 1 % off for DualPipeV. Such rows say ``extrapolated``.
+    of 16 x pp microbatches on uneven stages with fast and slow links: exact for all seven schedules but
+    Interleaved1F1B on 2 ranks (0.5 % short). Such rows say ``extrapolated``.
 
     Bound (why the ranking is exact): the ``top`` rows are the true best ``top`` options of the search space.
     An option is dropped unsimulated only when a lower bound already rules it out: its memory lower bound
@@ -251,6 +259,21 @@ def plan_cluster(
             costs_cache[key] = stage_costs(plan, 1, options=replace(base, recompute=mode, batch_scale=b * per_token))
         return costs_cache[key]
 
+    rank_cache: dict[tuple[int, int, str, int], Costs] = {}
+
+    def rank_costs(n: int, b: int, mode: str, t: int) -> Costs:
+        """One device's costs per microbatch of ``b`` sequences: its shard of each stage, with the shards'
+        all-reduces (``pv.simulate``'s, within a node)."""
+        key = (n, b, mode, t)
+        if key not in rank_cache:
+            plan = plans[n]
+            assert plan is not None
+            coll = None
+            if t > 1:
+                coll = tp_collectives(plan, 1, 1, t, base.link(t), base.byte_scale(plan.graph) * b * per_token)
+            rank_cache[key] = parallel_costs(costs_for(n, b, mode), 1, t, coll)
+        return rank_cache[key]
+
     # Selective recomputation drops attention's stored scores; a fused attention (SDPA) stores none, so there it
     # is "none" again: one of the two is enough.
     if "selective" in modes and "none" in modes and _no_scores(graph, base):
@@ -288,7 +311,7 @@ def plan_cluster(
                             continue
                         for mode in modes:
                             considered += 1
-                            c = parallel_costs(costs_for(n, b, mode), 1, t)
+                            c = rank_costs(n, b, mode, t)
                             lay = sched.layout(name, n, v if v > 1 else None)
                             work = _step_bound(c, lay, m)
                             mem_lb = max(_static_memory(c, lay.stages_of(r), optimizer_states)
@@ -307,7 +330,7 @@ def plan_cluster(
             continue
         plan = plans[pp * v]
         assert plan is not None
-        if _memory(parallel_costs(costs_for(pp * v, b, mode), 1, t), name, pp * v, m, v, optimizer_states) > limit:
+        if _memory(rank_costs(pp * v, b, mode, t), name, pp * v, m, v, optimizer_states) > limit:
             too_big += 1
             continue
         opts = replace(base, recompute=mode, batch_scale=b * per_token * dp * m)
@@ -339,8 +362,7 @@ def _simulate(plan: SplitPlan, name: str, m: int, v: int, dp: int, tp: int,
         busy = sum(e.duration for e in tl.events if e.kind in ("F", "B", "I", "W"))
         return step, busy, float(max(tl.meta["memory_bytes"]))
 
-    pp = n // v
-    m1, m2 = 2 * pp, 3 * pp
+    m1, m2 = _extrapolated_from(n // v)
     if m <= m2:
         return (*run(m), False)
     a, b = run(m1), run(m2)
@@ -358,24 +380,35 @@ def _memory(c: Costs, name: str, n: int, m: int, v: int, optimizer_states: int) 
         return float(max(memory_per_rank(None, name, count, spr, optimizer_states, costs=c,
                                          order=_orders(name, n, count, spr))))
 
-    if m <= 3 * pp:
+    m1, m2 = _extrapolated_from(pp)
+    if m <= m2:
         return at(m)
-    a, b = at(2 * pp), at(3 * pp)
-    return b + (m - 3 * pp) / pp * (b - a)
+    a, b = at(m1), at(m2)
+    return b + (m - m2) / (m2 - m1) * (b - a)
+
+
+def _extrapolated_from(pp: int) -> tuple[int, int]:
+    """The two microbatch counts a long pipeline is extrapolated from: ``4 x pp`` and ``6 x pp`` (multiples of
+    pp, accepted by every schedule, past the warm-up: with ``2 x pp`` and ``3 x pp`` a LoopedBFS or ZB-V
+    pipeline on slow links was still settling, up to 18 % off)."""
+    return 4 * pp, 6 * pp
 
 
 def _step_bound(c: Costs, lay: sched.Layout, m: int) -> float:
     """A lower bound on the step: for each rank, its first input cannot arrive before microbatch 0's forwards
-    through the stages before it, it computes ``m x`` its stages' forward and backward, and (schedules without a
-    split backward) the stages before it still run their last backward after its own. Communication and
-    collectives only add, so they are left out."""
+    (and hand-offs) through the stages before it, it computes ``m x`` its stages' forward and backward, and
+    (schedules without a split backward) the stages before it still run their last backward after its own. The
+    hand-offs are priced on the intra-node link (the fastest), the replicas' all-reduce is left out: both only
+    add."""
     best = 0.0
     for r in range(lay.num_ranks):
         stages = lay.stages_of(r)
         first = min(stages)
-        head = sum(c.forward[s] for s in range(first))
-        tail = sum(c.backward[s] for s in range(first)) if lay.schedule not in sched.ZERO_BUBBLE else 0.0
-        best = max(best, head + m * sum(c.forward[s] + c.backward[s] for s in stages) + tail)
+        head = sum(c.duration(s, "F") + c.comm[s] for s in range(first))
+        tail = 0.0
+        if lay.schedule not in sched.ZERO_BUBBLE:
+            tail = sum(c.duration(s, "B") + c.comm[s] for s in range(first))
+        best = max(best, head + m * sum(c.duration(s, "F") + c.duration(s, "B") for s in stages) + tail)
     return best
 
 
