@@ -60,6 +60,13 @@ def _train(schedules: tuple[str, ...]) -> None:
         run = train_exactly(schedule, plans, inputs=(ids,), target=target, loss_fn=lm_loss, dp=2)
         assert len(run.losses) == 2  # one loss per step: the whole batch's, not one per replica
         assert run.mesh == Mesh(pp=2, dp=2) and {e.rank for e in run.events} == {0, 1, 2, 3}
+        # the replicas' gradient averaging is measured: per process and step, DDP's bucket all-reduces (launched
+        # inside the stage's last backward) or, for split-backward schedules, the one average after the step
+        reductions = [e for e in run.events if e.kind == "DP"]
+        assert {(e.rank, e.step) for e in reductions} == {(r, s) for r in range(4) for s in range(2)}, schedule
+        for e in reductions:
+            computed = [c.end for c in run.events if c.rank == e.rank and c.step == e.step and c.kind in "BIW"]
+            assert e.end >= e.start and e.start <= max(computed) + 1e-3 or schedule not in ("GPipe", "1F1B")
 
 
 @pytest.mark.slow

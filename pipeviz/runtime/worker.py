@@ -21,6 +21,7 @@ This module must stay importable without any view library.
 
 from __future__ import annotations
 
+import collections
 import io
 import os
 import sys
@@ -297,6 +298,7 @@ def _stages(p: RankPayload, clock: _Clock, step_box: list[int], device: torch.de
             # find_unused_parameters: a parameter used only under no_grad gets no gradient in any replica.
             submod = DistributedDataParallel(runner, process_group=dp_group, broadcast_buffers=False,
                                              find_unused_parameters=True)
+            submod.register_comm_hook(dp_group, _timed_allreduce(clock, p.rank, st.index, step_box))
         stages.append(Stage(submod, st.index, num_stages, device, input_args=ins, output_args=outs,
                             group=pp_group))
         named = dict(runner.stage.named_parameters(remove_duplicate=False))
@@ -307,6 +309,27 @@ def _stages(p: RankPayload, clock: _Clock, step_box: list[int], device: torch.de
             if canon in p.tied:
                 local.setdefault(canon, []).append(t)
     return stages, params, local
+
+
+def _timed_allreduce(clock: _Clock, rank: int, stage: int, step_box: list[int]) -> Any:
+    """DDP's own averaging of one gradient bucket (torch's ``allreduce_hook``: divide by the replicas, then an
+    asynchronous all-reduce), timed from its launch inside the backward to its completion: a ``DP`` event per
+    bucket, overlapping the backward that produced it on the timeline."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    def hook(group: Any, bucket: Any) -> Any:
+        start, step = time.time() - clock.t0, step_box[0]
+
+        def done(fut: Any) -> Any:
+            clock.record_async((rank, stage, "DP", -1, start, time.time() - clock.t0, step))
+            return fut.value()
+
+        return allreduce_hook(group, bucket).then(done)
+
+    # DDP checks the hook's annotations as objects; this module's are strings (postponed evaluation).
+    hook.__annotations__ = {"group": Any, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+    return hook
 
 
 def _schedule(p: RankPayload, stages: list[Any]) -> Any:
@@ -535,6 +558,7 @@ class _Clock:
         self.pending: list[tuple[Any, ...]] = []
         self.buffer: list[tuple[Any, ...]] = []
         self.outbox: list[Message] = []
+        self.finished: collections.deque[tuple[Any, ...]] = collections.deque()  # from other threads
         self.sent_at = 0.0
         self.queue: Any = None
         self.rank, self.coords = -1, Coords(-1, 0, 0)  # the sender named in every message
@@ -549,11 +573,18 @@ class _Clock:
         if event[5] - self.sent_at > SEND_INTERVAL:
             self.send()
 
+    def record_async(self, event: tuple[Any, ...]) -> None:
+        """An event timed on another thread (a communication future's callback): queued, and moved into the
+        next batch by the rank's own thread, which alone touches ``buffer``."""
+        self.finished.append(event)
+
     def post(self, msg: Message) -> None:
         """A message (loss, step end) to send with the next batch of events."""
         self.outbox.append(msg)
 
     def send(self) -> None:
+        while self.finished:
+            self.buffer.append(self.finished.popleft())
         if self.buffer:
             self.queue.put(Events(self.rank, self.coords, self.buffer))
             self.buffer = []
