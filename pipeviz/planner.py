@@ -330,7 +330,7 @@ def plan_cluster(
             continue
         plan = plans[pp * v]
         assert plan is not None
-        if _memory(rank_costs(pp * v, b, mode, t), name, pp * v, m, v, optimizer_states) > limit:
+        if _memory(rank_costs(pp * v, b, mode, t), name, pp * v, m, v, optimizer_states, limit) > limit:
             too_big += 1
             continue
         opts = replace(base, recompute=mode, batch_scale=b * per_token * dp * m)
@@ -370,20 +370,26 @@ def _simulate(plan: SplitPlan, name: str, m: int, v: int, dp: int, tp: int,
     return (b[0] + k * (b[0] - a[0]), b[1] + k * (b[1] - a[1]), b[2] + k * (b[2] - a[2]), True)
 
 
-def _memory(c: Costs, name: str, n: int, m: int, v: int, optimizer_states: int) -> float:
-    """Peak bytes per device (``pipeviz.costs.memory_per_rank``), extrapolated past ``3 x pp`` microbatches as the
-    step is (see ``plan_cluster``)."""
+def _memory(c: Costs, name: str, n: int, m: int, v: int, optimizer_states: int, limit: float) -> float:
+    """Peak bytes per device (``pipeviz.costs.memory_per_rank``), extrapolated past ``6 x pp`` microbatches as the
+    step is (see ``plan_cluster``). Activations in flight never fall as microbatches are added, so a count past
+    ``4 x pp`` that already overflows at ``4 x pp`` is over ``limit`` without building its own order (torch's
+    code builds the multi-stage orders, slowly): that smaller figure is returned."""
     spr = v if v > 1 else None
-    pp = n // v
+    m1, m2 = _extrapolated_from(n // v)
 
     def at(count: int) -> float:
         return float(max(memory_per_rank(None, name, count, spr, optimizer_states, costs=c,
                                          order=_orders(name, n, count, spr))))
 
-    m1, m2 = _extrapolated_from(pp)
+    if m <= m1:
+        return at(m)
+    a = at(m1)
+    if a > limit:
+        return a
     if m <= m2:
         return at(m)
-    a, b = at(m1), at(m2)
+    b = at(m2)
     return b + (m - m2) / (m2 - m1) * (b - a)
 
 
@@ -412,7 +418,7 @@ def _step_bound(c: Costs, lay: sched.Layout, m: int) -> float:
     return best
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=4096)
 def _orders(name: str, n: int, m: int, spr: int | None) -> tuple[tuple[str, ...], ...]:
     """``sched.orders``, cached: torch's own schedule code builds the multi-stage ones, slowly."""
     return tuple(tuple(a) for a in sched.orders(name, n, m, spr))
