@@ -1,0 +1,50 @@
+"""How long ``pv.plan_cluster`` takes for Llama-3-8B (meta device, no weights) on 8 and 1,024 GPUs.
+
+Goal (issue 19): 8 GPUs in about a second, 1,024 GPUs under a minute on a 2-core machine. The trace is timed
+apart (it is done once per model and sequence length); each plan is timed cold (a fresh process's caches) and
+warm (torch's multi-stage schedule orders already built).
+
+    python benchmarks/planner_speed.py [--model llama-3-8b] [--hardware h100] [--seq-len 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+
+import torch
+
+import pipeviz as pv
+from pipeviz import zoo
+
+CASES = ((8, 64), (1024, 1536))  # (gpus, global batch in sequences)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-3-8b")
+    ap.add_argument("--hardware", default="h100")
+    ap.add_argument("--seq-len", type=int, default=None)
+    a = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    model, seq = zoo.from_config(a.model)
+    seq = a.seq_len or seq
+    t = time.perf_counter()
+    graph = pv.trace(model, example_args=(torch.zeros(1, seq, dtype=torch.long),))
+    print(f"{a.model}: {graph.total_params / 1e9:.2f} B parameters, {len(graph.layers)} layers, "
+          f"{len(graph.capture.ops)} ops; trace on meta at {seq} tokens: {time.perf_counter() - t:.1f} s")
+    for gpus, batch in CASES:
+        times = []
+        for _ in range(2):
+            t = time.perf_counter()
+            cp = pv.plan_cluster(graph, gpus, a.hardware, batch)
+            times.append(time.perf_counter() - t)
+        best = cp.best
+        print(f"{gpus:>5} GPUs, global batch {batch}: plan {times[0]:.2f} s cold, {times[1]:.2f} s warm "
+              f"({cp.considered} layouts considered, {cp.simulated} simulated, {cp.pruned} pruned by a bound); "
+              f"best {best.label()}: {best.step_time:.3f} s/step, MFU {best.mfu:.1%}")
+
+
+if __name__ == "__main__":
+    main()
