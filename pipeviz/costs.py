@@ -45,8 +45,8 @@ if TYPE_CHECKING:
 
 __all__ = ["DDP_BUCKET_BYTES", "FLOPS_PER_S", "LINKS", "OPTIMIZER_STATES", "RECOMPUTE", "CostOptions", "Costs",
            "all_reduce_time", "ddp_buckets", "in_flight", "layer_activation_bytes", "layer_times", "link",
-           "memory_per_rank", "parallel_costs", "peak_activations", "stage_costs", "stage_info_memory", "stage_memory",
-           "tp_all_reduces", "tp_collectives"]
+           "measured_here", "memory_per_rank", "parallel_costs", "peak_activations", "stage_costs", "stage_info_memory",
+           "stage_memory", "tp_all_reduces", "tp_collectives"]
 
 # Rough defaults, overridable: sustained FLOP/s of one process, and link bandwidth/latency per transport.
 # gloo's latency is what a pipeline sees between ranks on one host (README, "Performance").
@@ -211,7 +211,8 @@ def layer_times(graph: ModelGraph, microbatches: float = 1, device: str | None =
     """Per-layer forward and backward seconds for one microbatch, and where they come from.
 
     Measured when the graph carries a ``pv.profile`` of its layers (``graph.with_profile``), scaled from the
-    microbatch size it was measured at (a measurement wins over any estimate); else, on a ``Hardware``
+    microbatch size it was measured at (a measurement wins over any estimate made for that kind of device:
+    ``measured_here``); else, on a ``Hardware``
     (``options.hardware``), a roofline per op: ``max(flops / (peak x efficiency), bytes / memory_bandwidth)``
     summed over the layer's ops (matmuls by their FLOPs, elementwise ops by the bytes they read and write, views
     free; backward = 2 x forward); else FLOPs at ``flops_per_s`` (default by device). Recomputation adds to the
@@ -230,7 +231,8 @@ def layer_times(graph: ModelGraph, microbatches: float = 1, device: str | None =
     spans = list(zip(graph.index.layer_first, graph.index.layer_last, strict=True))
     sel_flops = [sum(table.flops[i] for i in table.selective if a <= i <= b) for a, b in spans]
     hw = opts.hw
-    if prof is not None and all(name in prof.forward for name in graph.layer_names):
+    if measured_here(graph, hw):
+        assert prof is not None
         scale = prof.microbatches * k  # a microbatch of 1/m of the batch takes m_prof/m as long
         fwd = [prof.forward[n] * scale for n in graph.layer_names]
         bwd = [prof.backward[n] * scale for n in graph.layer_names]
@@ -277,6 +279,16 @@ def _roofline(graph: ModelGraph, hw: Hardware, dtype: str | None, k: float,
         _ROOFLINE.clear()
     _ROOFLINE[key] = (table, fwd, sel)
     return fwd, sel
+
+
+def measured_here(graph: ModelGraph, hw: Hardware | None) -> bool:
+    """Whether the graph's ``pv.profile`` applies: it covers every layer and (on a ``Hardware``) was measured on
+    that kind of device, a CPU profile for ``"cpu"``, a GPU one for a GPU preset. A CPU measurement says nothing
+    of an H100, so there the roofline is used."""
+    prof = graph.profile
+    if prof is None or not all(name in prof.forward for name in graph.layer_names):
+        return False
+    return hw is None or (hw.name == "cpu") == str(prof.device).startswith("cpu")
 
 
 def layer_activation_bytes(graph: ModelGraph, options: CostOptions | None = None) -> list[float]:

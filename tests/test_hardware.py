@@ -97,10 +97,15 @@ def test_layer_times_on_hardware_are_a_roofline() -> None:
     # bfloat16: 2 bytes per activation instead of 4, and the bfloat16 peak.
     bf, _, _ = layer_times(graph, 1, options=CostOptions(hardware=h100, dtype="bfloat16"))
     assert bf[1] == pytest.approx(fwd[1] / 2) and bf[0] == pytest.approx(lin.flops / h100.rate("bfloat16"))
-    # A profile still wins over any estimate.
-    prof = pv.Profile("cpu", 1, {"lin": 0.5, "scale": 0.25}, {"lin": 1.0, "scale": 0.5}, 0.0, 0.0, 0.0, 0.0)
+    # A profile wins over any estimate for the kind of device it was measured on: a GPU's for a GPU preset, a
+    # CPU's for "cpu"; a CPU measurement says nothing of an H100.
+    prof = pv.Profile("cuda:0", 1, {"lin": 0.5, "scale": 0.25}, {"lin": 1.0, "scale": 0.5}, 0.0, 0.0, 0.0, 0.0)
     measured, _, src = layer_times(graph.with_profile(prof), 1, options=opts)
     assert src == "measured" and measured == [0.5, 0.25]
+    on_cpu = dataclasses.replace(prof, device="cpu")
+    assert layer_times(graph.with_profile(on_cpu), 1, options=opts)[2] == "roofline"
+    assert layer_times(graph.with_profile(on_cpu), 1, options=CostOptions(hardware="cpu"))[2] == "measured"
+    assert layer_times(graph.with_profile(on_cpu), 1)[2] == "measured"
 
 
 def test_simulate_plumbs_hardware_everywhere(classic_graph: pv.ModelGraph) -> None:
