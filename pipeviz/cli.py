@@ -2,6 +2,7 @@
 
     pipeviz demo [--model classic|gpt2|llama|moe|all] [--stages N] [--schedule 1F1B] [--microbatches 4]
                  [--steps 5] [--devices auto] [--output pipeviz-report.html]
+                 [--cluster-hardware h100] [--cluster-gpus 8]
     pipeviz lab  [notebook]      # JupyterLab on the notebooks and tutorials
     pipeviz plan --model llama-3-8b --gpus 64 --hardware h100 --global-batch 512 [--seq-len 8192]
                  [--config path/to/config.json] [--memory-gib 80] [--dtype bfloat16] [--efficiency 0.55] [--top 10]
@@ -96,19 +97,31 @@ def _section(name: str, a: argparse.Namespace) -> Any:
     print(f"  auto-balanced (measured time): {plan!r}")
     print("\n".join("    " + line for line in plan.table().splitlines()))
     cmp = pv.compare(plan, microbatches=a.microbatches)
-    print("  simulated schedules:\n" + "\n".join("    " + line for line in cmp.table().splitlines()))
+    print(f"  simulated schedules, every one on {plan.num_stages} ranks (2 stages per rank: a "
+          f"{2 * plan.num_stages}-stage split balanced the same way):\n"
+          + "\n".join("    " + line for line in cmp.table().splitlines()))
     spr = None if pv.schedules.canonical(a.schedule) in pv.schedules.SINGLE else 2
     run_plan = plan
-    if spr is not None and plan.num_stages % 2:
+    row = next((r for r in cmp.rows if r["schedule"] == a.schedule), None)
+    if spr is not None and row is not None:
+        run_plan = row["plan"]  # the comparison's split: the same ranks as the table
+    elif spr is not None and plan.num_stages % 2:
         run_plan = pv.balance(graph, plan.num_stages + 1, by="time")
         print(f"  {a.schedule} needs an even stage count: running {run_plan!r}")
+    cluster = None
+    if a.cluster_gpus:
+        batch = (graph.batch_size or 1) * a.cluster_gpus
+        cluster = pv.plan_cluster(graph, a.cluster_gpus, a.cluster_hardware, batch, top=5)
+        print(f"  planned for {a.cluster_gpus} x {cluster.hardware.name}, global batch {batch}:\n"
+              + "\n".join("    " + line for line in cluster.table(3).splitlines()))
     simulated = pv.simulate(run_plan, a.schedule, a.microbatches, stages_per_rank=spr)
     run = pv.launch(run_plan, schedule=a.schedule, microbatches=a.microbatches, steps=a.steps, inputs=inputs,
                     target=target, loss_fn=loss, devices=a.devices, stages_per_rank=spr, optimizer=pv.sgd(lr=0.05))
     _progress(run, f"{a.schedule} on {run.layout.num_ranks} processes")
     if run.status != "done":
         print(f"  run {run.status}: {run.error}")
-        return Section(title, run_plan, cmp, run.timeline(), simulated, None, [f"The run {run.status}: {run.error}"])
+        return Section(title, run_plan, cmp, run.timeline(), simulated, None, [f"The run {run.status}: {run.error}"],
+                       cluster)
     check = pv.check_numerics(run)
     tl = run.timeline()
     print(f"  measured step {tl.step_time * 1e3:.2f} ms (simulated {simulated.step_time * 1e3:.2f} ms), "
@@ -121,7 +134,7 @@ def _section(name: str, a: argparse.Namespace) -> Any:
         notes.append(f"{ranks} processes shared {cores} CPU cores; the simulation gives each rank a core of its "
                      "own, so the measured step is longer. Use --stages at most the core count to compare.")
         print("  note: " + notes[-1])
-    return Section(title, run_plan, cmp, tl, simulated, check, notes)
+    return Section(title, run_plan, cmp, tl, simulated, check, notes, cluster)
 
 
 def demo(a: argparse.Namespace) -> int:
@@ -187,6 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--steps", type=int, default=5)
     d.add_argument("--devices", default="auto", help="auto, cpu, cuda, or a comma-separated list per rank")
     d.add_argument("--output", default="pipeviz-report.html")
+    d.add_argument("--cluster-hardware", default="h100", help="the named cluster the report also plans for")
+    d.add_argument("--cluster-gpus", type=int, default=8, help="its GPU count (0: no cluster plan)")
     d.set_defaults(func=demo)
     p = sub.add_parser("plan", help="rank pp x dp x tp layouts, schedules and microbatches for a cluster")
     p.add_argument("--model", default="llama-3-8b", help=f"one of {', '.join(zoo.CONFIGS)}")

@@ -143,7 +143,7 @@ class ClusterPlan:
         for i, r in enumerate(self.rows[:top], 1):
             rows.append((str(i), str(r.pp), str(r.dp), str(r.tp), r.schedule, str(r.stages_per_rank),
                          str(r.microbatch_size), str(r.microbatches), r.recompute,
-                         f"{r.step_time:.3f} s" + ("*" if r.extrapolated else ""), f"{r.tokens_per_s:,.0f}",
+                         _seconds(r.step_time) + ("*" if r.extrapolated else ""), f"{r.tokens_per_s:,.0f}",
                          f"{r.tflops_per_gpu:.0f}", f"{r.mfu:.1%}", f"{r.bubble:.0%}", human_bytes(r.peak_memory)))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = ["  ".join(c.rjust(w) if j not in (4, 8) else c.ljust(w) for j, (c, w) in
@@ -156,6 +156,10 @@ class ClusterPlan:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def _seconds(t: float) -> str:
+    return f"{t:.3f} s" if t >= 1 else f"{t * 1e3:.3f} ms" if t >= 1e-3 else f"{t * 1e6:.1f} us"
 
 
 def plan_cluster(
@@ -438,8 +442,9 @@ def _split_blocks(graph: ModelGraph) -> list[int]:
 def _example_seq_len(graph: ModelGraph) -> int:
     import torch
 
+    # Token ids (integers) of shape (batch, seq, ...): their dim 1; any other input (features) is one "token".
     for x in [*graph.example_args, *graph.example_kwargs.values()]:
-        if isinstance(x, torch.Tensor) and x.dim() >= 2:
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and not x.is_floating_point():
             return int(x.shape[1])
     return 1
 

@@ -29,6 +29,10 @@ def test_demo_writes_a_self_contained_report(tmp_path: Path) -> None:
     assert "Plotly" in html and "<script src=" not in html  # plotly.js is embedded: opens offline
     assert "Measured run (simulation overlaid)" in html and "Schedules compared" in html
     assert html.count('class="plotly-graph-div"') == 3
+    # Every schedule on the same ranks; beside the local run, the model planned for a named cluster.
+    assert "every one on 3 ranks" in proc.stdout and "needs 6 stages (2 per rank)" in proc.stdout
+    assert "planned for 8 x h100-sxm" in proc.stdout
+    assert "Planned for a cluster: 8 x h100-sxm" in html and "<th>MFU</th>" in html
 
 
 @pytest.mark.compat  # make compat: the families train in make test already (tests/test_families.py)

@@ -16,10 +16,11 @@ from typing import Any
 
 from pipeviz.numerics import NumericsCheck
 from pipeviz.plan import SplitPlan, human_bytes
+from pipeviz.planner import ClusterPlan
 from pipeviz.simulate import Comparison
 from pipeviz.timeline import Timeline
 
-__all__ = ["Section", "comparison_table", "stage_table", "write_report"]
+__all__ = ["Section", "cluster_table", "comparison_table", "stage_table", "write_report"]
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Section:
     simulated: Timeline | None = None
     check: NumericsCheck | None = None  # pv.check_numerics: the run against the unsplit model
     notes: list[str] = field(default_factory=list)
+    cluster: ClusterPlan | None = None  # pv.plan_cluster: the same model planned for a named cluster
 
 
 _CSS = """
@@ -66,15 +68,36 @@ def stage_table(plan: SplitPlan, costs: Timeline | None = None) -> str:
 
 
 def comparison_table(cmp: Comparison) -> str:
+    """``pv.compare``'s rows as an HTML table: every schedule on the same ranks, with its stage count."""
     rows = "".join(
-        f"<tr><td>{r['schedule']}</td><td>{r['ranks']}</td><td>{r['step_time'] * 1e3:.2f} ms</td>"
+        f"<tr><td>{r['schedule']}</td><td>{r['ranks']}</td><td>{r.get('stages', r['ranks'])}</td>"
+        f"<td>{r['step_time'] * 1e3:.2f} ms</td>"
         f"<td>{r['bubble']:.0%}</td><td>{', '.join(human_bytes(b) for b in r['memory_bytes'])}</td></tr>"
         for r in cmp.rows
     )
     skipped = "".join(f"<li>{html.escape(k)}: {html.escape(v.split('. Fix:')[0])}.</li>"
                       for k, v in cmp.skipped.items())
-    return ("<table><tr><th>schedule</th><th>ranks</th><th>step</th><th>bubble</th><th>memory per rank</th></tr>"
-            + rows + "</table>" + (f"<ul class=note>{skipped}</ul>" if skipped else ""))
+    return ("<table><tr><th>schedule</th><th>ranks</th><th>stages</th><th>step</th><th>bubble</th>"
+            "<th>memory per rank</th></tr>" + rows + "</table>" + (f"<ul class=note>{skipped}</ul>" if skipped else ""))
+
+
+def cluster_table(cp: ClusterPlan, top: int = 5) -> str:
+    """``pv.plan_cluster``'s best rows as a small HTML table, with the question it answered."""
+    head = (f"<p>{cp.gpus} x {html.escape(cp.hardware.name)} ({cp.dtype}, efficiency {cp.hardware.efficiency:g}), "
+            f"global batch {cp.global_batch} x {cp.seq_len} tokens, memory limit {human_bytes(cp.memory_limit)}: "
+            f"{len(cp.rows)} best of {cp.considered} layouts.</p>")
+    if not cp.rows:
+        return head + "<p class=note>No layout fits the memory limit.</p>"
+    rows = "".join(
+        f"<tr><td>{i}</td><td>{r.pp}</td><td>{r.dp}</td><td>{r.tp}</td><td class=l>{r.schedule}</td>"
+        f"<td>{r.stages_per_rank}</td><td>{r.microbatch_size} x {r.microbatches}</td><td class=l>{r.recompute}</td>"
+        f"<td>{r.step_time * 1e3:.3g} ms</td><td>{r.mfu:.1%}</td><td>{r.bubble:.0%}</td>"
+        f"<td>{human_bytes(r.peak_memory)}</td></tr>"
+        for i, r in enumerate(cp.rows[:top], 1))
+    return (head + "<table><tr><th>#</th><th>pp</th><th>dp</th><th>tp</th><th class=l>schedule</th><th>v</th>"
+            "<th>microbatches</th><th class=l>recompute</th><th>step</th><th>MFU</th><th>bubble</th>"
+            "<th>peak memory</th></tr>" + rows + "</table>"
+            + "".join(f"<p class=note>{html.escape(n)}</p>" for n in cp.notes))
 
 
 def _check_html(check: NumericsCheck | None) -> str:
@@ -112,9 +135,13 @@ def write_report(sections: list[Section], path: str | Path, title: str = "pipevi
             parts.append("<h3>Measured run (simulation overlaid)</h3>")
             parts.append(fig_html(timeline_figure(sec.measured, overlay=sec.simulated)))
             parts.append(_check_html(sec.check))
-        parts.append("<h3>Schedules compared (simulated)</h3>")
+        parts.append("<h3>Schedules compared (simulated, every one on the same ranks)</h3>")
         parts.append(comparison_table(sec.comparison))
         parts.append(fig_html(comparison_figure(sec.comparison)))
+        if sec.cluster is not None:
+            parts.append(f"<h3>Planned for a cluster: {sec.cluster.gpus} x {html.escape(sec.cluster.hardware.name)} "
+                         "(simulated, pv.plan_cluster)</h3>")
+            parts.append(cluster_table(sec.cluster))
     parts.append("</body></html>")
     out = Path(path)
     out.write_text("\n".join(parts), encoding="utf-8")
