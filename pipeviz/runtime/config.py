@@ -51,6 +51,8 @@ class LaunchConfig:
         on_nonfinite: a NaN or inf loss or gradient: ``"stop"`` the run or ``"continue"`` and record it.
         init_seed: a meta model without weights: the seed of each rank's own initialisation.
         dp: data-parallel replicas of the pipeline (``pv.Mesh(pp, dp, tp)``).
+        dp_shard: with ``dp`` > 1, shard each stage's parameters, gradients and optimizer state across the
+            replicas with torch's FSDP2 ``fully_shard`` (ZeRO-3) instead of replicating them under DDP.
         tp: tensor-parallel shards of every stage.
         tp_plan: ``{module name: "colwise" | "rowwise"}`` for tensor parallelism; default: Megatron's MLP rule.
     """
@@ -67,6 +69,7 @@ class LaunchConfig:
     on_nonfinite: str = "stop"
     init_seed: int = 0
     dp: int = 1
+    dp_shard: bool = False
     tp: int = 1
     tp_plan: Mapping[str, str] | None = None
 
@@ -89,6 +92,7 @@ class LaunchOptions(TypedDict, total=False):
     on_nonfinite: str
     init_seed: int
     dp: int
+    dp_shard: bool
     tp: int
     tp_plan: Mapping[str, str] | None
 

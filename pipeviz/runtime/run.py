@@ -692,6 +692,8 @@ def launch(
             ``DistributedDataParallel`` on each stage averages the gradients across replicas in the last
             backward of a step, so the run trains like the unsplit model on the whole batch. ``run.losses`` is
             the whole batch's loss; ``run.state_dict()`` is replica 0's, checked equal to the others'.
+        dp_shard: with ``dp`` > 1, each stage sharded across the replicas by torch's FSDP2 ``fully_shard``
+            (parameters, gradients and optimizer state: 1/dp per process) instead of replicated under DDP.
         tp: tensor-parallel shards of every stage (pp × dp × tp processes): each stage's projections sharded with
             DTensor (``pipeviz.runtime.tensor_parallel``), column-wise then row-wise.
         tp_plan: ``{module name: "colwise" | "rowwise"}`` for ``nn.Linear`` modules; default: Megatron's MLP rule

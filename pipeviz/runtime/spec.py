@@ -48,6 +48,7 @@ class LaunchSpec:
     sources: dict[str, Any] | None = None  # weights= or a meta model: where each tensor comes from on its rank
     init_seed: int = 0
     dp: int = 1  # data-parallel replicas of the pipeline, each on 1/dp of every batch
+    dp_shard: bool = False  # replicas shard their stages' parameters (FSDP2) instead of replicating them (DDP)
     tp: int = 1  # tensor-parallel shards of every stage
     tp_placements: dict[str, str] = field(default_factory=dict)  # canonical parameter name -> "shard0"/"shard1"
     config: LaunchConfig = field(default_factory=LaunchConfig)  # the options it was validated from
@@ -103,6 +104,7 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
         raise LaunchError(f"dp must be a positive int (data-parallel replicas of the pipeline), got {dp!r}. Fix: "
                           "dp=1 for one pipeline, dp=2 for two replicas each training on half of every batch.")
     placements = _tensor_parallel(plan, tp, config.tp_plan)
+    _check_dp_shard(config)
     if not (steps is None and data is not None) and (not isinstance(steps, int) or isinstance(steps, bool)
                                                      or steps < 1):
         raise LaunchError(f"steps must be a positive int, got {steps!r} (steps=None runs until data= runs out).")
@@ -151,7 +153,7 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
             raise LaunchError("optimizer= was given without a loss_fn: a forward-only run trains nothing. Fix: pass "
                               "loss_fn=... to train, or drop optimizer.")
         return LaunchSpec(name, lay, args, kwargs, None, None, None, microbatches, steps, stream, dp=dp, tp=tp,
-                          tp_placements=placements, config=config)
+                          tp_placements=placements, config=config, dp_shard=config.dp_shard)
     if not callable(loss_fn):
         raise LaunchError(f"loss_fn must be a callable loss(output, target), got {loss_fn!r}. "
                           "Fix: loss_fn=pv.cross_entropy (or torch.nn.functional.cross_entropy, or your own); "
@@ -170,7 +172,21 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
             raise LaunchError(f"{label} cannot be sent to the stage processes ({exc}). Fix: define it as a plain "
                               "function or lambda, without open files, locks or CUDA state.") from exc
     return LaunchSpec(name, lay, args, kwargs, target, loss_fn, optimizer, microbatches, steps, stream, dp=dp, tp=tp,
-                      tp_placements=placements, config=config)
+                      tp_placements=placements, config=config, dp_shard=config.dp_shard)
+
+
+def _check_dp_shard(config: LaunchConfig) -> None:
+    if not isinstance(config.dp_shard, bool):
+        raise LaunchError(f"dp_shard must be True or False, got {config.dp_shard!r}.")
+    if config.dp_shard and config.dp < 2:
+        raise LaunchError(f"dp_shard=True shards parameters across data-parallel replicas, but dp={config.dp}: "
+                          "there is nothing to shard across. Fix: dp=2 (or more) with dp_shard=True, or drop it.")
+    if config.dp_shard and config.tp > 1:
+        raise LaunchError("dp_shard=True with tp > 1 (FSDP2 over tensor-parallel DTensors) is not supported yet. "
+                          "Fix: dp_shard=False (replicas average their gradients), or tp=1.")
+    if config.dp_shard and config.loss_fn is None:
+        raise LaunchError("dp_shard=True shards what training updates; a forward-only run (no loss_fn) has nothing "
+                          "to shard. Fix: drop dp_shard, or pass loss_fn=... to train.")
 
 
 def _tensor_parallel(plan: SplitPlan, tp: int, tp_plan: Mapping[str, str] | None) -> dict[str, str]:
@@ -414,7 +430,7 @@ def rank_payload(spec: LaunchSpec, stages: Any, tied: dict[str, list[int]], rank
         args=args if pp == first else (), kwargs=kwargs if pp == first else {},
         target=target if pp == last else None, t0=t0, parent_pid=parent_pid, timeout_s=timeout, threads=threads,
         cpus=cpus, init_method=init_method, on_nonfinite=spec.config.on_nonfinite, state_path=state_path,
-        mesh=mesh if mesh.world > mesh.pp else None, tp_placements=spec.tp_placements,
+        mesh=mesh if mesh.world > mesh.pp else None, tp_placements=spec.tp_placements, dp_shard=spec.dp_shard,
     )
 
 

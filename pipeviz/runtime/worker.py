@@ -77,6 +77,7 @@ class RankPayload:
     state_path: str | None = None  # where this rank writes its trained tensors (else: sent on the queue)
     mesh: Any = None  # pipeviz.mesh.Mesh with replicas or shards (dp or tp > 1); None: one pipeline, rank = pp rank
     tp_placements: dict[str, str] = field(default_factory=dict)  # tp > 1: canonical name -> "shard0"/"shard1"
+    dp_shard: bool = False  # replicas shard each stage with FSDP2 (fully_shard over the dp mesh dim)
 
     @property
     def coords(self) -> Coords:
@@ -166,13 +167,18 @@ def _run(p: RankPayload, queue: Any) -> None:
 
     clock, device, compute = _connect(p, queue)
     step_box = [0]
-    pp_group, dp_group, tp_mesh = _mesh_groups(p)
-    stages, params, local = _stages(p, clock, step_box, device, compute, pp_group, dp_group, tp_mesh)
+    pp_group, dp_group, dp_mesh, tp_mesh = _mesh_groups(p)
+    stages, params, local = _stages(p, clock, step_box, device, compute, pp_group, dp_group, tp_mesh,
+                                    dp_mesh if p.dp_shard else None)
     groups = _tied_groups(p)
     schedule = _schedule(p, stages)
     optimizer = p.optimizer(params) if p.loss_fn is not None else None
+    held = ""
+    if p.dp_shard:  # FSDP2: this process holds its shard of every parameter (DTensor numel is the whole's)
+        held = (f" ({sum(_local(t).numel() for t in params):,} of {sum(t.numel() for t in params):,} parameter "
+                f"elements held: sharded over {p.mesh.dp} replicas)")
     queue.put(Phase(p.rank, p.coords, f"stage{'s' * (len(p.stages) > 1)} "
-                                      f"{', '.join(str(s.index) for s in p.stages)} ready"))
+                                      f"{', '.join(str(s.index) for s in p.stages)} ready{held}"))
 
     def comm(start: float, end: float) -> None:
         clock.record((p.rank, -1, "COMM", -1, start - clock.t0, end - clock.t0, step_box[0]))
@@ -224,13 +230,14 @@ def _connect(p: RankPayload, queue: Any) -> tuple[_Clock, torch.device, torch.de
     return clock, device, compute
 
 
-def _mesh_groups(p: RankPayload) -> tuple[Any, Any, Any]:
-    """This process's pipeline group, data-parallel group and tensor-parallel (1-D) mesh from torch's
-    ``DeviceMesh`` (named dims); Nones for a pure pipeline, whose pipeline is the whole world."""
+def _mesh_groups(p: RankPayload) -> tuple[Any, Any, Any, Any]:
+    """This process's pipeline group, data-parallel group, data-parallel (1-D) mesh and tensor-parallel (1-D)
+    mesh from torch's ``DeviceMesh`` (named dims); Nones for a pure pipeline, whose pipeline is the world."""
     if p.mesh is None or p.mesh.world == p.mesh.pp:
-        return None, None, None
+        return None, None, None, None
     dm = p.mesh.device_mesh("cuda" if p.backend == "nccl" else "cpu")
-    return (dm.get_group("pp"), dm.get_group("dp") if p.mesh.dp > 1 else None,
+    dp = p.mesh.dp > 1
+    return (dm.get_group("pp"), dm.get_group("dp") if dp else None, dm["dp"] if dp else None,
             dm["tp"] if p.mesh.tp > 1 else None)
 
 
@@ -252,8 +259,8 @@ def _tied_groups(p: RankPayload) -> dict[str, Any]:
 
 
 def _stages(p: RankPayload, clock: _Clock, step_box: list[int], device: torch.device,
-            compute: torch.device, pp_group: Any = None, dp_group: Any = None,
-            tp_mesh: Any = None) -> tuple[list[Any], list[torch.nn.Parameter], dict[str, list[torch.Tensor]]]:
+            compute: torch.device, pp_group: Any = None, dp_group: Any = None, tp_mesh: Any = None,
+            shard_mesh: Any = None) -> tuple[list[Any], list[torch.nn.Parameter], dict[str, list[torch.Tensor]]]:
     """torch's ``PipelineStage`` around each of this rank's runners (timed; in this replica's pipeline group),
     the parameters to optimize and, per shared parameter, this rank's copies. With replicas, each runner is
     wrapped in torch's ``DistributedDataParallel`` over its data-parallel group: torch's stage then
@@ -261,7 +268,9 @@ def _stages(p: RankPayload, clock: _Clock, step_box: list[int], device: torch.de
     the schedules that split backwards (zero bubble, DualPipeV): with torch 2.13–2.15, DDP's reducer there
     averages the gradients before the weight-gradient passes have run (replicas silently diverge: 7e-3 after
     two steps) or fails ("Encountered gradient which is undefined, but still allreduced by DDP reducer"), so
-    ``_average_replicas`` averages them after the step instead."""
+    ``_average_replicas`` averages them after the step instead. With ``shard_mesh`` (``dp_shard=True``) each
+    runner is sharded across the replicas by FSDP2's ``fully_shard`` instead (torch's stage unshards, reshards and
+    reduce-scatters it)."""
     from pipeviz.adapter import timed_stage_class
 
     Stage = timed_stage_class(lambda stage, kind, mb: clock.span(p.rank, stage, kind, mb, step_box[0]))
@@ -291,7 +300,11 @@ def _stages(p: RankPayload, clock: _Clock, step_box: list[int], device: torch.de
             shard_stage(runner.stage, st.params, p.tp_placements, tp_mesh)
             runner.tp_mesh = tp_mesh
         submod = runner
-        if dp_group is not None and p.loss_fn is not None and not _averaged_after_step(p):
+        if shard_mesh is not None:
+            from torch.distributed.fsdp import fully_shard
+
+            submod = fully_shard(runner, mesh=shard_mesh)
+        elif dp_group is not None and p.loss_fn is not None and not _averaged_after_step(p):
             from torch.nn.parallel import DistributedDataParallel
 
             # broadcast_buffers=False: running statistics stay each replica's own (replica 0's are reported);
@@ -498,7 +511,7 @@ def _like(t: torch.Tensor, device: torch.device, grad: bool) -> torch.Tensor:
 def _averaged_after_step(p: RankPayload) -> bool:
     """Whether replicas average their gradients after the step (``_average_replicas``) rather than by DDP: the
     split-backward schedules, and tensor-parallel stages (DDP does not take DTensor parameters)."""
-    return p.schedule in ZERO_BUBBLE or (p.mesh is not None and p.mesh.tp > 1)
+    return not p.dp_shard and (p.schedule in ZERO_BUBBLE or (p.mesh is not None and p.mesh.tp > 1))
 
 
 def _average_replicas(params: list[torch.nn.Parameter], group: Any, replicas: int, clock: _Clock, rank: int,
