@@ -1,0 +1,137 @@
+"""``ClusterPanel``: plan the model for a named cluster (``pv.plan_cluster``) and pick a row.
+
+A thin view over the core: a hardware dropdown, a GPU count, a global batch and a Plan button; the ranked
+layouts as a list; choosing a row calls ``on_select(option)`` with its ``pv.LayoutOption`` (the Explorer loads
+its plan, schedule, microbatches, dp and tp). Testable headless: call ``plan()``, set ``rows.value``.
+
+Example:
+    >>> panel = ClusterPanel(graph, on_select=lambda option: print(option.label()))
+    >>> panel.gpus.value, panel.hardware.value = 64, "h100-sxm"
+    >>> panel.plan()                # pv.plan_cluster(graph, 64, "h100-sxm", ...)
+    >>> panel.rows.value = 0        # what a click on the first row does
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import ipywidgets as W
+
+import pipeviz as pv
+from pipeviz.graph import ModelGraph
+from pipeviz.planner import ClusterPlan, LayoutOption
+from pipeviz.widgets.panels import error_html
+
+if TYPE_CHECKING:
+    from pipeviz.widgets.explorer import Explorer
+
+__all__ = ["ClusterPanel", "cluster_accordion", "load_layout"]
+
+
+class ClusterPanel(W.VBox):
+    """Hardware, GPU count and global batch in; ``pv.plan_cluster``'s ranked layouts out; a row picked calls
+    ``on_select``.
+
+    Args:
+        graph: the traced model (meta-device models work).
+        on_select: called with the chosen ``pv.LayoutOption``.
+        hardware, gpus, global_batch: initial values (default global batch: 8 x the traced batch).
+        top: rows listed.
+
+    Attributes:
+        result: the last ``pv.ClusterPlan`` (None before the first plan); ``selected``: the last row chosen.
+    """
+
+    def __init__(self, graph: ModelGraph, on_select: Callable[[LayoutOption], Any] | None = None,
+                 hardware: str = "h100-sxm", gpus: int = 8, global_batch: int | None = None, top: int = 10) -> None:
+        self.graph, self.on_select, self.top = graph, on_select, top
+        self.result: ClusterPlan | None = None
+        self.selected: LayoutOption | None = None
+        wide = {"description_width": "initial"}
+        self.hardware = W.Dropdown(options=list(pv.HARDWARE), value=pv.hardware(hardware).name,
+                                   description="hardware", style=wide, layout=W.Layout(width="210px"))
+        self.gpus = W.BoundedIntText(value=gpus, min=1, max=1_000_000, description="GPUs", style=wide,
+                                     layout=W.Layout(width="130px"))
+        self.global_batch = W.BoundedIntText(value=global_batch or 8 * (graph.batch_size or 1), min=1,
+                                             max=10_000_000, description="global batch", style=wide,
+                                             layout=W.Layout(width="170px"))
+        self.plan_button = W.Button(description="Plan", icon="sitemap", tooltip="pv.plan_cluster(...)")
+        self.plan_button.on_click(lambda _: self.plan())
+        self.summary = W.HTML()
+        self.errors = W.HTML()
+        self.errors.add_class("pipeviz-error")
+        self.rows = W.Select(options=[], rows=min(top, 10), layout=W.Layout(width="100%"))
+        self.rows.add_class("pipeviz-cluster-rows")
+        self.rows.observe(self._on_row, "value")
+        super().__init__([W.HBox([self.hardware, self.gpus, self.global_batch, self.plan_button]), self.errors,
+                          self.summary, self.rows], layout=W.Layout(max_width="100%"))
+        self.add_class("pipeviz-cluster")
+
+    def plan(self) -> ClusterPlan | None:
+        """Run ``pv.plan_cluster`` with the controls' values and list its rows (an error goes to the error
+        area, as every widget handler's does)."""
+        self.errors.value = ""
+        try:
+            result = pv.plan_cluster(self.graph, self.gpus.value, self.hardware.value, self.global_batch.value,
+                                     top=self.top)
+        except Exception as exc:  # shown, never swallowed
+            self.errors.value = error_html(f"{type(exc).__name__}: {exc}")
+            return None
+        self.result = result
+        head = html.escape(result.table(0).splitlines()[0])
+        self.summary.value = (f"<b>{head}</b><br><span style='color:#555'>{len(result.rows)} layouts fit; choose "
+                              "one to load its plan, schedule and microbatches.</span>")
+        self.rows.unobserve(self._on_row, "value")
+        try:
+            self.rows.options = [(_row_text(i, r), i) for i, r in enumerate(result.rows)]
+            self.rows.value = None
+        finally:
+            self.rows.observe(self._on_row, "value")
+        if not result.rows:
+            self.errors.value = error_html(result.table().splitlines()[-1])
+        return result
+
+    def select(self, index: int) -> LayoutOption:
+        """Choose row ``index`` (what a click does): ``on_select`` gets its ``LayoutOption``."""
+        if self.result is None or not 0 <= index < len(self.result.rows):
+            raise IndexError(f"No row {index}: {len(self.result.rows) if self.result else 0} rows. Fix: plan() "
+                             "first, then pick 0 to rows - 1.")
+        option = self.result.rows[index]
+        self.selected = option
+        if self.on_select is not None:
+            self.on_select(option)
+        return option
+
+    def _on_row(self, change: dict[str, Any]) -> None:
+        if change["new"] is None:
+            return
+        try:
+            self.select(int(change["new"]))
+        except Exception as exc:  # shown, never swallowed
+            self.errors.value = error_html(f"{type(exc).__name__}: {exc}")
+
+
+def _row_text(i: int, r: LayoutOption) -> str:
+    step = f"{r.step_time:.3f} s" if r.step_time >= 1 else f"{r.step_time * 1e3:.2f} ms"
+    v = f" v{r.stages_per_rank}" if r.stages_per_rank > 1 else ""
+    return (f"{i + 1}. pp{r.pp} dp{r.dp} tp{r.tp} {r.schedule}{v} · {r.microbatches} x {r.microbatch_size} · "
+            f"{r.recompute} · {step} · MFU {r.mfu:.1%} · {r.peak_memory / 2**30:.1f} GiB")
+
+
+def load_layout(explorer: Explorer, option: LayoutOption) -> None:
+    """Load a cluster layout into the Explorer: its balanced plan, schedule, microbatches, dp and tp."""
+    explorer.schedule.value = option.schedule
+    explorer.microbatches.value = option.microbatches
+    explorer.dp.value, explorer.tp.value = option.dp, option.tp
+    explorer.plan = option.plan
+
+
+def cluster_accordion(explorer: Explorer) -> W.Accordion:
+    """The Explorer's collapsed "Plan for a cluster" section: a ``ClusterPanel`` whose rows load into it."""
+    panel = ClusterPanel(explorer.graph, on_select=lambda option: load_layout(explorer, option))
+    box = W.Accordion(children=[panel], selected_index=None)
+    box.set_title(0, "Plan for a cluster")
+    explorer.cluster = panel
+    return box
