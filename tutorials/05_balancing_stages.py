@@ -93,29 +93,38 @@ for name, tl in measured.items():
     print(f"{name:8} measured step {tl.step_time * 1e3:6.1f} ms   (simulated {predicted[name] * 1e3:6.1f} ms)"
           f"   bubble {tl.bubble_fraction:4.0%}")
 
-# The same two plans simulated with a single core for both ranks: what a machine busy with other work leaves.
-one_core = {name: pv.simulate(plan, "1F1B", microbatches=4, cores=1).step_time
-            for name, plan in (("naive", naive), ("balanced", balanced))}
+
+def busy_per_rank(tl):
+    """Each rank's compute time in a step (median over the steps after the first)."""
+    steps = tl.steps[1:]
+    return [sorted(sum(e.duration for e in tl.step_events(s) if e.rank == r and e.kind in ("F", "B"))
+                   for s in steps)[len(steps) // 2] for r in range(tl.num_ranks)]
+
+
 speedup = {"measured": measured["naive"].step_time / measured["balanced"].step_time,
-           f"simulated, {CORES} core(s)": predicted["naive"] / predicted["balanced"],
-           "simulated, 1 core": one_core["naive"] / one_core["balanced"]}
-print("speed-up from balancing:", ", ".join(f"{k} {v:.2f}x" for k, v in speedup.items()))
-# What the text claims: with a core per rank balancing pays; the measured speed-up lies between the one-core and
-# the all-cores simulations (with slack for noise); and the balanced run's devices idle less.
-low, high = speedup["simulated, 1 core"], speedup[f"simulated, {CORES} core(s)"]
-assert high > 1.2 and low < high, speedup
-assert low - 0.2 < speedup["measured"] < high + 0.3, speedup
+           "simulated": predicted["naive"] / predicted["balanced"]}
+print(f"speed-up from balancing: simulated {speedup['simulated']:.2f}x, measured here {speedup['measured']:.2f}x")
+imbalance = {}
+for name, tl in measured.items():
+    busy = busy_per_rank(tl)
+    imbalance[name] = max(busy) / min(busy)
+    print(f"{name:8} compute per rank (ms): {[round(b * 1e3, 1) for b in busy]}   slowest / fastest "
+          f"{imbalance[name]:.1f}")
+# What the text claims: balancing is predicted to pay; on the real runs the work is evened out across the ranks
+# and the devices idle less. (The measured speed-up itself depends on free cores: see below.)
+assert speedup["simulated"] > 1.1, speedup
+assert imbalance["naive"] > 2 and imbalance["balanced"] < 1.6, imbalance
 assert measured["balanced"].bubble_fraction < measured["naive"].bubble_fraction
 
 # %%
 pv.TimelineView(measured["naive"])
 
 # %% [markdown]
-# How much balancing pays depends on the hardware under the ranks. With a core (or a GPU) per rank the slowest
-# stage sets the pace and balancing shortens the step; with one core for both, the step follows the total work,
-# which balancing does not change. The measured speed-up lies between the two simulations (asserted), nearer the
-# first on an idle machine and nearer the second on one busy with other work; either way the balanced run's
-# devices idle less (asserted), and the naive split's second rank idles visibly while the first works.
+# On the real runs balancing evens out the work (the naive split's first rank computes several times longer than
+# its second; the balanced ranks are within 1.6× of each other) and the devices idle less: the cell asserts both.
+# The step itself gets shorter by about the simulated factor only when every rank has a core (or a GPU) to
+# itself: on a machine busy with other work, two ranks that compute at once share what is left, and the step then
+# follows the total work, which balancing does not change. So the measured speed-up is printed, not asserted.
 # Balancing also has limits: a single layer cannot be cut (here `layer1` alone is a large share of
 # the model), so more stages eventually stop helping; `graph.expand(name)` offers finer split points inside a
 # block. Memory matters too: `pv.balance(..., memory_limit=...)` only accepts splits whose stages fit.
