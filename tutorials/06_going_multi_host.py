@@ -36,6 +36,7 @@ import warnings
 warnings.filterwarnings("ignore", category=FutureWarning)  # torch.export internals; not about your code
 
 # %%
+import json
 import shutil
 import socket
 import subprocess
@@ -73,9 +74,21 @@ print(sorted(p.name for p in workdir.iterdir()))
 #
 # Both agents get the same rendezvous address; only `--node-rank` differs. (On real machines `--master-addr` is
 # node 0's address, reachable from all.) Every rank writes its events to `train_pp_events/rank<R>.jsonl`, and
-# `pv.watch` follows them live.
+# `pv.watch` follows them live. torchrun tells each worker where it is through its environment: `RANK` (global),
+# `GROUP_RANK` (its node's rank) and `LOCAL_RANK`; a small wrapper records them before running the exported script,
+# so we can check the numbering below.
 
 # %%
+WRAPPER = '''import json, os, runpy
+here = os.path.dirname(os.path.abspath(__file__))
+who = {key: int(os.environ[key]) for key in ("RANK", "GROUP_RANK", "LOCAL_RANK", "WORLD_SIZE")}
+with open(os.path.join(here, f"whoami_rank{who['RANK']}.json"), "w") as f:
+    json.dump(who, f)
+runpy.run_path(os.path.join(here, "train_pp.py"), run_name="__main__")
+'''
+(workdir / "whoami_then_train.py").write_text(WRAPPER)
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now (for torchrun's rendezvous)."""
     with socket.socket() as s:
@@ -88,7 +101,7 @@ agents = []
 for node_rank in range(NNODES):
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NNODES),
                "--node-rank", str(node_rank), "--nproc-per-node", str(NPROC_PER_NODE),
-               "--master-addr", "127.0.0.1", "--master-port", str(port), str(script)]
+               "--master-addr", "127.0.0.1", "--master-port", str(port), "whoami_then_train.py"]
     print("node", node_rank, ":", " ".join(command[3:]))
     agents.append(subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    text=True))
@@ -104,8 +117,11 @@ assert watch.wait(60) == "done", watch.error
 tl = watch.timeline()
 print(f"{tl.num_ranks} ranks; losses {[round(v, 4) for v in watch.losses]}")
 for rank in range(tl.num_ranks):
-    node, local = divmod(rank, NPROC_PER_NODE)
+    who = json.loads((workdir / f"whoami_rank{rank}.json").read_text())   # what torchrun told the worker
+    node, local = who["GROUP_RANK"], who["LOCAL_RANK"]
     print(f"rank {rank} = node {node}, local rank {local}: {' '.join(tl.order(rank, step=0))}")
+    assert rank == node * NPROC_PER_NODE + local and who["WORLD_SIZE"] == NNODES * NPROC_PER_NODE  # the formula
+    assert tl.order(rank, step=0)[0] == f"{rank}F0"                    # single-stage schedule: stage s on rank s
 
 # %% [markdown]
 # ## Numerics
