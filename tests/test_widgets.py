@@ -8,14 +8,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import pipeviz as pv
-from pipeviz.runtime.run import Run
-from pipeviz.runtime.spec import LaunchSpec
-from pipeviz.schedules import ALL, layout
+from pipeviz.schedules import ALL
 from pipeviz.timeline import Event, Timeline
 
 pytest.importorskip("ipywidgets")
@@ -354,17 +353,49 @@ def test_timeline_view_draws_10000_events_as_webgl_segments() -> None:
     assert {t.type for t in view.figure.data} == {"bar"} and "0" in list(view.figure.data[0].text)
 
 
-def test_live_updates_are_throttled(classic_graph: pv.ModelGraph) -> None:
-    plan = classic_graph.split(["layer0", "layer1", "layer2"])
-    spec = LaunchSpec("1F1B", layout("1F1B", 4), (), {}, None, None, None, microbatches=8, steps=1000)
-    run = Run(plan, spec, 60.0)  # fed by hand: no processes
+class HandFed:
+    """A run fed by hand (no processes): anything satisfying ``pv.Live`` is what the views follow."""
+
+    def __init__(self, steps: int) -> None:
+        self.status, self.events, self.losses, self.error, self.step, self.steps = "running", [], [], None, 0, steps
+        self._subscribers: list[Any] = []
+
+    @property
+    def done(self) -> bool:
+        return self.status != "running"
+
+    def subscribe(self, callback: Any) -> None:
+        self._subscribers.append(callback)
+
+    def publish(self, batch: list[Event]) -> None:
+        self.events.extend(batch)
+        for cb in self._subscribers:
+            cb(batch)
+
+    def finish(self) -> None:
+        self.status = "done"
+        self.publish([])
+
+    def wait(self, timeout: float | None = None) -> str:
+        return self.status
+
+    def stop(self) -> str:
+        return self.status
+
+    def timeline(self) -> Timeline:
+        return Timeline(list(self.events), 4, 4, 8, "1F1B")
+
+
+def test_live_updates_are_throttled() -> None:
+    run = HandFed(steps=1000)
+    assert isinstance(run, pv.Live)  # the views use the Protocol only, as they use Run and Watch
     now = [0.0]
     pending: list[tuple[float, object]] = []
     view = pv.TimelineView(run, interval=0.25, clock=lambda: now[0], later=lambda s, fn: pending.append((s, fn)))
     events = synthetic(10_000)
     first = view.redraws
     for i in range(0, 10_000, 100):  # 100 batches while the clock stands still
-        run._publish(events[i:i + 100])
+        run.publish(events[i:i + 100])
     assert view.redraws == first  # attaching drew at t=0: every batch waits for the interval
     assert len(pending) == 1 and view.event_count == 0
     seconds, flush = pending.pop()
@@ -372,9 +403,9 @@ def test_live_updates_are_throttled(classic_graph: pv.ModelGraph) -> None:
     now[0] += 0.3
     flush()  # the pending redraw fires without another batch: everything that came is drawn
     assert view.event_count == 10_000 and view.redraws == first + 1
-    run._publish(events[:1])  # at 10,000 events the interval grows to 1 s (SECONDS_PER_EVENT)
+    run.publish(events[:1])  # at 10,000 events the interval grows to 1 s (SECONDS_PER_EVENT)
     assert view.redraws == first + 1 and len(pending) == 1 and pending[0][0] == pytest.approx(1.0001)
-    run._finish("done")
+    run.finish()
     assert view.event_count == 10_001 and view.step_select.options[-1] == (f"step {events[-1].step}", events[-1].step)
     view.step_select.value = 3  # zoom to one step
     lo, hi = view.figure.layout.xaxis.range

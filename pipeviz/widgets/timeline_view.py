@@ -16,8 +16,7 @@ from typing import Any
 import ipywidgets as W
 import plotly.graph_objects as go
 
-from pipeviz.export import Watch
-from pipeviz.runtime.run import Run
+from pipeviz.live import Live
 from pipeviz.timeline import COMPUTE, Timeline
 from pipeviz.widgets.figures import GL_THRESHOLD, time_origin, timeline_layout, timeline_title, timeline_traces
 
@@ -55,7 +54,8 @@ class TimelineView(W.VBox):
         >>> view.timeline                               # the Timeline drawn last
 
     Args:
-        source: a ``pv.Run`` (live), a ``pv.Timeline`` (static) or ``None`` (empty until ``update``/``attach``).
+        source: a ``pv.Run`` or ``pv.watch(folder)`` (live: any ``pv.Live``), a ``pv.Timeline`` (static) or
+            ``None`` (empty until ``update``/``attach``).
         overlay: a simulated ``Timeline`` drawn thinly under each measured step.
         interval: minimum seconds between live redraws.
         title: a fixed title; default describes the timeline (schedule, step time, bubble).
@@ -69,7 +69,7 @@ class TimelineView(W.VBox):
         last_redraw_s: seconds the last redraw took in Python.
     """
 
-    def __init__(self, source: Run | Watch | Timeline | None = None, *, overlay: Timeline | None = None,
+    def __init__(self, source: Live | Timeline | None = None, *, overlay: Timeline | None = None,
                  interval: float = 0.25, title: str | None = None, height: int | None = None,
                  clock: Callable[[], float] = time.perf_counter,
                  later: Callable[[float, Callable[[], None]], Any] | None = None) -> None:
@@ -88,13 +88,13 @@ class TimelineView(W.VBox):
         self._title, self._height = title, height
         self._overlay = overlay
         self._timeline: Timeline | None = None
-        self._run: Run | Watch | None = None
+        self._run: Live | None = None
         self._lock = threading.RLock()
         self._clock, self._later = clock, later or _timer
         self._last = -float("inf")
         self._timer: Any = None
         self._mode: tuple[bool, bool] | None = None
-        if isinstance(source, Run | Watch):
+        if isinstance(source, Live) and not isinstance(source, Timeline):
             self.attach(source)
         elif isinstance(source, Timeline):
             self.update(source)
@@ -115,7 +115,7 @@ class TimelineView(W.VBox):
         return self._overlay
 
     @property
-    def run(self) -> Run | Watch | None:
+    def run(self) -> Live | None:
         return self._run
 
     @property
@@ -131,10 +131,10 @@ class TimelineView(W.VBox):
             self._timeline = timeline
             self._draw()
 
-    def attach(self, run: Run | Watch, overlay: Timeline | bool | None = False) -> None:
+    def attach(self, run: Live, overlay: Timeline | bool | None = False) -> None:
         """Follow ``run`` (a ``pv.Run`` or a ``pv.watch(folder)`` of an exported torchrun job): redraw
         (throttled) whenever its events arrive, and once more when it ends."""
-        if not isinstance(run, Run | Watch):
+        if not isinstance(run, Live):
             raise TypeError(f"attach() takes a pv.Run or a pv.watch(folder), got {type(run).__name__}.")
         with self._lock:
             if overlay is not False:
@@ -172,7 +172,7 @@ class TimelineView(W.VBox):
         return data
 
     # ----------------------------------------------------------------- live
-    def _on_events(self, run: Run | Watch, batch: list[Any]) -> None:
+    def _on_events(self, run: Live, batch: list[Any]) -> None:
         if run is not self._run:  # a newer run was attached
             return
         if run.done:
