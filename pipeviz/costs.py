@@ -30,16 +30,14 @@ Example:
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from pipeviz import schedules as sched
-from pipeviz.hardware import DTYPE_BYTES, Hardware, hardware
+from pipeviz.hardware import DTYPE_BYTES, Hardware, hardware, layer_roofline, op_table
 
 if TYPE_CHECKING:
-    from pipeviz.capture import Capture
     from pipeviz.graph import ModelGraph
     from pipeviz.plan import SplitPlan, StageInfo
 
@@ -227,7 +225,7 @@ def layer_times(graph: ModelGraph, microbatches: float = 1, device: str | None =
     opts = CostOptions.of(options, device=device, flops_per_s=flops_per_s)
     k = opts.batch_scale / microbatches  # the microbatch as a fraction of the traced example batch
     prof = graph.profile
-    table = _op_table(graph.capture)
+    table = op_table(graph.capture)
     spans = list(zip(graph.index.layer_first, graph.index.layer_last, strict=True))
     sel_flops = [sum(table.flops[i] for i in table.selective if a <= i <= b) for a, b in spans]
     hw = opts.hw
@@ -241,7 +239,7 @@ def layer_times(graph: ModelGraph, microbatches: float = 1, device: str | None =
                for f, sf, layer in zip(fwd, sel_flops, graph.layers, strict=True)]
         source = "measured"
     elif hw is not None:
-        fwd, sel = _roofline(graph, hw, opts.dtype, k, opts.byte_scale(graph))
+        fwd, sel = layer_roofline(graph, hw, opts.dtype, k, opts.byte_scale(graph))
         bwd = [f * BACKWARD_PER_FORWARD for f in fwd]
         source = "roofline"
     else:
@@ -255,30 +253,6 @@ def layer_times(graph: ModelGraph, microbatches: float = 1, device: str | None =
     elif opts.recompute == "selective":
         bwd = [b + x for b, x in zip(bwd, sel, strict=True)]
     return fwd, bwd, source
-
-
-_ROOFLINE: dict[tuple[Any, ...], tuple[_OpTable, list[float], list[float]]] = {}
-
-
-def _roofline(graph: ModelGraph, hw: Hardware, dtype: str | None, k: float,
-              s: float) -> tuple[list[float], list[float]]:
-    """Per layer, forward seconds on ``hw`` (the roofline per op, summed) and those of its attention-score ops;
-    remembered for the last few (graph, hardware, microbatch size) asked: the planner asks many times."""
-    key = (id(graph.capture), graph.layer_names, hw, dtype, k, s)
-    table = _op_table(graph.capture)
-    hit = _ROOFLINE.get(key)
-    if hit is not None and hit[0] is table:  # the same capture, not a new one at a reused address
-        return hit[1], hit[2]
-    rate, bw = hw.rate(dtype), hw.memory_bandwidth
-    times = [max(f * k / rate, (a * k + w) * s / bw) for f, a, w in zip(table.flops, table.act, table.weight,
-                                                                             strict=True)]
-    spans = list(zip(graph.index.layer_first, graph.index.layer_last, strict=True))
-    fwd = [sum(times[a:b + 1]) for a, b in spans]
-    sel = [sum(times[i] for i in table.selective if a <= i <= b) for a, b in spans]
-    if len(_ROOFLINE) > 256:
-        _ROOFLINE.clear()
-    _ROOFLINE[key] = (table, fwd, sel)
-    return fwd, sel
 
 
 def measured_here(graph: ModelGraph, hw: Hardware | None) -> bool:
@@ -305,77 +279,10 @@ def layer_activation_bytes(graph: ModelGraph, options: CostOptions | None = None
         return [layer.activation_bytes * s for layer in graph.layers]
     if opts.recompute == "full":
         return [min(layer.out_bytes, layer.activation_bytes) * s for layer in graph.layers]
-    table = _op_table(graph.capture)
+    table = op_table(graph.capture)
     spans = zip(graph.index.layer_first, graph.index.layer_last, strict=True)
     return [(layer.activation_bytes - sum(table.out[i] for i in table.selective if a <= i <= b)) * s
             for layer, (a, b) in zip(graph.layers, spans, strict=True)]
-
-
-# Ops that move no data: views, metadata and Python-level getters (the roofline gives them no time).
-_FREE = frozenset({"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze",
-                   "slice", "select", "alias", "detach", "as_strided", "split", "split_with_sizes", "chunk", "unbind",
-                   "sym_size", "sym_numel", "sym_stride", "getitem", "lift_fresh_copy", "view_as_real",
-                   "view_as_complex", "_assert_tensor_metadata", "empty", "scalar_tensor", "arange"})
-
-
-@dataclass(frozen=True)
-class _OpTable:
-    """Per op of a capture: forward FLOPs, activation bytes read + written, weight bytes read, output bytes, and
-    the ops selective recomputation drops (attention scores)."""
-
-    flops: tuple[float, ...]
-    act: tuple[float, ...]
-    weight: tuple[float, ...]
-    out: tuple[float, ...]
-    selective: tuple[int, ...]
-
-
-_OP_TABLES: dict[int, tuple[weakref.ref[Capture], _OpTable]] = {}
-
-
-def _op_table(cap: Capture) -> _OpTable:
-    hit = _OP_TABLES.get(id(cap))
-    if hit is not None and hit[0]() is cap:
-        return hit[1]
-    ops = cap.ops
-    flops, act, weight, out = [], [], [], []
-    for op in ops:
-        base = op.target.split(".")[1] if op.target.startswith("aten.") else op.target.rsplit(".", 1)[-1]
-        free = base in _FREE and not op.flops
-        flops.append(float(op.flops))
-        out.append(float(op.out_bytes))
-        act.append(0.0 if free else float(op.out_bytes + sum(ops[i].out_bytes for i in op.inputs)))
-        weight.append(0.0 if free else float(sum(cap.param_bytes.get(p, 0) for p in op.params)))
-    table = _OpTable(tuple(flops), tuple(act), tuple(weight), tuple(out), _attention_scores(cap))
-    _OP_TABLES[id(cap)] = (weakref.ref(cap), table)
-    return table
-
-
-def _attention_scores(cap: Capture) -> tuple[int, ...]:
-    """Ops whose outputs are attention scores (Korthikanti et al.'s selectively recomputed part): each softmax,
-    the ops before it with the same output size back to the score matmul (scaling, masking), and the ops after
-    it with the same size (dropout)."""
-    ops = cap.ops
-    readers: dict[int, list[int]] = {}
-    for op in ops:
-        for i in op.inputs:
-            readers.setdefault(i, []).append(op.index)
-    marked: set[int] = set()
-    for op in ops:
-        if "softmax" not in op.target:
-            continue
-        size = op.out_bytes
-        todo = [op.index]
-        while todo:
-            i = todo.pop()
-            if i in marked:
-                continue
-            marked.add(i)
-            if "bmm" in ops[i].target or "matmul" in ops[i].target or "baddbmm" in ops[i].target:
-                continue  # the score matmul: its inputs (queries, keys) are kept anyway
-            todo += [j for j in ops[i].inputs if ops[j].out_bytes == size]
-            todo += [j for j in readers.get(i, []) if ops[j].out_bytes == size and j > op.index]
-    return tuple(sorted(marked))
 
 
 def stage_costs(

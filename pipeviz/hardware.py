@@ -5,6 +5,9 @@ machine, from a short measurement. The cost model (``pipeviz.costs``) turns a la
 ``Hardware`` with a roofline per op (``op_time``): ``max(flops / (peak[dtype] x efficiency), bytes /
 memory_bandwidth)``.
 
+``op_table`` reads what a capture recorded per op (FLOPs, the bytes it reads and writes, the weights it reads,
+attention-score ops) and ``layer_roofline`` sums the roofline over each layer's ops.
+
 ``efficiency`` is the one calibration constant per GPU type: the fraction of the datasheet's dense peak a
 well-shaped matmul reaches in practice (large training runs report 35-55 % model FLOPs utilisation on
 A100/H100, Megatron-LM and torchtitan alike). Change it with ``hw.with_efficiency(0.45)`` or
@@ -22,11 +25,18 @@ from __future__ import annotations
 import functools
 import os
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["DTYPES", "DTYPE_BYTES", "HARDWARE", "Hardware", "HardwareError", "hardware", "measure_cpu", "op_time"]
+if TYPE_CHECKING:
+    from pipeviz.capture import Capture
+    from pipeviz.graph import ModelGraph
+
+__all__ = ["DTYPES", "DTYPE_BYTES", "HARDWARE", "Hardware", "HardwareError", "OpTable", "hardware", "layer_roofline",
+           "measure_cpu", "op_table", "op_time"]
 
 
 DTYPES = ("float32", "tf32", "bfloat16", "float16", "fp8")
@@ -245,3 +255,95 @@ def op_time(flops: float, nbytes: float, hw: Hardware, dtype: str | None = None)
     A large matmul is compute-bound (the first term), an elementwise op memory-bound (the second).
     """
     return max(flops / hw.rate(dtype), nbytes / hw.memory_bandwidth)
+
+
+# Ops that move no data: views, metadata and Python-level getters (the roofline gives them no time).
+_FREE = frozenset({"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze",
+                   "slice", "select", "alias", "detach", "as_strided", "split", "split_with_sizes", "chunk", "unbind",
+                   "sym_size", "sym_numel", "sym_stride", "getitem", "lift_fresh_copy", "view_as_real",
+                   "view_as_complex", "_assert_tensor_metadata", "empty", "scalar_tensor", "arange"})
+
+
+@dataclass(frozen=True)
+class OpTable:
+    """Per op of a capture: forward FLOPs, activation bytes read + written, weight bytes read, output bytes, and
+    the ops selective recomputation drops (attention scores)."""
+
+    flops: tuple[float, ...]
+    act: tuple[float, ...]
+    weight: tuple[float, ...]
+    out: tuple[float, ...]
+    selective: tuple[int, ...]
+
+
+_OP_TABLES: dict[int, tuple[weakref.ref[Capture], OpTable]] = {}
+
+
+def op_table(cap: Capture) -> OpTable:
+    """Per op of a capture, what the roofline needs (cached while the capture lives)."""
+    hit = _OP_TABLES.get(id(cap))
+    if hit is not None and hit[0]() is cap:
+        return hit[1]
+    ops = cap.ops
+    flops, act, weight, out = [], [], [], []
+    for op in ops:
+        base = op.target.split(".")[1] if op.target.startswith("aten.") else op.target.rsplit(".", 1)[-1]
+        free = base in _FREE and not op.flops
+        flops.append(float(op.flops))
+        out.append(float(op.out_bytes))
+        act.append(0.0 if free else float(op.out_bytes + sum(ops[i].out_bytes for i in op.inputs)))
+        weight.append(0.0 if free else float(sum(cap.param_bytes.get(p, 0) for p in op.params)))
+    table = OpTable(tuple(flops), tuple(act), tuple(weight), tuple(out), _attention_scores(cap))
+    _OP_TABLES[id(cap)] = (weakref.ref(cap), table)
+    return table
+
+
+def _attention_scores(cap: Capture) -> tuple[int, ...]:
+    """Ops whose outputs are attention scores (Korthikanti et al.'s selectively recomputed part): each softmax,
+    the ops before it with the same output size back to the score matmul (scaling, masking), and the ops after
+    it with the same size (dropout)."""
+    ops = cap.ops
+    readers: dict[int, list[int]] = {}
+    for op in ops:
+        for i in op.inputs:
+            readers.setdefault(i, []).append(op.index)
+    marked: set[int] = set()
+    for op in ops:
+        if "softmax" not in op.target:
+            continue
+        size = op.out_bytes
+        todo = [op.index]
+        while todo:
+            i = todo.pop()
+            if i in marked:
+                continue
+            marked.add(i)
+            if "bmm" in ops[i].target or "matmul" in ops[i].target or "baddbmm" in ops[i].target:
+                continue  # the score matmul: its inputs (queries, keys) are kept anyway
+            todo += [j for j in ops[i].inputs if ops[j].out_bytes == size]
+            todo += [j for j in readers.get(i, []) if ops[j].out_bytes == size and j > op.index]
+    return tuple(sorted(marked))
+
+
+_ROOFLINE: dict[tuple[Any, ...], tuple[OpTable, list[float], list[float]]] = {}
+
+
+def layer_roofline(graph: ModelGraph, hw: Hardware, dtype: str | None, k: float,
+              s: float) -> tuple[list[float], list[float]]:
+    """Per layer, forward seconds on ``hw`` (the roofline per op, summed) and those of its attention-score ops;
+    remembered for the last few (graph, hardware, microbatch size) asked: the planner asks many times."""
+    key = (id(graph.capture), graph.layer_names, hw, dtype, k, s)
+    table = op_table(graph.capture)
+    hit = _ROOFLINE.get(key)
+    if hit is not None and hit[0] is table:  # the same capture, not a new one at a reused address
+        return hit[1], hit[2]
+    rate, bw = hw.rate(dtype), hw.memory_bandwidth
+    times = [max(f * k / rate, (a * k + w) * s / bw) for f, a, w in zip(table.flops, table.act, table.weight,
+                                                                             strict=True)]
+    spans = list(zip(graph.index.layer_first, graph.index.layer_last, strict=True))
+    fwd = [sum(times[a:b + 1]) for a, b in spans]
+    sel = [sum(times[i] for i in table.selective if a <= i <= b) for a, b in spans]
+    if len(_ROOFLINE) > 256:
+        _ROOFLINE.clear()
+    _ROOFLINE[key] = (table, fwd, sel)
+    return fwd, sel
