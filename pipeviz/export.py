@@ -26,7 +26,7 @@ import torch
 from pipeviz.mesh import Coords
 from pipeviz.plan import SplitPlan
 from pipeviz.runtime.config import UNSET, LaunchConfig, LaunchOptions, launch_config
-from pipeviz.runtime.messages import Done, Events, Failed, Loss, Message, State, StepEnd
+from pipeviz.runtime.messages import Done, Events, Failed, Loss, Memory, Message, State, StepEnd
 from pipeviz.timeline import Event, Timeline
 
 _SCRIPT = '''#!/usr/bin/env python
@@ -186,6 +186,7 @@ class Watch:
         self.folder = Path(folder)
         self.events: list[Event] = []
         self.losses: list[float] = []
+        self.memory: dict[int, list[tuple[float, int]]] = {}  # per rank: (time, bytes), as ``Run.memory``
         self.error: str | None = None
         self.status = "running"
         self.step = 0
@@ -240,6 +241,8 @@ class Watch:
                         new.extend(Event(*e) for e in msg.events)
                     elif isinstance(msg, Loss):
                         self.losses.append(msg.value)
+                    elif isinstance(msg, Memory):
+                        self.memory.setdefault(rank, []).extend((t, total) for t, total, _ in msg.samples)
                     elif isinstance(msg, StepEnd):
                         self._steps[rank] = msg.step + 1
                         self.step = min(self._steps.values())

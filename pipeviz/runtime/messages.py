@@ -16,7 +16,8 @@ from typing import Any, ClassVar
 
 from pipeviz.mesh import Coords
 
-__all__ = ["Done", "Events", "Failed", "Loss", "Message", "NonFinite", "Output", "Phase", "State", "StepEnd"]
+__all__ = ["Done", "Events", "Failed", "Loss", "Memory", "Message", "NonFinite", "Output", "Phase", "State",
+           "StepEnd"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class Message:
             value = getattr(self, f.name)
             if isinstance(value, bytes):
                 value = {"base64": base64.b64encode(value).decode()}
-            elif f.name == "events":
+            elif f.name in ("events", "samples"):
                 value = [list(e) for e in value]
             elif isinstance(value, tuple):
                 value = list(value)
@@ -61,8 +62,9 @@ class Message:
             if isinstance(v, dict) and "base64" in v:
                 values[k] = base64.b64decode(v["base64"])
         values["coords"] = Coords(*values["coords"])
-        if "events" in values:
-            values["events"] = [tuple(e) for e in values["events"]]
+        for name in ("events", "samples"):
+            if name in values:
+                values[name] = [tuple(e) for e in values[name]]
         return kind(**values)
 
 
@@ -78,6 +80,13 @@ class Events(Message):
     """A batch of timed actions: ``(rank, stage, kind, mb, start, end, step)`` tuples (``pv.Event``'s fields)."""
 
     events: list[tuple[Any, ...]]
+
+
+@dataclass(frozen=True)
+class Memory(Message):
+    """Memory samples ``(time, total bytes, saved-activation bytes)`` (``pipeviz.runtime.memory``)."""
+
+    samples: list[tuple[float, int, int]]
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,19 @@ import torch
 from pipeviz.capture import _batch_size
 from pipeviz.plan import SplitPlan
 from pipeviz.runtime.config import UNSET, LaunchConfig, LaunchOptions, launch_config
-from pipeviz.runtime.messages import Done, Events, Failed, Loss, Message, NonFinite, Output, Phase, State, StepEnd
+from pipeviz.runtime.messages import (
+    Done,
+    Events,
+    Failed,
+    Loss,
+    Memory,
+    Message,
+    NonFinite,
+    Output,
+    Phase,
+    State,
+    StepEnd,
+)
 from pipeviz.runtime.procs import context, rendezvous, start_without_main, sweep_stale, temp_prefix
 from pipeviz.runtime.spec import (
     LaunchError,
@@ -67,6 +79,11 @@ class Run:
         nonfinite: NaN or inf found in a loss or gradient: ``(step, what)`` pairs (the run stops at the first
             unless launched with ``on_nonfinite="continue"``).
         step: steps finished by every rank.
+        memory: per process rank, ``(time, bytes)`` samples of its memory, taken as each action starts and ends
+            (``pipeviz.runtime.memory``): on the CPU the tensors saved for backward plus parameters, gradients
+            and optimizer state; on a GPU ``torch.cuda.memory_allocated``.
+        activation_memory: per process rank, ``(time, bytes)`` samples of the tensors saved for backward alone
+            (what ``pv.simulate``'s ``peak_activation_bytes`` predicts).
     """
 
     def __init__(self, plan: SplitPlan, spec: LaunchSpec, timeout: float, on_nonfinite: str = "stop") -> None:
@@ -85,6 +102,8 @@ class Run:
         self.error: str | None = None
         self._data_error: str | None = None
         self.nonfinite: list[tuple[int, str]] = []
+        self.memory: dict[int, list[tuple[float, int]]] = {}
+        self.activation_memory: dict[int, list[tuple[float, int]]] = {}
         self.step = 0
         self.devices: list[str] = []
         self.cpus: list[tuple[int, ...]] | None = None  # each rank's cores when pinned (CPU runs)
@@ -174,8 +193,9 @@ class Run:
         """The measured ``Timeline`` so far."""
         with self._lock:
             events = list(self.events)
-        meta: dict[str, Any] = {"devices": self.devices}
-        if self.mesh.dp > 1:
+        meta: dict[str, Any] = {"devices": self.devices, "memory": {r: list(s) for r, s in self.memory.items()},
+                                "activation_memory": {r: list(s) for r, s in self.activation_memory.items()}}
+        if self.mesh.world > self.mesh.pp:
             meta["processes"] = [self.mesh.label(r) for r in range(self.mesh.world)]
         return Timeline(events, self.mesh.world, self.layout.num_stages, self.microbatches, self.schedule,
                         source="measured", meta=meta)
@@ -433,6 +453,9 @@ class Run:
                 last_progress = time.time()
                 if isinstance(msg, Events):  # workers batch them (SEND_INTERVAL, 0.1 s)
                     self._publish([Event(*e) for e in msg.events])
+                elif isinstance(msg, Memory):
+                    self.memory.setdefault(msg.rank, []).extend((t, total) for t, total, _ in msg.samples)
+                    self.activation_memory.setdefault(msg.rank, []).extend((t, act) for t, _, act in msg.samples)
                 elif isinstance(msg, Loss):  # one per step: the global batch's, from replica 0's shard 0
                     self.losses.append(msg.value)
                 elif isinstance(msg, Output):

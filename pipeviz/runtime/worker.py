@@ -35,7 +35,20 @@ from typing import Any
 import torch
 
 from pipeviz.mesh import Coords
-from pipeviz.runtime.messages import Done, Events, Failed, Loss, Message, NonFinite, Output, Phase, State, StepEnd
+from pipeviz.runtime.memory import MemoryMeter
+from pipeviz.runtime.messages import (
+    Done,
+    Events,
+    Failed,
+    Loss,
+    Memory,
+    Message,
+    NonFinite,
+    Output,
+    Phase,
+    State,
+    StepEnd,
+)
 from pipeviz.runtime.stages import StepError
 from pipeviz.schedules import SINGLE, ZERO_BUBBLE
 
@@ -183,7 +196,9 @@ def _run(p: RankPayload, queue: Any) -> None:
     def comm(start: float, end: float) -> None:
         clock.record((p.rank, -1, "COMM", -1, start - clock.t0, end - clock.t0, step_box[0]))
 
-    with timed_waits(comm), exact_split_backward():
+    clock.meter.watch(params)
+    clock.meter.count_static(params)
+    with timed_waits(comm), exact_split_backward(), clock.meter.counting():
         if optimizer is None:
             finished = _infer(p, schedule, clock, step_box, device)
         else:
@@ -408,6 +423,7 @@ def _train(p: RankPayload, schedule: Any, optimizer: torch.optim.Optimizer, para
             clock.flush(force=True)
             return False
         optimizer.step()
+        clock.meter.count_static(params, optimizer)  # gradients and optimizer state as they stand at step end
         optimizer.zero_grad(set_to_none=True)
         if last and reports:
             clock.post(Loss(p.rank, p.coords, step, loss))
@@ -572,6 +588,8 @@ class _Clock:
         self.buffer: list[tuple[Any, ...]] = []
         self.outbox: list[Message] = []
         self.finished: collections.deque[tuple[Any, ...]] = collections.deque()  # from other threads
+        self.meter = MemoryMeter(cuda)
+        self.memory: list[tuple[float, int, int]] = []  # (time, total bytes, saved-activation bytes)
         self.sent_at = 0.0
         self.queue: Any = None
         self.rank, self.coords = -1, Coords(-1, 0, 0)  # the sender named in every message
@@ -585,6 +603,11 @@ class _Clock:
         self.buffer.append(event)
         if event[5] - self.sent_at > SEND_INTERVAL:
             self.send()
+
+    def sample(self) -> None:
+        """A memory sample now (``pipeviz.runtime.memory``): taken as each action starts and ends."""
+        activations, total = self.meter.sample()
+        self.memory.append((time.time() - self.t0, total, activations))
 
     def record_async(self, event: tuple[Any, ...]) -> None:
         """An event timed on another thread (a communication future's callback): queued, and moved into the
@@ -601,6 +624,9 @@ class _Clock:
         if self.buffer:
             self.queue.put(Events(self.rank, self.coords, self.buffer))
             self.buffer = []
+        if self.memory:
+            self.queue.put(Memory(self.rank, self.coords, self.memory))
+            self.memory = []
         for msg in self.outbox:
             self.queue.put(msg)
         self.outbox.clear()
@@ -629,6 +655,7 @@ class _Span:
 
     def __enter__(self) -> None:
         c = self.clock
+        c.sample()
         if c.cuda is not None:
             if c.anchor is None:
                 torch.cuda.synchronize(c.cuda)
@@ -646,9 +673,11 @@ class _Span:
             b = torch.cuda.Event(enable_timing=True)
             b.record()
             c.pending.append((self.key, self.a, b))
+            c.sample()
         else:
             rank, stage, kind, mb, step = self.key
             now = time.time() - c.t0
             c.buffer.append((rank, stage, kind, mb, self.start, now, step))
+            c.sample()
             if now - c.sent_at > SEND_INTERVAL:  # batched: live, without a queue put per action
                 c.send()
