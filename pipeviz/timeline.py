@@ -24,6 +24,7 @@ KINDS = {
     "F": "forward", "B": "backward (input and weight grads)", "I": "backward, input grads only",
     "W": "backward, weight grads only", "COMM": "waiting on communication",
     "DP": "data-parallel gradient all-reduce across replicas",
+    "TP": "tensor-parallel collective within a stage's shards (launch to wait)",
 }
 
 

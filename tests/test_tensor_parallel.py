@@ -55,6 +55,11 @@ def _train(schedules: tuple[str, ...], dp: int = 1) -> None:
         run = train_exactly(schedule, plans, inputs=(x,), target=y, loss_fn=pv.cross_entropy, dp=dp, tp=2,
                             tp_plan=None if one else PLAN4)
         assert len(run.losses) == 2 and run.mesh.tp == 2 and len({e.rank for e in run.events}) == run.mesh.world
+        # the shards' collectives are measured actions: every process, every step, within a stage it holds
+        tp_events = [e for e in run.events if e.kind == "TP"]
+        assert {(e.rank, e.step) for e in tp_events} == {(r, s) for r in range(run.mesh.world) for s in range(2)}
+        assert all(e.end >= e.start and e.stage in run.layout.stages_of(run.mesh.coords(e.rank).pp)
+                   for e in tp_events), schedule
 
 
 @pytest.mark.slow

@@ -14,22 +14,24 @@
   pass frees graph parts that another weight group still needs (T5's relative attention bias).
 - ``schedule_actions``: the action order torch's multi-stage schedules build in their constructor.
 - ``regions_inlined``: torch's ``pipeline()`` over a graph whose grad-mode / autocast regions are inlined.
+- ``timed_collectives``: times DTensor's functional collectives (tensor parallelism) from launch to wait.
 - ``timed_stage_class``: torch's ``PipelineStage`` with its three action methods timed (``check_stage_methods``
   compares their signatures with the installed torch's).
 
 Modules: ``flat`` (flattening, names, failing ops), ``fake`` (fake tensors), ``backward`` (split backwards),
-``schedules`` (Pipe graph, waits, action orders, regions), ``stage`` (the timed stage).
+``schedules`` (Pipe graph, waits, action orders, regions), ``stage`` (the timed stage), ``collectives``.
 
 ``tests/test_adapter.py`` checks each against the installed torch, so a torch whose internals changed
 fails there loudly, not in a worker.
 """
 
 from pipeviz.adapter.backward import exact_split_backward
+from pipeviz.adapter.collectives import COLLECTIVES, timed_collectives
 from pipeviz.adapter.fake import defake, fake_cpu, fake_tensors
 from pipeviz.adapter.flat import FlatStage, canonical_name, describe, flatten_stage
 from pipeviz.adapter.schedules import regions_inlined, schedule_actions, split_graph, timed_waits
 from pipeviz.adapter.stage import OVERRIDDEN, check_stage_methods, timed_stage_class
 
-__all__ = ["OVERRIDDEN", "FlatStage", "canonical_name", "check_stage_methods", "defake", "describe",
+__all__ = ["COLLECTIVES", "OVERRIDDEN", "FlatStage", "canonical_name", "check_stage_methods", "defake", "describe",
            "exact_split_backward", "fake_cpu", "fake_tensors", "flatten_stage", "regions_inlined", "schedule_actions",
-           "split_graph", "timed_stage_class", "timed_waits"]
+           "split_graph", "timed_collectives", "timed_stage_class", "timed_waits"]

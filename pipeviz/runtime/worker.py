@@ -22,6 +22,7 @@ This module must stay importable without any view library.
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import os
 import sys
@@ -176,7 +177,7 @@ def _watch_parent(parent_pid: int) -> None:
 def _run(p: RankPayload, queue: Any) -> None:
     import torch.distributed as dist
 
-    from pipeviz.adapter import exact_split_backward, timed_waits
+    from pipeviz.adapter import exact_split_backward, timed_collectives, timed_waits
 
     clock, device, compute = _connect(p, queue)
     step_box = [0]
@@ -196,9 +197,13 @@ def _run(p: RankPayload, queue: Any) -> None:
     def comm(start: float, end: float) -> None:
         clock.record((p.rank, -1, "COMM", -1, start - clock.t0, end - clock.t0, step_box[0]))
 
+    def collective(name: str, start: float, end: float) -> None:  # a tensor-parallel shard's all-reduce, ...
+        clock.record_async((p.rank, clock.stage, "TP", -1, start - clock.t0, end - clock.t0, step_box[0]))
+
     clock.meter.watch(params)
     clock.meter.count_static(params)
-    with timed_waits(comm), exact_split_backward(), clock.meter.counting():
+    timed_tp = timed_collectives(collective) if tp_mesh is not None else contextlib.nullcontext()
+    with timed_waits(comm), exact_split_backward(), clock.meter.counting(), timed_tp:
         if optimizer is None:
             finished = _infer(p, schedule, clock, step_box, device)
         else:
@@ -589,6 +594,7 @@ class _Clock:
         self.outbox: list[Message] = []
         self.finished: collections.deque[tuple[Any, ...]] = collections.deque()  # from other threads
         self.meter = MemoryMeter(cuda)
+        self.stage = -1  # the stage of the action running now (what a tensor-parallel collective belongs to)
         self.memory: list[tuple[float, int, int]] = []  # (time, total bytes, saved-activation bytes)
         self.sent_at = 0.0
         self.queue: Any = None
@@ -655,6 +661,7 @@ class _Span:
 
     def __enter__(self) -> None:
         c = self.clock
+        c.stage = self.key[1]
         c.sample()
         if c.cuda is not None:
             if c.anchor is None:

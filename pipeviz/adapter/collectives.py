@@ -1,0 +1,57 @@
+"""Tensor-parallel collectives timed: DTensor sends its all-reduces, all-gathers and reduce-scatters through
+``torch.distributed._functional_collectives`` (``funcol``), which returns at once and waits when the result is
+first used (``wait_tensor``); inside ``timed_collectives`` each is timed from its launch to the end of its wait."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["COLLECTIVES", "timed_collectives"]
+
+# The funcol entry points DTensor's redistribution and placements call (torch 2.13–2.15); those a torch lacks
+# are skipped.
+COLLECTIVES = ("all_reduce", "all_gather_tensor", "all_gather_single", "reduce_scatter_tensor",
+               "reduce_scatter_single", "all_to_all_single")
+
+
+@contextlib.contextmanager
+def timed_collectives(record: Callable[[str, float, float], None]) -> Iterator[None]:
+    """Inside the block, ``record(name, start, end)`` (wall clock) for every functional collective: ``start``
+    when it was launched, ``end`` when the wait on its result returned (at once if torch waited inside)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    pending: dict[int, tuple[str, float]] = {}
+    originals: dict[str, Any] = {n: getattr(funcol, n) for n in COLLECTIVES if hasattr(funcol, n)}
+    original_wait = funcol.wait_tensor
+
+    def timed(name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            start = time.time()
+            out = fn(*args, **kwargs)
+            inner = getattr(out, "elem", None)
+            if isinstance(out, funcol.AsyncCollectiveTensor) and not out.completed and inner is not None:
+                pending[id(inner)] = (name, start)
+            else:  # already waited (a traced or synchronous call)
+                record(name, start, time.time())
+            return out
+        return call
+
+    def wait(tensor: Any) -> Any:
+        out = original_wait(tensor)
+        launched = pending.pop(id(tensor), None)
+        if launched is not None:
+            record(launched[0], launched[1], time.time())
+        return out
+
+    for name, fn in originals.items():
+        setattr(funcol, name, timed(name, fn))
+    funcol.wait_tensor = wait
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(funcol, name, fn)
+        funcol.wait_tensor = original_wait
