@@ -56,3 +56,12 @@ def test_a_row_loads_into_the_explorer(tiny: pv.ModelGraph) -> None:
     panel.select(result.rows.index(option))
     assert ex.plan == option.plan and ex.schedule.value == option.schedule
     assert (ex.microbatches.value, ex.dp.value, ex.tp.value) == (option.microbatches, option.dp, option.tp)
+
+
+def test_the_explorer_has_the_panel(tiny: pv.ModelGraph) -> None:
+    ex = pv.Explorer(tiny)
+    ex.cluster.gpus.value, ex.cluster.global_batch.value = 4, 16
+    result = ex.cluster.plan()
+    assert result is not None and ex.cluster.graph is ex.graph
+    ex.cluster.rows.value = 0
+    assert ex.plan == result.rows[0].plan and ex.schedule.value == result.rows[0].schedule

@@ -35,7 +35,8 @@ class ClusterPanel(W.VBox):
     ``on_select``.
 
     Args:
-        graph: the traced model (meta-device models work).
+        graph: the traced model (meta-device models work), or a function returning it when Plan is pressed (the
+            Explorer's current view).
         on_select: called with the chosen ``pv.LayoutOption``.
         hardware, gpus, global_batch: initial values (default global batch: 8 x the traced batch).
         top: rows listed.
@@ -44,9 +45,10 @@ class ClusterPanel(W.VBox):
         result: the last ``pv.ClusterPlan`` (None before the first plan); ``selected``: the last row chosen.
     """
 
-    def __init__(self, graph: ModelGraph, on_select: Callable[[LayoutOption], Any] | None = None,
-                 hardware: str = "h100-sxm", gpus: int = 8, global_batch: int | None = None, top: int = 10) -> None:
-        self.graph, self.on_select, self.top = graph, on_select, top
+    def __init__(self, graph: ModelGraph | Callable[[], ModelGraph],
+                 on_select: Callable[[LayoutOption], Any] | None = None, hardware: str = "h100-sxm", gpus: int = 8,
+                 global_batch: int | None = None, top: int = 10) -> None:
+        self._graph, self.on_select, self.top = graph, on_select, top
         self.result: ClusterPlan | None = None
         self.selected: LayoutOption | None = None
         wide = {"description_width": "initial"}
@@ -54,7 +56,7 @@ class ClusterPanel(W.VBox):
                                    description="hardware", style=wide, layout=W.Layout(width="210px"))
         self.gpus = W.BoundedIntText(value=gpus, min=1, max=1_000_000, description="GPUs", style=wide,
                                      layout=W.Layout(width="130px"))
-        self.global_batch = W.BoundedIntText(value=global_batch or 8 * (graph.batch_size or 1), min=1,
+        self.global_batch = W.BoundedIntText(value=global_batch or 8 * (self.graph.batch_size or 1), min=1,
                                              max=10_000_000, description="global batch", style=wide,
                                              layout=W.Layout(width="170px"))
         self.plan_button = W.Button(description="Plan", icon="sitemap", tooltip="pv.plan_cluster(...)")
@@ -68,6 +70,11 @@ class ClusterPanel(W.VBox):
         super().__init__([W.HBox([self.hardware, self.gpus, self.global_batch, self.plan_button]), self.errors,
                           self.summary, self.rows], layout=W.Layout(max_width="100%"))
         self.add_class("pipeviz-cluster")
+
+    @property
+    def graph(self) -> ModelGraph:
+        """The graph planned (the Explorer's current view when built by ``cluster_accordion``)."""
+        return self._graph if isinstance(self._graph, ModelGraph) else self._graph()
 
     def plan(self) -> ClusterPlan | None:
         """Run ``pv.plan_cluster`` with the controls' values and list its rows (an error goes to the error
@@ -130,7 +137,7 @@ def load_layout(explorer: Explorer, option: LayoutOption) -> None:
 
 def cluster_accordion(explorer: Explorer) -> W.Accordion:
     """The Explorer's collapsed "Plan for a cluster" section: a ``ClusterPanel`` whose rows load into it."""
-    panel = ClusterPanel(explorer.graph, on_select=lambda option: load_layout(explorer, option))
+    panel = ClusterPanel(lambda: explorer.graph, on_select=lambda option: load_layout(explorer, option))
     box = W.Accordion(children=[panel], selected_index=None)
     box.set_title(0, "Plan for a cluster")
     explorer.cluster = panel

@@ -231,12 +231,15 @@ class Explorer(W.VBox):
         self.run_section = W.VBox([self.run_notes, self.here_button, self.numerics, self.run_view],
                                   layout=W.Layout(display="none", max_width="100%"))
         self.run_section.add_class("pipeviz-run-section")
+        from pipeviz.widgets.cluster import cluster_accordion  # "Plan for a cluster": self.cluster, collapsed
+
         self._children = [
             self.notes,
             W.HBox([left, right], layout=box(align_items="flex-start")),
             W.HTML("<b>Simulated step</b> (current plan)"), self.sim_view,
             W.HBox([self.launch_button, self.stop_button, self.progress], layout=box()),
             self.run_section,
+            cluster_accordion(self),
         ]
 
     def _layers_trace(self) -> Any:
