@@ -99,7 +99,8 @@ class ClusterPlan:
         rows: ``LayoutOption``s, fastest step first.
         hardware, gpus, global_batch, seq_len, dtype, memory_limit: the question asked.
         considered: layouts enumerated; simulated: those simulated; pruned: those dropped by a bound (memory or
-            step time) without simulating; too_big: those simulated and found over the memory limit.
+            step time) without simulating; too_big: those found over the memory limit; too_long: those left out
+            because simulating them would take more than ``max_actions`` actions.
         notes: what the search assumed (sequence-length scaling, selective recomputation with fused attention).
     """
 
@@ -114,6 +115,7 @@ class ClusterPlan:
     simulated: int = 0
     pruned: int = 0
     too_big: int = 0
+    too_long: int = 0
     notes: tuple[str, ...] = ()
 
     @property
@@ -149,7 +151,8 @@ class ClusterPlan:
         lines = ["  ".join(c.rjust(w) if j not in (4, 8) else c.ljust(w) for j, (c, w) in
                            enumerate(zip(r, widths, strict=True))).rstrip() for r in rows]
         tail = [f"{len(self.rows)} options fit; {self.considered} considered, {self.simulated} simulated, "
-                f"{self.pruned} pruned by a bound, {self.too_big} over the memory limit."]
+                f"{self.pruned} pruned by a bound, {self.too_big} over the memory limit"
+                + (f", {self.too_long} left out as too long to simulate (max_actions)." if self.too_long else ".")]
         if any(r.extrapolated for r in self.rows[:top]):
             tail.append("* extrapolated from two shorter simulations (the step grows linearly in microbatches).")
         return "\n".join([head, *lines, *tail, *self.notes])
@@ -167,7 +170,7 @@ def plan_cluster(
     memory_limit: float | None = None, schedules: Sequence[str] | None = None,
     recompute: Sequence[str] | str | None = None, dtype: str | None = "bfloat16", *,
     tp: Sequence[int] | None = None, microbatch_sizes: Sequence[int] | None = None,
-    stages_per_rank: Sequence[int] = (2,), optimizer_states: int = 2, top: int = 10,
+    stages_per_rank: Sequence[int] = (2,), optimizer_states: int = 2, top: int = 10, max_actions: int = 40_000,
 ) -> ClusterPlan:
     """Rank every layout of ``gpus`` devices for training ``graph``'s model, fastest first; only those that fit.
 
@@ -217,6 +220,10 @@ def plan_cluster(
         stages_per_rank: for the multi-stage schedules.
         optimizer_states: tensors of optimizer state per parameter (Adam: 2).
         top: rows kept (and proven best).
+        max_actions: the most schedule actions one option's simulations may take (``stages x microbatches x 2``,
+            x 3 with a split backward, twice when extrapolated): a longer one (a very deep pipeline on many
+            microbatches: each costs seconds here, torch's own schedule code builds its order) is left out and
+            counted in ``too_long``; the rows are then the best of the rest.
 
     Returns:
         A ``ClusterPlan``; ``.rows`` best first, ``.table()`` as text.
@@ -327,10 +334,13 @@ def plan_cluster(
                             candidates.append((work, (t, pp, dp, name, v, b, m, mode)))
     candidates.sort(key=lambda c: c[0])
     rows: list[LayoutOption] = []
-    simulated = too_big = 0
+    simulated = too_big = too_long = 0
     for bound, (t, pp, dp, name, v, b, m, mode) in candidates:
         if len(rows) >= top and bound > rows[top - 1].step_time:
             pruned += 1
+            continue
+        if _actions(name, pp, v, m) > max_actions:
+            too_long += 1
             continue
         plan = plans[pp * v]
         assert plan is not None
@@ -348,7 +358,7 @@ def plan_cluster(
             options=opts))
         rows.sort(key=lambda r: r.step_time)
     return ClusterPlan(tuple(rows[:top]), hw, gpus, global_batch, seq, dt, limit, considered, simulated, pruned,
-                       too_big, tuple(notes))
+                       too_big, too_long, tuple(notes))
 
 
 def _simulate(plan: SplitPlan, name: str, m: int, v: int, dp: int, tp: int,
@@ -372,6 +382,13 @@ def _simulate(plan: SplitPlan, name: str, m: int, v: int, dp: int, tp: int,
     a, b = run(m1), run(m2)
     k = (m - m2) / (m2 - m1)
     return (b[0] + k * (b[0] - a[0]), b[1] + k * (b[1] - a[1]), b[2] + k * (b[2] - a[2]), True)
+
+
+def _actions(name: str, pp: int, v: int, m: int) -> int:
+    """Schedule actions the simulations of one option take (see ``max_actions``)."""
+    m1, m2 = _extrapolated_from(pp)
+    per = pp * v * (3 if name in sched.ZERO_BUBBLE else 2)
+    return per * (m if m <= m2 else m1 + m2)
 
 
 def _memory(c: Costs, name: str, n: int, m: int, v: int, optimizer_states: int, limit: float) -> float:

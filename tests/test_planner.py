@@ -124,6 +124,17 @@ def test_layout_rules(tiny: pv.ModelGraph) -> None:
         pv.plan_cluster(tiny, 4, hw, 16, schedules=["gpipee"])
 
 
+def test_too_long_simulations_are_left_out_and_counted(tiny: pv.ModelGraph) -> None:
+    from pipeviz.planner import _actions
+
+    full = pv.plan_cluster(tiny, 4, "h100", 16, top=10_000)
+    short = pv.plan_cluster(tiny, 4, "h100", 16, top=10_000, max_actions=100)
+    assert short.too_long > 0 and full.too_long == 0
+    kept = {_key(r) for r in full.rows if _actions(r.schedule, r.pp, r.stages_per_rank, r.microbatches) <= 100}
+    assert {_key(r) for r in short.rows} == kept
+    assert "left out as too long to simulate" in short.table()
+
+
 def test_a_meta_model_is_planned_without_weights() -> None:
     pytest.importorskip("transformers")
     from pipeviz import zoo
