@@ -102,8 +102,9 @@ pv.timeline_figure(textbook("ZBVZeroBubble", 2, 8))
 # A small model, 4 stages on **2 processes** (ZB-V, interleaving and LoopedBFS hold 2 stages per rank) or 2
 # stages (1F1B), with 4 and 8 microbatches. pipeviz records the order in which each process really ran its actions;
 # replaying it with the rule above (`F` +1, `B` −1, `I` and `W` −½ each, per stage divided by the stages a rank
-# holds) counts the activations each rank really kept alive. (This counts microbatches, not bytes: allocator
-# measurements of a run are not part of this lesson.)
+# holds) counts the activations the order that really ran requires each rank to keep. (This counts microbatches,
+# not bytes, and assumes a runtime frees each microbatch's tensors as soon as the order allows; what the
+# processes really keep, the tensors saved for backward, is `run.activation_memory`.)
 
 # %%
 def held_by(order, stages_per_rank):
@@ -132,11 +133,11 @@ for schedule, v, m in (("1F1B", 1, 4), ("Interleaved1F1B", 2, 4), ("LoopedBFS", 
     orders = [tl.order(rank, step=1) for rank in range(2)]
     assert orders == [sim.order(rank) for rank in range(2)]           # the processes ran the simulated order
     real[schedule, m] = [held_by(order, v) for order in orders]
-    print(f"{schedule:15} m = {m}: held per rank {real[schedule, m]}   measured step {tl.step_time * 1e3:6.1f} ms")
+    print(f"{schedule:15} m = {m}: the order requires {real[schedule, m]}   measured step {tl.step_time * 1e3:6.1f} ms")
 
 # %% [markdown]
-# The same pattern on real processes, *p* = 2: 1F1B holds 2 and 1; interleaving 2·(1 + 1/4) = 2.5 on rank 0;
-# LoopedBFS all *m* (4, then 8); ZB-V 2 on both ranks for 4 and for 8 microbatches.
+# The orders the real processes ran require the same pattern, *p* = 2: 1F1B 2 and 1; interleaving 2·(1 + 1/4) =
+# 2.5 on rank 0; LoopedBFS all *m* (4, then 8); ZB-V 2 on both ranks for 4 and for 8 microbatches.
 
 # %%
 assert real["1F1B", 4] == [2, 1]
