@@ -115,8 +115,9 @@ def _section(name: str, a: argparse.Namespace) -> Any:
         print(f"  planned for {a.cluster_gpus} x {cluster.hardware.name}, global batch {batch}:\n"
               + "\n".join("    " + line for line in cluster.table(3).splitlines()))
     simulated = pv.simulate(run_plan, a.schedule, a.microbatches, stages_per_rank=spr)
-    run = pv.launch(run_plan, schedule=a.schedule, microbatches=a.microbatches, steps=a.steps, inputs=inputs,
-                    target=target, loss_fn=loss, devices=a.devices, stages_per_rank=spr, optimizer=pv.sgd(lr=0.05))
+    config = pv.LaunchConfig(schedule=a.schedule, microbatches=a.microbatches, steps=a.steps, devices=a.devices,
+                             stages_per_rank=spr, loss_fn=loss, optimizer=pv.sgd(lr=0.05))
+    run = pv.launch(run_plan, config=config, inputs=inputs, target=target)
     _progress(run, f"{a.schedule} on {run.layout.num_ranks} processes")
     if run.status != "done":
         print(f"  run {run.status}: {run.error}")
@@ -195,10 +196,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     d = sub.add_parser("demo", help="headless main job: trace, balance, simulate, launch, check, HTML report")
     d.add_argument("--model", default="all", choices=[*MODELS, "all"])
     d.add_argument("--stages", type=int, default=None, help="default: 3 for classic, 4 for gpt2")
-    d.add_argument("--schedule", default="1F1B", help=f"one of {', '.join(pv.schedules.ALL)}")
-    d.add_argument("--microbatches", type=int, default=4)
-    d.add_argument("--steps", type=int, default=5)
-    d.add_argument("--devices", default="auto", help="auto, cpu, cuda, or a comma-separated list per rank")
+    launch = pv.LaunchConfig()  # the one set of defaults pv.launch, export_torchrun and the Explorer share
+    d.add_argument("--schedule", default=launch.schedule, help=f"one of {', '.join(pv.schedules.ALL)}")
+    d.add_argument("--microbatches", type=int, default=launch.microbatches)
+    d.add_argument("--steps", type=int, default=5, help="optimizer steps of the demo run (default 5: a timeline "
+                   "with steady steps to compare with the simulation)")
+    d.add_argument("--devices", default=launch.devices, help="auto, cpu, cuda, or a comma-separated list per rank")
     d.add_argument("--output", default="pipeviz-report.html")
     d.add_argument("--cluster-hardware", default="h100", help="the named cluster the report also plans for")
     d.add_argument("--cluster-gpus", type=int, default=8, help="its GPU count (0: no cluster plan)")
