@@ -12,7 +12,7 @@
 # # Lesson 3 · 1F1B and memory
 #
 # **You will learn:** why GPipe's memory grows with the number of microbatches, how the 1F1B schedule caps it at
-# the number of stages, and how to see both in pipeviz.
+# the number of stages, and how to see both in pipeviz: simulated, and measured on real runs.
 #
 # ## Activations wait for their backward
 #
@@ -114,6 +114,23 @@ for rank in range(3):
     assert order == simulated.order(rank)          # the processes ran torch's order, as simulated
     assert in_flight_peak(order) == 3 - rank       # p - s: 3, 2, 1, not m = 8
 pv.TimelineView(run)
+
+# %% [markdown]
+# ## On a real run: measure the bytes
+#
+# The count above is what the order requires. `run.activation_memory` is what each process really kept: the
+# tensors autograd saved for backward, sampled as every action starts and ends. Run GPipe on the same plan and
+# compare each rank's peak: 1F1B's should be (*p* − *s*)/*m* of GPipe's, that is 3/8, 2/8 and 1/8.
+
+# %%
+gpipe_run = pv.launch(plan, schedule="GPipe", microbatches=8, steps=2, inputs=(x,), target=y,
+                      loss_fn=F.cross_entropy)
+assert gpipe_run.wait(180) == "done", gpipe_run.error
+for rank in range(3):
+    peak = {name: max(b for _, b in r.activation_memory[rank]) for name, r in (("GPipe", gpipe_run), ("1F1B", run))}
+    print(f"rank {rank}: GPipe {peak['GPipe'] / 2**20:5.2f} MiB   1F1B {peak['1F1B'] / 2**20:5.2f} MiB   "
+          f"ratio {peak['1F1B'] / peak['GPipe']:.3f}")
+    assert abs(peak["1F1B"] / peak["GPipe"] - (3 - rank) / 8) < 0.02   # measured: (p - s) / m
 
 # %% [markdown]
 # 1F1B keeps GPipe's bubble; lesson 4 shrinks it.
