@@ -30,7 +30,7 @@ from torch.utils import _pytree as pytree
 
 from pipeviz.adapter import defake, fake_cpu, regions_inlined
 from pipeviz.capture import TRACE_LOCK
-from pipeviz.costs import stage_info_memory
+from pipeviz.costs import CostOptions, stage_costs, stage_info_memory, stage_memory
 
 if TYPE_CHECKING:
     from pipeviz.graph import ModelGraph
@@ -334,13 +334,29 @@ class SplitPlan:
         self.graph._require_layer(layer)
         return next(s.index for s in self.stages if layer in s.layers)
 
-    def table(self) -> str:
-        """The stage preview as a plain-text table."""
+    def stage_memory(self, options: CostOptions | None = None, **cost_options: Any) -> list[int]:
+        """Each stage's training footprint on a rank of its own with the whole batch in flight (the preview's
+        ``StageInfo.memory_bytes``), in the cost model's settings: the training dtype's activations, what
+        recomputation keeps, ``optimizer_states`` (``pipeviz.costs.CostOptions`` or its fields as keywords).
+
+        Example:
+            >>> plan.stage_memory(hardware="h100", dtype="bfloat16", recompute="full")
+        """
+        opts = CostOptions.of(options, **cost_options)
+        costs = stage_costs(self, 1, options=opts)
+        rebuilt = costs.recompute_bytes or (0,) * self.num_stages
+        return [stage_memory(s.param_bytes, s.buffer_bytes, a + r, opts.optimizer_states)
+                for s, a, r in zip(self.stages, costs.activation_bytes, rebuilt, strict=True)]
+
+    def table(self, options: CostOptions | None = None, **cost_options: Any) -> str:
+        """The stage preview as a plain-text table (memory in the cost options' settings: ``stage_memory``)."""
         rows = [("stage", "layers", "params", "GFLOPs", "sends", "memory")]
-        for s in self.stages:
+        memory = (self.stage_memory(options, **cost_options) if options is not None or cost_options
+                  else [s.memory_bytes for s in self.stages])
+        for s, mem in zip(self.stages, memory, strict=True):
             names = ", ".join(s.layers) if len(s.layers) <= 4 else f"{s.layers[0]} … {s.layers[-1]} ({len(s.layers)})"
             rows.append((str(s.index), names, f"{s.params:,}", f"{s.flops / 1e9:.3f}", human_bytes(s.send_bytes),
-                         human_bytes(s.memory_bytes)))
+                         human_bytes(mem)))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 

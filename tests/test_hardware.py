@@ -141,3 +141,15 @@ def test_hand_offs_use_the_link_the_two_ranks_share(classic_graph: pv.ModelGraph
     # sharded microbatch's bytes are the whole microbatch's: every shard sends the full activation).
     far = pv.simulate(plan, "GPipe", 1, hardware=hw, tp=8)
     assert gap(far) == pytest.approx(nbytes / hw.link(9)[0] + hw.link(9)[1])
+
+
+def test_the_preview_in_the_cost_models_settings(classic_graph: pv.ModelGraph) -> None:
+    plan = classic_graph.split(["layer0", "layer1"])
+    assert plan.stage_memory() == [s.memory_bytes for s in plan.stages]  # the preview's figure
+    bf16 = plan.stage_memory(hardware="h100", dtype="bfloat16")  # activations in 2 bytes instead of 4
+    assert all(b < m for b, m in zip(bf16, plan.stage_memory(), strict=True))
+    # One microbatch in flight: full recomputation keeps each layer's input and rebuilds one layer at a time,
+    # never more than keeping everything.
+    full = plan.stage_memory(options=CostOptions(hardware="h100", recompute="full"))
+    assert all(f <= b for f, b in zip(full, bf16, strict=True))
+    assert plan.table(hardware="h100") != plan.table() and plan.table() == str(plan)
