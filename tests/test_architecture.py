@@ -128,9 +128,9 @@ def test_the_core_runs_without_the_notebook_stack() -> None:
         sys.meta_path.insert(0, NoViews())
         import torch, pipeviz as pv
         from pipeviz.zoo import MyNetwork
-        graph = pv.trace(MyNetwork(8, [8, 8]), example_args=(torch.randn(4, 8),))
-        plan = pv.balance(graph, 2)
-        print(plan.num_stages, pv.simulate(plan, "1F1B", 2).step_time > 0, len(pv.compare(plan, microbatches=2).rows))
+        graph = pv.trace(MyNetwork(8, [8, 8, 8, 8]), example_args=(torch.randn(4, 8),))
+        plan = pv.balance(graph, 2)  # compare holds the 2 ranks: 4-stage splits for the 2-stages-per-rank rows
+        print(plan.num_stages, pv.simulate(plan, "1F1B", 2).step_time > 0, len(pv.compare(plan, microbatches=4).rows))
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
