@@ -19,14 +19,20 @@ degrees 1 to 64) is rebuilt and predicted:
 One efficiency constant per GPU type (``Hardware.efficiency``, the achieved fraction of the dense peak) is fitted
 on one named row (``published_runs_data.CALIBRATION``: the smallest run, with neither tensor nor pipeline
 parallelism), on its prediction without the replicas' gradient all-reduce, and used unchanged for every other
-row of that GPU. Two predictions are printed per row: the full one, and one replica alone ("no DP-AR": the same
-pipeline without the data-parallel gradient all-reduce), and "AR after": that plus one all-reduce per rank after
+row of that GPU. Three predictions are printed per row: the full one; one replica alone ("no DP-AR": the same
+pipeline without the data-parallel gradient all-reduce); and "AR after": that plus one all-reduce per rank after
 the pipeline flush (Megatron-LM's placement; ``pv.simulate`` places it as torch's DDP does, overlapping each
-stage's last backward and holding that backward's input gradient until it ends), which shows how much of the
-error the all-reduce's placement makes. Rows that share a ``group`` are a schedule
-comparison at a fixed layout: predicted order and ratio beside the published ones.
+stage's last backward and holding that backward's input gradient until it ends). Together they show how much of
+the error the all-reduce's placement makes. Rows that share a ``group`` are a schedule comparison at a fixed
+layout: predicted order and ratio beside the published ones.
 
-    python benchmarks/published_runs.py [--only N21]      # --only: rows whose key contains this text
+Attention (``--attention``): ``sdpa`` (default) is one fused op, as the runs' fused or flash kernels are, but
+pipeviz counts its FLOPs as zero when traced on CPU tensors (``torch.utils.flop_counter`` has no formula for
+``_scaled_dot_product_flash_attention_for_cpu``); ``eager`` counts the attention matmuls but charges the scores'
+scaling, masking, softmax and casts their memory traffic one op at a time. Measured: README, "Checked against
+published training runs".
+
+    python benchmarks/published_runs.py [--only N21] [--attention eager]   # --only: rows whose key has this text
 """
 
 from __future__ import annotations
