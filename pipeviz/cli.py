@@ -6,6 +6,7 @@
     pipeviz lab  [notebook]      # JupyterLab on the notebooks and tutorials
     pipeviz plan --model llama-3-8b --gpus 64 --hardware h100 --global-batch 512 [--seq-len 8192]
                  [--config path/to/config.json] [--memory-gib 80] [--dtype bfloat16] [--efficiency 0.55] [--top 10]
+                 [--full-trace]
 
 ``pipeviz demo`` is the headless main job: trace, auto-balance, simulate every schedule, launch a real
 run with a progress bar, check numerics against the unsplit model, write one HTML report.
@@ -165,16 +166,16 @@ def plan(a: argparse.Namespace) -> int:
     if a.efficiency is not None:
         hw = dataclasses.replace(hw, efficiency=a.efficiency)
     source = a.config or a.model
+    t = time.time()
     try:
-        model, default_seq = zoo.from_config(source)
+        graph, seq = zoo.planning_graph(source, a.seq_len, blocks=None if a.full_trace else 2)
     except ValueError as exc:
         print(f"pipeviz: {exc}", file=sys.stderr)
         return 2
-    seq = a.seq_len or default_seq
-    t = time.time()
-    graph = pv.trace(model, example_args=(torch.zeros(1, seq, dtype=torch.long),))
+    how = "" if a.full_trace or not any("repeat_layers" in n for n in graph.notes) else \
+        " (2 blocks traced, the last repeated: --full-trace to trace every block)"
     print(f"{source}: {graph.total_params / 1e9:.2f} B parameters, {len(graph.layers)} layers, traced on the meta "
-          f"device at {seq} tokens in {time.time() - t:.1f} s")
+          f"device at {seq} tokens in {time.time() - t:.1f} s{how}")
     t = time.time()
     limit = a.memory_gib * 2**30 if a.memory_gib else None
     cp = pv.plan_cluster(graph, a.gpus, hw, a.global_batch, memory_limit=limit, dtype=a.dtype, top=a.top)
@@ -217,6 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--efficiency", type=float, default=None, help="achieved fraction of peak (default: preset's)")
     p.add_argument("--top", type=int, default=10)
+    p.add_argument("--full-trace", action="store_true", help="trace every block (default: 2, the last repeated)")
     p.set_defaults(func=plan)
     lb = sub.add_parser("lab", help="JupyterLab on the notebooks")
     lb.add_argument("path", nargs="?")

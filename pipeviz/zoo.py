@@ -9,13 +9,17 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from pipeviz.graph import ModelGraph
+
 __all__ = ["CONFIGS", "MoENet", "MyNetwork", "MyNetworkBlock", "RoutedMoE", "SkipNet", "TiedNet", "TinyTransformer",
-           "TransformerBlock", "bert", "from_config", "gpt2", "llama", "mixtral"]
+           "TransformerBlock", "bert", "from_config", "gpt2", "llama", "mixtral", "planning_graph", "repeat_layers"]
 
 
 class MyNetworkBlock(nn.Module):
@@ -289,3 +293,123 @@ def from_config(name_or_path: str) -> tuple[nn.Module, int]:
     seq = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(cfg), min(int(seq), 8192)
+
+
+def repeat_layers(graph: ModelGraph, container: str, total: int) -> ModelGraph:
+    """``graph`` (a model traced with a few identical blocks ``container.0``, ``container.1``, ...) with its last
+    block repeated until there are ``total``: the graph a trace of the full-depth model gives, for planning.
+
+    Tracing costs per op, so a 126-block model takes minutes even on the meta device; its blocks are identical,
+    so two traced blocks say what every block costs. Each copy gets the last block's ops (FLOPs, bytes, module
+    names and parameters renamed ``container.i``), reads the previous block's output where the last block read
+    its predecessor's, and everything the blocks share (masks, rotary tables) as the traced ones do; the ops
+    after the blocks read the last copy. Checked equal, layer by layer, to tracing the full depth
+    (``tests/test_planner.py``). The result is for previews, balancing, simulation and planning: ``graph.model``
+    is still the shallow model, so building its ``Pipe`` is refused.
+
+    Example:
+        >>> small = pv.trace(llama_with_2_layers, example_args=(ids,))
+        >>> graph = repeat_layers(small, "model.layers", 126)
+
+    Raises:
+        ValueError: fewer than two traced blocks, blocks that differ, or ``total`` below the traced count.
+    """
+    from pipeviz.graph import ModelGraph
+
+    cap = graph.capture
+    ops = cap.ops
+
+    def prefix(i: int) -> str:
+        return f"{container}.{i}"
+
+    def inside(name: str, i: int) -> bool:
+        return name == prefix(i) or name.startswith(prefix(i) + ".")
+
+    spans: list[list[int]] = []
+    while True:
+        idx = [op.index for op in ops if any(inside(s_, len(spans)) for s_ in op.stack)]
+        if not idx:
+            break
+        spans.append(idx)
+    k = len(spans)
+    if k < 2 or total < k:
+        raise ValueError(f"repeat_layers needs at least two traced blocks under {container!r} and total >= them; "
+                         f"found {k}, total={total}. Fix: trace the model with 2 blocks, then repeat_layers(graph, "
+                         f"{container!r}, {max(total, 2)}).")
+    prev, last = spans[-2], spans[-1]
+    a0, a, b = prev[0], last[0], last[-1]
+    n = b - a + 1
+    if (last != list(range(a, b + 1)) or prev != list(range(a0, a0 + n))
+            or [ops[i].target for i in prev] != [ops[i].target for i in last]):
+        raise ValueError(f"The blocks under {container!r} are not identical runs of ops; trace the full depth instead.")
+
+    def rename(name: str, i: int) -> str:
+        return prefix(i) + name[len(prefix(k - 1)):] if inside(name, k - 1) else name
+
+    new_ops = list(ops[:b + 1])
+    for i in range(k, total):
+        base = len(new_ops)
+        for t in range(n):
+            op = ops[a + t]
+            inputs = tuple(base + (j - a) if a <= j <= b else base - n + (j - a0) if a0 <= j < a0 + n else j
+                           for j in op.inputs)
+            new_ops.append(dataclasses.replace(
+                op, index=base + t, name=f"{op.name}__{i}", stack=tuple(rename(s_, i) for s_ in op.stack),
+                inputs=inputs, params=tuple(rename(p, i) for p in op.params)))
+    shift, last_base = (total - k) * n, len(new_ops) - n
+    for op in ops[b + 1:]:
+        inputs = tuple(last_base + (j - a) if a <= j <= b else j + shift if j > b else j for j in op.inputs)
+        new_ops.append(dataclasses.replace(op, index=op.index + shift, inputs=inputs))
+
+    def copies(names: Any) -> list[str]:
+        return [rename(x, i) for x in names if inside(x, k - 1) for i in range(k, total)]
+
+    modules = dict(cap.modules)
+    for fqn, (kind, children) in cap.modules.items():
+        if inside(fqn, k - 1):
+            for i in range(k, total):
+                modules[rename(fqn, i)] = (kind, tuple(rename(c, i) for c in children))
+    if container in modules:
+        kind, children = modules[container]
+        modules[container] = (kind, (*children, *(prefix(i) for i in range(k, total))))
+    numel, nbytes, aliases = dict(cap.param_numel), dict(cap.param_bytes), dict(cap.aliases)
+    for name in [x for x in cap.param_numel if inside(x, k - 1)]:
+        for i in range(k, total):
+            numel[rename(name, i)], nbytes[rename(name, i)] = cap.param_numel[name], cap.param_bytes[name]
+            aliases[rename(name, i)] = tuple(rename(x, i) for x in cap.aliases.get(name, (name,)))
+    note = (f"Planned from a trace of {k} blocks of {container!r}, the last repeated to {total} "
+            "(pipeviz.zoo.repeat_layers): the graph's model is the shallow one.")
+    big = dataclasses.replace(
+        cap, ops=new_ops, modules=modules, param_numel=numel, param_bytes=nbytes, aliases=aliases,
+        buffers=cap.buffers | set(copies(cap.buffers)), mutated=cap.mutated | set(copies(cap.mutated)),
+        elementwise=cap.elementwise | set(copies(cap.elementwise)), notes=[*cap.notes, note],
+        unsupported=[*cap.unsupported, note + " Fix: trace the full model to build its Pipe or launch it."])
+    return ModelGraph(big)
+
+
+def planning_graph(name_or_path: str, seq_len: int | None = None, blocks: int | None = 2) -> tuple[ModelGraph, int]:
+    """A well-known model or an HF config (``from_config``) traced for planning on the meta device at
+    ``seq_len`` tokens (default: the model's), and that length. With ``blocks`` (default 2) only that many
+    decoder blocks are traced and the last is repeated to the config's depth (``repeat_layers``): minutes become
+    seconds for a 70B or 405B model. ``blocks=None``, or a config whose blocks differ (``layer_types``), traces
+    the full depth.
+
+    Example:
+        >>> graph, seq = planning_graph("llama-3.1-405b")
+        >>> pv.plan_cluster(graph, 1024, "h100", global_batch=1024)
+    """
+    import pipeviz as pv
+
+    model, default_seq = from_config(name_or_path)
+    seq = seq_len or default_seq
+    ids = torch.zeros(1, seq, dtype=torch.long)
+    cfg = getattr(model, "config", None)
+    depth = getattr(cfg, "num_hidden_layers", None)
+    found = [(name, len(m)) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == depth]
+    if blocks is None or cfg is None or not depth or depth <= blocks or len(found) != 1 \
+            or getattr(cfg, "layer_types", None):
+        return pv.trace(model, example_args=(ids,)), seq
+    shallow_cfg = type(cfg).from_dict({**cfg.to_dict(), "num_hidden_layers": blocks})
+    with torch.device("meta"):
+        shallow = type(model)(shallow_cfg)
+    return repeat_layers(pv.trace(shallow, example_args=(ids,)), found[0][0], depth), seq

@@ -146,6 +146,33 @@ def test_a_meta_model_is_planned_without_weights() -> None:
     assert cp.rows and cp.seq_len == 1024 and any("scaled" in n for n in cp.notes)
 
 
+@pytest.mark.parametrize(("family", "container"), [("llama", "model.layers"), ("gpt2", "transformer.h")])
+def test_repeated_blocks_equal_a_full_trace(family: str, container: str) -> None:
+    pytest.importorskip("transformers")
+    from pipeviz import zoo
+
+    build = {"llama": lambda n: zoo.llama(num_hidden_layers=n), "gpt2": lambda n: zoo.gpt2(n_layer=n)}[family]
+    ids = torch.zeros(1, 64, dtype=torch.long)
+    with torch.device("meta"):
+        shallow, deep = build(2), build(5)
+    repeated = zoo.repeat_layers(pv.trace(shallow, example_args=(ids,)), container, 5)
+    traced = pv.trace(deep, example_args=(ids,))
+    fields = ("name", "kind", "params", "param_bytes", "flops", "out_bytes", "activation_bytes", "buffer_bytes")
+    assert [[getattr(x, f) for f in fields] for x in repeated.layers] == \
+        [[getattr(x, f) for f in fields] for x in traced.layers]
+    assert (repeated.total_params, repeated.total_flops, repeated.edges) == (traced.total_params, traced.total_flops,
+                                                                             traced.edges)
+    a, b = pv.balance(repeated, 3, hardware="h100"), pv.balance(traced, 3, hardware="h100")
+    assert [(s.layers, s.send_bytes, s.param_bytes, s.activation_bytes) for s in a.stages] == \
+        [(s.layers, s.send_bytes, s.param_bytes, s.activation_bytes) for s in b.stages]
+    assert pv.simulate(a, "1F1B", 4, hardware="h100", tp=2).step_time == pv.simulate(
+        b, "1F1B", 4, hardware="h100", tp=2).step_time
+    with pytest.raises(pv.PlanError, match="repeat_layers"):
+        a.pipe()  # the graph's model is the shallow one: no Pipe from it
+    with pytest.raises(ValueError, match="at least two traced blocks"):
+        zoo.repeat_layers(traced, "no.such.blocks", 5)
+
+
 def test_cli_plan_prints_the_ranked_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("transformers")
     from transformers import LlamaConfig
