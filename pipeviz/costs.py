@@ -272,17 +272,24 @@ def layer_activation_bytes(graph: ModelGraph, options: CostOptions | None = None
     - ``"selective"``: all but attention's scores, their scaling/masking and softmax (and its dropout): the
       ``5as/h`` term of Korthikanti et al. 2022; a fused attention (SDPA, flash) stores none of them anyway;
     - ``"full"``: only the layer's input (taken as its output's size, as in a residual stream).
+
+    On a ``Hardware`` views (reshape, transpose, expand, slices) are not counted: they share their base's memory.
     """
     opts = options or CostOptions()
     s = opts.byte_scale(graph)
-    if opts.recompute == "none":
-        return [layer.activation_bytes * s for layer in graph.layers]
     if opts.recompute == "full":
         return [min(layer.out_bytes, layer.activation_bytes) * s for layer in graph.layers]
     table = op_table(graph.capture)
-    spans = zip(graph.index.layer_first, graph.index.layer_last, strict=True)
-    return [(layer.activation_bytes - sum(table.out[i] for i in table.selective if a <= i <= b)) * s
-            for layer, (a, b) in zip(graph.layers, spans, strict=True)]
+    spans = list(zip(graph.index.layer_first, graph.index.layer_last, strict=True))
+    # On a hardware, views (reshape, transpose, expand, ...) hold no memory of their own: not counted. Without one
+    # the traced figure is kept, the one the preview and the runs' memory notes use.
+    dropped = [0.0] * len(spans)
+    if opts.hw is not None:
+        dropped = [sum(table.out[i] for i in table.views if a <= i <= b) for a, b in spans]
+    if opts.recompute == "selective":
+        dropped = [d + sum(table.out[i] for i in table.selective if a <= i <= b and i not in table.views)
+                   for d, (a, b) in zip(dropped, spans, strict=True)]
+    return [(layer.activation_bytes - d) * s for layer, d in zip(graph.layers, dropped, strict=True)]
 
 
 def stage_costs(
@@ -331,8 +338,11 @@ def stage_costs(
     dropped = [layer.activation_bytes * opts.byte_scale(g) - kept for layer, kept in zip(g.layers, stored, strict=True)]
     acts = tuple(int(s.activation_bytes * bs - sum(dropped[pos[n]] for n in s.layers) * opts.batch_scale)
                  // microbatches for s in stages)
-    rebuilt = (tuple(round(max(dropped[pos[n]] for n in s.layers) * opts.batch_scale / microbatches) for s in stages)
-               if opts.recompute != "none" else ())
+    rebuilt: tuple[int, ...] = ()
+    if opts.recompute != "none":  # a backward rebuilds what recomputation dropped, one layer at a time
+        kept_all = layer_activation_bytes(g, replace(opts, recompute="none"))
+        extra = [k - r for k, r in zip(kept_all, stored, strict=True)]
+        rebuilt = tuple(round(max(extra[pos[n]] for n in s.layers) * opts.batch_scale / microbatches) for s in stages)
     sends = tuple(s.send_bytes * bs / microbatches for s in stages[:-1])
     bw, lat = opts.link(2)
     comm = tuple(b / bw + lat for b in sends)

@@ -266,14 +266,15 @@ _FREE = frozenset({"view", "_unsafe_view", "reshape", "t", "transpose", "permute
 
 @dataclass(frozen=True)
 class OpTable:
-    """Per op of a capture: forward FLOPs, activation bytes read + written, weight bytes read, output bytes, and
-    the ops selective recomputation drops (attention scores)."""
+    """Per op of a capture: forward FLOPs, activation bytes read + written, weight bytes read, output bytes, the
+    ops selective recomputation drops (attention scores), and the views (no data of their own)."""
 
     flops: tuple[float, ...]
     act: tuple[float, ...]
     weight: tuple[float, ...]
     out: tuple[float, ...]
     selective: tuple[int, ...]
+    views: tuple[int, ...] = ()
 
 
 _OP_TABLES: dict[int, tuple[weakref.ref[Capture], OpTable]] = {}
@@ -285,15 +286,17 @@ def op_table(cap: Capture) -> OpTable:
     if hit is not None and hit[0]() is cap:
         return hit[1]
     ops = cap.ops
-    flops, act, weight, out = [], [], [], []
+    flops, act, weight, out, views = [], [], [], [], []
     for op in ops:
         base = op.target.split(".")[1] if op.target.startswith("aten.") else op.target.rsplit(".", 1)[-1]
         free = base in _FREE and not op.flops
+        if free:
+            views.append(op.index)
         flops.append(float(op.flops))
         out.append(float(op.out_bytes))
         act.append(0.0 if free else float(op.out_bytes + sum(ops[i].out_bytes for i in op.inputs)))
         weight.append(0.0 if free else float(sum(cap.param_bytes.get(p, 0) for p in op.params)))
-    table = OpTable(tuple(flops), tuple(act), tuple(weight), tuple(out), _attention_scores(cap))
+    table = OpTable(tuple(flops), tuple(act), tuple(weight), tuple(out), _attention_scores(cap), tuple(views))
     _OP_TABLES[id(cap)] = (weakref.ref(cap), table)
     return table
 

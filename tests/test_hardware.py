@@ -153,3 +153,16 @@ def test_the_preview_in_the_cost_models_settings(classic_graph: pv.ModelGraph) -
     full = plan.stage_memory(options=CostOptions(hardware="h100", recompute="full"))
     assert all(f <= b for f, b in zip(full, bf16, strict=True))
     assert plan.table(hardware="h100") != plan.table() and plan.table() == str(plan)
+
+
+def test_views_hold_no_memory_on_a_hardware() -> None:
+    pytest.importorskip("transformers")
+    from pipeviz import zoo
+    from pipeviz.costs import layer_activation_bytes
+
+    graph = pv.trace(zoo.llama(num_hidden_layers=2), example_args=(torch.randint(0, 512, (2, 32)),))
+    traced = layer_activation_bytes(graph, CostOptions(dtype="float32"))
+    on_h100 = layer_activation_bytes(graph, CostOptions(hardware="h100", dtype="float32"))
+    block = graph.layer_names.index("model.layers.0")
+    assert on_h100[block] < traced[block]  # reshapes, transposes and expands are not new tensors
+    assert all(h <= t for h, t in zip(on_h100, traced, strict=True))
