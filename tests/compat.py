@@ -36,15 +36,6 @@ class Row:
     build: Callable[[], Any]
     kind: str = "lm"  # lm: token ids in, logits per token; cls: classes per example; s2s: encoder-decoder
     note: str = ""
-    # The first transformers major whose modelling code torch.export captures: before 5, the mixture-of-experts
-    # blocks loop over the experts the router hit (`for expert_idx in expert_hit`), a data-dependent loop that
-    # pv.trace refuses with that reason and the manual route.
-    exports_from: int = 4
-
-    def exports(self) -> bool:
-        import transformers
-
-        return int(transformers.__version__.split(".")[0]) >= self.exports_from
 
 
 def _decoder(cls: str, cfg: str, **kw: Any) -> Callable[[], Any]:
@@ -82,9 +73,9 @@ ROWS: list[Row] = [
                                         attention_dropout=0.0, **_DEC)),
     Row("Qwen2-MoE", "decoder", _decoder("Qwen2MoeForCausalLM", "Qwen2MoeConfig", num_key_value_heads=2, num_experts=4,
                                          num_experts_per_tok=2, moe_intermediate_size=32,
-                                         shared_expert_intermediate_size=64, **_DEC), exports_from=5),
+                                         shared_expert_intermediate_size=64, **_DEC)),
     Row("Mixtral", "decoder", _decoder("MixtralForCausalLM", "MixtralConfig", num_key_value_heads=2,
-                                       num_local_experts=4, num_experts_per_tok=2, **_DEC), exports_from=5),
+                                       num_local_experts=4, num_experts_per_tok=2, **_DEC)),
     Row("BERT", "encoder", _decoder("BertForMaskedLM", "BertConfig", hidden_size=32, intermediate_size=64,
                                     num_hidden_layers=4, num_attention_heads=4, hidden_dropout_prob=0.0,
                                     attention_probs_dropout_prob=0.0)),
