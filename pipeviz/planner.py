@@ -200,9 +200,8 @@ def plan_cluster(
     length for that (``pipeviz plan`` does). A model on the meta device is planned without weights.
 
     Example:
-        >>> with torch.device("meta"):
-        ...     model = pv.zoo.llama_config("llama-3-8b")
-        >>> graph = pv.trace(model, example_args=(torch.zeros(1, 8192, dtype=torch.long),))
+        >>> from pipeviz import zoo
+        >>> graph, seq = zoo.planning_graph("llama-3-8b")    # on the meta device, at 8192 tokens
         >>> print(pv.plan_cluster(graph, gpus=64, hardware="h100", global_batch=512).table())
 
     Args:
@@ -229,7 +228,8 @@ def plan_cluster(
         A ``ClusterPlan``; ``.rows`` best first, ``.table()`` as text.
 
     Raises:
-        ValueError: a non-positive ``gpus`` / ``global_batch``, an unknown hardware, dtype, schedule or mode.
+        ValueError: a non-positive ``gpus`` / ``global_batch``, a ``tp`` wider than a node, an unknown hardware,
+            dtype, schedule or mode.
     """
     hw = find_hardware(hardware)
     for name, value in (("gpus", gpus), ("global_batch", global_batch)):
@@ -292,6 +292,11 @@ def plan_cluster(
         notes.append("selective recomputation = none here: the model's attention is fused (no stored scores).")
 
     tps = list(tp) if tp is not None else [t for t in (1, 2, 4, 8, 16) if t <= hw.devices_per_node]
+    wide = [t for t in tps if not isinstance(t, int) or t < 1 or t > hw.devices_per_node]
+    if wide:
+        raise ValueError(f"tp={wide} not within one node of {hw.name} ({hw.devices_per_node} devices): tensor "
+                         f"parallelism talks at every layer and stays on the node's link. Fix: tp values from 1 to "
+                         f"{hw.devices_per_node}.")
     candidates: list[tuple[float, tuple[Any, ...]]] = []
     considered = pruned = 0
     model_flops = 3 * graph.total_flops * per_token * global_batch  # forward + backward (2x), no recomputation

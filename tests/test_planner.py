@@ -122,6 +122,8 @@ def test_layout_rules(tiny: pv.ModelGraph) -> None:
         pv.plan_cluster(tiny, 0, hw, 32)
     with pytest.raises(pv.ScheduleError, match="Unknown schedule"):
         pv.plan_cluster(tiny, 4, hw, 16, schedules=["gpipee"])
+    with pytest.raises(ValueError, match=r"tp=\[16\] not within one node of h100-sxm \(8 devices\)"):
+        pv.plan_cluster(tiny, 16, hw, 32, tp=[2, 16])
 
 
 def test_too_long_simulations_are_left_out_and_counted(tiny: pv.ModelGraph) -> None:
