@@ -3,9 +3,14 @@
 The stage preview, ``pv.simulate``, ``pv.balance``, the report and the Explorer all read these numbers, so
 one plan has one memory figure everywhere.
 
+Every function takes the same settings: a ``CostOptions`` (hardware, dtype, recompute, links, batch scale) or its
+fields as keywords.
+
 Time: a layer's forward and backward per microbatch come from a ``pv.profile`` measurement attached to the
-graph (``graph.with_profile(prof)``), scaled to the microbatch size, or from its FLOPs at a device's rate
-(backward = 2 x forward). A hand-off between stages costs bytes / bandwidth + latency.
+graph (``graph.with_profile(prof)``), scaled to the microbatch size; else, on a ``pv.Hardware``, from a roofline
+per op (``pipeviz.hardware``); else from its FLOPs at a device's rate (backward = 2 x forward). Recomputation
+adds forward work to each backward (``"full"``: the whole forward; ``"selective"``: attention's score ops). A
+hand-off between stages costs bytes / bandwidth + latency.
 
 Memory per rank, for a (plan, schedule, microbatches, optimizer state):
 
@@ -13,7 +18,8 @@ Memory per rank, for a (plan, schedule, microbatches, optimizer state):
     + the most activation bytes the rank's schedule keeps alive at once
 
 where a stage keeps ``activation_bytes / microbatches`` alive per microbatch between its forward and its
-backward (zero-bubble: the input-grad pass frees ``weight_fraction`` of it, the weight-grad pass the rest).
+backward (zero-bubble: the input-grad pass frees ``weight_fraction`` of it, the weight-grad pass the rest), less
+what recomputation drops (``layer_activation_bytes``), plus, under recomputation, one layer's rebuilt activations.
 The peak is read off the schedule's action order, so it is exact for that order whatever the timings.
 
 Composed with data (``dp`` replicas) and tensor (``tp`` shards) parallelism (``parallel_costs``): each replica
@@ -26,6 +32,7 @@ gradients once per step (``all_reduce_time`` of the rank's parameter bytes; ``pv
 Example:
     >>> costs = stage_costs(plan, microbatches=4)
     >>> memory_per_rank(plan, "1F1B", microbatches=4)          # bytes per rank
+    >>> stage_costs(plan, 4, options=CostOptions(hardware="h100", dtype="bfloat16", recompute="selective"))
 """
 
 from __future__ import annotations
