@@ -286,19 +286,40 @@ def op_table(cap: Capture) -> OpTable:
     if hit is not None and hit[0]() is cap:
         return hit[1]
     ops = cap.ops
+    seq, elem = _tokens_and_element_size(cap)
     flops, act, weight, out, views = [], [], [], [], []
     for op in ops:
         base = op.target.split(".")[1] if op.target.startswith("aten.") else op.target.rsplit(".", 1)[-1]
         free = base in _FREE and not op.flops
         if free:
             views.append(op.index)
-        flops.append(float(op.flops))
+        if base == "scaled_dot_product_attention" and not op.flops and seq:
+            # torch's FLOP counter counts the fused kernels (flash, efficient), not this composite op, which a
+            # CPU or meta trace records: QK^T and PV, 2 x 2 FLOPs per query element per key, over the
+            # sequence's keys (self-attention; no causal halving, as PaLM's MFU convention counts it).
+            flops.append(4.0 * op.out_bytes / elem * seq)
+        else:
+            flops.append(float(op.flops))
         out.append(float(op.out_bytes))
         act.append(0.0 if free else float(op.out_bytes + sum(ops[i].out_bytes for i in op.inputs)))
         weight.append(0.0 if free else float(sum(cap.param_bytes.get(p, 0) for p in op.params)))
     table = OpTable(tuple(flops), tuple(act), tuple(weight), tuple(out), _attention_scores(cap), tuple(views))
     _OP_TABLES[id(cap)] = (weakref.ref(cap), table)
     return table
+
+
+def _tokens_and_element_size(cap: Capture) -> tuple[int, float]:
+    """The traced sequence length (dim 1 of the first integer input of rank >= 2; 0 if none) and the bytes of a
+    floating-point element as traced (the parameters' average)."""
+    import torch
+
+    seq = 0
+    for x in [*cap.example_args, *cap.example_kwargs.values()]:
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and not x.is_floating_point():
+            seq = int(x.shape[1])
+            break
+    numel = sum(cap.param_numel.values())
+    return seq, (sum(cap.param_bytes.values()) / numel if numel else 4.0) or 4.0
 
 
 def _attention_scores(cap: Capture) -> tuple[int, ...]:

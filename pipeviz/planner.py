@@ -31,7 +31,7 @@ from pipeviz.costs import (
     tp_collectives,
 )
 from pipeviz.graph import ModelGraph
-from pipeviz.hardware import Hardware
+from pipeviz.hardware import Hardware, op_table
 from pipeviz.hardware import hardware as find_hardware
 from pipeviz.plan import PlanError, SplitPlan, human_bytes
 from pipeviz.simulate import simulate
@@ -299,7 +299,8 @@ def plan_cluster(
                          f"{hw.devices_per_node}.")
     candidates: list[tuple[float, tuple[Any, ...]]] = []
     considered = pruned = 0
-    model_flops = 3 * graph.total_flops * per_token * global_batch  # forward + backward (2x), no recomputation
+    # Model FLOPs: forward + backward (2x), no recomputation; attention's too where torch's counter missed them.
+    model_flops = 3 * max(graph.total_flops, sum(op_table(graph.capture).flops)) * per_token * global_batch
     for t in tps:
         if gpus % t:
             continue

@@ -166,3 +166,20 @@ def test_views_hold_no_memory_on_a_hardware() -> None:
     block = graph.layer_names.index("model.layers.0")
     assert on_h100[block] < traced[block]  # reshapes, transposes and expands are not new tensors
     assert all(h <= t for h, t in zip(on_h100, traced, strict=True))
+
+
+def test_fused_attention_is_costed() -> None:
+    pytest.importorskip("transformers")
+    from pipeviz import zoo
+    from pipeviz.hardware import op_table
+
+    seq = 64
+    graph = pv.trace(zoo.llama(num_hidden_layers=2), example_args=(torch.randint(0, 512, (2, seq)),))
+    table = op_table(graph.capture)
+    sdpa = [op for op in graph.capture.ops if "scaled_dot_product_attention" in op.target]
+    assert sdpa and all(op.flops == 0 for op in sdpa)  # torch's counter skips the composite op a CPU trace records
+    for op in sdpa:  # QK^T and PV over every key: 4 FLOPs per query element per key
+        assert table.flops[op.index] == 4 * (op.out_bytes / 4) * seq
+    block = graph.layer_names.index("model.layers.0")
+    with_attention, _, _ = layer_times(graph, 1, options=CostOptions(hardware="h100", dtype="float32"))
+    assert with_attention[block] > graph.layers[block].flops / pv.hardware("h100").rate("float32")
