@@ -443,7 +443,20 @@ def _count_flops(gm: torch.fx.GraphModule, flat_inputs: list[Any],
                 sizes[n.name] = _tensor_bytes(out)
             return out
 
-    mode = FlopCounterMode(display=False)
+    mode = FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION)
     with torch.no_grad(), mode:
         _Counter(gm).run(*flat_inputs)
     return counts
+
+
+def _cpu_flash_attention_flops(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
+                               out_val: Any = None, **kwargs: Any) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return int(sdpa_flop_count(query.shape, key.shape, value.shape))
+
+
+# torch's FLOP counter knows SDPA's GPU kernels and meta, not the CPU kernel a model traced on CPU tensors runs:
+# without this an HF model's attention counted 0 FLOPs on the CPU (and its full count on the meta device).
+_cpu_flash_attention_flops._get_raw = True  # type: ignore[attr-defined]  # called with tensors, not shapes
+_CPU_ATTENTION = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_attention_flops}
