@@ -42,6 +42,10 @@ def test_saved_activations_follow_the_schedule_and_static_bytes_are_counted() ->
         assert run.memory[0][-1][1] == 4 * params, (run.memory[0][-1], params)
         tl = run.timeline()
         assert tl.meta["activation_memory"][0] == samples
+        # the timeline draws a memory track under each rank, with the simulator's peak beside it
+        fig = pv.timeline_figure(tl, overlay=pv.simulate(plan, schedule, MICROBATCHES))
+        kinds = [t.meta[1] for t in fig.data if t.meta and t.meta[0] == "memory"]
+        assert kinds.count("MEM") == 2 and kinds.count("MEMSIM") == 2
     assert peaks["GPipe"][0] == MICROBATCHES * per_mb  # GPipe: every microbatch's forward before any backward
     assert peaks["1F1B"][0] == 2 * per_mb  # 1F1B: rank 0 of 2 keeps 2 microbatches in flight
     assert peaks["1F1B"][1] < peaks["GPipe"][1]  # the last rank: one microbatch at a time under 1F1B

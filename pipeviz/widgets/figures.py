@@ -147,6 +147,38 @@ def timeline_traces(timeline: Timeline, overlay: Timeline | None = None, *, gl: 
                            "textposition": "inside", "insidetextanchor": "middle",
                            "textfont": {"size": 10, "color": "white"},
                            "marker": {"color": KIND_COLORS[kind], "line": {"width": 0}}, **common})
+    return traces + memory_traces(timeline, overlay, t0)
+
+
+MEMORY_COLOR = "#2F4B7C"
+
+
+def memory_traces(timeline: Timeline, overlay: Timeline | None = None, t0: float = 0.0) -> list[dict[str, Any]]:
+    """A measured run's memory track under each rank's row: the bytes of tensors saved for backward over time
+    (``run.activation_memory``), scaled to the largest peak of any rank, with the simulated peak of that rank
+    (``overlay.peak_activation_bytes``) as a dotted line at its height. Nothing for a simulated timeline."""
+    samples: dict[Any, list[tuple[float, int]]] = timeline.meta.get("activation_memory") or {}
+    if not samples:
+        return []
+    predicted = list(overlay.meta.get("peak_activation_bytes") or []) if overlay is not None else []
+    top = max([b for s in samples.values() for _, b in s] + [max(predicted, default=0), 1])
+    traces: list[dict[str, Any]] = []
+    for i, (rank, track) in enumerate(sorted((int(r), s) for r, s in samples.items())):
+        times = np.array([t for t, _ in track]) - t0
+        sizes = np.array([b for _, b in track], dtype=float)
+        base = rank + 0.48  # the bottom of the rank's row (rank 0 on top): 0 bytes; the peak 0.16 higher
+        traces.append({"type": "scatter", "mode": "lines", "x": times * 1e3, "y": base - 0.16 * sizes / top,
+                       "line": {"color": MEMORY_COLOR, "width": 1, "shape": "hv"}, "name": "saved activations",
+                       "legendgroup": "memory", "showlegend": i == 0, "meta": ["memory", "MEM"],
+                       "customdata": sizes / 2**20, "hovertemplate": f"rank {rank}: %{{customdata:.2f}} MiB saved "
+                       "for backward<extra>measured memory</extra>"})
+        if rank < len(predicted) and len(times):
+            y = base - 0.16 * predicted[rank] / top
+            traces.append({"type": "scatter", "mode": "lines", "x": [times.min() * 1e3, times.max() * 1e3],
+                           "y": [y, y], "line": {"color": MEMORY_COLOR, "width": 1, "dash": "dot"},
+                           "name": "simulated peak", "legendgroup": "memory-sim", "showlegend": i == 0,
+                           "meta": ["memory", "MEMSIM"], "hovertemplate": f"rank {rank}: simulated peak "
+                           f"{predicted[rank] / 2**20:.2f} MiB<extra></extra>"})
     return traces
 
 
