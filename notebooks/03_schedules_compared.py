@@ -49,8 +49,9 @@ print(plan4)
 # %% [markdown]
 # ## Every schedule on one plan
 #
-# With 4 stages, single-stage schedules use 4 ranks and multi-stage ones 2 ranks holding 2 stages each, so compare
-# *step time* and *memory per rank*, not just bubbles.
+# `pv.compare` holds the device count fixed: on the plan's 4 ranks, single-stage schedules run its 4 stages and
+# multi-stage ones an 8-stage split balanced the same way (2 stages per rank), so every row answers "which schedule
+# for these 4 devices?" — compare *step time* and *memory per rank*, not just bubbles.
 
 # %%
 cmp = pv.compare(plan4, microbatches=8)
