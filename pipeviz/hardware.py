@@ -294,9 +294,9 @@ def op_table(cap: Capture) -> OpTable:
         if free:
             views.append(op.index)
         if base == "scaled_dot_product_attention" and not op.flops and seq:
-            # torch's FLOP counter counts the fused kernels (flash, efficient), not this composite op, which a
-            # CPU or meta trace records: QK^T and PV, 2 x 2 FLOPs per query element per key, over the
-            # sequence's keys (self-attention; no causal halving, as PaLM's MFU convention counts it).
+            # A capture whose counter missed the attention kernel (pipeviz.capture maps torch's CPU kernel to
+            # torch's SDPA formula; another kernel may be missing): QK^T and PV, 2 x 2 FLOPs per query element
+            # per key, over the sequence's keys (self-attention; no causal halving, as PaLM's MFU convention).
             flops.append(4.0 * op.out_bytes / elem * seq)
         else:
             flops.append(float(op.flops))

@@ -398,7 +398,7 @@ def planning_graph(name_or_path: str, seq_len: int | None = None, blocks: int | 
         >>> graph, seq = planning_graph("llama-3.1-405b")
         >>> pv.plan_cluster(graph, 1024, "h100", global_batch=1024)
     """
-    import pipeviz as pv
+    from pipeviz.graph import trace  # not the package root: a core module importing it closes a cycle
 
     model, default_seq = from_config(name_or_path)
     seq = seq_len or default_seq
@@ -408,8 +408,8 @@ def planning_graph(name_or_path: str, seq_len: int | None = None, blocks: int | 
     found = [(name, len(m)) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == depth]
     if blocks is None or cfg is None or not depth or depth <= blocks or len(found) != 1 \
             or getattr(cfg, "layer_types", None):
-        return pv.trace(model, example_args=(ids,)), seq
+        return trace(model, example_args=(ids,)), seq
     shallow_cfg = type(cfg).from_dict({**cfg.to_dict(), "num_hidden_layers": blocks})
     with torch.device("meta"):
         shallow = type(model)(shallow_cfg)
-    return repeat_layers(pv.trace(shallow, example_args=(ids,)), found[0][0], depth), seq
+    return repeat_layers(trace(shallow, example_args=(ids,)), found[0][0], depth), seq
