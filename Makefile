@@ -28,7 +28,8 @@ test: lint
 	$(PY) -m pytest
 
 # The compatibility step (the `compat` marker): the HF matrix (20 architectures x 3 schedules, and each built on
-# the meta device) and the LLaMA / Mixtral / MoE families under the 4 schedules `make test` leaves out.
+# the meta device), the LLaMA / Mixtral / MoE families under the 4 schedules `make test` leaves out, the heavier
+# composition tests and notebooks (demos 05-06, lessons 07 onwards).
 compat: setup
 	$(PY) -m pytest -m compat
 
