@@ -68,6 +68,7 @@ def test_mixtral_every_schedule(schedules: tuple[str, ...]) -> None:
     train_under(schedules, mixtral(), torch.randint(0, 96, (8, 8)), 96)
 
 
+@pytest.mark.compat  # make compat (CI); make test trains a routed MoE in tests/test_foreign.py
 @SCHEDULES
 def test_routed_moe_every_schedule(schedules: tuple[str, ...]) -> None:
     torch.manual_seed(0)

@@ -55,6 +55,7 @@ def launch(plan: pv.SplitPlan, schedule: str = "1F1B", **kw: Any) -> pv.Run:
 
 
 @pytest.mark.slow
+@pytest.mark.compat  # make compat (CI); make test keeps the checkpoint / meta test below
 def test_meta_model_initialised_on_its_ranks_trains_exactly_and_repeats(tmp_path: Path) -> None:
     model = meta_llama()
     plan = pv.balance(pv.trace(model, example_args=(IDS,)), 2)
