@@ -114,14 +114,20 @@ for name, tl in measured.items():
 # and the devices idle less. (The measured speed-up itself depends on free cores: see below.)
 assert speedup["simulated"] > 1.1, speedup
 assert imbalance["naive"] > 2 and imbalance["balanced"] < 1.6, imbalance
-assert measured["balanced"].bubble_fraction < measured["naive"].bubble_fraction
+# The idle share: simulated, balancing lowers it; measured, it also follows whatever else the cores are doing
+# (another job's threads stretch one rank's actions and the other waits), so it is printed, not asserted.
+idle = {name: pv.simulate(plan, "1F1B", microbatches=4, cores=CORES).bubble_fraction
+        for name, plan in (("naive", naive), ("balanced", balanced))}
+print(f"simulated bubble: naive {idle['naive']:.0%}, balanced {idle['balanced']:.0%}")
+assert idle["balanced"] < idle["naive"], idle
 
 # %%
 pv.TimelineView(measured["naive"])
 
 # %% [markdown]
 # On the real runs balancing evens out the work (the naive split's first rank computes several times longer than
-# its second; the balanced ranks are within 1.6× of each other) and the devices idle less: the cell asserts both.
+# its second; the balanced ranks are within 1.6× of each other), and the simulator says the devices idle less: the
+# cell asserts both (the measured bubbles are printed: on a shared machine they follow the load as well).
 # The step itself gets shorter by about the simulated factor only when every rank has a core (or a GPU) to
 # itself: on a machine busy with other work, two ranks that compute at once share what is left, and the step then
 # follows the total work, which balancing does not change. So the measured speed-up is printed, not asserted.
