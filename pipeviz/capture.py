@@ -294,6 +294,14 @@ def capture(
         with mode:
             flops = _count_flops(gm, flat_inputs, ran_bytes)
     except Exception as exc:  # export took the inputs, running them did not (an integer input to a Linear)
+        if fake and type(exc).__name__ == "DynamicOutputShapeException":
+            raise TraceError(
+                f"This model runs an op whose output size depends on the data ({str(exc).strip().splitlines()[0]}), "
+                "such as transformers 4.x's "
+                "mixture-of-experts routing (torch.where over the router's choice): on the meta device there is no "
+                "data to size it by, so its FLOPs and activations cannot be counted. Fix: build the model on the "
+                "CPU (real tensors; small configs trace in seconds), or use transformers 5.x, whose experts have "
+                "no such op.") from exc
         unfit = None if fake else _inputs_do_not_fit(traced, example_args, kwargs)
         if unfit is not None:
             raise unfit from exc

@@ -36,6 +36,13 @@ def test_architecture_built_on_the_meta_device_trains_from_its_ranks_initialiser
     with torch.device("meta"):
         model = row.build()  # type: ignore[attr-defined]
     args, kwargs, target = inputs(row)  # type: ignore[arg-type]
+    major = int(__import__("transformers").__version__.split(".")[0])
+    if major < 5 and row.name in ("Qwen2-MoE", "Mixtral"):  # type: ignore[attr-defined]
+        # A known limit: 4.x routes tokens with torch.where, whose output size only data gives (pipeviz.hf_moe);
+        # the meta device has none, and pv.trace says so with the fix (build it on the CPU).
+        with pytest.raises(pv.TraceError, match=r"output size depends on the data.*Fix: build the model on the CPU"):
+            pv.trace(model, example_args=args, example_kwargs=kwargs)
+        return
     plan = pv.balance(pv.trace(model, example_args=args, example_kwargs=kwargs), 2, by="params")
     run = pv.launch(plan, "1F1B", 4, 1, inputs=args, input_kwargs=kwargs or None, target=target, loss_fn=lm_loss,
                     optimizer=sgd)
