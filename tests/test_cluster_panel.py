@@ -56,6 +56,33 @@ def test_a_row_loads_into_the_explorer(tiny: pv.ModelGraph) -> None:
     panel.select(result.rows.index(option))
     assert ex.plan == option.plan and ex.schedule.value == option.schedule
     assert (ex.microbatches.value, ex.dp.value, ex.tp.value) == (option.microbatches, option.dp, option.tp)
+    # the Explorer's preview and simulation now cost the plan on the row's hardware, with its recomputation
+    assert ex.hardware.value == "h100-sxm" and ex.recompute.value == option.recompute
+    assert ex.cost_options().hw == pv.hardware("h100") and ex.cost_options().recompute == option.recompute
+
+
+def test_the_explorer_costs_on_the_hardware_chosen(tiny: pv.ModelGraph) -> None:
+    """Hardware and recomputation controls: the preview's times and memory, Balance and the simulated timeline
+    all follow them (one cost model), and "this machine" gives back today's figures."""
+    ex = pv.Explorer(tiny)
+    ex.auto_balance(2)
+    here_step, here_preview = ex.sim.step_time, ex.preview.value
+    assert ex.cost_options() == pv.CostOptions()
+    ex.hardware.value, ex.recompute.value = "a100-80gb", "full"
+    options = pv.CostOptions(hardware="a100-80gb", dtype="bfloat16", recompute="full")
+    assert ex.cost_options() == options
+    expected = pv.simulate(ex.plan, ex.schedule.value, ex.microbatches.value, options=options)
+    assert ex.sim.step_time == pytest.approx(expected.step_time) and ex.sim.step_time < here_step / 10
+    from pipeviz.costs import stage_costs
+    from pipeviz.plan import human_bytes
+
+    for mem in ex.plan.stage_memory(options):  # the memory column is the hardware's dtype, recomputation's keep
+        assert human_bytes(mem) in ex.preview.value
+    assert ex.auto_balance(2) == pv.balance(tiny, 2, schedule=ex.schedule.value, microbatches=ex.microbatches.value,
+                                            options=options)
+    assert stage_costs(ex.plan, 1, options=options).source != stage_costs(ex.plan, 1).source
+    ex.hardware.value, ex.recompute.value = "this machine", "none"
+    assert ex.sim.step_time == pytest.approx(here_step) and ex.preview.value == here_preview
 
 
 def test_the_explorer_has_the_panel(tiny: pv.ModelGraph) -> None:

@@ -128,7 +128,12 @@ def _row_text(i: int, r: LayoutOption) -> str:
 
 
 def load_layout(explorer: Explorer, option: LayoutOption) -> None:
-    """Load a cluster layout into the Explorer: its balanced plan, schedule, microbatches, dp and tp."""
+    """Load a cluster layout into the Explorer: its balanced plan, schedule, microbatches, dp and tp, and the
+    hardware and recomputation its costs are on (the Explorer's cost controls; its dtype is the preset's bfloat16)."""
+    hw = option.options.hw
+    if hw is not None and hw.name in [value for _, value in explorer.hardware.options]:
+        explorer.hardware.value = hw.name
+    explorer.recompute.value = option.recompute
     explorer.schedule.value = option.schedule
     explorer.microbatches.value = option.microbatches
     explorer.dp.value, explorer.tp.value = option.dp, option.tp

@@ -30,6 +30,7 @@ import traitlets
 
 import pipeviz as pv
 from pipeviz import schedules as sched
+from pipeviz.costs import RECOMPUTE
 from pipeviz.graph import ModelGraph
 from pipeviz.plan import SplitPlan
 from pipeviz.runtime.config import UNSET, launch_config
@@ -42,6 +43,7 @@ from pipeviz.widgets.timeline_view import TimelineView
 
 __all__ = ["Explorer"]
 
+HERE = "this machine"  # the hardware control's default: costs measured or estimated here, in the traced dtype
 MODES = ("train", "infer")  # the run switch: train, or forward only
 GRAPH_WIDTH = 400  # px: the graph's column; the rest of the row (or the row below, when narrow) is the preview
 
@@ -180,7 +182,16 @@ class Explorer(W.VBox):
                                               "infer: forward only (no loss_fn; run.outputs)"],
                                     style={"button_width": "56px", "description_width": "initial"})
         self.mode.add_class("pipeviz-mode")
-        for w in (self.schedule, self.microbatches, self.mode, self.dp, self.tp):
+        # The cost model's settings (pv.CostOptions): what hardware the preview, Balance and the simulation cost the
+        # plan on — this machine (profiled layer times, the traced dtype) or a named GPU (roofline per op, its dtype)
+        # — and the activation recomputation they assume. Launch runs here whatever they say.
+        self.hardware = W.Dropdown(options=[(HERE, HERE), *[(n, n) for n in pv.HARDWARE if n != "cpu"]],
+                                   value=HERE, description="costs on", layout=W.Layout(width="220px"), style=wide)
+        self.hardware.add_class("pipeviz-hardware")
+        self.recompute = W.Dropdown(options=list(RECOMPUTE), value="none", description="recompute",
+                                    layout=W.Layout(width="170px"), style=wide)
+        self.recompute.add_class("pipeviz-recompute")
+        for w in (self.schedule, self.microbatches, self.mode, self.dp, self.tp, self.hardware, self.recompute):
             w.observe(self._on_controls, "value")
         self.hint = W.HTML()
         self.hint.add_class("pipeviz-hint")
@@ -222,7 +233,7 @@ class Explorer(W.VBox):
             W.HBox([self.stages, self.balance_by, self.balance_button, self.undo_button, self.redo_button],
                    layout=box()),
             W.HBox([self.mode, self.schedule, self.microbatches, self.steps], layout=box()),
-            W.HBox([self.dp, self.tp], layout=box()),
+            W.HBox([self.dp, self.tp, self.hardware, self.recompute], layout=box()),
             self.hint,
         ], layout=W.Layout(max_width="100%"))
         right = W.VBox([controls, self.errors, self.preview, self.mesh_view, self.pipe_button, self.pipe_text],
@@ -300,9 +311,10 @@ class Explorer(W.VBox):
         spr = None if schedule in sched.SINGLE else 2
         try:
             plan = pv.balance(self.graph, n, by=by or self.balance_by.value, schedule=schedule,
-                              microbatches=self.microbatches.value, stages_per_rank=spr or 1)
+                              microbatches=self.microbatches.value, stages_per_rank=spr or 1,
+                              options=self.cost_options())
         except pv.ScheduleError:  # the schedule cannot run n stages: balance without the tie-break
-            plan = pv.balance(self.graph, n, by=by or self.balance_by.value)
+            plan = pv.balance(self.graph, n, by=by or self.balance_by.value, options=self.cost_options())
         self.plan = plan
         return plan
 
@@ -378,6 +390,19 @@ class Explorer(W.VBox):
             devices=self.devices, dp=self.dp.value, tp=self.tp.value)
 
     @guarded
+    def cost_options(self) -> pv.CostOptions:
+        """The cost model's settings the controls make (hardware, its dtype, recomputation): what the preview,
+        Balance and the simulated timeline use. "this machine" is the default ``pv.CostOptions()`` (profiled
+        layer times, the traced dtype); a GPU preset costs each op by its roofline in bfloat16.
+
+        Example:
+            >>> ex.hardware.value, ex.recompute.value = "h100-sxm", "full"
+            >>> ex.cost_options()        # CostOptions(hardware=Hardware('h100-sxm', ...), dtype='bfloat16', ...)
+        """
+        if self.hardware.value == HERE:
+            return pv.CostOptions(recompute=self.recompute.value)
+        return pv.CostOptions(hardware=self.hardware.value, dtype="bfloat16", recompute=self.recompute.value)
+
     def stop(self) -> None:
         """Stop the running launch (``run.stop()``)."""
         if self.run is not None:
@@ -494,7 +519,8 @@ class Explorer(W.VBox):
             self._finished.set()
 
     def _explain_run(self, run: pv.Run) -> None:
-        text = panels.run_notes_html(run, self.sim, self.sim_here, _cores(), _load())
+        named = None if self.hardware.value == HERE else self.hardware.value
+        text = panels.run_notes_html(run, self.sim, self.sim_here, _cores(), _load(), named)
         if text != self.run_notes.value:
             self.run_notes.value = text
         crowded = run.layout.num_ranks > _cores() or _load() > _cores()
@@ -560,11 +586,13 @@ class Explorer(W.VBox):
         elif self._plan.num_stages > 1:
             try:
                 self.sim = pv.simulate(self._plan, schedule=schedule, microbatches=self.microbatches.value,
-                                       stages_per_rank=spr, forward_only=infer, dp=self.dp.value, tp=self.tp.value)
+                                       stages_per_rank=spr, forward_only=infer, dp=self.dp.value, tp=self.tp.value,
+                                       options=self.cost_options())
             except (pv.ScheduleError, ValueError) as exc:  # the schedule does not fit the plan: said once, above
                 failed = True
                 self._show_error(exc, prefix=f"{schedule} cannot run {plural(self._plan.num_stages, 'stage')}: ")
-        self.preview.value = panels.preview_html(self._plan, self.sim, self.microbatches.value, failed)
+        self.preview.value = panels.preview_html(self._plan, self.sim, self.microbatches.value, failed,
+                                                 options=self.cost_options())
         self.mesh_view.value = panels.mesh_html(self._plan, self.sim, self.dp.value, self.tp.value, self.schedule.value)
         # Shown before it is drawn: the chart takes the width it has when drawn (a hidden one has none).
         self.sim_view.layout.display = "none" if self.sim is None else "flex"

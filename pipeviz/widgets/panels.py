@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import pipeviz as pv
 from pipeviz.balance import slowest_stage
-from pipeviz.costs import stage_costs
+from pipeviz.costs import CostOptions, stage_costs
 from pipeviz.plan import SplitPlan, human_bytes
 from pipeviz.timeline import COMPUTE, Timeline
 from pipeviz.widgets.figures import plural, stage_color
@@ -92,17 +92,23 @@ def shift_click_guard() -> Any:
 _ShiftClickGuard: Any = None
 
 
-def stage_times(plan: SplitPlan, sim: Timeline | None, microbatches: int) -> tuple[list[float], str]:
+def stage_times(plan: SplitPlan, sim: Timeline | None, microbatches: int,
+                options: CostOptions | None = None) -> tuple[list[float], str]:
     """Seconds per microbatch (forward + backward) of each stage: from the simulated timeline, or from
-    ``pipeviz.costs`` when there is none. Returns (times, what they are)."""
+    ``pipeviz.costs`` (in ``options``' settings) when there is none. Returns (times, what they are)."""
     if sim is not None and sim.events:
         busy = [0.0] * plan.num_stages
         for e in sim.events:
             if e.kind in COMPUTE and 0 <= e.stage < plan.num_stages:
                 busy[e.stage] += e.duration
         return [b / max(1, sim.microbatches) for b in busy], "simulated"
-    costs = stage_costs(plan, microbatches)
+    costs = stage_costs(plan, microbatches, options=options)
     return [f + b for f, b in zip(costs.forward, costs.backward, strict=True)], f"estimated from {costs.source}"
+
+
+def _ms(seconds: float) -> str:
+    """A duration in ms with three significant decimals, in µs below 0.1 ms (a small model on an H100)."""
+    return f"{seconds * 1e3:.3f} ms" if seconds >= 1e-4 else f"{seconds * 1e6:.2f} µs"
 
 
 def short(name: str, limit: int = 40) -> str:
@@ -118,12 +124,13 @@ def _names_cell(layers: tuple[str, ...]) -> str:
     return f"<span title='{html.escape(', '.join(layers))}'>{shown}</span>"
 
 
-def verdict_html(plan: SplitPlan) -> str:
-    """How the plan's slowest stage compares with the best split into as many stages that exists."""
+def verdict_html(plan: SplitPlan, options: CostOptions | None = None) -> str:
+    """How the plan's slowest stage compares with the best split into as many stages that exists (layer times in
+    ``options``' settings)."""
     n = plan.num_stages
     if n < 2:
         return "One stage: click a layer to split after it, or set stages and press Balance."
-    slowest, optimum = slowest_stage(plan, "time")
+    slowest, optimum = slowest_stage(plan, "time", options)
     if optimum <= 0 or slowest <= optimum * (1 + 1e-6):
         return (f"<span class='pipeviz-verdict pipeviz-balanced' style='color:#1a7f37'>✓ balanced: the slowest "
                 f"stage is at the optimum, the best any split into {plural(n, 'stage')} reaches.</span>")
@@ -132,12 +139,17 @@ def verdict_html(plan: SplitPlan) -> str:
             "the pipeline runs at its pace. Balance evens it out.</span>")
 
 
-def preview_html(plan: SplitPlan, sim: Timeline | None, microbatches: int, failed: bool = False) -> str:
+def preview_html(plan: SplitPlan, sim: Timeline | None, microbatches: int, failed: bool = False,
+                 options: CostOptions | None = None) -> str:
     """The stage table (layers, params, GFLOPs, bytes sent, time, memory), the slowest stage highlighted, the
     verdict against the optimum, and the simulated step. ``failed``: the schedule could not be simulated
-    (its error is shown once, above), so times are estimates and say so."""
+    (its error is shown once, above), so times are estimates and say so. ``options`` (``pv.CostOptions``): the
+    hardware, dtype and recomputation the times, the memory column and the verdict are in (default: this
+    machine, the traced dtype)."""
     stages = plan.stages
-    times, source = stage_times(plan, sim, microbatches)
+    times, source = stage_times(plan, sim, microbatches, options)
+    custom = options is not None and options != CostOptions()
+    memory = plan.stage_memory(options) if custom else [s.memory_bytes for s in stages]
     slowest = max(range(len(times)), key=times.__getitem__) if times else -1
     splits = ", ".join(n if p is pv.SplitPoint.END else f"before {n}" for n, p in plan.splits) or "none"
     head = (f"<div class='pipeviz-preview-head'><b>{plural(plan.num_stages, 'stage')}</b>"
@@ -148,7 +160,7 @@ def preview_html(plan: SplitPlan, sim: Timeline | None, microbatches: int, faile
             f"<th style='{cell}'>params</th><th style='{cell}'>GFLOPs</th><th style='{cell}'>sends</th>"
             f"<th style='{cell}'>time/mb<br><small>({html.escape(label)})</small></th>"
             f"<th style='{cell}'>memory</th></tr>"]
-    for s, t in zip(stages, times, strict=True):
+    for s, t, mem in zip(stages, times, memory, strict=True):
         hot = len(stages) > 1 and s.index == slowest
         style = " style='background:#fdf2e9'" if hot else ""
         swatch = f"<span style='color:{stage_color(s.index)}'>■</span>"
@@ -157,7 +169,7 @@ def preview_html(plan: SplitPlan, sim: Timeline | None, microbatches: int, faile
             f"<td style='padding:2px 6px;min-width:8em'>{_names_cell(s.layers)}</td>"
             f"<td style='{cell}'>{s.params:,}</td>"
             f"<td style='{cell}'>{s.flops / 1e9:.3f}</td><td style='{cell}'>{human_bytes(s.send_bytes)}</td>"
-            f"<td style='{cell}'>{t * 1e3:.3f} ms</td><td style='{cell}'>{human_bytes(s.memory_bytes)}</td></tr>")
+            f"<td style='{cell}'>{_ms(t)}</td><td style='{cell}'>{human_bytes(mem)}</td></tr>")
     # contain:inline-size: the table's width does not widen the preview; the table scrolls in its own box.
     table = ("<div class='pipeviz-table-box' style='max-width:100%;overflow-x:auto;contain:inline-size'>"
              "<table style='border-collapse:collapse;font-size:12px'>" + "".join(rows) + "</table></div>")
@@ -166,10 +178,10 @@ def preview_html(plan: SplitPlan, sim: Timeline | None, microbatches: int, faile
         mem = sim.meta.get("memory_bytes")
         per_rank = (" · memory per rank: " + ", ".join(f"r{r} {human_bytes(m)}" for r, m in enumerate(mem))) \
             if mem else ""
-        extra = (f"<div>simulated step {sim.step_time * 1e3:.3f} ms · bubble {sim.bubble_fraction:.0%}"
+        extra = (f"<div>simulated step {_ms(sim.step_time)} · bubble {sim.bubble_fraction:.0%}"
                  f"{per_rank}</div>")
     return (f"<div class='pipeviz-preview' style='font-size:12px;max-width:100%'>{head}{table}"
-            f"<div>{verdict_html(plan)}</div>{extra}</div>")
+            f"<div>{verdict_html(plan, options)}</div>{extra}</div>")
 
 
 def mesh_html(plan: SplitPlan, sim: Timeline | None, dp: int = 1, tp: int = 1, schedule: str | None = None) -> str:
@@ -221,15 +233,18 @@ def progress_html(run: pv.Run) -> str:
             f"{len(run.events):,} events · {elapsed:.1f} s")
 
 
-def run_notes_html(run: pv.Run, sim: Timeline | None, here: Timeline | None, cores: int, load: float) -> str:
-    """Why the measured step differs from the simulated one, next to both numbers."""
+def run_notes_html(run: pv.Run, sim: Timeline | None, here: Timeline | None, cores: int, load: float,
+                   hardware: str | None = None) -> str:
+    """Why the measured step differs from the simulated one, next to both numbers. ``hardware``: the named
+    hardware the simulation costs the plan on (not this machine's), said beside its step."""
     tl = run.timeline()
     if not tl.events:
         return ""
     measured = tl.step_time
     parts = [f"measured step {measured * 1e3:.2f} ms"]
     if sim is not None and sim.schedule == run.schedule and sim.num_stages == run.layout.num_stages:
-        parts.append(f"simulated {sim.step_time * 1e3:.2f} ms (a core per rank)")
+        where = f"on {hardware}, not this machine" if hardware else "a core per rank"
+        parts.append(f"simulated {sim.step_time * 1e3:.2f} ms ({where})")
     if here is not None:
         parts.append(f"simulated as run here ({plural(here.meta.get('cores') or cores, 'core')}) "
                      f"{here.step_time * 1e3:.2f} ms")
