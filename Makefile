@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # On a machine without an NVIDIA GPU pin the local CPU build: an unpinned torch pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test compat grid lint bench render clean
+.PHONY: setup demo test compat grid lint bench render screenshots clean
 
 setup: $(VENV)/.installed
 
@@ -43,6 +43,10 @@ grid:
 # in build/html/ (gitignored), with an index; exits 1 if a notebook fails. See scripts/render.py.
 render: setup
 	$(PY) scripts/render.py --out build/html
+
+# The README's pictures (docs/images/): taken by the real-browser test in JupyterLab, of what it just checked.
+screenshots: setup
+	PIPEVIZ_README_IMAGES=docs/images $(PY) -m pytest -q "tests/test_browser.py::test_explorer_as_a_user_meets_it[jupyterlab]"
 
 bench: setup
 	$(PY) benchmarks/preview_latency.py

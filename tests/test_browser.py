@@ -38,6 +38,10 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts" / "browser"
+# The README's pictures of the Explorer and of a live run's timeline: taken here on every JupyterLab run (into
+# ARTIFACTS) and, with PIPEVIZ_README_IMAGES=docs/images (`make screenshots`), written where the README shows them,
+# so they are kept current by the test that checks what they show.
+README_IMAGES = {"explorer": "explorer.png", "timeline": "live-timeline.png"}
 CHROME_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
 WIDE, NARROW, HEIGHT = 1280, 1000, 1000
@@ -369,6 +373,8 @@ def test_explorer_as_a_user_meets_it(lab: tuple[str, Path], request: pytest.Fixt
     url, root = lab
     front_end = request.node.callspec.id
     shots = ARTIFACTS / front_end
+    readme = (ARTIFACTS.parents[1] / "README.md").read_text(encoding="utf-8")
+    assert all(f"](docs/images/{image})" in readme for image in README_IMAGES.values()), "the README shows them"
     shots.mkdir(parents=True, exist_ok=True)
     for old in shots.glob("*.png"):
         old.unlink()
@@ -385,6 +391,27 @@ def test_explorer_as_a_user_meets_it(lab: tuple[str, Path], request: pytest.Fixt
 
         def shot(name: str) -> None:
             page.screenshot(path=shots / f"{name}.png", full_page=True)
+
+        def readme_image(key: str, element: Any) -> None:
+            """One of the README's pictures: the element alone, at the wide layout (JupyterLab only)."""
+            if front_end != "jupyterlab":
+                return
+            # Tall enough for the whole widget and the side bar folded: JupyterLab scrolls the notebook inside the
+            # page, so an element taller than the window would come out cut.
+            page.evaluate("window.jupyterapp.commands.execute('application:toggle-left-area')")
+            page.set_viewport_size({"width": WIDE, "height": 2400})
+            try:
+                page.wait_for_timeout(1500)  # the figures re-lay out at the new size
+                element.scroll_into_view_if_needed()
+                page.mouse.move(2, 2)  # no tooltip in the picture
+                element.screenshot(path=shots / README_IMAGES[key], animations="disabled")
+            finally:
+                page.set_viewport_size({"width": WIDE, "height": HEIGHT})
+                page.evaluate("window.jupyterapp.commands.execute('application:toggle-left-area')")
+                page.wait_for_timeout(500)
+            if target := os.environ.get("PIPEVIZ_README_IMAGES"):
+                Path(target).mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(shots / README_IMAGES[key], Path(target) / README_IMAGES[key])
 
         def click_marker(name: str, shift: bool = False) -> dict[str, Any]:
             page.wait_for_function(f"({MARKER_XY})({json.dumps(name)})", timeout=60_000, polling=200)
@@ -497,6 +524,7 @@ def test_explorer_as_a_user_meets_it(lab: tuple[str, Path], request: pytest.Fixt
             expect(page.locator(".pipeviz-explorer .pipeviz-stage-row")).to_have_count(3)
             page.wait_for_function(f"({GRAPH_STATE})().splits === 2", timeout=30_000, polling=200)
             shot("3-balanced")
+            readme_image("explorer", explorer)
 
             # Launch: a phase shows at once, then the run ends "done" and the numerics match.
             t_click = page.evaluate(WATCH_PROGRESS)
@@ -520,6 +548,7 @@ def test_explorer_as_a_user_meets_it(lab: tuple[str, Path], request: pytest.Fixt
             assert shown[-1][1] == "done" and "running" in {status for _, status, _ in shown}, seen
             bars = page.locator(".pipeviz-run-timeline .js-plotly-plot g.trace.bars path")
             assert bars.count() >= 3 * 4 * 2, bars.count()  # forward and backward of every (stage, microbatch)
+            readme_image("timeline", page.locator(".pipeviz-explorer .pipeviz-run-timeline"))
 
             # Layout at two widths, with every section shown (graph, preview, simulated and measured timelines).
             for width in (WIDE, NARROW):
