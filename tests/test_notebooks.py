@@ -11,6 +11,7 @@ and the wrong one, "Correct" to the right one.
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ NOTEBOOKS = sorted(p.relative_to(ROOT).as_posix() for folder in ("notebooks", "t
                    for p in (ROOT / folder).glob("*.ipynb"))
 TUTORIALS = [n for n in NOTEBOOKS if n.startswith("tutorials/")]
 CELL_TIMEOUT = 240
+EXECUTED = ROOT / "artifacts" / "notebooks"  # executed copies (git-ignored), for scripts/render.py --executed
 
 
 def _builder() -> ModuleType:
@@ -114,8 +116,26 @@ def _execute(name: str, folder: Path) -> tuple[object, float]:
     client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT, kernel_name="python3",
                                      resources={"metadata": {"path": str(folder)}})
     start = time.perf_counter()
-    client.execute()
-    return nb, time.perf_counter() - start
+    # Figures as HTML carrying plotly.js, as `make render` runs them: the executed copy kept below is readable.
+    client.execute(env={**os.environ, "PLOTLY_RENDERER": "notebook"})
+    elapsed = time.perf_counter() - start
+    _keep(name, nb, answers=2 if solution else 0)
+    return nb, elapsed
+
+
+def _keep(name: str, nb, answers: int) -> None:  # an nbformat notebook
+    """The executed notebook as a reader meets it (without the appended answers) in artifacts/notebooks/, which
+    `scripts/render.py --executed artifacts/notebooks` turns into HTML pages without running anything again
+    (CI keeps them: the lessons readable without running them)."""
+    import copy
+
+    import nbformat
+
+    reader = copy.deepcopy(nb)
+    reader.cells = reader.cells[:len(reader.cells) - answers]
+    path = EXECUTED / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(reader, path)
 
 
 @pytest.fixture(scope="session")
