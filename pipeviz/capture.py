@@ -25,8 +25,8 @@ from pipeviz.adapter import fake_cpu
 from pipeviz.hf_moe import exportable_moe
 from pipeviz.regions import REGION_META, inline_regions, leave_region
 
-__all__ = ["TRACE_LOCK", "Capture", "Op", "TraceError", "apply_fixups", "buffer_names", "capture",
-           "elementwise_modules"]
+__all__ = ["TRACE_LOCK", "Capture", "Op", "SavedTensors", "TraceError", "apply_fixups", "buffer_names", "capture",
+           "elementwise_modules", "op_saved_bytes"]
 
 
 # torch.export keeps global tracing state: traces from two threads (a run starting in the background while a
@@ -53,6 +53,18 @@ class Op:
     model_inputs: tuple[str, ...]  # model input placeholders this op reads
     params: tuple[str, ...]  # canonical names of the parameters/buffers this op reads
     region: str = ""  # the no_grad / autocast region the op runs in ("" if none): no split falls inside one
+    # Bytes autograd saves for backward while this op runs (``_count_flops``): each tensor once, in the first op
+    # that saves it; parameters and buffers never. None when unknown (the manual route): ``out_bytes`` stands in.
+    saved_bytes: int | None = None
+    # Tensors this op saves that an earlier op saved first: (that op's index, which of the tensors it saved first,
+    # bytes). A pipeline stage holds its own copy of what it receives: a tensor saved on both sides of a split
+    # counts in both stages.
+    resaved: tuple[tuple[int, int, int], ...] = ()
+
+
+def op_saved_bytes(op: Op) -> int:
+    """Bytes ``op`` saves for backward (``Op.saved_bytes``), or its output bytes where that is unknown."""
+    return op.out_bytes if op.saved_bytes is None else op.saved_bytes
 
 
 @dataclass
@@ -75,6 +87,7 @@ class Capture:
     notes: list[str] = field(default_factory=list)
     traced: bool = True  # False for the manual route (no torch.export graph)
     output_index: int | None = None  # which output leaf is ``logits`` for HF ModelOutputs (what a loss sees)
+    input_bytes: dict[str, int] = field(default_factory=dict)  # model input placeholder -> bytes (example batch)
     outputs: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)  # output leaves' shapes
     out_spec: Any = None  # the output's pytree structure (an HF ModelOutput, a tuple, a tensor)
     unsupported: list[str] = field(default_factory=list)  # ops torch's pipeline() cannot split: why, where, fix
@@ -290,9 +303,10 @@ def capture(
     fake = not isinstance(mode, contextlib.nullcontext)
     before = {} if fake else {name: b.detach().clone() for name, b in gm.named_buffers()}
     ran_bytes: dict[str, int] | None = None if fake else {}
+    saved = SavedTensors()
     try:
         with mode:
-            flops = _count_flops(gm, flat_inputs, ran_bytes)
+            flops = _count_flops(gm, flat_inputs, ran_bytes, saved)
     except Exception as exc:  # export took the inputs, running them did not (an integer input to a Linear)
         if fake and type(exc).__name__ == "DynamicOutputShapeException":
             raise TraceError(
@@ -345,6 +359,9 @@ def capture(
                 (ran_bytes or {}).get(node.name, _tensor_bytes(node.meta.get("val"))),
                 inputs=tuple(dict.fromkeys(inputs)), model_inputs=tuple(dict.fromkeys(model_inputs)),
                 params=tuple(dict.fromkeys(params)), region=node.meta.get(REGION_META, ""),
+                saved_bytes=saved.first.get(node.name, 0) if saved.ok else None,
+                resaved=tuple((index_of[first], slot, b) for first, slot, b in saved.again.get(node.name, ())
+                              if first in index_of) if saved.ok else (),
             )
         )
     unsupported = _unsupported_ops(gm)
@@ -359,6 +376,7 @@ def capture(
         outputs=outputs, out_spec=ep.call_spec.out_spec,
         buffers=buffer_names(model), mutated=mutated, elementwise=elementwise_modules(model),
         unsupported=unsupported,
+        input_bytes={n.name: _tensor_bytes(n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder"},
     )
 
 
@@ -436,14 +454,64 @@ def _lookup(model: nn.Module, fqn: str) -> torch.Tensor:
     return getattr(model.get_submodule(mod_name), attr)
 
 
-def _count_flops(gm: torch.fx.GraphModule, flat_inputs: list[Any],
-                 sizes: dict[str, int] | None = None) -> dict[str, int]:
+class SavedTensors:
+    """What autograd saves for backward during one forward, by the graph node that saves it.
+
+    Counted as ``pipeviz.runtime.memory.MemoryMeter`` counts a real run's activations: each distinct tensor once
+    (a view with the same storage, start and size is the same tensor), parameters and buffers (and views of
+    them) never. Works on real and fake tensors: a tensor is known by its storage object, not its address (a
+    fake tensor has none).
+    """
+
+    def __init__(self) -> None:
+        self.first: dict[str, int] = {}  # node -> bytes of the tensors it is the first to save
+        self.again: dict[str, list[tuple[str, int, int]]] = {}  # node -> (first saver, its slot, bytes)
+        self.ok = False  # set once a whole forward ran with grad enabled
+        self.node = ""  # the node running now
+        self._seen: dict[tuple[int, int, int], tuple[str, int]] = {}  # key -> (first saver, slot there)
+        self._slots: dict[str, int] = {}  # node -> tensors it saved first
+        self._skip: set[int] = set()  # storages of parameters and buffers
+        self._held: list[torch.Tensor] = []  # saved tensors kept alive: a freed storage's id could be reused
+
+    def skip(self, tensors: Any) -> None:
+        """Storages never counted (the module's parameters and buffers)."""
+        self._skip |= {t.untyped_storage()._cdata for t in tensors}
+
+    def pack(self, t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or not self.node:
+            return t
+        try:
+            storage = t.untyped_storage()._cdata
+        except (RuntimeError, NotImplementedError):  # a tensor without storage: nothing to count
+            return t
+        if storage in self._skip:
+            return t
+        nbytes = t.numel() * t.element_size()
+        key = (storage, t.storage_offset() * t.element_size(), nbytes)
+        seen = self._seen.get(key)
+        if seen is None:
+            slot = self._slots.get(self.node, 0)
+            self._slots[self.node] = slot + 1
+            self._seen[key] = (self.node, slot)
+            self.first[self.node] = self.first.get(self.node, 0) + nbytes
+            self._held.append(t)
+        elif seen[0] != self.node and all((f, k) != seen for f, k, _ in self.again.get(self.node, ())):
+            self.again.setdefault(self.node, []).append((*seen, nbytes))
+        return t
+
+
+def _count_flops(gm: torch.fx.GraphModule, flat_inputs: list[Any], sizes: dict[str, int] | None = None,
+                 saved: SavedTensors | None = None) -> dict[str, int]:
     """Forward FLOPs of every node, counted by torch.utils.flop_counter while the graph runs once; with
-    ``sizes``, each node's output bytes as it ran (data-dependent shapes get their real size)."""
+    ``sizes``, each node's output bytes as it ran (data-dependent shapes get their real size); with ``saved``,
+    the tensors each node saves for backward (the forward then runs with grad enabled, as in training: no_grad
+    regions switch it off where the model does, and save nothing)."""
     counts: dict[str, int] = {}
 
     class _Counter(torch.fx.Interpreter):
         def run_node(self, n: torch.fx.Node) -> Any:
+            if saved is not None:
+                saved.node = n.name
             before = mode.get_total_flops()
             out = super().run_node(n)
             counts[n.name] = mode.get_total_flops() - before
@@ -452,9 +520,27 @@ def _count_flops(gm: torch.fx.GraphModule, flat_inputs: list[Any],
             return out
 
     mode = FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION)
+    if saved is not None:
+        constants = [getattr(gm, str(n.target), None) for n in gm.graph.nodes if n.op == "get_attr"]
+        saved.skip([*gm.parameters(), *gm.buffers(), *(c for c in constants if isinstance(c, torch.Tensor))])
+        hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack)
+        try:
+            with torch.enable_grad(), hooks, mode:
+                _Counter(gm).run(*flat_inputs)
+            saved.ok = True
+            return counts
+        except Exception:  # a forward that fails only with grad enabled: its FLOPs are counted without it
+            counts.clear()
+        finally:
+            saved.node = ""
+            saved._held.clear()
     with torch.no_grad(), mode:
         _Counter(gm).run(*flat_inputs)
     return counts
+
+
+def _unpack(t: Any) -> Any:
+    return t
 
 
 def _cpu_flash_attention_flops(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
