@@ -22,6 +22,15 @@ backward (zero-bubble: the input-grad pass frees ``weight_fraction`` of it, the 
 what recomputation drops (``layer_activation_bytes``), plus, under recomputation, one layer's rebuilt activations.
 The peak is read off the schedule's action order, so it is exact for that order whatever the timings.
 
+A stage's activations are what autograd saves for its backward (``StageInfo.activation_bytes``), counted at trace
+time as a run counts them (``pipeviz.runtime.memory``): each tensor once, parameters never, a view as its base,
+nothing in a no_grad region (``Op.saved_bytes``); a copy of its own of every saved tensor it received from an
+earlier stage (``SplitPlan.received_saved_bytes``); on the last stage what the loss saves (an output-sized
+log-softmax). Not counted, as the run's meter does not count them: a stage's outputs and received inputs that no
+op saves (torch's stage holds them until the backward; on a GPU they are in ``memory_allocated``, not here).
+Measured on CPU runs (``benchmarks/memory_accuracy.py``): within 0.1 % of the simulator's peak per rank under
+GPipe, 1F1B, Interleaved1F1B and ZBVZeroBubble.
+
 Composed with data (``dp`` replicas) and tensor (``tp`` shards) parallelism (``parallel_costs``): each replica
 trains on 1/dp of every microbatch, so a microbatch's compute, activations and hand-off bytes scale by 1/dp;
 each shard computes 1/tp of a stage and holds 1/tp of its parameters (gradients, optimizer state) and, roughly,
@@ -42,6 +51,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from pipeviz import schedules as sched
+from pipeviz.capture import op_saved_bytes
 from pipeviz.hardware import DTYPE_BYTES, Hardware, hardware, layer_roofline, op_table
 
 if TYPE_CHECKING:
@@ -275,28 +285,31 @@ def measured_here(graph: ModelGraph, hw: Hardware | None) -> bool:
 def layer_activation_bytes(graph: ModelGraph, options: CostOptions | None = None) -> list[float]:
     """Per layer, the activation bytes one example batch keeps alive until its backward, in ``options.dtype``:
 
-    - ``"none"``: every activation the layer makes (``Layer.activation_bytes``);
-    - ``"selective"``: all but attention's scores, their scaling/masking and softmax (and its dropout): the
-      ``5as/h`` term of Korthikanti et al. 2022; a fused attention (SDPA, flash) stores none of them anyway;
-    - ``"full"``: only the layer's input (taken as its output's size, as in a residual stream).
+    - ``"none"``: what autograd saves for the layer's backward (``Layer.saved_bytes``: each tensor once, in the
+      first layer that saves it; parameters never; a view shares its base's memory; a no_grad region saves
+      nothing);
+    - ``"selective"``: all but what attention's scores, their scaling/masking and softmax (and its dropout)
+      save: the ``5as/h`` term of Korthikanti et al. 2022; a fused attention (SDPA, flash) saves none of them
+      anyway;
+    - ``"full"``: only the layer's input (``Layer.in_bytes``; the output layer keeps the loss's too).
 
-    On a ``Hardware`` views (reshape, transpose, expand, slices) are not counted: they share their base's memory.
+    Example:
+        >>> sum(layer_activation_bytes(graph, CostOptions(recompute="full")))
     """
     opts = options or CostOptions()
     s = opts.byte_scale(graph)
-    if opts.recompute == "full":
-        return [min(layer.out_bytes, layer.activation_bytes) * s for layer in graph.layers]
-    table = op_table(graph.capture)
+    ops = graph.capture.ops
     spans = list(zip(graph.index.layer_first, graph.index.layer_last, strict=True))
-    # On a hardware, views (reshape, transpose, expand, ...) hold no memory of their own: not counted. Without one
-    # the traced figure is kept, the one the preview and the runs' memory notes use.
-    dropped = [0.0] * len(spans)
-    if opts.hw is not None:
-        dropped = [sum(table.out[i] for i in table.views if a <= i <= b) for a, b in spans]
+    if opts.recompute == "full":  # the loss's saved tensors (in the output layer's saved_bytes) stay
+        loss = [layer.saved_bytes - sum(op_saved_bytes(ops[i]) for i in range(a, b + 1))
+                for layer, (a, b) in zip(graph.layers, spans, strict=True)]
+        return [((layer.in_bytes or min(layer.out_bytes, layer.activation_bytes)) + x) * s
+                for layer, x in zip(graph.layers, loss, strict=True)]
+    dropped = [0.0] * len(graph.layers)
     if opts.recompute == "selective":
-        dropped = [d + sum(table.out[i] for i in table.selective if a <= i <= b and i not in table.views)
-                   for d, (a, b) in zip(dropped, spans, strict=True)]
-    return [(layer.activation_bytes - d) * s for layer, d in zip(graph.layers, dropped, strict=True)]
+        table = op_table(graph.capture)
+        dropped = [sum(op_saved_bytes(ops[i]) for i in table.selective if a <= i <= b) for a, b in spans]
+    return [(layer.saved_bytes - d) * s for layer, d in zip(graph.layers, dropped, strict=True)]
 
 
 def stage_costs(
@@ -342,13 +355,19 @@ def stage_costs(
         overhead = prof.overhead
     bs = opts.byte_scale(g) * opts.batch_scale
     stored = layer_activation_bytes(g, opts)
-    dropped = [layer.activation_bytes * opts.byte_scale(g) - kept for layer, kept in zip(g.layers, stored, strict=True)]
-    acts = tuple(int(s.activation_bytes * bs - sum(dropped[pos[n]] for n in s.layers) * opts.batch_scale)
-                 // microbatches for s in stages)
+    dropped = [layer.saved_bytes * opts.byte_scale(g) - kept for layer, kept in zip(g.layers, stored, strict=True)]
+    # Under full recomputation a stage's first layer keeps its input, which is the copy the stage received: that
+    # copy is not kept a second time.
+    received = plan.received_saved_bytes if opts.recompute == "full" else [0] * len(stages)
+    acts = tuple(max(0, int((s.activation_bytes - r) * bs - sum(dropped[pos[n]] for n in s.layers) * opts.batch_scale))
+                 // microbatches for s, r in zip(stages, received, strict=True))
     rebuilt: tuple[int, ...] = ()
     if opts.recompute != "none":  # a backward rebuilds what recomputation dropped, one layer at a time
         kept_all = layer_activation_bytes(g, replace(opts, recompute="none"))
-        extra = [k - r for k, r in zip(kept_all, stored, strict=True)]
+        # full: the layer's forward runs again and saves all it saves without recomputation (its kept input among
+        # it, no second time); selective: the dropped score ops' tensors come back.
+        extra = kept_all if opts.recompute == "full" else [max(0.0, k - r) for k, r in zip(kept_all, stored,
+                                                                                             strict=True)]
         rebuilt = tuple(round(max(extra[pos[n]] for n in s.layers) * opts.batch_scale / microbatches) for s in stages)
     sends = tuple(s.send_bytes * bs / microbatches for s in stages[:-1])
     bw, lat = opts.link(2)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from torch.distributed.pipelining import SplitPoint
 
-from pipeviz.capture import Capture, capture
+from pipeviz.capture import Capture, capture, op_saved_bytes
 from pipeviz.plan import GraphIndex, PlanError, SplitPlan
 from pipeviz.units import ROOT, CallTree, Unit
 
@@ -47,7 +47,17 @@ class Layer:
         shared: canonical names of parameters this layer shares with other layers (tied or reused weights).
         calls: how many times forward calls the module (more than 1: each call is a layer of its own).
         expandable: whether ``graph.expand(name)`` can show its children.
-        activation_bytes: bytes of every activation the layer produces (what backward keeps alive).
+        activation_bytes: bytes of every activation the layer produces (its ops' outputs, views included): an
+            upper bound of what it keeps for backward.
+        saved_bytes: bytes autograd saves for the layer's backward (``Op.saved_bytes``: parameters never,
+            nothing in a no_grad region, each tensor once in the model, in the first layer that saves it: a
+            layer's input saved by the layer before it too counts there): what training keeps alive from the
+            layer's forward to its backward, the figure the memory model uses
+            (``pipeviz.costs.layer_activation_bytes``). The layer making the model's output also holds what the
+            loss saves (one output-sized tensor). A stage adds the copies it receives across a split
+            (``StageInfo.activation_bytes``).
+        in_bytes: bytes of the values the layer reads from outside itself (other layers' outputs, model inputs):
+            what it keeps under full recomputation.
         buffer_bytes: bytes of the buffers (running statistics, ``inv_freq``, ...) first used here.
     """
 
@@ -63,6 +73,8 @@ class Layer:
     expandable: bool
     activation_bytes: int = 0
     buffer_bytes: int = 0
+    saved_bytes: int = 0
+    in_bytes: int = 0
 
 
 def trace(
@@ -194,7 +206,8 @@ class ModelGraph:
         self._first = [tree.units[n].first for n in order]
         self._last = [tree.units[n].last for n in order]
         n = len(order)
-        flops, out_bytes, acts = [0] * n, [0] * n, [0] * n
+        flops, out_bytes, acts, saved, in_bytes = [0] * n, [0] * n, [0] * n, [0] * n, [0] * n
+        read: set[tuple[int, Any]] = set()
         readers: dict[int, set[int]] = {}
         for op in cap.ops:
             for src in op.inputs:
@@ -205,6 +218,15 @@ class ModelGraph:
             if li >= 0:
                 flops[li] += op.flops
                 acts[li] += op.out_bytes
+                saved[li] += self._op_saved[op.index]
+                for src in op.inputs:
+                    if self._op_layer[src] != li and (li, src) not in read:
+                        read.add((li, src))
+                        in_bytes[li] += cap.ops[src].out_bytes
+                for x in op.model_inputs:
+                    if (li, x) not in read:
+                        read.add((li, x))
+                        in_bytes[li] += cap.input_bytes.get(x, 0)
                 if any(dst != li for dst in readers.get(op.index, ())) or op.index in outputs:
                     out_bytes[li] += op.out_bytes
         idx = self.index
@@ -225,7 +247,7 @@ class ModelGraph:
                 flops=flops[i], out_bytes=out_bytes[i],
                 shared=tuple(sorted(p for p, ls in users.items() if i in ls and len(ls) > 1 and p in idx.param_uses)),
                 calls=tree.units[name].calls, expandable=bool(tree.units[name].children), activation_bytes=acts[i],
-                buffer_bytes=bbytes[i],
+                buffer_bytes=bbytes[i], saved_bytes=saved[i], in_bytes=in_bytes[i],
             )
             for i, name in enumerate(order)
         ]
@@ -241,10 +263,11 @@ class ModelGraph:
                 last_use[src] = max(last_use.get(src, -1), op.index)
         for out in self._graph_outputs():  # the model's outputs leave from the last stage
             last_use[out] = len(cap.ops) - 1
-        flops, acts = [0], [0]
+        flops, acts, saved = [0], [0], [0]
         for op in cap.ops:
             flops.append(flops[-1] + op.flops)
             acts.append(acts[-1] + op.out_bytes)
+            saved.append(saved[-1] + self._op_saved[op.index])
         param_uses: dict[str, list[int]] = {}
         buffer_uses: dict[str, list[int]] = {}
         input_uses: dict[str, list[int]] = {}
@@ -263,7 +286,21 @@ class ModelGraph:
             values=tuple((src, end, cap.ops[src].out_bytes) for src, end in sorted(last_use.items())),
             param_uses=frozen(param_uses), buffer_uses=frozen(buffer_uses), input_uses=frozen(input_uses),
             numel=dict(cap.param_numel), nbytes=dict(cap.param_bytes), mutated=cap.mutated,
+            saved_prefix=tuple(saved),
+            resaved=tuple((op.index, first, slot, b) for op in cap.ops for first, slot, b in op.resaved),
         )
+
+    @cached_property
+    def _op_saved(self) -> list[int]:
+        """Per op, the bytes it keeps for backward (``Op.saved_bytes``); the op making the model's output also
+        keeps what the loss saves: the loss runs right after it, on the same stage, and its saved tensors live
+        until that microbatch's backward like the stage's own."""
+        ops = self._cap.ops
+        out = [op_saved_bytes(op) for op in ops]
+        outputs = self._graph_outputs()
+        if outputs:
+            out[max(outputs)] += _loss_input_bytes(self._cap)
+        return out
 
     def _graph_outputs(self) -> set[int]:
         # Ops nobody reads inside the graph are the model's outputs.
@@ -496,3 +533,20 @@ class ModelGraph:
     def _suggest(name: str, pool: list[str]) -> str:
         close = difflib.get_close_matches(name, pool, n=3, cutoff=0.8)
         return f"Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
+def _loss_input_bytes(cap: Capture) -> int:
+    """Bytes the loss saves for backward on the last stage, for the example batch: one tensor the size of the
+    model's (floating) output, the ``logits`` of an HF output. Cross-entropy saves its log-softmax, MSE its input:
+    either is the output's size (the target, saved too, is not known before a launch and is usually small)."""
+    import torch
+
+    leaves = cap.outputs if cap.output_index is None else cap.outputs[cap.output_index:cap.output_index + 1]
+    total = 0
+    for shape, dtype in leaves:
+        if dtype.is_floating_point:
+            n = 1
+            for d in shape:
+                n *= d
+            total += n * torch.empty((), dtype=dtype).element_size()
+    return total

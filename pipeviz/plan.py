@@ -56,6 +56,10 @@ class GraphIndex:
         param_uses, buffer_uses, input_uses: canonical name -> ops reading it.
         numel, nbytes: per canonical tensor name.
         mutated: buffers the forward updates in place.
+        saved_prefix: prefix sums of what each op saves for backward (``Op.saved_bytes``: each tensor in the
+            first op that saves it; the model's output op also holds the loss's, ``Layer.saved_bytes``).
+        resaved: ``(op, first op, slot, bytes)`` of every tensor an op saves that an earlier op saved first
+            (``Op.resaved``): a stage other than the first saver's holds a copy of its own (it received it).
     """
 
     num_ops: int
@@ -71,6 +75,8 @@ class GraphIndex:
     numel: Mapping[str, int]
     nbytes: Mapping[str, int]
     mutated: frozenset[str] = field(default_factory=frozenset)
+    saved_prefix: tuple[int, ...] = ()
+    resaved: tuple[tuple[int, int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -89,8 +95,10 @@ class StageInfo:
         inputs: model inputs (placeholder names) this stage reads.
         shared_params: parameters this stage holds a copy of that other stages hold too (tied or reused).
         param_bytes: bytes of every parameter the stage holds (shared copies included).
-        activation_bytes: bytes of all activations the stage produces for the example batch (what
-            backward keeps alive, roughly).
+        activation_bytes: bytes autograd saves for the stage's backward, for the example batch: what a
+            pipelined run keeps alive from each forward to its backward (``Op.saved_bytes`` over the stage's
+            ops, a tensor received from an earlier stage counted here too, and on the last stage what the loss
+            saves, one output-sized tensor). ``pipeviz.runtime.memory`` measures the same thing on a run.
         buffer_bytes: bytes of the buffers the stage holds (running statistics, ``inv_freq``, ...).
         memory_bytes: the stage's training footprint on a rank of its own (``pipeviz.costs``): parameters,
             gradients and Adam's two states, buffers, and every microbatch's activations in flight (GPipe, the
@@ -287,6 +295,22 @@ class SplitPlan:
         return bisect.bisect_left(self._positions, op)
 
     @cached_property
+    def received_saved_bytes(self) -> list[int]:
+        """Per stage, bytes it saves for backward of tensors it received from an earlier stage that the sender
+        saves too (an MLP block's ReLU output: saved by the ReLU and by the next Linear). In the unsplit model
+        that is one tensor; in a pipelined run it is two (the receiver saves its own copy), so it counts once
+        in each stage that saves it (part of ``StageInfo.activation_bytes``)."""
+        stage = self._stage_of_op
+        out = [0] * self.num_stages
+        again: set[tuple[int, int, int]] = set()
+        for op, first, slot, nbytes in self.graph.index.resaved:
+            s = stage(op)
+            if stage(first) != s and (s, first, slot) not in again:
+                again.add((s, first, slot))
+                out[s] += nbytes
+        return out
+
+    @cached_property
     def stages(self) -> list[StageInfo]:
         """Per-stage preview (layers, params, FLOPs, bytes sent), computed from the graph's index."""
         idx = self.graph.index
@@ -297,7 +321,9 @@ class SplitPlan:
             layers[stage(first)].append(name)
         cuts = [0, *(int(p + 0.5) for p in self.positions), idx.num_ops]
         flops = [idx.flops_prefix[cuts[s + 1]] - idx.flops_prefix[cuts[s]] for s in range(n)]
-        act = [idx.act_prefix[cuts[s + 1]] - idx.act_prefix[cuts[s]] for s in range(n)]
+        act = [idx.saved_prefix[cuts[s + 1]] - idx.saved_prefix[cuts[s]] for s in range(n)] if idx.saved_prefix \
+            else [idx.act_prefix[cuts[s + 1]] - idx.act_prefix[cuts[s]] for s in range(n)]
+        act = [a + r for a, r in zip(act, self.received_saved_bytes, strict=True)]
         send, recv = [0] * n, [0] * n
         for src, end, nbytes in idx.values:
             for s in range(stage(src), stage(end)):  # relayed through every stage in between

@@ -351,15 +351,21 @@ def repeat_layers(graph: ModelGraph, container: str, total: int) -> ModelGraph:
         base = len(new_ops)
         for t in range(n):
             op = ops[a + t]
-            inputs = tuple(base + (j - a) if a <= j <= b else base - n + (j - a0) if a0 <= j < a0 + n else j
-                           for j in op.inputs)
+            def moved(j: int, base: int = base) -> int:
+                return base + (j - a) if a <= j <= b else base - n + (j - a0) if a0 <= j < a0 + n else j
+
             new_ops.append(dataclasses.replace(
                 op, index=base + t, name=f"{op.name}__{i}", stack=tuple(rename(s_, i) for s_ in op.stack),
-                inputs=inputs, params=tuple(rename(p, i) for p in op.params)))
+                inputs=tuple(moved(j) for j in op.inputs), params=tuple(rename(p, i) for p in op.params),
+                resaved=tuple((moved(f), slot, nb) for f, slot, nb in op.resaved)))
     shift, last_base = (total - k) * n, len(new_ops) - n
+
+    def shifted(j: int) -> int:
+        return last_base + (j - a) if a <= j <= b else j + shift if j > b else j
+
     for op in ops[b + 1:]:
-        inputs = tuple(last_base + (j - a) if a <= j <= b else j + shift if j > b else j for j in op.inputs)
-        new_ops.append(dataclasses.replace(op, index=op.index + shift, inputs=inputs))
+        new_ops.append(dataclasses.replace(op, index=op.index + shift, inputs=tuple(shifted(j) for j in op.inputs),
+                                           resaved=tuple((shifted(f), slot, nb) for f, slot, nb in op.resaved)))
 
     def copies(names: Any) -> list[str]:
         return [rename(x, i) for x in names if inside(x, k - 1) for i in range(k, total)]

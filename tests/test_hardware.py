@@ -149,9 +149,12 @@ def test_the_preview_in_the_cost_models_settings(classic_graph: pv.ModelGraph) -
     bf16 = plan.stage_memory(hardware="h100", dtype="bfloat16")  # activations in 2 bytes instead of 4
     assert all(b < m for b, m in zip(bf16, plan.stage_memory(), strict=True))
     # One microbatch in flight: full recomputation keeps each layer's input and rebuilds one layer at a time,
-    # never more than keeping everything.
-    full = plan.stage_memory(options=CostOptions(hardware="h100", recompute="full"))
-    assert all(f <= b for f, b in zip(full, bf16, strict=True))
+    # never more than keeping everything plus that rebuilt layer (a layer whose input is larger than what it saves,
+    # layer2's 1024 wide input here, gains nothing from it).
+    opts = CostOptions(hardware="h100", recompute="full")
+    full = plan.stage_memory(options=opts)
+    rebuilt = stage_costs(plan, 1, options=opts).recompute_bytes
+    assert all(f <= b + r for f, b, r in zip(full, bf16, rebuilt, strict=True))
     assert plan.table(hardware="h100") != plan.table() and plan.table() == str(plan)
 
 
@@ -164,8 +167,10 @@ def test_views_hold_no_memory_on_a_hardware() -> None:
     traced = layer_activation_bytes(graph, CostOptions(dtype="float32"))
     on_h100 = layer_activation_bytes(graph, CostOptions(hardware="h100", dtype="float32"))
     block = graph.layer_names.index("model.layers.0")
-    assert on_h100[block] < traced[block]  # reshapes, transposes and expands are not new tensors
-    assert all(h <= t for h, t in zip(on_h100, traced, strict=True))
+    # What autograd saves: a reshape, transpose or expand of a saved tensor is that tensor, on any hardware; every
+    # op's output (views included) is far more.
+    assert on_h100 == traced
+    assert traced[block] < graph.layers[block].activation_bytes
 
 
 def test_fused_attention_is_costed() -> None:
