@@ -1,4 +1,5 @@
-"""Exact zero-bubble backward splits: every weight gets its gradient from torch's input-grad / weight-grad passes."""
+"""Exact zero-bubble backward splits: every weight gets its gradient from torch's input-grad / weight-grad passes,
+and a split backward frees the saved activations when its weight-grad pass is done, as a full backward does."""
 
 from __future__ import annotations
 
@@ -7,16 +8,33 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 
 @contextlib.contextmanager
 def exact_split_backward() -> Iterator[None]:
     """Inside the block, torch's zero-bubble input-grad / weight-grad split gives every weight its exact
     gradient: weights off the inputs' path get theirs during the input-grad pass (there is nothing to share
-    with it), and the weight-grad pass keeps the graph until every weight group is done."""
+    with it), and the weight-grad pass keeps the graph until every weight group is done. The last stage keeps
+    its outputs for the step's result detached, so the graph (and every tensor it saved) goes when the weight-grad
+    pass is done, not at the step's end."""
     from torch.distributed.pipelining import stage as torch_stage
 
     original_input, original_weight = torch_stage.stage_backward_input, torch_stage.stage_backward_weight
+    stage_cls = torch_stage._PipelineStageBase
+    original_forward = stage_cls.forward_one_chunk
+
+    def forward_one_chunk(self: Any, *args: Any, **kwargs: Any) -> Any:
+        output = original_forward(self, *args, **kwargs)
+        # The last stage keeps each microbatch's output until the step returns them (output_chunks). torch
+        # detaches it in place after the input-grad pass, except a view (a Linear's output on a 3-d input is
+        # one), which cannot be: its grad_fn then kept the graph alive, and since both zero-bubble passes run
+        # with retain_graph=True, every tensor the stage saved for backward lived until the step's end (measured:
+        # a transformer's last stage held all its microbatches' activations through a ZBV step).
+        # The loss is computed from the returned output, which stays attached; only the kept copy is detached.
+        if self.is_last and self.output_chunks and self.output_chunks[-1] is output:
+            self.output_chunks[-1] = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), output)
+        return output
 
     def backward_input(outputs: list[Any], output_grads: Any, input_values: list[Any], weights: Any) -> Any:
         weights = list(weights)
@@ -34,10 +52,12 @@ def exact_split_backward() -> Iterator[None]:
     # Patched where PipelineStage looks them up (torch's own module globals), for the block only.
     torch_stage.stage_backward_input = backward_input  # type: ignore[assignment]
     torch_stage.stage_backward_weight = backward_weight
+    stage_cls.forward_one_chunk = forward_one_chunk  # type: ignore[method-assign]
     try:
         yield
     finally:
         torch_stage.stage_backward_input, torch_stage.stage_backward_weight = original_input, original_weight
+        stage_cls.forward_one_chunk = original_forward  # type: ignore[method-assign]
 
 
 def _grads_off_the_input_path(outputs: list[Any], output_grads: Any, input_values: list[Any],

@@ -101,7 +101,11 @@ class MemoryMeter:
             self.activations += key[1]
         else:
             entry[0] += 1
-        return _Saved(self, key, t)
+        # Keep the data, not the tensor: a saved output's grad_fn holds this object, and holding the tensor back
+        # (its grad_fn) would close a reference cycle that only the garbage collector breaks. A backward with
+        # retain_graph=True (zero-bubble's input- and weight-grad passes) never releases the saved tensors
+        # itself, so with the cycle they, and the memory, lived on until a collection.
+        return _Saved(self, key, t.detach())
 
     def _release(self, key: tuple[int, int]) -> None:
         entry = self.live.get(key)
