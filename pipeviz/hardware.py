@@ -35,11 +35,12 @@ if TYPE_CHECKING:
     from pipeviz.capture import Capture
     from pipeviz.graph import ModelGraph
 
-__all__ = ["DTYPES", "DTYPE_BYTES", "HARDWARE", "Hardware", "HardwareError", "OpTable", "hardware", "layer_roofline",
-           "measure_cpu", "op_table", "op_time"]
+__all__ = ["DTYPES", "DTYPE_BYTES", "HARDWARE", "ROOFLINES", "Hardware", "HardwareError", "OpTable", "hardware",
+           "layer_roofline", "matmul_efficiency", "measure_cpu", "op_table", "op_time"]
 
 
 DTYPES = ("float32", "tf32", "bfloat16", "float16", "fp8")
+ROOFLINES = ("additive", "max")
 DTYPE_BYTES = {"float32": 4, "tf32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
                   "float8": "fp8", "float8_e4m3fn": "fp8"}
@@ -66,8 +67,14 @@ class Hardware:
         devices_per_node: devices that share the fast intra-node link.
         intra_node: ``(bandwidth bytes/s per device per direction, latency s)`` within a node (NVLink).
         inter_node: ``(bandwidth bytes/s per device, latency s)`` between nodes (InfiniBand).
-        efficiency: achieved fraction of peak for matmuls (the calibration constant).
+        efficiency: achieved fraction of peak for matmuls (the calibration constant): the ceiling a large
+            matmul approaches; a smaller one reaches less (``roofline``, ``matmul_efficiency``).
         collective_efficiency: achieved fraction of link bandwidth in collectives and hand-offs.
+        roofline: how an op's math and memory traffic combine (``op_time``): ``"additive"`` (GPU presets: a
+            matmul's efficiency rises with its arithmetic intensity) or ``"max"`` (the plain roofline).
+        fused: the run's element-wise chains are fused kernels (Megatron-LM's fused kernels, torch.compile):
+            an intermediate that only the next element-wise op reads costs no memory traffic. Default False
+            (eager PyTorch: one kernel per op).
     """
 
     name: str
@@ -79,8 +86,13 @@ class Hardware:
     inter_node: tuple[float, float]
     efficiency: float = 0.55
     collective_efficiency: float = 0.8
+    roofline: str = "additive"
+    fused: bool = False
 
     def __post_init__(self) -> None:
+        if self.roofline not in ROOFLINES:
+            raise HardwareError(f"Unknown roofline={self.roofline!r}; valid: {', '.join(ROOFLINES)}. Fix: "
+                                "roofline='additive' (math + memory traffic) or 'max' (the slower of the two).")
         unknown = [k for k in self.flops if k not in DTYPES]
         if unknown:
             raise HardwareError(f"Hardware {self.name!r}: unknown dtype(s) {unknown} in flops; valid: "
@@ -94,7 +106,7 @@ class Hardware:
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.flops.items())), self.memory_bytes, self.memory_bandwidth,
                      self.devices_per_node, self.intra_node, self.inter_node, self.efficiency,
-                     self.collective_efficiency))
+                     self.collective_efficiency, self.roofline, self.fused))
 
     def dtype(self, dtype: str | None = None) -> str:
         """The canonical dtype name (``"bf16"`` -> ``"bfloat16"``); ``None``: bfloat16 where the device computes it
@@ -125,11 +137,26 @@ class Hardware:
         """This hardware with another calibration constant (``dataclasses.replace`` does the same)."""
         return replace(self, efficiency=efficiency)
 
-    def link(self, span: int) -> tuple[float, float]:
+    def link(self, span: int, rails: int = 1) -> tuple[float, float]:
         """``(bandwidth, latency)`` of a link between devices ``span`` ranks apart or a group spanning ``span``
         consecutive ranks: intra-node when it fits in one node, else inter-node; bandwidth x
-        ``collective_efficiency``."""
-        bw, lat = self.intra_node if span <= self.devices_per_node else self.inter_node
+        ``collective_efficiency``.
+
+        ``rails``: the group's devices in each node when it spans nodes. Each device has its own NIC (DGX A100 /
+        H100: one InfiniBand NIC per GPU), and NCCL runs one ring (a "channel") per NIC, so a ring collective
+        over nodes moves ``rails`` NICs' worth of bytes at once: nccl-tests' all-reduce bus bandwidth between
+        DGX A100 nodes is about 8 x 25 GB/s, not one NIC's 25 GB/s. Capped at the intra-node link. A group with
+        one device per node (the replicas of a tensor-parallel layout that fills the node) gets one NIC.
+
+        Example:
+            >>> pv.hardware("a100").link(32, rails=8)[0] / 1e9     # 32 GPUs, 8 per node: 8 NICs, 160 GB/s
+            160.0
+        """
+        if span <= self.devices_per_node:
+            bw, lat = self.intra_node
+        else:
+            rails = max(1, min(int(rails), self.devices_per_node))
+            bw, lat = min(self.inter_node[0] * rails, self.intra_node[0]), self.inter_node[1]
         return bw * self.collective_efficiency, lat
 
 
@@ -199,7 +226,7 @@ def measure_cpu(seconds: float = 0.3) -> Hardware:
         ram = 16 * 2**30
     gloo = (1e9, 2e-4)  # pipeviz.costs.LINKS["gloo"]: what a pipeline sees between ranks on one host
     return Hardware("cpu", flops, int(ram), bandwidth, os.cpu_count() or 1, gloo, gloo, efficiency=1.0,
-                    collective_efficiency=1.0)
+                    collective_efficiency=1.0, roofline="max")
 
 
 class _Presets(Mapping[str, Hardware]):
@@ -250,11 +277,37 @@ def hardware(spec: str | Hardware) -> Hardware:
 
 
 def op_time(flops: float, nbytes: float, hw: Hardware, dtype: str | None = None) -> float:
-    """Seconds of one op on ``hw``: the roofline ``max(flops / rate(dtype), bytes / memory_bandwidth)``.
+    """Seconds of one op on ``hw``: its math at ``rate(dtype)`` and its memory traffic at ``memory_bandwidth``,
+    combined as ``hw.roofline`` says.
 
-    A large matmul is compute-bound (the first term), an elementwise op memory-bound (the second).
+    - ``"additive"`` (the GPU presets): ``flops / rate + bytes / bandwidth``. A matmul of arithmetic intensity
+      ``I = flops / bytes`` then runs at ``rate x I / (I + I_ridge)``, with ``I_ridge = rate / bandwidth`` the
+      roofline's ridge point (Williams et al. 2009): its efficiency rises with its size and shape toward
+      ``efficiency`` and never passes it (``matmul_efficiency``). Megatron-LM's README reads its H100 weak
+      scaling (41 % of peak at 1.7B, 47-48 % at 314B-462B) the same way: "larger GEMMs have higher arithmetic
+      intensity and are consequently more efficient to execute". An element-wise op (no FLOPs) costs its bytes.
+    - ``"max"`` (``"cpu"``, whose rates are measured): ``max(flops / rate, bytes / bandwidth)``, the plain
+      roofline: a matmul is compute-bound, an element-wise op memory-bound.
     """
-    return max(flops / hw.rate(dtype), nbytes / hw.memory_bandwidth)
+    if hw.roofline == "max":
+        return max(flops / hw.rate(dtype), nbytes / hw.memory_bandwidth)
+    return flops / hw.rate(dtype) + nbytes / hw.memory_bandwidth
+
+
+def matmul_efficiency(m: int, k: int, n: int, hw: Hardware, dtype: str | None = None) -> float:
+    """The fraction of the dense peak an ``(m x k) @ (k x n)`` matmul reaches in ``op_time``'s model: at most
+    ``hw.efficiency``, rising with the matmul's arithmetic intensity (bytes: the two inputs read and the output
+    written once, in ``dtype``).
+
+    Example:
+        >>> h100 = pv.hardware("h100")
+        >>> matmul_efficiency(4096, 2048, 6144, h100) < matmul_efficiency(4096, 18432, 6912, h100) < h100.efficiency
+        True
+    """
+    name = hw.dtype(dtype)
+    flops = 2.0 * m * k * n
+    nbytes = DTYPE_BYTES[name] * (m * k + k * n + m * n)
+    return flops / op_time(flops, nbytes, hw, name) / hw.peak(name)
 
 
 # Ops that move no data: views, metadata and Python-level getters (the roofline gives them no time).
@@ -267,7 +320,8 @@ _FREE = frozenset({"view", "_unsafe_view", "reshape", "t", "transpose", "permute
 @dataclass(frozen=True)
 class OpTable:
     """Per op of a capture: forward FLOPs, activation bytes read + written, weight bytes read, output bytes, the
-    ops selective recomputation drops (attention scores), and the views (no data of their own)."""
+    ops selective recomputation drops (attention scores), the views (no data of their own), and the activation
+    bytes with element-wise chains fused (``_fused_activation_bytes``, for ``Hardware.fused``)."""
 
     flops: tuple[float, ...]
     act: tuple[float, ...]
@@ -275,6 +329,7 @@ class OpTable:
     out: tuple[float, ...]
     selective: tuple[int, ...]
     views: tuple[int, ...] = ()
+    fused_act: tuple[float, ...] = ()
 
 
 _OP_TABLES: dict[int, tuple[weakref.ref[Capture], OpTable]] = {}
@@ -303,9 +358,41 @@ def op_table(cap: Capture) -> OpTable:
         out.append(float(op.out_bytes))
         act.append(0.0 if free else float(op.out_bytes + sum(ops[i].out_bytes for i in op.inputs)))
         weight.append(0.0 if free else float(sum(cap.param_bytes.get(p, 0) for p in op.params)))
-    table = OpTable(tuple(flops), tuple(act), tuple(weight), tuple(out), _attention_scores(cap), tuple(views))
+    table = OpTable(tuple(flops), tuple(act), tuple(weight), tuple(out), _attention_scores(cap), tuple(views),
+                    _fused_activation_bytes(cap, flops, act, set(views)))
     _OP_TABLES[id(cap)] = (weakref.ref(cap), table)
     return table
+
+
+def _fused_activation_bytes(cap: Capture, flops: list[float], act: list[float], views: set[int]) -> tuple[float, ...]:
+    """``act`` with chains of element-wise ops fused into one kernel each, as Megatron-LM's fused kernels
+    (bias-GeLU, scale-mask-softmax, bias-dropout-add) and torch.compile's generated ones run them: where an
+    element-wise op (no FLOPs, not a view) reads the output of another that nothing else reads (through views),
+    that output is neither written by the producer nor read back by the consumer. A matmul's output is always
+    written (it ends its kernel)."""
+    ops = cap.ops
+    base = list(range(len(ops)))
+    for op in ops:  # a view's data is its input's
+        if op.index in views and op.inputs:
+            base[op.index] = base[op.inputs[0]]
+    readers: dict[int, int] = {}
+    for op in ops:
+        if op.index in views:
+            continue
+        for b in {base[i] for i in op.inputs}:
+            readers[b] = readers.get(b, 0) + 1
+    out = list(act)
+    for op in ops:
+        j = op.index
+        if j in views or flops[j]:
+            continue
+        for p in {base[i] for i in op.inputs}:
+            if p in views or flops[p] or readers.get(p) != 1 or not act[p]:
+                continue
+            nbytes = ops[p].out_bytes
+            out[j] = max(0.0, out[j] - nbytes)
+            out[p] = max(0.0, out[p] - nbytes)
+    return tuple(out)
 
 
 def _tokens_and_element_size(cap: Capture) -> tuple[int, float]:
@@ -352,6 +439,10 @@ def _attention_scores(cap: Capture) -> tuple[int, ...]:
 _ROOFLINE: dict[tuple[Any, ...], tuple[OpTable, list[float], list[float]]] = {}
 
 
+def _add(a: float, b: float) -> float:
+    return a + b
+
+
 def layer_roofline(graph: ModelGraph, hw: Hardware, dtype: str | None, k: float,
               s: float) -> tuple[list[float], list[float]]:
     """Per layer, forward seconds on ``hw`` (the roofline per op, summed) and those of its attention-score ops;
@@ -362,8 +453,10 @@ def layer_roofline(graph: ModelGraph, hw: Hardware, dtype: str | None, k: float,
     if hit is not None and hit[0] is table:  # the same capture, not a new one at a reused address
         return hit[1], hit[2]
     rate, bw = hw.rate(dtype), hw.memory_bandwidth
-    times = [max(f * k / rate, (a * k + w) * s / bw) for f, a, w in zip(table.flops, table.act, table.weight,
-                                                                             strict=True)]
+    combine = max if hw.roofline == "max" else _add  # op_time's rule, inlined: the planner asks many times
+    acts = table.fused_act if hw.fused and table.fused_act else table.act
+    times = [combine(f * k / rate, (a * k + w) * s / bw) for f, a, w in zip(table.flops, acts, table.weight,
+                                                                            strict=True)]
     spans = list(zip(graph.index.layer_first, graph.index.layer_last, strict=True))
     fwd = [sum(times[a:b + 1]) for a, b in spans]
     sel = [sum(times[i] for i in table.selective if a <= i <= b) for a, b in spans]

@@ -25,6 +25,7 @@ from typing import Any
 
 from pipeviz import schedules as sched
 from pipeviz.costs import (
+    DDP_BUCKET_BYTES,
     CostOptions,
     Costs,
     all_reduce_time,
@@ -35,12 +36,65 @@ from pipeviz.costs import (
     stage_costs,
     tp_collectives,
 )
-from pipeviz.hardware import Hardware
+from pipeviz.hardware import DTYPE_BYTES, Hardware
 from pipeviz.mesh import Mesh
 from pipeviz.plan import SplitPlan
 from pipeviz.timeline import Event, Timeline
 
-__all__ = ["Comparison", "Costs", "estimate_costs", "simulate"]
+__all__ = ["DP_REDUCE", "Collectives", "Comparison", "Costs", "estimate_costs", "simulate"]
+
+DP_REDUCE = ("ddp", "after_flush", "distributed")
+MEGATRON_BUCKET_PARAMS = 40_000_000  # Megatron-Core's DDP bucket: max(40M, 1M x dp) parameters
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """How a run does its collectives, where frameworks differ (``pv.simulate(..., collectives=...)``).
+
+    Example:
+        >>> megatron_2021 = Collectives(dp_reduce="after_flush", grad_dtype="float16", scatter_gather=True)
+        >>> pv.simulate(plan, "1F1B", 64, dp=8, tp=8, hardware="a100", collectives=megatron_2021)
+
+    Attributes:
+        dp_reduce: where the replicas' gradient average goes.
+
+            - ``"ddp"`` (default): torch DDP's 25 MiB buckets overlapping each stage's last backward (the
+              split-backward schedules: one all-reduce per rank after its last action, as torch's runtime does).
+            - ``"after_flush"``: every rank's gradients in one all-reduce after its last action, not overlapped
+              (Megatron-LM's ``--DDP-impl local`` of 2021: ``allreduce_gradients()`` after the pipeline flush).
+            - ``"distributed"``: Megatron-Core's distributed optimizer with ``--overlap-grad-reduce
+              --overlap-param-gather``: gradients reduce-scattered (half an all-reduce's bytes) in buckets of
+              ``max(40M, 1M x dp)`` parameters overlapping each stage's last backward, as DDP's, and the updated
+              parameters all-gathered (in ``dtype``) during the rank's first forward of the next step: only what
+              outlasts the time until that forward ends is charged, as a ``"DP"`` event after the step.
+        grad_dtype: the dtype gradients are reduced in (``"float16"``: Megatron 2021's fp16 runs; ``"float32"``:
+            Megatron's bf16 runs, ``--accumulate-allreduce-grads-in-fp32``). Default: the traced parameters'.
+        tp_overlap: tensor-parallel collectives overlap the matmuls they feed (Megatron-Core ``--tp-comm-overlap``,
+            torchtitan's async TP): a stage pays only what its collectives outlast its compute by.
+        scatter_gather: pipeline hand-offs under tensor parallelism send 1/tp of the activation per shard, each
+            over its own NIC, gathered over NVLink on arrival (Narayanan et al. 2021, sec. 4.1, the
+            "scatter/gather optimization"; sequence parallelism's sharded activations hand on the same 1/tp).
+
+    Raises:
+        ValueError: an unknown ``dp_reduce`` or ``grad_dtype`` (the message lists the valid ones).
+    """
+
+    dp_reduce: str = "ddp"
+    grad_dtype: str | None = None
+    tp_overlap: bool = False
+    scatter_gather: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dp_reduce not in DP_REDUCE:
+            raise ValueError(f"Unknown dp_reduce={self.dp_reduce!r}; valid: {', '.join(DP_REDUCE)}. Fix: "
+                             "dp_reduce='ddp' (torch DDP), 'after_flush' (Megatron-LM local DDP) or 'distributed' "
+                             "(Megatron-Core's distributed optimizer).")
+        if self.grad_dtype is not None:
+            name = str(self.grad_dtype).lower().removeprefix("torch.")
+            name = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16"}.get(name, name)
+            if name not in DTYPE_BYTES:
+                raise ValueError(f"Unknown grad_dtype {self.grad_dtype!r}; valid: {', '.join(DTYPE_BYTES)}.")
+            object.__setattr__(self, "grad_dtype", name)
 
 
 def estimate_costs(plan: SplitPlan, microbatches: int, **options: Any) -> Costs:
@@ -80,6 +134,7 @@ def simulate(
     bandwidth: float | None = None,
     latency: float | None = None,
     backend: str | None = None,
+    collectives: Collectives | None = None,
 ) -> Timeline:
     """Simulate one training step of ``plan`` under ``schedule``.
 
@@ -123,6 +178,11 @@ def simulate(
             shards' all-reduces over the link their group spans, likewise the replicas'; each replica's
             microbatch is costed at its own size (a roofline does not divide by dp).
         options: a ``pipeviz.costs.CostOptions`` (hardware, dtype, recompute, links, batch scale).
+        collectives: a ``Collectives``: where the replicas' gradient reduction goes (DDP's overlap, Megatron's
+            after the flush or its distributed optimizer), the gradients' dtype, overlapped tensor-parallel
+            collectives, scattered hand-offs. Default: torch's (DDP, traced dtype, nothing overlapped). On a
+            ``hardware``, a group spanning nodes uses one NIC per member in each node
+            (``Hardware.link(span, rails)``).
 
     Returns:
         A simulated ``Timeline``; ``meta`` holds ``peak_activation_bytes`` and ``memory_bytes`` per rank,
@@ -158,10 +218,16 @@ def simulate(
         costs = stage_costs(plan, microbatches, options=copts)
     if cores is not None and (not isinstance(cores, int) or cores < 1):
         raise ValueError(f"cores must be a positive int or None, got {cores!r}.")
+    coll = collectives or Collectives()
     mesh = Mesh(lay.num_ranks, dp, tp)
     bw, lat = opts.link(2)
     tp_via = opts.link(tp) if hw is not None else (tp_bandwidth or bw, lat)
-    dp_via = opts.link(mesh.replicas(0)[-1] + 1) if hw is not None else (dp_bandwidth or bw, lat)
+    dp_via = (dp_bandwidth or bw, lat)
+    if hw is not None:
+        # The replicas of one shard sit tp ranks apart: a node holds devices_per_node / tp of them, each with its
+        # own NIC, and NCCL rings over all of those NICs at once (Hardware.link's rails).
+        dbw, dlat = hw.link(mesh.replicas(0)[-1] + 1, rails=min(dp, max(1, hw.devices_per_node // tp)))
+        dp_via = (opts.bandwidth or dbw, dlat if opts.latency is None else opts.latency)
     if tp_bandwidth and hw is not None:
         tp_via = (tp_bandwidth, tp_via[1])
     if dp_bandwidth and hw is not None:
@@ -171,9 +237,23 @@ def simulate(
         scale = opts.byte_scale(plan.graph) * opts.batch_scale
         collective = tp_collectives(plan, microbatches, dp, tp, tp_via, scale)
     costs = parallel_costs(costs, 1 if per_replica else dp, tp, collective)
+    if coll.tp_overlap and costs.collective:
+        # Overlapped with the matmuls they feed: only what outlasts the stage's forward compute stays exposed.
+        costs = replace(costs, collective=tuple(max(0.0, c - f) for c, f in zip(costs.collective, costs.forward,
+                                                                                     strict=True)))
+    if opts.recompute == "full" and costs.collective:
+        # The backward's recomputed forward pays the forward's all-reduces again (Megatron-LM: 4 all-reduces per
+        # block in a recomputing backward, 2 in a forward).
+        costs = replace(costs, backward=tuple(b + c for b, c in zip(costs.backward, costs.collective, strict=True)))
     if hw is not None and costs.send_bytes:
-        costs = replace(costs, comm=_placed_comm(costs, lay, mesh, opts))
-    red = _Reduction(acts, lay, costs, dp, dp_via) if dp > 1 and not forward_only else None
+        costs = replace(costs, comm=_placed_comm(costs, lay, mesh, opts, tp if coll.scatter_gather else 1))
+    red = None
+    if dp > 1 and not forward_only:
+        traced = _traced_element_bytes(plan)
+        grad = DTYPE_BYTES[coll.grad_dtype] / traced if coll.grad_dtype else 1.0
+        param = DTYPE_BYTES[opts.dtype] / traced if opts.dtype else 1.0
+        red = _Reduction(acts, lay, costs, dp, dp_via, coll.dp_reduce, grad, param,
+                         (coll.grad_dtype and DTYPE_BYTES[coll.grad_dtype]) or traced)
     share = cores / (dp * tp) if cores is not None else math.inf  # replica 0's pipeline's share of the cores
     if share >= lay.num_ranks:
         events = _run(acts, lay, costs, n, red)
@@ -197,9 +277,12 @@ def simulate(
     return Timeline(events, lay.num_ranks, n, microbatches, lay.schedule, source="simulated", meta=meta)
 
 
-def _placed_comm(costs: Costs, lay: sched.Layout, mesh: Mesh, opts: CostOptions) -> tuple[float, ...]:
+def _placed_comm(costs: Costs, lay: sched.Layout, mesh: Mesh, opts: CostOptions,
+                 scatter: int = 1) -> tuple[float, ...]:
     """Each boundary's hand-off on the link between the two ranks' devices: intra-node when both sit in one node
-    (``devices_per_node`` consecutive process ranks), else inter-node."""
+    (``devices_per_node`` consecutive process ranks), else inter-node. ``scatter`` > 1 (the scatter/gather
+    optimization over tp shards): between nodes each shard sends 1/scatter of it on its own NIC, and the
+    receiving node all-gathers the pieces over its intra-node link."""
     hw = opts.hw
     assert hw is not None
     out = []
@@ -207,59 +290,93 @@ def _placed_comm(costs: Costs, lay: sched.Layout, mesh: Mesh, opts: CostOptions)
         a, b = mesh.rank(lay.stage_ranks[s]), mesh.rank(lay.stage_ranks[s + 1])
         same_node = a // hw.devices_per_node == b // hw.devices_per_node
         bw, lat = opts.link(1 if same_node else hw.devices_per_node + 1)
-        out.append(nbytes / bw + lat)
+        if scatter > 1 and not same_node:
+            ibw, ilat = opts.link(1)
+            out.append(nbytes / scatter / bw + lat + (scatter - 1) / scatter * nbytes / ibw + ilat)
+        else:
+            out.append(nbytes / bw + lat)
     return tuple(out)
 
 
-class _Reduction:
-    """Where the replicas' gradient all-reduce goes (see ``simulate``'s ``dp``): DDP's buckets overlapping each
-    stage's last backward, or one ``DP`` event per rank after its last action (split-backward schedules)."""
+def _traced_element_bytes(plan: SplitPlan | None) -> float:
+    """Bytes of one parameter element as traced (the parameters' average; 4 without a plan)."""
+    if plan is None:
+        return 4.0
+    cap = plan.graph.capture
+    numel = sum(cap.param_numel.values())
+    return (sum(cap.param_bytes.values()) / numel if numel else 4.0) or 4.0
 
-    def __init__(self, acts: list[list[str]], lay: sched.Layout, costs: Costs, dp: int,
-                 via: tuple[float, float]) -> None:
+
+class _Reduction:
+    """Where the replicas' gradient reduction goes (``Collectives.dp_reduce``): buckets overlapping each stage's
+    last backward (``"ddp"``: all-reduces; ``"distributed"``: reduce-scatters, then the parameters' all-gather
+    during the next step's first forward), or one ``DP`` event per rank after its last action (``"after_flush"``,
+    and ``"ddp"`` under the split-backward schedules, as torch's runtime does)."""
+
+    def __init__(self, acts: list[list[str]], lay: sched.Layout, costs: Costs, dp: int, via: tuple[float, float],
+                 mode: str = "ddp", grad_scale: float = 1.0, param_scale: float = 1.0,
+                 grad_element: float = 4.0) -> None:
         self.dp, self.via, self.costs = dp, via, costs
-        self.split = lay.schedule in sched.ZERO_BUBBLE
-        self.nbytes = [sum(costs.param_bytes[s] for s in lay.stages_of(r)) for r in range(lay.num_ranks)]
+        self.mode = "after_flush" if mode == "ddp" and lay.schedule in sched.ZERO_BUBBLE else mode
+        self.grads = [p * grad_scale for p in costs.param_bytes]  # per stage, the bytes reduced
+        self.params = [sum(costs.param_bytes[s] * param_scale for s in lay.stages_of(r))
+                       for r in range(lay.num_ranks)]  # per rank, what the distributed optimizer all-gathers
+        self.nbytes = [sum(self.grads[s] for s in lay.stages_of(r)) for r in range(lay.num_ranks)]
+        self.bucket = (DDP_BUCKET_BYTES if mode == "ddp"
+                       else int(max(MEGATRON_BUCKET_PARAMS, 1_000_000 * dp) * grad_element))
         self.seconds = [0.0] * lay.num_ranks
         last_of: dict[tuple[int, int], int] = {}  # (rank, stage) -> index of the stage's last backward action
-        for rank, rank_acts in enumerate(acts if not self.split else []):
+        for rank, rank_acts in enumerate(acts if self.mode != "after_flush" else []):
             for i, action in enumerate(rank_acts):
                 s, kind, _ = sched.parse(action)
                 if kind != "F":
                     last_of[(rank, s)] = i
         self.last = {(rank, i): s for (rank, s), i in last_of.items()}  # (rank, action index) -> stage
-        self.link_free = [0.0] * lay.num_ranks  # DDP's reductions on one rank run one after another
+        self.link_free = [0.0] * lay.num_ranks  # a rank's reductions run one after another on its link
+
+    def _time(self, nbytes: float) -> float:
+        """One bucket: an all-reduce, or (distributed optimizer) a reduce-scatter, half its steps and bytes."""
+        t = all_reduce_time(nbytes, self.dp, self.via)
+        return t / 2 if self.mode == "distributed" else t
 
     def finish(self, rank: int, index: int, start: float, end: float) -> float:
-        """When action ``index`` of ``rank``, computing from ``start`` to ``end``, returns (DDP waits for its
-        buckets' all-reduces in the stage's last backward)."""
+        """When action ``index`` of ``rank``, computing from ``start`` to ``end``, returns (DDP, and Megatron's
+        overlapped reduce-scatter, wait for the buckets' reductions in the stage's last backward)."""
         s = self.last.get((rank, index))
         if s is None:
             return end
-        buckets = ddp_buckets(self.costs.param_bytes[s])
+        buckets = ddp_buckets(round(self.grads[s]), self.bucket)
         if not buckets:
             return end
         t = max(self.link_free[rank], start)
         for b in buckets[:-1]:  # ready while the backward runs: overlapped from its start
-            t += all_reduce_time(b, self.dp, self.via)
-        tail = all_reduce_time(buckets[-1], self.dp, self.via)  # the first layers: ready at the end
-        t = max(t, end) + tail
-        self.seconds[rank] += sum(all_reduce_time(b, self.dp, self.via) for b in buckets)
+            t += self._time(b)
+        t = max(t, end) + self._time(buckets[-1])  # the first layers: ready at the end
+        self.seconds[rank] += sum(self._time(b) for b in buckets)
         self.link_free[rank] = t
         return t
 
     def after_step(self, events: list[Event]) -> list[Event]:
-        """The split-backward schedules' ``DP`` events: each rank's gradients in one all-reduce after its last
-        action."""
-        if not self.split:
-            return []
+        """``DP`` events after each rank's last action: the whole all-reduce (``"after_flush"``), or what the
+        distributed optimizer's parameter all-gather outlasts the rank's first forward by."""
         out = []
         for rank, nbytes in enumerate(self.nbytes):
-            t = all_reduce_time(nbytes, self.dp, self.via)
-            ends = [e.end for e in events if e.rank == rank]
-            if t > 0 and ends:
+            mine = [e for e in events if e.rank == rank]
+            if not mine:
+                continue
+            if self.mode == "after_flush":
+                t = all_reduce_time(nbytes, self.dp, self.via)
                 self.seconds[rank] = t
-                out.append(Event(rank, -1, "DP", -1, max(ends), max(ends) + t))
+            elif self.mode == "distributed":
+                gather = all_reduce_time(self.params[rank], self.dp, self.via) / 2
+                self.seconds[rank] += gather
+                first = min((e for e in mine if e.kind == "F"), key=lambda e: e.start, default=None)
+                t = max(0.0, gather - (first.end if first is not None else 0.0))
+            else:
+                continue
+            if t > 0:
+                end = max(e.end for e in mine)
+                out.append(Event(rank, -1, "DP", -1, end, end + t))
         return out
 
 

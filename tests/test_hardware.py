@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from torch import nn
 
 import pipeviz as pv
 from pipeviz.costs import CostOptions, layer_times, stage_costs
-from pipeviz.hardware import HARDWARE, op_time
+from pipeviz.hardware import HARDWARE, matmul_efficiency, op_time
 
 
 class Scale(nn.Module):
@@ -73,16 +74,90 @@ def test_unknown_names_list_the_valid_ones() -> None:
 
 def test_roofline_per_op() -> None:
     h100 = pv.hardware("h100")
-    # A 8192^3 matmul: 1.1 TFLOP, 400 MB: compute-bound. An elementwise add of 1 GB: memory-bound.
-    big = 2 * 8192**3
-    assert op_time(big, 3 * 8192**2 * 2, h100, "bfloat16") == pytest.approx(big / h100.rate("bfloat16"))
-    assert op_time(2**28, 3 * 2**30, h100) == pytest.approx(3 * 2**30 / h100.memory_bandwidth)
+    assert h100.roofline == "additive" and pv.hardware("cpu").roofline == "max"
+    # A 8192^3 matmul: 1.1 TFLOP, 400 MB. The GPU presets add its math and its memory traffic; the plain
+    # roofline takes the slower of the two: compute-bound. An elementwise add of 1 GB: memory-bound in both.
+    big, nbytes = 2 * 8192**3, 3 * 8192**2 * 2
+    rate, bw = h100.rate("bfloat16"), h100.memory_bandwidth
+    assert op_time(big, nbytes, h100, "bfloat16") == pytest.approx(big / rate + nbytes / bw)
+    plain = dataclasses.replace(h100, roofline="max")
+    assert op_time(big, nbytes, plain, "bfloat16") == pytest.approx(big / rate)
+    assert op_time(2**28, 3 * 2**30, plain) == pytest.approx(3 * 2**30 / bw)
+    assert op_time(0, 3 * 2**30, h100) == pytest.approx(3 * 2**30 / bw)
+    with pytest.raises(pv.HardwareError, match="Unknown roofline='min'; valid: additive, max"):
+        dataclasses.replace(h100, roofline="min")
+
+
+def test_matmul_efficiency_rises_with_size_toward_the_constant() -> None:
+    for name in ("a100", "h100"):
+        hw = pv.hardware(name)
+        square = [matmul_efficiency(d, d, d, hw) for d in (128, 256, 512, 1024, 2048, 4096, 8192, 16384)]
+        assert all(a < b for a, b in itertools.pairwise(square))  # monotone in size
+        assert 0 < square[0] < 0.5 * hw.efficiency and square[-1] < hw.efficiency
+        assert square[-1] > 0.95 * hw.efficiency  # a large matmul is nearly at the ceiling
+        assert matmul_efficiency(8192, 8192, 8192, hw.with_efficiency(0.3)) < 0.3
+    h100 = pv.hardware("h100")
+    # Megatron-LM's H100 weak scaling: the 1.7B model's QKV matmul (4096 tokens, hidden 2048, tp 1) is less
+    # efficient than the 462B model's (hidden 18432, tp 8), whose arithmetic intensity is twice as high.
+    assert matmul_efficiency(4096, 2048, 6144, h100) < matmul_efficiency(4096, 18432, 6912, h100)
+    # The plain roofline: every compute-bound matmul at the constant.
+    assert matmul_efficiency(4096, 2048, 6144, dataclasses.replace(h100, roofline="max")) == pytest.approx(
+        h100.efficiency)
+
+
+def test_a_group_over_nodes_uses_a_nic_per_member_in_each_node() -> None:
+    a100 = pv.hardware("a100")  # NVLink 300 GB/s per direction, 25 GB/s InfiniBand per GPU, 8 per node
+    eff = a100.collective_efficiency
+    assert a100.link(8) == (300e9 * eff, 5e-6)  # within a node: NVLink, rails do not matter
+    assert a100.link(8, rails=8) == a100.link(8)
+    assert a100.link(32) == (25e9 * eff, 1e-5)  # one member per node: one NIC
+    assert a100.link(32, rails=4)[0] == pytest.approx(100e9 * eff)
+    assert a100.link(32, rails=8)[0] == pytest.approx(200e9 * eff)
+    assert a100.link(32, rails=64)[0] == pytest.approx(200e9 * eff)  # no more rails than devices in a node
+    h100 = pv.hardware("h100")  # 8 x 50 GB/s = 400 GB/s of NICs, NVLink 450: the NICs bound it
+    assert h100.link(48, rails=8)[0] == pytest.approx(400e9 * h100.collective_efficiency)
+
+
+class Chain(nn.Module):
+    """Three element-wise ops in a row: a fused kernel reads the input once and writes the result once."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x * 2.0 + 1.0)
+
+
+class ChainModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.chain = Chain()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.chain(x)
+
+
+def test_fused_element_wise_chains_move_their_tensor_once() -> None:
+    x = torch.randn(1024, 1024)
+    graph = pv.trace(ChainModel(), example_args=(x,))
+    h100 = pv.hardware("h100")
+    eager, _, _ = layer_times(graph, 1, options=CostOptions(hardware=h100, dtype="float32"))
+    fused, _, _ = layer_times(graph, 1, options=CostOptions(hardware=dataclasses.replace(h100, fused=True),
+                                                            dtype="float32"))
+    pass_ = x.numel() * 4 / h100.memory_bandwidth
+    # Three ops, each reading and writing the tensor (the model's input x is no op's output: its read is not
+    # counted): 5 passes; fused, the two intermediates are neither written nor read back: the result's write.
+    assert eager[0] == pytest.approx(5 * pass_)
+    assert fused[0] == pytest.approx(1 * pass_)
+    # A matmul's output is written whatever follows it: fusing changes only the element-wise layer.
+    graph = pv.trace(MatmulThenScale(), example_args=(torch.randn(1024, 2048),))
+    one, _, _ = layer_times(graph, 1, options=CostOptions(hardware=h100, dtype="float32"))
+    two, _, _ = layer_times(graph, 1, options=CostOptions(hardware=dataclasses.replace(h100, fused=True),
+                                                          dtype="float32"))
+    assert two == pytest.approx(one)
 
 
 def test_layer_times_on_hardware_are_a_roofline() -> None:
     x = torch.randn(1024, 2048)
     graph = pv.trace(MatmulThenScale(), example_args=(x,))
-    h100 = pv.hardware("h100")
+    h100 = dataclasses.replace(pv.hardware("h100"), roofline="max")  # the plain roofline, term by term
     opts = CostOptions(hardware=h100, dtype="float32")
     fwd, bwd, source = layer_times(graph, 1, options=opts)
     assert source == "roofline" and bwd == [2 * f for f in fwd]

@@ -8,8 +8,16 @@ import pytest
 
 import pipeviz as pv
 from pipeviz import schedules as sched
-from pipeviz.costs import DDP_BUCKET_BYTES, all_reduce_time, ddp_buckets, memory_per_rank, parallel_costs, stage_costs
-from pipeviz.simulate import Costs
+from pipeviz.costs import (
+    DDP_BUCKET_BYTES,
+    CostOptions,
+    all_reduce_time,
+    ddp_buckets,
+    memory_per_rank,
+    parallel_costs,
+    stage_costs,
+)
+from pipeviz.simulate import Collectives, Costs
 
 BW, LAT = 1e9, 1e-4  # the link in these tests: 1 GB/s, 0.1 ms per ring step
 
@@ -176,3 +184,61 @@ def test_compare_takes_dp_and_tp(classic_graph: pv.ModelGraph) -> None:
     assert [r["step_time"] for r in cmp.rows] == [pv.simulate(plan, s, 4, dp=2, tp=2).step_time
                                                   for s in ("GPipe", "1F1B")]
     assert all(tl.meta["mesh"] == (2, 2, 2) for tl in cmp.timelines.values())
+
+
+def test_after_flush_reduces_every_rank_once_after_its_last_action() -> None:
+    # Megatron-LM's --DDP-impl local: the compute is the smaller pipeline's, untouched; each rank's gradients
+    # follow in one all-reduce; float16 gradients (traced float32: 4 bytes) halve its bytes.
+    params = (DDP_BUCKET_BYTES * 8, DDP_BUCKET_BYTES * 12)
+    after = Collectives(dp_reduce="after_flush", grad_dtype="float16")
+    tl = pv.simulate(None, "1F1B", 4, costs=_costs(params), num_stages=2, dp=2, bandwidth=BW, latency=LAT,
+                     collectives=after)
+    smaller = pv.simulate(None, "1F1B", 4, costs=Costs.uniform(2, 0.5, 1.0), num_stages=2)
+    assert _compute(tl) == _compute(smaller)
+    assert tl.meta["dp_bytes"] == [p / 2 for p in params]
+    for e in (e for e in tl.events if e.kind == "DP"):
+        last = max(x.end for x in tl.events if x.rank == e.rank and x.kind != "DP")
+        assert e.start == pytest.approx(last) and e.duration == pytest.approx(_ring(params[e.rank] / 2, 2))
+    # DDP overlaps most of it with the last backward: a shorter step for the same bytes.
+    ddp = pv.simulate(None, "1F1B", 4, costs=_costs(params), num_stages=2, dp=2, bandwidth=BW, latency=LAT,
+                      collectives=Collectives(grad_dtype="float16"))
+    assert ddp.step_time < tl.step_time
+
+
+def test_distributed_optimizer_reduce_scatters_and_hides_the_gather() -> None:
+    # Megatron-Core's distributed optimizer: a reduce-scatter is half an all-reduce (its steps and bytes), in
+    # buckets overlapping the last backward as DDP's; the parameters' all-gather hides in the first forward.
+    params = (DDP_BUCKET_BYTES * 5 // 2,)
+    costs = _costs(params)
+    kw = {"costs": costs, "num_stages": 1, "dp": 2, "bandwidth": DDP_BUCKET_BYTES, "latency": 0.0}
+    ddp = pv.simulate(None, "1F1B", 2, **kw)  # 2.5 s of all-reduce, 1.5 s exposed (see above)
+    dist = pv.simulate(None, "1F1B", 2, **kw, collectives=Collectives(dp_reduce="distributed"))
+    assert ddp.step_time == pytest.approx(4.5)
+    # One 40M-parameter bucket (160 MB) holds all 65 MB: a reduce-scatter of 1.25 s once the backward ends
+    # (3 s); the all-gather, 1.25 s too, outlasts the first forward (0.5 s) by 0.75 s.
+    assert dist.step_time == pytest.approx(3.0 + 1.25 + 0.75)
+    assert dist.meta["dp_seconds"] == pytest.approx([2.5])
+    with pytest.raises(ValueError, match="Unknown dp_reduce='zero3'; valid: ddp, after_flush, distributed"):
+        Collectives(dp_reduce="zero3")
+    with pytest.raises(ValueError, match="Unknown grad_dtype 'int8'"):
+        Collectives(grad_dtype="int8")
+
+
+def test_tp_overlap_and_scattered_hand_offs(classic_graph: pv.ModelGraph) -> None:
+    plan, m, tp = classic_graph.split(["layer1"]), 4, 2
+    plain = pv.simulate(plan, "1F1B", m, tp=tp, bandwidth=BW, latency=LAT)
+    hidden = pv.simulate(plan, "1F1B", m, tp=tp, bandwidth=BW, latency=LAT, collectives=Collectives(tp_overlap=True))
+    base = stage_costs(plan, m, bandwidth=BW, latency=LAT)
+    coll = [(p.duration - base.forward[p.stage] / tp) for p in plain.events if p.kind == "F" and p.mb == 0]
+    for e in (e for e in hidden.events if e.kind == "F"):
+        exposed = max(0.0, coll[e.stage] - base.forward[e.stage] / tp)
+        assert e.duration == pytest.approx(base.forward[e.stage] / tp + exposed)
+    assert hidden.step_time < plain.step_time
+    # Two pipeline ranks of 8 shards each sit in two nodes: scattered, each shard sends 1/8 on its own NIC and
+    # the receiver gathers over NVLink: cheaper for a large activation, dearer (a second latency) for a tiny one.
+    big = CostOptions(hardware="a100", batch_scale=10_000)
+    whole = pv.simulate(plan, "1F1B", m, tp=8, options=big)
+    scattered = pv.simulate(plan, "1F1B", m, tp=8, options=big, collectives=Collectives(scatter_gather=True))
+    assert scattered.step_time < whole.step_time
+    tiny = pv.simulate(plan, "1F1B", m, tp=8, hardware="a100", collectives=Collectives(scatter_gather=True))
+    assert tiny.step_time > pv.simulate(plan, "1F1B", m, tp=8, hardware="a100").step_time
