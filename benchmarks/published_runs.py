@@ -41,6 +41,8 @@ import argparse
 import contextlib
 import io
 import math
+import os
+import pickle
 import time
 import warnings
 from dataclasses import replace
@@ -50,6 +52,7 @@ import torch
 
 import pipeviz as pv
 from pipeviz.costs import CostOptions
+from pipeviz.simulate import Collectives
 
 try:  # run as a script (python benchmarks/published_runs.py) or as a module
     from published_runs_data import CALIBRATION, RUNS, PublishedRun
@@ -72,8 +75,9 @@ def build(row: PublishedRun, attention: str = "sdpa") -> tuple[torch.nn.Module, 
         # counts (e.g. 1.7B at hidden 2048 x 24 layers, vocab 131,072) need an untied head.
         cfg = GPT2Config(n_layer=row.layers, n_embd=row.hidden, n_head=row.heads, n_inner=row.ffn,
                          vocab_size=row.vocab, n_positions=row.seq_len, use_cache=False,
-                         tie_word_embeddings=row.vocab == 51200, activation_function="gelu", resid_pdrop=0.0,
-                         embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attention)
+                         tie_word_embeddings=row.vocab == 51200, activation_function="gelu",
+                         resid_pdrop=row.dropout, embd_pdrop=row.dropout, attn_pdrop=row.dropout,
+                         attn_implementation=attention)
         cls: Any = GPT2LMHeadModel
         prefix = "transformer.h"
     else:
@@ -120,32 +124,62 @@ def published_step(row: PublishedRun) -> float:
     return flops_per_step(row) / (row.value * 1e12 * row.gpus)
 
 
+def collectives(row: PublishedRun) -> Collectives:
+    """How the row's framework did its collectives (``published_runs_data``: ``framework`` says which)."""
+    return Collectives(dp_reduce=row.dp_reduce, grad_dtype=row.grad_dtype, tp_overlap=row.tp_overlap,
+                       scatter_gather=row.scatter_gather)
+
+
 def predict(plan: pv.SplitPlan, row: PublishedRun, hw: pv.Hardware, reduce: bool = True) -> pv.Timeline:
-    """The simulated step of ``row``; ``reduce=False``: one replica alone (its batch, no gradient all-reduce), to
-    show what the replicas' all-reduce adds to the prediction."""
+    """The simulated step of ``row``; ``reduce=False``: one replica alone (its batch, no gradient reduction), to
+    show what the replicas' reduction adds to the prediction."""
     dp = row.dp if reduce else 1
     batch = row.global_batch / row.dp * dp
     opts = CostOptions(hardware=hw, dtype=row.dtype, recompute=row.recompute, batch_scale=batch)
     return pv.simulate(plan, row.schedule, row.microbatches, stages_per_rank=row.stages_per_rank, dp=dp,
-                       tp=row.tp, options=opts)
+                       tp=row.tp, options=opts, collectives=collectives(row))
 
 
 def calibrate(plan: pv.SplitPlan, row: PublishedRun, hw: pv.Hardware) -> pv.Hardware:
-    """``hw`` with the efficiency at which ``row``'s predicted step, one replica alone (no gradient all-reduce),
-    equals the published one: the constant is the matmul efficiency, and the all-reduce stays a thing the other
-    columns test. A few fixed-point steps: the step is nearly inversely proportional to the efficiency, not
-    exactly, as memory-bound ops and links do not speed up with it."""
+    """``hw`` with the efficiency at which ``row``'s predicted step (the whole run: its replicas' gradient
+    reduction placed as its framework placed it) equals the published one. A few fixed-point steps: the step is
+    nearly inversely proportional to the efficiency, not exactly, as memory-bound ops and links do not speed up
+    with it."""
     target = published_step(row)
-    for _ in range(6):
-        ratio = predict(plan, row, hw, reduce=False).step_time / target
+    for _ in range(8):
+        ratio = predict(plan, row, hw).step_time / target
         hw = replace(hw, efficiency=min(1.0, hw.efficiency * ratio))
     return hw
+
+
+def traced(row: PublishedRun, attention: str, cache: str | None) -> tuple[pv.ModelGraph, str]:
+    """The row's model traced (``build``), or read from ``cache`` (a folder of pickled graphs, one per shape and
+    attention; delete it after changing ``pipeviz.capture`` or ``pipeviz.graph``)."""
+    shape = (row.family, row.layers, row.hidden, row.heads, row.kv_heads, row.ffn, row.vocab, row.seq_len)
+    path = None
+    if cache:
+        os.makedirs(cache, exist_ok=True)
+        path = os.path.join(cache, "_".join(map(str, shape)) + ("" if attention == "sdpa" else f"_{attention}")
+                            + (f"_drop{row.dropout}" if row.dropout else "") + ".pkl")
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                return pickle.load(f)
+    model, prefix = build(row, attention)
+    ids = torch.zeros(1, row.seq_len, dtype=torch.long)
+    with contextlib.redirect_stderr(io.StringIO()):
+        out = (pv.trace(model, example_args=(ids,)), prefix)
+    if path:
+        with open(path, "wb") as f:
+            pickle.dump(out, f)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="rows whose key contains this text (the calibration rows always)")
-    ap.add_argument("--attention", default="sdpa", choices=("sdpa", "eager"), help="HF attn_implementation")
+    ap.add_argument("--attention", default=None, choices=("sdpa", "eager"),
+                    help="HF attn_implementation for every row (default: each row's, as its run computed attention)")
+    ap.add_argument("--cache", default=None, help="a folder to keep traced graphs in between runs (pickled)")
     a = ap.parse_args()
     warnings.filterwarnings("ignore")
     t0 = time.perf_counter()
@@ -154,12 +188,11 @@ def main() -> None:
     graphs: dict[tuple[Any, ...], tuple[pv.ModelGraph, str]] = {}  # one trace per model shape
     for row in rows:
         t = time.perf_counter()
-        shape = (row.family, row.layers, row.hidden, row.heads, row.kv_heads, row.ffn, row.vocab, row.seq_len)
+        attention = a.attention or row.attention
+        shape = (row.family, row.layers, row.hidden, row.heads, row.kv_heads, row.ffn, row.vocab, row.seq_len,
+                 attention, row.dropout)
         if shape not in graphs:
-            model, prefix = build(row, a.attention)
-            ids = torch.zeros(1, row.seq_len, dtype=torch.long)
-            with contextlib.redirect_stderr(io.StringIO()):
-                graphs[shape] = (pv.trace(model, example_args=(ids,)), prefix)
+            graphs[shape] = traced(row, attention, a.cache)
         graph, prefix = graphs[shape]
         plans[row.key] = even_split(graph, prefix, row.layers, row.pp * (row.stages_per_rank or 1))
         print(f"traced {row.key:<24} {row.layers:>4} layers, {sum(x.params for x in graph.layers) / 1e9:7.1f} B "
@@ -168,25 +201,22 @@ def main() -> None:
     hws: dict[str, pv.Hardware] = {}
     for gpu, key in CALIBRATION.items():
         row = next(r for r in rows if r.key == key)
-        hws[gpu] = calibrate(plans[key], row, pv.hardware(gpu))
-        print(f"{gpu}: efficiency {hws[gpu].efficiency:.3f} of the dense peak, fitted on {key!r}")
+        # Every run here fuses its element-wise chains: Megatron-LM's fused kernels (bias-GeLU, scale-mask-softmax,
+        # bias-dropout-add; Transformer Engine in Megatron-Core), torchtitan's torch.compile.
+        hws[gpu] = calibrate(plans[key], row, replace(pv.hardware(gpu), fused=True))
+        print(f"{gpu}: efficiency {hws[gpu].efficiency:.3f} of the dense peak, fitted on {key!r} (its whole step)")
 
     print("\nthroughput in the source's unit; error = published step / predicted step - 1 (+: predicted faster); "
-          "no DP-AR: one replica alone, without the replicas' gradient all-reduce (what it adds)")
-    head = (f"{'row':<25}{'gpu':>5}{'GPUs':>6}{'tp':>3}{'pp':>4}{'dp':>4}{'v':>3}{'m':>5}{'schedule':>16}"
-            f"{'recomp':>8}{'unit':>10}{'published':>11}{'predicted':>11}{'error':>8}{'bubble':>8}{'no DP-AR':>10}"
-            f"{'error':>8}{'AR after':>10}{'error':>8}")
+          "no DP: one replica alone, without the replicas' gradient reduction (what it adds)")
+    head = (f"{'row':<25}{'source':>7}{'gpu':>5}{'GPUs':>6}{'tp':>3}{'pp':>4}{'dp':>4}{'v':>3}{'m':>5}"
+            f"{'schedule':>16}{'recomp':>7}{'dp reduce':>12}{'unit':>10}{'published':>10}{'predicted':>10}"
+            f"{'error':>8}{'bubble':>8}{'no DP':>8}{'error':>8}")
     print(head)
     results: dict[str, tuple[float, float]] = {}
-    results_after: dict[str, float] = {}
     for row in rows:
         hw = hws[row.gpu]
         tl = predict(plans[row.key], row, hw)
         alone = predict(plans[row.key], row, hw, reduce=False).step_time
-        # Megatron-LM's own placement ("--DDP-impl local", 2021): every rank's gradients all-reduced once after
-        # the pipeline flush, nothing overlapped or chained: the replica alone plus the slowest rank's
-        # all-reduce as pv.simulate times it (meta["dp_seconds"]).
-        after = alone + max(tl.meta.get("dp_seconds") or [0.0])
         pub = published_step(row)
         pred_value = row.value * pub / tl.step_time
         err = pub / tl.step_time - 1
@@ -194,12 +224,13 @@ def main() -> None:
         unit = {"tflops_per_gpu": "TFLOP/s", "tokens_per_gpu_s": "tok/s/GPU", "step_s": "s/step"}[row.metric]
         shown_pred = tl.step_time if row.metric == "step_s" else pred_value
         mark = "  (fit)" if row.key in CALIBRATION.values() else ""
-        print(f"{row.key:<25}{row.gpu:>5}{row.gpus:>6}{row.tp:>3}{row.pp:>4}{row.dp:>4}{row.stages_per_rank or 1:>3}"
-              f"{row.microbatches:>5}{row.schedule:>16}{row.recompute:>8}{unit:>10}{row.value:>11.1f}"
-              f"{shown_pred:>11.1f}{err:>+8.1%}{tl.bubble_fraction:>8.1%}"
-              f"{(alone if row.metric == 'step_s' else row.value * pub / alone):>10.1f}{pub / alone - 1:>+8.1%}"
-              f"{(after if row.metric == 'step_s' else row.value * pub / after):>10.1f}{pub / after - 1:>+8.1%}{mark}")
-        results_after[row.key] = pub / after - 1
+        source = row.source.split()[0].replace("narayanan2021", "N21").replace("megatron_readme_", "MLM")
+        source = source.replace("torchtitan_", "TT")
+        print(f"{row.key:<25}{source:>7}{row.gpu:>5}{row.gpus:>6}{row.tp:>3}{row.pp:>4}{row.dp:>4}"
+              f"{row.stages_per_rank or 1:>3}{row.microbatches:>5}{row.schedule:>16}{row.recompute:>7}"
+              f"{row.dp_reduce:>12}{unit:>10}{row.value:>10.1f}{shown_pred:>10.1f}{err:>+8.1%}"
+              f"{tl.bubble_fraction:>8.1%}"
+              f"{(alone if row.metric == 'step_s' else row.value * pub / alone):>8.1f}{pub / alone - 1:>+8.1%}{mark}")
 
     tested = [(k, e) for k, (_, e) in results.items() if k not in CALIBRATION.values()]
     if tested:
@@ -207,13 +238,11 @@ def main() -> None:
         errs = [abs(e) for _, e in tested]
         print(f"\n{within} of {len(tested)} rows (calibration rows aside) within {TARGET:.0%}; max |error| "
               f"{max(errs):.1%}, mean {sum(errs) / len(errs):.1%}")
-        for prefix in ("N21", "MLM", "TT"):
+        for prefix in ("N21", "MLM ", "MLM26", "TT"):
             sub = [abs(e) for k, e in tested if k.startswith(prefix)]
-            aft = [abs(results_after[k]) for k, _ in tested if k.startswith(prefix)]
             if sub:
-                print(f"  {prefix:<5} {len(sub):>2} rows: max {max(sub):6.1%}, mean {sum(sub) / len(sub):6.1%}; "
-                      f"with the all-reduce after the flush: max {max(aft):6.1%}, mean {sum(aft) / len(aft):6.1%}, "
-                      f"{sum(e <= TARGET for e in aft)} within {TARGET:.0%}")
+                print(f"  {prefix.strip():<6} {len(sub):>2} rows: max {max(sub):6.1%}, mean "
+                      f"{sum(sub) / len(sub):6.1%}, {sum(e <= TARGET for e in sub)} within {TARGET:.0%}")
 
     groups: dict[str, list[PublishedRun]] = {}
     for row in rows:

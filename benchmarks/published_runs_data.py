@@ -47,6 +47,13 @@ class PublishedRun:
         flops_formula: how the source turns a step into FLOPs (for ``tflops_per_gpu``).
         group: rows sharing a group and a layout are a schedule comparison.
         assumed: settings the source does not give, with what the benchmark assumes.
+        attention: HF ``attn_implementation`` matching the run's attention kernel: ``"eager"`` for Megatron-LM
+            2021 (scores materialised, its fused scale-mask-softmax kernel), ``"sdpa"`` for flash attention.
+        dp_reduce, grad_dtype, tp_overlap, scatter_gather: how the run did its collectives
+            (``pipeviz.simulate.Collectives``), as its framework version did them; ``framework`` says why.
+        framework: the framework settings the four above are read from.
+        dropout: hidden and attention dropout (Megatron-LM's defaults, ``--hidden-dropout 0.1
+            --attention-dropout 0.1``, where the scripts set none): element-wise ops the roofline charges.
     """
 
     key: str
@@ -75,6 +82,13 @@ class PublishedRun:
     flops_formula: str | None = None
     group: str | None = None
     assumed: tuple[str, ...] = field(default_factory=tuple)
+    attention: str = "sdpa"
+    dp_reduce: str = "ddp"
+    grad_dtype: str | None = None
+    tp_overlap: bool = False
+    scatter_gather: bool = False
+    framework: str = ""
+    dropout: float = 0.0
 
     @property
     def dp(self) -> int:
@@ -87,8 +101,19 @@ class PublishedRun:
 
 
 _N21 = "narayanan2021 Table 1 (Megatron-LM images/cases_april2021.png) + sc21/run_table_1.sh"
+# Megatron-LM as of 2021 (the sc21 scripts; pretrain_gpt3_175B.sh runs the nvcr.io pytorch:20.12 container):
+# megatron/arguments.py defaults --DDP-impl local (megatron/model/distributed.py: one contiguous gradient buffer,
+# allreduce_gradients() called by train_step after the whole forward_backward_func, i.e. after the pipeline
+# flush, nothing overlapped), --accumulate-allreduce-grads-in-fp32 off (fp16 runs reduce fp16 gradients), the
+# scatter/gather optimization on (--no-scatter-gather-tensors-in-pipeline turns it off; paper sec. 4.1), no
+# flash attention (QK^T materialised, FusedScaleMaskSoftmax), no tensor-parallel overlap, and --hidden-dropout /
+# --attention-dropout at their default 0.1 (neither script sets them).
+_MEGATRON21 = {"attention": "eager", "dp_reduce": "after_flush", "grad_dtype": "float16", "scatter_gather": True,
+               "dropout": 0.1,
+               "framework": "Megatron-LM 2021: --DDP-impl local (all-reduce after the flush), fp16 grads, "
+                            "scatter/gather hand-offs, materialised attention scores, TP not overlapped"}
 _GPT21 = {"family": "gpt", "vocab": 51200, "seq_len": 2048, "gpu": "a100", "dtype": "float16", "recompute": "full",
-          "metric": "tflops_per_gpu", "flops_formula": "narayanan_eq3_recompute"}
+          "metric": "tflops_per_gpu", "flops_formula": "narayanan_eq3_recompute", **_MEGATRON21}
 
 RUNS: tuple[PublishedRun, ...] = (
     # --- Narayanan et al. 2021, Table 1 (A100 80 GB, DGX A100 nodes; every row: --activations-checkpoint-method
@@ -138,7 +163,7 @@ RUNS: tuple[PublishedRun, ...] = (
                  "12288 --num-attention-heads 96 --seq-length 2048 --micro-batch-size 1 --global-batch-size 1536 "
                  "--fp16", family="gpt", layers=96, hidden=12288, heads=96, ffn=4 * 12288, vocab=51200, seq_len=2048,
                  gpu="a100", gpus=1024, global_batch=1536, micro_batch=1, tp=8, pp=16, schedule="1F1B",
-                 recompute="full", dtype="float16", metric="step_s", value=32.0,
+                 recompute="full", dtype="float16", metric="step_s", value=32.0, **_MEGATRON21,
                  assumed=("recompute=full: the script names none, but 138 TFLOP/s at 32 s is eq. 3's 4-pass count "
                           "(3.38e18 x 4/3 FLOPs / 32 s / 1024 = 137.7 TFLOP/s)",
                           "schedule 1F1B: no virtual stages in the script")),
@@ -148,9 +173,17 @@ _MLM26 = "megatron_readme_2026 (images/model_table.png, 71e2246e1a)"
 _GPT26 = {"family": "gpt", "vocab": 131072, "seq_len": 4096, "gpu": "h100", "dtype": "bfloat16",
           "metric": "tflops_per_gpu", "flops_formula": "megatron_core_r0.8", "micro_batch": 1, "schedule": "1F1B",
           "recompute": "none",
+          # README: "--overlap-grad-reduce, --overlap-param-gather, --tp-comm-overlap" with the distributed
+          # optimizer; megatron/training/arguments.py forces accumulate_allreduce_grads_in_fp32 for bf16; flash
+          # attention (Transformer Engine); sequence parallelism hands on 1/tp of each activation.
+          "attention": "sdpa", "dp_reduce": "distributed", "grad_dtype": "float32", "tp_overlap": True,
+          "scatter_gather": True,
+          "framework": "Megatron-Core r0.8: distributed optimizer with overlapped grad reduce-scatter and param "
+                       "all-gather, fp32 grads, --tp-comm-overlap, sequence parallelism, flash attention",
           "assumed": ("micro_batch 1, schedule 1F1B, no recomputation: the README gives layout and batch only",
-                      "sequence parallelism and TP/DP/PP communication overlap (README: --overlap-grad-reduce, "
-                      "--overlap-param-gather, --tp-comm-overlap) not modelled")}
+                      "sequence parallelism modelled only as 1/tp hand-offs (its element-wise ops already divide "
+                      "by tp in pipeviz) and --tp-comm-overlap as tensor-parallel collectives hidden behind the "
+                      "stage's compute")}
 
 RUNS += (
     # --- Megatron-LM README (2026-06), weak scaling on H100. Columns quoted: model size | attention heads |
@@ -188,7 +221,12 @@ RUNS += (
 _TT = "torchtitan_2024 (benchmarks/llama3_h100_202412_torchtitan.md, Table 5)"
 _L405 = {"family": "llama", "layers": 126, "hidden": 16384, "heads": 128, "kv_heads": 8, "ffn": 53248,
          "vocab": 128256, "seq_len": 8192, "gpu": "h100", "gpus": 512, "global_batch": 256, "tp": 8, "pp": 8,
-         "recompute": "full", "dtype": "fp8", "metric": "tokens_per_gpu_s", "group": "torchtitan 405B schedules"}
+         "recompute": "full", "dtype": "fp8", "metric": "tokens_per_gpu_s", "group": "torchtitan 405B schedules",
+         # torchtitan: FSDP2 (gradients reduce-scattered in float32, mixed_precision_reduce's default; parameters
+         # all-gathered), async TP overlapping the tensor-parallel collectives, SDPA attention.
+         "attention": "sdpa", "dp_reduce": "distributed", "grad_dtype": "float32", "tp_overlap": True,
+         "framework": "torchtitan: FSDP2 costed as a reduce-scatter of fp32 grads and one parameter all-gather, "
+                      "async TP, SDPA"}
 
 RUNS += (
     # --- torchtitan, Table 5: "3D parallelism (FSDP + TP + PP) + torch.compile + Float8 + AsyncTP. Llama 3.1 405B
@@ -196,12 +234,12 @@ RUNS += (
     # checkpointing." | Schedule | TPS/GPU | Memory(GiB) |
     PublishedRun("TT 405B 1F1B", _TT, "| 1F1B | 100 | 82.5 |", micro_batch=4, schedule="1F1B", value=100,
                  assumed=("8 microbatches of 4 (torchtitan's default: as many microbatches as stages)",
-                          "float8 on every matmul (torchtitan: linears only), FSDP costed as DDP"), **_L405),
+                          "float8 on every matmul (torchtitan: linears only)"), **_L405),
     PublishedRun("TT 405B Interleaved1F1B", _TT, "| Interleaved 1F1B | 128 | 72.7 |", micro_batch=2,
                  schedule="Interleaved1F1B", stages_per_rank=2, value=128,
                  assumed=("2 stages per rank and 16 microbatches of 2 (stages per rank unpublished; microbatches = "
-                          "stages by default)", "float8 on every matmul (torchtitan: linears only), FSDP costed as "
-                          "DDP"), **_L405),
+                          "stages by default)", "float8 on every matmul (torchtitan: linears only)"),
+                 **_L405),
 )
 
 # The one row per GPU type the efficiency constant is fitted on: the smallest runs, with neither tensor nor
