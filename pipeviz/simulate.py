@@ -64,9 +64,11 @@ class Collectives:
               (Megatron-LM's ``--DDP-impl local`` of 2021: ``allreduce_gradients()`` after the pipeline flush).
             - ``"distributed"``: Megatron-Core's distributed optimizer with ``--overlap-grad-reduce
               --overlap-param-gather``: gradients reduce-scattered (half an all-reduce's bytes) in buckets of
-              ``max(40M, 1M x dp)`` parameters overlapping each stage's last backward, as DDP's, and the updated
-              parameters all-gathered (in ``dtype``) during the rank's first forward of the next step: only what
-              outlasts the time until that forward ends is charged, as a ``"DP"`` event after the step.
+              ``max(40M, 1M x dp)`` parameters from each stage's last backward on, as DDP's but on their own
+              stream (the backward does not wait for them; the optimizer step does), and the updated
+              parameters all-gathered (in ``dtype``) during the rank's first forward of the next step: what
+              outlasts the rank's compute, and what the all-gather outlasts the time until that forward ends,
+              is charged as a ``"DP"`` event after the rank's last action.
         grad_dtype: the dtype gradients are reduced in (``"float16"``: Megatron 2021's fp16 runs; ``"float32"``:
             Megatron's bf16 runs, ``--accumulate-allreduce-grads-in-fp32``). Default: the traced parameters'.
         tp_overlap: tensor-parallel collectives overlap the matmuls they feed (Megatron-Core ``--tp-comm-overlap``,
@@ -354,7 +356,9 @@ class _Reduction:
         t = max(t, end) + self._time(buckets[-1])  # the first layers: ready at the end
         self.seconds[rank] += sum(self._time(b) for b in buckets)
         self.link_free[rank] = t
-        return t
+        # torch DDP's reducer waits for its buckets inside the backward; Megatron-Core's overlapped
+        # reduce-scatter runs on its own stream and is waited for once, before the optimizer step (after_step).
+        return end if self.mode == "distributed" else t
 
     def after_step(self, events: list[Event]) -> list[Event]:
         """``DP`` events after each rank's last action: the whole all-reduce (``"after_flush"``), or what the
@@ -371,7 +375,10 @@ class _Reduction:
                 gather = all_reduce_time(self.params[rank], self.dp, self.via) / 2
                 self.seconds[rank] += gather
                 first = min((e for e in mine if e.kind == "F"), key=lambda e: e.start, default=None)
-                t = max(0.0, gather - (first.end if first is not None else 0.0))
+                # The reduce-scatters still running after the rank's last action, then what the all-gather
+                # outlasts the rank's first forward by.
+                t = max(0.0, self.link_free[rank] - max(e.end for e in mine))
+                t += max(0.0, gather - (first.end if first is not None else 0.0))
             else:
                 continue
             if t > 0:
