@@ -10,29 +10,30 @@ degrees 1 to 64) is rebuilt and predicted:
    stages (a remainder to the later stages), the embeddings on the first stage, the final norm and head on the
    last;
 3. ``pv.simulate(plan, schedule, microbatches, stages_per_rank, hardware=<gpu>, dtype, recompute, dp, tp,
-   options=CostOptions(batch_scale=global_batch))`` predicts the step: the traced sequence scaled to the global
-   batch, each replica's microbatch costed at its size;
+   options=CostOptions(batch_scale=global_batch), collectives=Collectives(...))`` predicts the step: the traced
+   sequence scaled to the global batch, each replica's microbatch costed at its size, and the collectives done as
+   the row's framework did them (``published_runs_data``: ``framework``): Megatron-LM 2021's gradient all-reduce
+   after the pipeline flush in fp16 with scatter/gather hand-offs; Megatron-Core's distributed optimizer
+   (overlapped fp32 reduce-scatter, parameter all-gather), ``--tp-comm-overlap`` and sequence-parallel
+   hand-offs; torchtitan's FSDP and async TP. The model's attention is built as the run computed it (``eager``:
+   Megatron-LM 2021's materialised scores, with its default dropout 0.1; ``sdpa``: flash attention), and every
+   run's element-wise chains are costed as fused kernels (``Hardware.fused``);
 4. the published figure is turned into a step time the same way its source computed it (Megatron's FLOPs
    formulas, or tokens per GPU per second), and the two are printed side by side with the error in throughput
    (``published step / predicted step - 1``: positive means pipeviz predicts faster than was measured).
 
-One efficiency constant per GPU type (``Hardware.efficiency``, the achieved fraction of the dense peak) is fitted
-on one named row (``published_runs_data.CALIBRATION``: the smallest run, with neither tensor nor pipeline
-parallelism), on its prediction without the replicas' gradient all-reduce, and used unchanged for every other
-row of that GPU. Three predictions are printed per row: the full one; one replica alone ("no DP-AR": the same
-pipeline without the data-parallel gradient all-reduce); and "AR after": that plus one all-reduce per rank after
-the pipeline flush (Megatron-LM's placement; ``pv.simulate`` places it as torch's DDP does, overlapping each
-stage's last backward and holding that backward's input gradient until it ends). Together they show how much of
-the error the all-reduce's placement makes. Rows that share a ``group`` are a schedule comparison at a fixed
-layout: predicted order and ratio beside the published ones.
+One efficiency constant per GPU type (``Hardware.efficiency``: the ceiling a large matmul approaches; a smaller
+one reaches less, ``pipeviz.hardware.matmul_efficiency``) is fitted on one named row
+(``published_runs_data.CALIBRATION``), on its whole predicted step, and used unchanged for every other row of that
+GPU type. The "no DP" column is the same pipeline alone, without the replicas' gradient reduction: what the
+reduction adds. Rows that share a ``group`` are a schedule comparison at a fixed layout: predicted order and ratio
+beside the published ones.
 
-Attention (``--attention``): ``sdpa`` (default) is one fused op, as the runs' fused or flash kernels are, but
-pipeviz counts its FLOPs as zero when traced on CPU tensors (``torch.utils.flop_counter`` has no formula for
-``_scaled_dot_product_flash_attention_for_cpu``); ``eager`` counts the attention matmuls but charges the scores'
-scaling, masking, softmax and casts their memory traffic one op at a time. Measured: README, "Checked against
-published training runs".
+``--attention`` builds every row with one attention instead of its own; ``--cache DIR`` keeps the traced graphs
+(pickled) between runs: tracing is the benchmark's main cost (6 minutes here; 20 s from the cache). Measured:
+README, "Checked against published training runs".
 
-    python benchmarks/published_runs.py [--only N21] [--attention eager]   # --only: rows whose key has this text
+    python benchmarks/published_runs.py [--only N21] [--cache /tmp/pv_graphs]   # --only: rows whose key has this text
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ from pipeviz.costs import CostOptions
 from pipeviz.simulate import Collectives
 
 try:  # run as a script (python benchmarks/published_runs.py) or as a module
-    from published_runs_data import CALIBRATION, RUNS, PublishedRun
+    from published_runs_data import CALIBRATION, GPU_TYPES, RUNS, PublishedRun
 except ImportError:  # pragma: no cover
-    from benchmarks.published_runs_data import CALIBRATION, RUNS, PublishedRun
+    from benchmarks.published_runs_data import CALIBRATION, GPU_TYPES, RUNS, PublishedRun
 
 TARGET = 0.15  # the goal: every row within 15 %
 
@@ -203,12 +204,15 @@ def main() -> None:
         row = next(r for r in rows if r.key == key)
         # Every run here fuses its element-wise chains: Megatron-LM's fused kernels (bias-GeLU, scale-mask-softmax,
         # bias-dropout-add; Transformer Engine in Megatron-Core), torchtitan's torch.compile.
-        hws[gpu] = calibrate(plans[key], row, replace(pv.hardware(gpu), fused=True))
-        print(f"{gpu}: efficiency {hws[gpu].efficiency:.3f} of the dense peak, fitted on {key!r} (its whole step)")
+        base = pv.hardware(GPU_TYPES[gpu][0]) if gpu in GPU_TYPES else pv.hardware(gpu)
+        hws[gpu] = calibrate(plans[key], row, replace(base, name=gpu, fused=True))
+        note = f" ({GPU_TYPES[gpu][1]})" if gpu in GPU_TYPES else ""
+        print(f"{gpu}: efficiency {hws[gpu].efficiency:.3f} of the dense peak, fitted on {key!r} (its whole step)"
+              f"{note}")
 
     print("\nthroughput in the source's unit; error = published step / predicted step - 1 (+: predicted faster); "
           "no DP: one replica alone, without the replicas' gradient reduction (what it adds)")
-    head = (f"{'row':<25}{'source':>7}{'gpu':>5}{'GPUs':>6}{'tp':>3}{'pp':>4}{'dp':>4}{'v':>3}{'m':>5}"
+    head = (f"{'row':<25}{'source':>7}{'gpu':>6}{'GPUs':>6}{'tp':>3}{'pp':>4}{'dp':>4}{'v':>3}{'m':>5}"
             f"{'schedule':>16}{'recomp':>7}{'dp reduce':>12}{'unit':>10}{'published':>10}{'predicted':>10}"
             f"{'error':>8}{'bubble':>8}{'no DP':>8}{'error':>8}")
     print(head)
@@ -226,7 +230,8 @@ def main() -> None:
         mark = "  (fit)" if row.key in CALIBRATION.values() else ""
         source = row.source.split()[0].replace("narayanan2021", "N21").replace("megatron_readme_", "MLM")
         source = source.replace("torchtitan_", "TT")
-        print(f"{row.key:<25}{source:>7}{row.gpu:>5}{row.gpus:>6}{row.tp:>3}{row.pp:>4}{row.dp:>4}"
+        gpu = row.gpu.split("-")[0] + ("*" if row.gpu in GPU_TYPES else "")  # *: not a preset (GPU_TYPES)
+        print(f"{row.key:<25}{source:>7}{gpu:>6}{row.gpus:>6}{row.tp:>3}{row.pp:>4}{row.dp:>4}"
               f"{row.stages_per_rank or 1:>3}{row.microbatches:>5}{row.schedule:>16}{row.recompute:>7}"
               f"{row.dp_reduce:>12}{unit:>10}{row.value:>10.1f}{shown_pred:>10.1f}{err:>+8.1%}"
               f"{tl.bubble_fraction:>8.1%}"

@@ -220,7 +220,7 @@ RUNS += (
 
 _TT = "torchtitan_2024 (benchmarks/llama3_h100_202412_torchtitan.md, Table 5)"
 _L405 = {"family": "llama", "layers": 126, "hidden": 16384, "heads": 128, "kv_heads": 8, "ffn": 53248,
-         "vocab": 128256, "seq_len": 8192, "gpu": "h100", "gpus": 512, "global_batch": 256, "tp": 8, "pp": 8,
+         "vocab": 128256, "seq_len": 8192, "gpu": "h100-hbm2e-500w", "gpus": 512, "global_batch": 256, "tp": 8, "pp": 8,
          "recompute": "full", "dtype": "fp8", "metric": "tokens_per_gpu_s", "group": "torchtitan 405B schedules",
          # torchtitan: FSDP2 (gradients reduce-scattered in float32, mixed_precision_reduce's default; parameters
          # all-gathered), async TP overlapping the tensor-parallel collectives, SDPA attention.
@@ -242,6 +242,14 @@ RUNS += (
                  **_L405),
 )
 
-# The one row per GPU type the efficiency constant is fitted on: the smallest runs, with neither tensor nor
-# pipeline parallelism, so the constant is the matmul efficiency alone and every other row tests the rest.
-CALIBRATION = {"a100": "N21 1.7B", "h100": "MLM26 1.7B"}
+# GPU types that are no pv.hardware preset: name -> (the preset whose datasheet figures stand in, why).
+# torchtitan's H100s are not the SXM5 part of the preset (80 GB HBM3, 700 W) but "H100 96 GB HBM2e at 500 W",
+# and they run float8 linears (pipeviz prices every matmul at the float8 peak, and activations in one byte):
+# a GPU type of its own, with its own constant, fitted on one of its two rows.
+GPU_TYPES = {"h100-hbm2e-500w": ("h100", "torchtitan's H100 96 GB HBM2e at 500 W with float8 linears; the H100 "
+                                         "SXM preset's figures, its own efficiency constant")}
+
+# The one row per GPU type the efficiency constant is fitted on: for the A100 and the H100 SXM, the smallest
+# runs, with neither tensor nor pipeline parallelism; for torchtitan's H100, its 1F1B row (the Interleaved1F1B
+# row and the schedule ranking test it).
+CALIBRATION = {"a100": "N21 1.7B", "h100": "MLM26 1.7B", "h100-hbm2e-500w": "TT 405B 1F1B"}
