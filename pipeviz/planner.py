@@ -34,7 +34,7 @@ from pipeviz.graph import ModelGraph
 from pipeviz.hardware import Hardware, op_table
 from pipeviz.hardware import hardware as find_hardware
 from pipeviz.plan import PlanError, SplitPlan, human_bytes
-from pipeviz.simulate import simulate
+from pipeviz.simulate import Collectives, simulate
 
 __all__ = ["ClusterPlan", "LayoutOption", "plan_cluster"]
 
@@ -73,6 +73,7 @@ class LayoutOption:
     peak_memory: int
     extrapolated: bool = False
     options: CostOptions = field(default_factory=CostOptions, repr=False, compare=False)
+    collectives: Collectives | None = field(default=None, repr=False, compare=False)
 
     @property
     def gpus(self) -> int:
@@ -81,8 +82,8 @@ class LayoutOption:
     @property
     def simulate_options(self) -> dict[str, Any]:
         """Keywords that make ``pv.simulate(plan, schedule, microbatches, stages_per_rank, **these)`` reproduce
-        this row: ``dp``, ``tp`` and the cost options (hardware, dtype, recompute, batch scale)."""
-        return {"dp": self.dp, "tp": self.tp, "options": self.options}
+        this row: ``dp``, ``tp``, the cost options (hardware, dtype, recompute, batch scale) and the collectives."""
+        return {"dp": self.dp, "tp": self.tp, "options": self.options, "collectives": self.collectives}
 
     def label(self) -> str:
         """``"pp4 dp8 tp2 1F1B mb=2x64 selective"``."""
@@ -171,6 +172,7 @@ def plan_cluster(
     recompute: Sequence[str] | str | None = None, dtype: str | None = "bfloat16", *,
     tp: Sequence[int] | None = None, microbatch_sizes: Sequence[int] | None = None,
     stages_per_rank: Sequence[int] = (2,), optimizer_states: int = 2, top: int = 10, max_actions: int = 40_000,
+    collectives: Collectives | None = None,
 ) -> ClusterPlan:
     """Rank every layout of ``gpus`` devices for training ``graph``'s model, fastest first; only those that fit.
 
@@ -223,6 +225,10 @@ def plan_cluster(
             x 3 with a split backward, twice when extrapolated): a longer one (a very deep pipeline on many
             microbatches: each costs seconds here, torch's own schedule code builds its order) is left out and
             counted in ``too_long``; the rows are then the best of the rest.
+        collectives: how the run does its collectives (``pipeviz.simulate.Collectives``: where the replicas'
+            gradient reduction goes, its dtype, tensor-parallel overlap, scattered hand-offs), for every option;
+            default torch's (DDP). E.g. ``Collectives(dp_reduce="distributed", grad_dtype="float32",
+            tp_overlap=True, scatter_gather=True)`` for Megatron-Core.
 
     Returns:
         A ``ClusterPlan``; ``.rows`` best first, ``.table()`` as text.
@@ -354,21 +360,21 @@ def plan_cluster(
             too_big += 1
             continue
         opts = replace(base, recompute=mode, batch_scale=b * per_token * dp * m)
-        step, busy, memory, extrapolated = _simulate(plan, name, m, v, dp, t, opts)
+        step, busy, memory, extrapolated = _simulate(plan, name, m, v, dp, t, opts, collectives)
         simulated += 1
         rows.append(LayoutOption(
             pp=pp, dp=dp, tp=t, schedule=name, stages_per_rank=v, microbatch_size=b, microbatches=m, recompute=mode,
             plan=plan, step_time=step, tokens_per_s=global_batch * seq / step,
             tflops_per_gpu=model_flops / step / gpus / 1e12, mfu=model_flops / step / gpus / hw.peak(dt),
             bubble=max(0.0, 1 - busy / (pp * step)), peak_memory=int(memory), extrapolated=extrapolated,
-            options=opts))
+            options=opts, collectives=collectives))
         rows.sort(key=lambda r: r.step_time)
     return ClusterPlan(tuple(rows[:top]), hw, gpus, global_batch, seq, dt, limit, considered, simulated, pruned,
                        too_big, too_long, tuple(notes))
 
 
 def _simulate(plan: SplitPlan, name: str, m: int, v: int, dp: int, tp: int,
-              opts: CostOptions) -> tuple[float, float, float, bool]:
+              opts: CostOptions, collectives: Collectives | None = None) -> tuple[float, float, float, bool]:
     """(step seconds, busy seconds summed over pipeline ranks, peak bytes per device, extrapolated)."""
     n = plan.num_stages
     spr = v if v > 1 else None
@@ -376,7 +382,8 @@ def _simulate(plan: SplitPlan, name: str, m: int, v: int, dp: int, tp: int,
     def run(count: int) -> tuple[float, float, float]:
         # batch_scale is the whole step's; with fewer microbatches each keeps its size.
         o = replace(opts, batch_scale=opts.batch_scale * count / m)
-        tl = simulate(plan, name, count, spr, dp=dp, tp=tp, options=o, order=_orders(name, n, count, spr))
+        tl = simulate(plan, name, count, spr, dp=dp, tp=tp, options=o, order=_orders(name, n, count, spr),
+                      collectives=collectives)
         start = min(e.start for e in tl.events)
         step = max(e.end for e in tl.events) - start
         busy = sum(e.duration for e in tl.events if e.kind in ("F", "B", "I", "W"))
