@@ -13,8 +13,9 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipeviz import schedules as sched
@@ -31,12 +32,17 @@ __all__ = ["BY", "balance", "compare", "layer_costs", "optimal_partitions", "par
 BY = ("time", "flops", "params")
 
 
+GroupExtra = Callable[[int, int, int], float]  # (group j, first item a, end b) -> memory the group adds as a whole
+
+
 def partition(costs: Sequence[float], k: int, memory: Sequence[Sequence[float]] | None = None,
-              limit: float | None = None) -> list[int] | None:
+              limit: float | None = None, extra: GroupExtra | None = None) -> list[int] | None:
     """Split ``costs`` into ``k`` contiguous non-empty groups minimising the largest group sum.
 
     ``memory[j][i]`` is layer ``i``'s memory if it sits in group ``j`` (groups can differ: in-flight
-    activations depend on the stage's place in the schedule); each group's memory sum must stay <= ``limit``.
+    activations depend on the stage's place in the schedule); each group's memory sum, plus ``extra(j, a, b)``
+    for a group of items ``[a, b)`` (what depends on where the group starts: the copies of saved tensors it
+    received), must stay <= ``limit``.
     Ties are broken towards the split with the smallest sum of squared group costs (the evenest).
 
     Returns:
@@ -61,8 +67,13 @@ def partition(costs: Sequence[float], k: int, memory: Sequence[Sequence[float]] 
     # best[j][i]: (max group cost, sum of squares) for items [0, i) in j+1 groups; cut[j][i]: start of last group.
     best = [[inf] * (n + 1) for _ in range(k)]
     cut = [[-1] * (n + 1) for _ in range(k)]
+    def over(j: int, a: int, b: int) -> bool:
+        if mem_pre is None or limit is None:
+            return False
+        return mem_pre[j][b] - mem_pre[j][a] + (extra(j, a, b) if extra is not None else 0.0) > limit
+
     for i in range(1, n + 1):
-        if mem_pre is None or limit is None or mem_pre[0][i] <= limit:
+        if not over(0, 0, i):
             c = pre[i]
             best[0][i] = (c, c * c)
     for j in range(1, k):
@@ -71,7 +82,7 @@ def partition(costs: Sequence[float], k: int, memory: Sequence[Sequence[float]] 
                 prev = best[j - 1][t]
                 if prev == inf:
                     continue
-                if mem_pre is not None and limit is not None and mem_pre[j][i] - mem_pre[j][t] > limit:
+                if over(j, t, i):
                     continue
                 c = pre[i] - pre[t]
                 cand = (max(prev[0], c), prev[1] + c * c)
@@ -87,10 +98,10 @@ def partition(costs: Sequence[float], k: int, memory: Sequence[Sequence[float]] 
 
 
 def optimal_partitions(costs: Sequence[float], k: int, memory: Sequence[Sequence[float]] | None = None,
-                       limit: float | None = None, cap: int = 64) -> list[list[int]]:
+                       limit: float | None = None, cap: int = 64, extra: GroupExtra | None = None) -> list[list[int]]:
     """Every split of ``costs`` into ``k`` groups whose largest group equals the optimum (``partition``'s),
     up to ``cap`` of them, evenest first; each as the index of the last item of each group but the last."""
-    best = partition(costs, k, memory, limit)
+    best = partition(costs, k, memory, limit, extra)
     if best is None:
         return []
     n = len(costs)
@@ -104,7 +115,7 @@ def optimal_partitions(costs: Sequence[float], k: int, memory: Sequence[Sequence
     def fits(j: int, a: int, b: int) -> bool:
         if memory is None or limit is None:
             return True
-        return sum(memory[j][a:b]) <= limit
+        return sum(memory[j][a:b]) + (extra(j, a, b) if extra is not None else 0.0) <= limit
 
     # feasible[j][i]: items [i, n) split into k - j groups, each within the bound (and the memory limit)
     feasible = [[False] * (n + 1) for _ in range(k + 1)]
@@ -216,6 +227,7 @@ def balance(
     costs = _summed(layer_costs(graph, by, opts), blocks)
     memory = None
     limit = None
+    extra: GroupExtra | None = None
     if memory_limit is not None:
         # pipeviz.costs' formula, layer by layer: a stage's memory is the sum over its layers.
         limit = memory_limit / max(1, stages_per_rank)
@@ -227,7 +239,14 @@ def balance(
                      for layer, act in zip(layers, kept, strict=True)], blocks)
             for j in range(num_stages)
         ]
-    candidates = [[blocks[e][-1] for e in ends] for ends in optimal_partitions(costs, num_stages, memory, limit)]
+        if opts.recompute != "full":  # (full recomputation keeps the received input once: in the layer's figure)
+            received = _received_saved(graph, blocks)
+            scale = opts.byte_scale(graph) * opts.batch_scale / microbatches
+
+            def extra(j: int, a: int, b: int) -> float:
+                return received(a, b) * scale * flying[j]
+    candidates = [[blocks[e][-1] for e in ends]
+                  for ends in optimal_partitions(costs, num_stages, memory, limit, extra=extra)]
     ends = candidates[0] if candidates else None
     if schedule is not None and len(candidates) > 1:
         # Splits tied at the optimum can still differ in the step the schedule gives them (where the bubble
@@ -239,7 +258,7 @@ def balance(
         lo, hi = 0.0, sum(max(row) for row in zip(*memory, strict=True))
         for _ in range(60):
             mid = (lo + hi) / 2
-            if partition([0.0] * len(blocks), num_stages, memory, mid) is None:
+            if partition([0.0] * len(blocks), num_stages, memory, mid, extra) is None:
                 lo = mid
             else:
                 hi = mid
@@ -266,6 +285,34 @@ def _fastest(graph: ModelGraph, candidates: list[list[int]], schedule: str, micr
         if step < best_time - 1e-12:
             best, best_time = ends, step
     return best
+
+
+def _received_saved(graph: ModelGraph, blocks: list[list[int]]) -> Callable[[int, int], float]:
+    """``received(a, b)``: the bytes a stage of blocks ``[a, b)`` saves of tensors an earlier stage saved too
+    (``SplitPlan.received_saved_bytes``, each (tensor, stage) once), for the example batch: the part of a stage's
+    memory that depends on where it starts. An op between two layers counts with the layer before it."""
+    idx = graph.index
+    block_of_layer = {layer: k for k, b in enumerate(blocks) for layer in b}
+
+    def block(op: int) -> int:
+        return block_of_layer[max(0, bisect.bisect_right(idx.layer_first, op) - 1)]
+
+    entries = sorted((block(op), block(first), (first, slot), nbytes) for op, first, slot, nbytes in idx.resaved)
+    table: dict[tuple[int, int], float] = {}
+    for a in range(len(blocks)):
+        seen: set[tuple[int, int]] = set()
+        total = 0.0
+        pending = [(at, key, nbytes) for at, source, key, nbytes in entries if source < a <= at]
+        pos = 0
+        for b in range(a + 1, len(blocks) + 1):
+            while pos < len(pending) and pending[pos][0] < b:
+                _, key, nbytes = pending[pos]
+                if key not in seen:
+                    seen.add(key)
+                    total += nbytes
+                pos += 1
+            table[a, b] = total
+    return lambda a, b: table[a, b]
 
 
 def _blocks(graph: ModelGraph) -> list[list[int]]:
