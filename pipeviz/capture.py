@@ -486,8 +486,8 @@ class SavedTensors:
             return t
         if storage in self._skip:
             return t
-        nbytes = t.numel() * t.element_size()
-        key = (storage, t.storage_offset() * t.element_size(), nbytes)
+        nbytes = int(t.numel()) * t.element_size()
+        key = (storage, int(t.storage_offset()) * t.element_size(), nbytes)
         seen = self._seen.get(key)
         if seen is None:
             slot = self._slots.get(self.node, 0)

@@ -175,9 +175,9 @@ def preview_html(plan: SplitPlan, sim: Timeline | None, microbatches: int, faile
              "<table style='border-collapse:collapse;font-size:12px'>" + "".join(rows) + "</table></div>")
     extra = ""
     if sim is not None:
-        mem = sim.meta.get("memory_bytes")
-        per_rank = (" · memory per rank: " + ", ".join(f"r{r} {human_bytes(m)}" for r, m in enumerate(mem))) \
-            if mem else ""
+        ranks = sim.meta.get("memory_bytes")
+        per_rank = (" · memory per rank: " + ", ".join(f"r{r} {human_bytes(m)}" for r, m in enumerate(ranks))) \
+            if ranks else ""
         extra = (f"<div>simulated step {_ms(sim.step_time)} · bubble {sim.bubble_fraction:.0%}"
                  f"{per_rank}</div>")
     return (f"<div class='pipeviz-preview' style='font-size:12px;max-width:100%'>{head}{table}"
