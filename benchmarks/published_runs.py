@@ -103,6 +103,27 @@ def even_split(graph: pv.ModelGraph, prefix: str, layers: int, stages: int) -> p
     return graph.split(ends)
 
 
+def torchtitan_split(graph: pv.ModelGraph, prefix: str, layers: int, stages: int) -> pv.SplitPlan:
+    """torchtitan's default split (``generate_split_points``, commit 9dec370): the first stage ``layers //
+    stages`` blocks, each next one a block more while the remainder lasts, the rest ``layers // stages``: the
+    stages holding the embedding and the head are the lighter ones."""
+    base, extra = divmod(layers, stages)
+    ends, at = [], 0
+    for s in range(stages - 1):
+        size = base + (1 if 0 < s <= extra else 0)
+        at += size
+        ends.append(f"{prefix}.{at - 1}")
+    return graph.split(ends)
+
+
+def split(row: PublishedRun, graph: pv.ModelGraph, prefix: str) -> pv.SplitPlan:
+    """The row's stages, split as its framework split them (``PublishedRun.split``)."""
+    stages = row.pp * (row.stages_per_rank or 1)
+    if row.split == "torchtitan":
+        return torchtitan_split(graph, prefix, row.layers, stages)
+    return even_split(graph, prefix, row.layers, stages)
+
+
 def flops_per_step(row: PublishedRun) -> float:
     """FLOPs of one step as the row's source counts them (for a published TFLOP/s per GPU)."""
     b, s, l_, h, v = row.global_batch, row.seq_len, row.layers, row.hidden, row.vocab
@@ -195,7 +216,7 @@ def main() -> None:
         if shape not in graphs:
             graphs[shape] = traced(row, attention, a.cache)
         graph, prefix = graphs[shape]
-        plans[row.key] = even_split(graph, prefix, row.layers, row.pp * (row.stages_per_rank or 1))
+        plans[row.key] = split(row, graph, prefix)
         print(f"traced {row.key:<24} {row.layers:>4} layers, {sum(x.params for x in graph.layers) / 1e9:7.1f} B "
               f"params in {time.perf_counter() - t:5.1f} s", flush=True)
 

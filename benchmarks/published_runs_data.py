@@ -18,8 +18,12 @@ estimated. Where a source leaves a setting out, the row says what ``benchmarks/p
   ``num_floating_point_operations`` (tag core_r0.8.0, ``megatron/training/training.py``).
 - ``torchtitan_2024``: pytorch/torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md`` (Table 5), torchtitan
   commit 9dec370 (``train_configs/llama3_405b.toml``: seq_len 8192; ``torchtitan/models/llama/__init__.py``: the
-  405B shape; ``config_manager.py``: "The default value [of pipeline_parallel_microbatches] will be the number of
-  pipeline stages"). H100 96 GB HBM2e at 500 W, float8 linears, async TP, torch.compile.
+  405B shape; ``torchtitan/parallelisms/pipeline_llama.py``: ``microbatches =
+  job_config.experimental.pipeline_parallel_microbatches or parallel_dims.pp``, i.e. as many microbatches as
+  pipeline *ranks* by default, whatever ``config_manager.py``'s help says ("the number of pipeline stages");
+  ``pipelining_utils.py``, ``generate_split_points``: 2 stages per rank for a multi-stage schedule, the first
+  stage ``layers // stages`` blocks, a remainder to the next ones). H100 96 GB HBM2e at 500 W, float8 linears,
+  async TP, torch.compile.
 """
 
 from __future__ import annotations
@@ -52,6 +56,10 @@ class PublishedRun:
         dp_reduce, grad_dtype, tp_overlap, scatter_gather: how the run did its collectives
             (``pipeviz.simulate.Collectives``), as its framework version did them; ``framework`` says why.
         framework: the framework settings the four above are read from.
+        split: how the blocks are split over the stages: ``"even"`` (Megatron-LM: every stage as many blocks; the
+            benchmark gives a remainder to the later stages) or ``"torchtitan"`` (torchtitan's
+            ``generate_split_points``: the first stage ``layers // stages`` blocks, the next ones one more each
+            while a remainder lasts, the rest ``layers // stages``; the embedding and the head get lighter stages).
         dropout: hidden and attention dropout (Megatron-LM's defaults, ``--hidden-dropout 0.1
             --attention-dropout 0.1``, where the scripts set none): element-wise ops the roofline charges.
     """
@@ -89,6 +97,7 @@ class PublishedRun:
     scatter_gather: bool = False
     framework: str = ""
     dropout: float = 0.0
+    split: str = "even"
 
     @property
     def dp(self) -> int:
@@ -185,6 +194,30 @@ _GPT26 = {"family": "gpt", "vocab": 131072, "seq_len": 4096, "gpu": "h100", "dty
                       "by tp in pipeviz) and --tp-comm-overlap as tensor-parallel collectives hidden behind the "
                       "stage's compute")}
 
+# The pipelined rows (pp > 1) ran Megatron-Core r0.8.0's interleaved schedule, one block per virtual stage:
+# - the README (text above the table, since 937571cfd4, 2024-07): "We perform fine-grained overlapping of
+#   data-parallel (--overlap-grad-reduce --overlap-param-gather), tensor-parallel (--tp-comm-overlap) and
+#   pipeline-parallel communication (enabled by default)"; in r0.8.0 (megatron/training/arguments.py) that
+#   pipeline overlap, --overlap-p2p-communication, is on by default only with the interleaved schedule:
+#   "Setting args.overlap_p2p_comm to False since non-interleaved schedule does not support overlapping p2p
+#   communication";
+# - r0.8.0 interleaves only with whole blocks per virtual stage: "number of layers per pipeline stage must be
+#   divisible number of layers per virtual pipeline stage". The 119B (92 blocks on 4 ranks: 23 each) and 462B (112
+#   on 16: 7 each) rows have a prime number of blocks per rank, so their only interleaved layout is one block per
+#   virtual stage; the benchmark assumes the same for the 70B, 177B and 314B rows (the 2021 paper's largest runs
+#   also used one or a few: run_table_1.sh's --num-layers-per-virtual-pipeline-stage 1 for 530B).
+# - with interleaving, r0.8.0 reduces each virtual stage's gradients once that stage's last backward is done
+#   (schedules.py, backward_step_helper: grad_sync_func per model chunk) and all-gathers each one's parameters
+#   before its first forward (param_sync_func per model chunk): pipeviz's "distributed" reduction does both per
+#   stage.
+_GPT26_PP = {**{k: v for k, v in _GPT26.items() if k not in ("schedule", "assumed")},
+             "schedule": "Interleaved1F1B",
+             "assumed": ("micro_batch 1, no recomputation: the README gives layout and batch only",
+                         "one block per virtual stage (see above: forced for 119B and 462B by r0.8.0's rules, "
+                         "assumed for the others)",
+                         "sequence parallelism modelled only as 1/tp hand-offs and --tp-comm-overlap as "
+                         "tensor-parallel collectives hidden behind the stage's compute")}
+
 RUNS += (
     # --- Megatron-LM README (2026-06), weak scaling on H100. Columns quoted: model size | attention heads |
     # hidden | layers | tensor MP | pipeline MP | data-parallel | GPUs | batch | per-GPU TFLOP/s | MFU |
@@ -203,25 +236,26 @@ RUNS += (
                  **_GPT26),
     PublishedRun("MLM26 70B", _MLM26, "70B | 64 | 8192 | 84 | 8 | 2 | 48 | 768 | 384 | 419.7 | 42% | 322.3",
                  layers=84, hidden=8192, heads=64, ffn=4 * 8192, gpus=768, global_batch=384, tp=8, pp=2, value=419.7,
-                 **_GPT26),
+                 stages_per_rank=42, **_GPT26_PP),
     PublishedRun("MLM26 119B", _MLM26, "119B | 80 | 10240 | 92 | 8 | 4 | 48 | 1536 | 768 | 420.5 | 43% | 645.9",
                  layers=92, hidden=10240, heads=80, ffn=4 * 10240, gpus=1536, global_batch=768, tp=8, pp=4,
-                 value=420.5, **_GPT26),
+                 value=420.5, stages_per_rank=23, **_GPT26_PP),
     PublishedRun("MLM26 177B", _MLM26, "177B | 96 | 12288 | 96 | 8 | 6 | 48 | 2304 | 1152 | 432.8 | 44% | 997.2",
                  layers=96, hidden=12288, heads=96, ffn=4 * 12288, gpus=2304, global_batch=1152, tp=8, pp=6,
-                 value=432.8, **_GPT26),
+                 value=432.8, stages_per_rank=16, **_GPT26_PP),
     PublishedRun("MLM26 314B", _MLM26, "314B | 128 | 16384 | 96 | 8 | 8 | 48 | 3072 | 1536 | 474.4 | 48% | 1457.4",
                  layers=96, hidden=16384, heads=128, ffn=4 * 16384, gpus=3072, global_batch=1536, tp=8, pp=8,
-                 value=474.4, **_GPT26),
+                 value=474.4, stages_per_rank=12, **_GPT26_PP),
     PublishedRun("MLM26 462B", _MLM26, "462B | 144 | 18432 | 112 | 8 | 16 | 48 | 6144 | 3072 | 459.9 | 47% | 2825.6",
                  layers=112, hidden=18432, heads=144, ffn=4 * 18432, gpus=6144, global_batch=3072, tp=8, pp=16,
-                 value=459.9, **_GPT26),
+                 value=459.9, stages_per_rank=7, **_GPT26_PP),
 )
 
 _TT = "torchtitan_2024 (benchmarks/llama3_h100_202412_torchtitan.md, Table 5)"
 _L405 = {"family": "llama", "layers": 126, "hidden": 16384, "heads": 128, "kv_heads": 8, "ffn": 53248,
          "vocab": 128256, "seq_len": 8192, "gpu": "h100-hbm2e-500w", "gpus": 512, "global_batch": 256, "tp": 8, "pp": 8,
          "recompute": "full", "dtype": "fp8", "metric": "tokens_per_gpu_s", "group": "torchtitan 405B schedules",
+         "split": "torchtitan",
          # torchtitan: FSDP2 (gradients reduce-scattered in float32, mixed_precision_reduce's default; parameters
          # all-gathered), async TP overlapping the tensor-parallel collectives, SDPA attention.
          "attention": "sdpa", "dp_reduce": "distributed", "grad_dtype": "float32", "tp_overlap": True,
@@ -233,12 +267,13 @@ RUNS += (
     # model. 512 GPUs (FSDP 8, TP 8, PP8). Local batch size 32, global batch size 256. Full activation
     # checkpointing." | Schedule | TPS/GPU | Memory(GiB) |
     PublishedRun("TT 405B 1F1B", _TT, "| 1F1B | 100 | 82.5 |", micro_batch=4, schedule="1F1B", value=100,
-                 assumed=("8 microbatches of 4 (torchtitan's default: as many microbatches as stages)",
+                 assumed=("8 microbatches of 4 (torchtitan's default: as many microbatches as pipeline ranks)",
                           "float8 on every matmul (torchtitan: linears only)"), **_L405),
-    PublishedRun("TT 405B Interleaved1F1B", _TT, "| Interleaved 1F1B | 128 | 72.7 |", micro_batch=2,
+    PublishedRun("TT 405B Interleaved1F1B", _TT, "| Interleaved 1F1B | 128 | 72.7 |", micro_batch=4,
                  schedule="Interleaved1F1B", stages_per_rank=2, value=128,
-                 assumed=("2 stages per rank and 16 microbatches of 2 (stages per rank unpublished; microbatches = "
-                          "stages by default)", "float8 on every matmul (torchtitan: linears only)"),
+                 assumed=("2 stages per rank and 8 microbatches of 4 (torchtitan's defaults: generate_split_points, "
+                          "and as many microbatches as pipeline ranks)",
+                          "float8 on every matmul (torchtitan: linears only)"),
                  **_L405),
 )
 
