@@ -65,10 +65,12 @@ class Collectives:
             - ``"distributed"``: Megatron-Core's distributed optimizer with ``--overlap-grad-reduce
               --overlap-param-gather``: gradients reduce-scattered (half an all-reduce's bytes) in buckets of
               ``max(40M, 1M x dp)`` parameters from each stage's last backward on, as DDP's but on their own
-              stream (the backward does not wait for them; the optimizer step does), and the updated
-              parameters all-gathered (in ``dtype``) during the rank's first forward of the next step: what
-              outlasts the rank's compute, and what the all-gather outlasts the time until that forward ends,
-              is charged as a ``"DP"`` event after the rank's last action.
+              stream (the backward does not wait for them; the optimizer step does): what outlasts the rank's
+              compute is charged as a ``"DP"`` event after its last action. The updated parameters are
+              all-gathered (in ``dtype``) stage by stage from the step's start, in the order of the stages'
+              first forwards, and a stage's first forward ends no earlier than its gather: with several stages
+              per rank (interleaved) each stage's reduction starts at its own last backward and each stage's
+              gather hides behind the earlier stages' forwards, as Megatron-Core r0.8.0 does per model chunk.
         grad_dtype: the dtype gradients are reduced in (``"float16"``: Megatron 2021's fp16 runs; ``"float32"``:
             Megatron's bf16 runs, ``--accumulate-allreduce-grads-in-fp32``). Default: the traced parameters'.
         tp_overlap: tensor-parallel collectives overlap the matmuls they feed (Megatron-Core ``--tp-comm-overlap``,
@@ -311,9 +313,9 @@ def _traced_element_bytes(plan: SplitPlan | None) -> float:
 
 class _Reduction:
     """Where the replicas' gradient reduction goes (``Collectives.dp_reduce``): buckets overlapping each stage's
-    last backward (``"ddp"``: all-reduces; ``"distributed"``: reduce-scatters, then the parameters' all-gather
-    during the next step's first forward), or one ``DP`` event per rank after its last action (``"after_flush"``,
-    and ``"ddp"`` under the split-backward schedules, as torch's runtime does)."""
+    last backward (``"ddp"``: all-reduces; ``"distributed"``: reduce-scatters, and each stage's parameters
+    all-gathered before its first forward ends), or one ``DP`` event per rank after its last action
+    (``"after_flush"``, and ``"ddp"`` under the split-backward schedules, as torch's runtime does)."""
 
     def __init__(self, acts: list[list[str]], lay: sched.Layout, costs: Costs, dp: int, via: tuple[float, float],
                  mode: str = "ddp", grad_scale: float = 1.0, param_scale: float = 1.0,
@@ -321,8 +323,6 @@ class _Reduction:
         self.dp, self.via, self.costs = dp, via, costs
         self.mode = "after_flush" if mode == "ddp" and lay.schedule in sched.ZERO_BUBBLE else mode
         self.grads = [p * grad_scale for p in costs.param_bytes]  # per stage, the bytes reduced
-        self.params = [sum(costs.param_bytes[s] * param_scale for s in lay.stages_of(r))
-                       for r in range(lay.num_ranks)]  # per rank, what the distributed optimizer all-gathers
         self.nbytes = [sum(self.grads[s] for s in lay.stages_of(r)) for r in range(lay.num_ranks)]
         self.bucket = (DDP_BUCKET_BYTES if mode == "ddp"
                        else int(max(MEGATRON_BUCKET_PARAMS, 1_000_000 * dp) * grad_element))
@@ -335,6 +335,23 @@ class _Reduction:
                     last_of[(rank, s)] = i
         self.last = {(rank, i): s for (rank, s), i in last_of.items()}  # (rank, action index) -> stage
         self.link_free = [0.0] * lay.num_ranks  # a rank's reductions run one after another on its link
+        # The distributed optimizer's parameter all-gather, stage by stage (Megatron-Core r0.8.0 dispatches each
+        # model chunk's all-gather ahead of that chunk's first forward: param_sync_func per chunk in the
+        # interleaved schedule, bucket by bucket in forward pre-hooks): the rank's stages are gathered one after
+        # another from the step's start, in the order of their first forwards, and a stage's first forward ends
+        # no earlier than its parameters have arrived. With one stage per rank this is the whole gather against
+        # the first forward; interleaved, the later stages' gathers hide behind the earlier stages' forwards.
+        self.gathered: dict[tuple[int, int], float] = {}  # (rank, index of a stage's first forward) -> arrival
+        for rank, rank_acts in enumerate(acts if self.mode == "distributed" else []):
+            t, seen = 0.0, set()
+            for i, action in enumerate(rank_acts):
+                s, kind, _ = sched.parse(action)
+                if kind == "F" and s not in seen:
+                    seen.add(s)
+                    t += all_reduce_time(costs.param_bytes[s] * param_scale, dp, via) / 2
+                    self.gathered[(rank, i)] = t
+            self.seconds[rank] += t
+            self.link_free[rank] = t  # the same link: the step's reductions queue behind its gathers
 
     def _time(self, nbytes: float) -> float:
         """One bucket: an all-reduce, or (distributed optimizer) a reduce-scatter, half its steps and bytes."""
@@ -344,6 +361,9 @@ class _Reduction:
     def finish(self, rank: int, index: int, start: float, end: float) -> float:
         """When action ``index`` of ``rank``, computing from ``start`` to ``end``, returns (DDP, and Megatron's
         overlapped reduce-scatter, wait for the buckets' reductions in the stage's last backward)."""
+        arrived = self.gathered.get((rank, index))
+        if arrived is not None:  # a stage's first forward waits for the last of its parameters
+            return max(end, arrived)
         s = self.last.get((rank, index))
         if s is None:
             return end
@@ -361,8 +381,8 @@ class _Reduction:
         return end if self.mode == "distributed" else t
 
     def after_step(self, events: list[Event]) -> list[Event]:
-        """``DP`` events after each rank's last action: the whole all-reduce (``"after_flush"``), or what the
-        distributed optimizer's parameter all-gather outlasts the rank's first forward by."""
+        """``DP`` events after each rank's last action: the whole all-reduce (``"after_flush"``), or the
+        distributed optimizer's reduce-scatters still running."""
         out = []
         for rank, nbytes in enumerate(self.nbytes):
             mine = [e for e in events if e.rank == rank]
@@ -372,13 +392,9 @@ class _Reduction:
                 t = all_reduce_time(nbytes, self.dp, self.via)
                 self.seconds[rank] = t
             elif self.mode == "distributed":
-                gather = all_reduce_time(self.params[rank], self.dp, self.via) / 2
-                self.seconds[rank] += gather
-                first = min((e for e in mine if e.kind == "F"), key=lambda e: e.start, default=None)
-                # The reduce-scatters still running after the rank's last action, then what the all-gather
-                # outlasts the rank's first forward by.
+                # The reduce-scatters still running after the rank's last action (the all-gathers are in the
+                # stages' first forwards, ``finish``).
                 t = max(0.0, self.link_free[rank] - max(e.end for e in mine))
-                t += max(0.0, gather - (first.end if first is not None else 0.0))
             else:
                 continue
             if t > 0:

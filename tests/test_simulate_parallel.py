@@ -224,6 +224,31 @@ def test_distributed_optimizer_reduce_scatters_and_hides_the_gather() -> None:
         Collectives(grad_dtype="int8")
 
 
+def test_distributed_optimizer_reduces_and_gathers_stage_by_stage_when_interleaved() -> None:
+    # Megatron-Core r0.8.0 interleaved: each model chunk's gradients are reduce-scattered once its last backward
+    # is done, and each chunk's parameters all-gathered ahead of its first forward. 2 ranks x 2 stages, dp 2
+    # (forward 0.5 s, backward 1 s); each stage's reduce-scatter and all-gather take 1 s.
+    costs = dataclasses.replace(Costs.uniform(4), param_bytes=(2 * DDP_BUCKET_BYTES,) * 4)
+    tl = pv.simulate(None, "Interleaved1F1B", 2, costs=costs, num_stages=4, stages_per_rank=2, dp=2,
+                     bandwidth=DDP_BUCKET_BYTES, latency=0.0, collectives=Collectives(dp_reduce="distributed"))
+    rows = [(r, s, k, mb, start, end) for r, s, k, mb, start, end in _compute(tl) if r == 0]
+    assert rows == [
+        # rank stage kind mb start end
+        (0, 0, "F", 0, 0.0, 1.0),  # stage 0's gather (0-1 s) outlasts its 0.5 s forward
+        (0, 0, "F", 1, 1.0, 1.5),
+        (0, 2, "F", 0, 1.5, 2.0),  # stage 2's gather (1-2 s) hid behind stage 0's forwards
+        (0, 2, "F", 1, 2.0, 2.5),
+        (0, 2, "B", 0, 3.5, 4.5),
+        (0, 2, "B", 1, 5.0, 6.0),  # stage 2's reduce-scatter: 6-7 s, behind stage 0's backwards
+        (0, 0, "B", 0, 6.0, 7.0),
+        (0, 0, "B", 1, 7.0, 8.0),
+    ]
+    # Only the first stage's reduce-scatter outlasts the rank's compute: 1 s of the rank's 2 s of reductions.
+    dp_events = sorted((e.rank, e.start, e.end) for e in tl.events if e.kind == "DP")
+    assert dp_events == [(0, 8.0, 9.0), (1, 7.0, 8.0)] and tl.step_time == pytest.approx(9.0)
+    assert tl.meta["dp_seconds"] == pytest.approx([4.0, 4.0])  # per rank: 2 gathers + 2 reduce-scatters
+
+
 def test_tp_overlap_and_scattered_hand_offs(classic_graph: pv.ModelGraph) -> None:
     plan, m, tp = classic_graph.split(["layer1"]), 4, 2
     plain = pv.simulate(plan, "1F1B", m, tp=tp, bandwidth=BW, latency=LAT)
