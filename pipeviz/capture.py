@@ -56,6 +56,9 @@ class Op:
     # Bytes autograd saves for backward while this op runs (``_count_flops``): each tensor once, in the first op
     # that saves it; parameters and buffers never. None when unknown (the manual route): ``out_bytes`` stands in.
     saved_bytes: int | None = None
+    # The op's arguments, tensors as shapes (``pipeviz.kernels.TensorSpec``): what hardware="cpu" replays to time
+    # the op on this machine. None where an argument cannot be described (the manual route has no ops at all).
+    spec: Any = None
     # Tensors this op saves that an earlier op saved first: (that op's index, which of the tensors it saved first,
     # bytes). A pipeline stage holds its own copy of what it receives: a tensor saved on both sides of a split
     # counts in both stages.
@@ -329,6 +332,8 @@ def capture(
 
     ops: list[Op] = []
     index_of: dict[str, int] = {}
+    gm_buffers = frozenset(name for name, _ in gm.named_buffers())  # get_attr targets that train no gradient
+    batched = _batched(gm, _batch_size(example_args, kwargs))
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -362,6 +367,7 @@ def capture(
                 saved_bytes=saved.first.get(node.name, 0) if saved.ok else None,
                 resaved=tuple((index_of[first], slot, b) for first, slot, b in saved.again.get(node.name, ())
                               if first in index_of) if saved.ok else (),
+                spec=_spec(node, gm_buffers, batched),
             )
         )
     unsupported = _unsupported_ops(gm)
@@ -378,6 +384,66 @@ def capture(
         unsupported=unsupported,
         input_bytes={n.name: _tensor_bytes(n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder"},
     )
+
+
+def _batched(gm: torch.fx.GraphModule, batch: int | None) -> set[str]:
+    """Names of the nodes computed from the batch: inputs whose first dim is the batch size, and every op that reads
+    one (``pipeviz.kernels`` scales their first dim with the microbatch; a position table stays as it is)."""
+    out: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.dim() and batch and int(val.shape[0]) == batch:
+                out.add(node.name)
+        elif node.op == "call_function" and any(a.name in out for a in node.all_input_nodes):
+            out.add(node.name)
+    return out
+
+
+def _spec(node: torch.fx.Node, buffers: frozenset[str], batched: set[str]
+          ) -> tuple[tuple[Any, ...], tuple[tuple[str, Any], ...]] | None:
+    """The op's arguments with each tensor as a ``TensorSpec`` (shape, dtype, activation or not, gradient or not):
+    what ``pipeviz.kernels`` replays to time the op on this machine. None if an argument is neither a tensor nor a
+    plain value (a symbolic size, a tensor list's element missing its metadata)."""
+    from pipeviz.kernels import TensorSpec
+
+    bad = False
+
+    def one(arg: Any) -> Any:
+        nonlocal bad
+        if not isinstance(arg, torch.fx.Node):
+            return arg if isinstance(arg, int | float | bool | str | torch.dtype | torch.layout | torch.memory_format
+                                     | type(None)) else _device_or_bad(arg)
+        val = arg.meta.get("val")
+        if isinstance(val, int | float | bool):
+            return val
+        if not isinstance(val, torch.Tensor):
+            bad = True
+            return None
+        try:
+            shape = tuple(int(d) for d in val.shape)
+        except (TypeError, ValueError):
+            bad = True
+            return None
+        floating = val.dtype.is_floating_point
+        grad = floating and (arg.op != "get_attr" or str(arg.target) not in buffers)
+        return TensorSpec(shape, val.dtype, arg.name in batched, grad)
+
+    def _device_or_bad(arg: Any) -> Any:
+        nonlocal bad
+        if isinstance(arg, torch.device):
+            return torch.device("cpu")  # replayed on this machine whatever device the trace saw
+        bad = True
+        return None
+
+    # Lists as tuples, keyword arguments as (name, value) pairs: an Op (a frozen dataclass) stays hashable.
+    args = _frozen(pytree.tree_map(one, list(node.args)))
+    kwargs = tuple((k, _frozen(pytree.tree_map(one, v))) for k, v in node.kwargs.items())
+    return None if bad else (args, kwargs)
+
+
+def _frozen(tree: Any) -> Any:
+    return tuple(_frozen(x) for x in tree) if isinstance(tree, list | tuple) else tree
 
 
 def _unsupported_ops(gm: torch.fx.GraphModule) -> list[str]:

@@ -256,8 +256,7 @@ def layer_times(graph: ModelGraph, microbatches: float = 1, device: str | None =
                for f, sf, layer in zip(fwd, sel_flops, graph.layers, strict=True)]
         source = "measured"
     elif hw is not None:
-        fwd, sel = layer_roofline(graph, hw, opts.dtype, k, opts.byte_scale(graph))
-        bwd = [f * BACKWARD_PER_FORWARD for f in fwd]
+        fwd, sel, bwd = layer_roofline(graph, hw, opts.dtype, k, opts.byte_scale(graph))
         source = "roofline"
     else:
         rate = opts.flops_per_s or FLOPS_PER_S["cuda" if str(opts.device).startswith("cuda") else "cpu"]

@@ -40,7 +40,7 @@ __all__ = ["DTYPES", "DTYPE_BYTES", "HARDWARE", "ROOFLINES", "Hardware", "Hardwa
 
 
 DTYPES = ("float32", "tf32", "bfloat16", "float16", "fp8")
-ROOFLINES = ("additive", "max")
+ROOFLINES = ("additive", "max", "kernels")
 DTYPE_BYTES = {"float32": 4, "tf32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
                   "float8": "fp8", "float8_e4m3fn": "fp8"}
@@ -71,7 +71,9 @@ class Hardware:
             matmul approaches; a smaller one reaches less (``roofline``, ``matmul_efficiency``).
         collective_efficiency: achieved fraction of link bandwidth in collectives and hand-offs.
         roofline: how an op's math and memory traffic combine (``op_time``): ``"additive"`` (GPU presets: a
-            matmul's efficiency rises with its arithmetic intensity) or ``"max"`` (the plain roofline).
+            matmul's efficiency rises with its arithmetic intensity) or ``"max"`` (the plain roofline); or
+            ``"kernels"`` (``"cpu"``: each op timed on this machine at its shapes, ``pipeviz.kernels``, the plain
+            roofline where an op cannot be replayed).
         fused: the run's element-wise chains are fused kernels (Megatron-LM's fused kernels, torch.compile):
             an intermediate that only the next element-wise op reads costs no memory traffic. Default False
             (eager PyTorch: one kernel per op).
@@ -194,11 +196,14 @@ _ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "h200-sxm": "h200", "b200-s
 
 @functools.lru_cache(maxsize=1)
 def measure_cpu(seconds: float = 0.3) -> Hardware:
-    """``"cpu"``: this machine as one device, from a short measurement (cached for the process).
+    """``"cpu"``: this machine, one core a device (a pipeline rank pinned to its core, as ``pv.launch`` runs them),
+    from a short measurement (cached for the process).
 
-    float32 and bfloat16 matmul FLOP/s (512 x 512 and 128 x 128 products at torch's current thread count) and
-    memory bandwidth (copying 32 MiB); each rate is what was achieved, so ``efficiency`` is 1. Links are gloo's on
-    one host (``pipeviz.costs.LINKS``); memory is the machine's RAM.
+    Ops are timed themselves (``roofline="kernels"``: ``pipeviz.kernels`` replays each traced op at its shapes,
+    forward and backward, on one thread); the rates below serve the ops that cannot be replayed: float32 and
+    bfloat16 matmul FLOP/s (512 x 512 and 128 x 128 products) and memory bandwidth (copying 32 MiB), one thread
+    each; each rate is what was achieved, so ``efficiency`` is 1. Links are gloo's on one host
+    (``pipeviz.costs.LINKS``); memory is the machine's RAM.
     """
     import torch
 
@@ -214,19 +219,24 @@ def measure_cpu(seconds: float = 0.3) -> Hardware:
                 return work * n / elapsed
 
     flops: dict[str, float] = {}
-    for name, dt, k in (("float32", torch.float32, 512), ("bfloat16", torch.bfloat16, 128)):
-        a = torch.randn(k, k).to(dt)  # bfloat16 is slow on CPUs without its units: a smaller product
-        flops[name] = timed(lambda a=a: a @ a, 2 * k**3)
-    src = torch.empty(2**23, dtype=torch.float32).fill_(1.0)
-    dst = torch.empty_like(src)
-    bandwidth = timed(lambda: dst.copy_(src), 2 * src.numel() * 4)  # a copy reads and writes every byte
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core: what each pinned rank has
+    try:
+        for name, dt, k in (("float32", torch.float32, 512), ("bfloat16", torch.bfloat16, 128)):
+            a = torch.randn(k, k).to(dt)  # bfloat16 is slow on CPUs without its units: a smaller product
+            flops[name] = timed(lambda a=a: a @ a, 2 * k**3)
+        src = torch.empty(2**23, dtype=torch.float32).fill_(1.0)
+        dst = torch.empty_like(src)
+        bandwidth = timed(lambda: dst.copy_(src), 2 * src.numel() * 4)  # a copy reads and writes every byte
+    finally:
+        torch.set_num_threads(threads)
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         ram = 16 * 2**30
     gloo = (1e9, 2e-4)  # pipeviz.costs.LINKS["gloo"]: what a pipeline sees between ranks on one host
     return Hardware("cpu", flops, int(ram), bandwidth, os.cpu_count() or 1, gloo, gloo, efficiency=1.0,
-                    collective_efficiency=1.0, roofline="max")
+                    collective_efficiency=1.0, roofline="kernels")
 
 
 class _Presets(Mapping[str, Hardware]):
@@ -289,7 +299,7 @@ def op_time(flops: float, nbytes: float, hw: Hardware, dtype: str | None = None)
     - ``"max"`` (``"cpu"``, whose rates are measured): ``max(flops / rate, bytes / bandwidth)``, the plain
       roofline: a matmul is compute-bound, an element-wise op memory-bound.
     """
-    if hw.roofline == "max":
+    if hw.roofline in ("max", "kernels"):  # (the plain roofline is what "kernels" falls back to)
         return max(flops / hw.rate(dtype), nbytes / hw.memory_bandwidth)
     return flops / hw.rate(dtype) + nbytes / hw.memory_bandwidth
 
@@ -436,7 +446,7 @@ def _attention_scores(cap: Capture) -> tuple[int, ...]:
     return tuple(sorted(marked))
 
 
-_ROOFLINE: dict[tuple[Any, ...], tuple[OpTable, list[float], list[float]]] = {}
+_ROOFLINE: dict[tuple[Any, ...], tuple[OpTable, tuple[list[float], list[float], list[float]]]] = {}
 
 
 def _add(a: float, b: float) -> float:
@@ -444,23 +454,52 @@ def _add(a: float, b: float) -> float:
 
 
 def layer_roofline(graph: ModelGraph, hw: Hardware, dtype: str | None, k: float,
-              s: float) -> tuple[list[float], list[float]]:
-    """Per layer, forward seconds on ``hw`` (the roofline per op, summed) and those of its attention-score ops;
-    remembered for the last few (graph, hardware, microbatch size) asked: the planner asks many times."""
+                   s: float) -> tuple[list[float], list[float], list[float]]:
+    """Per layer, forward seconds on ``hw`` (the roofline per op, summed), those of its attention-score ops, and
+    backward seconds (2 x forward; with ``roofline="kernels"`` each op's measured backward); remembered for the
+    last few (graph, hardware, microbatch size) asked: the planner asks many times."""
     key = (id(graph.capture), graph.layer_names, hw, dtype, k, s)
     table = op_table(graph.capture)
     hit = _ROOFLINE.get(key)
     if hit is not None and hit[0] is table:  # the same capture, not a new one at a reused address
-        return hit[1], hit[2]
+        return hit[1]
     rate, bw = hw.rate(dtype), hw.memory_bandwidth
-    combine = max if hw.roofline == "max" else _add  # op_time's rule, inlined: the planner asks many times
+    combine = max if hw.roofline in ("max", "kernels") else _add  # op_time's rule, inlined: asked many times
     acts = table.fused_act if hw.fused and table.fused_act else table.act
     times = [combine(f * k / rate, (a * k + w) * s / bw) for f, a, w in zip(table.flops, acts, table.weight,
                                                                             strict=True)]
+    back = [2.0 * t for t in times]  # a backward computes two matmuls per forward matmul
     spans = list(zip(graph.index.layer_first, graph.index.layer_last, strict=True))
+    if hw.roofline == "kernels":
+        times, back = _kernel_times(graph.capture, times, back, k, dtype and hw.dtype(dtype))
+        # Every op the stage runs, the ones between layers too (an embedding sum, a mask), with the layer before.
+        starts = [a for a, _ in spans]
+        spans = [(a if i else 0, (starts[i + 1] - 1) if i + 1 < len(starts) else len(times) - 1)
+                 for i, a in enumerate(starts)]
     fwd = [sum(times[a:b + 1]) for a, b in spans]
+    bwd = [sum(back[a:b + 1]) for a, b in spans]
     sel = [sum(times[i] for i in table.selective if a <= i <= b) for a, b in spans]
     if len(_ROOFLINE) > 256:
         _ROOFLINE.clear()
-    _ROOFLINE[key] = (table, fwd, sel)
-    return fwd, sel
+    _ROOFLINE[key] = (table, (fwd, sel, bwd))
+    return fwd, sel, bwd
+
+
+_TORCH_DTYPES = {"float32": "float32", "tf32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def _kernel_times(cap: Capture, times: list[float], back: list[float], k: float,
+                  dtype: str | None) -> tuple[list[float], list[float]]:
+    """Each op's forward and backward seconds as this machine runs it (``pipeviz.kernels``), the roofline's where
+    it cannot be replayed."""
+    import torch
+
+    from pipeviz.kernels import op_seconds
+
+    torch_dtype = getattr(torch, _TORCH_DTYPES[dtype]) if dtype in _TORCH_DTYPES else None
+    fwd, bwd = list(times), list(back)
+    for op in cap.ops:
+        measured = op_seconds(op, k, torch_dtype, cap.batch_size)
+        if measured is not None:
+            fwd[op.index], bwd[op.index] = measured
+    return fwd, bwd

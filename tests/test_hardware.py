@@ -74,7 +74,7 @@ def test_unknown_names_list_the_valid_ones() -> None:
 
 def test_roofline_per_op() -> None:
     h100 = pv.hardware("h100")
-    assert h100.roofline == "additive" and pv.hardware("cpu").roofline == "max"
+    assert h100.roofline == "additive" and pv.hardware("cpu").roofline == "kernels"
     # A 8192^3 matmul: 1.1 TFLOP, 400 MB. The GPU presets add its math and its memory traffic; the plain
     # roofline takes the slower of the two: compute-bound. An elementwise add of 1 GB: memory-bound in both.
     big, nbytes = 2 * 8192**3, 3 * 8192**2 * 2
@@ -84,7 +84,7 @@ def test_roofline_per_op() -> None:
     assert op_time(big, nbytes, plain, "bfloat16") == pytest.approx(big / rate)
     assert op_time(2**28, 3 * 2**30, plain) == pytest.approx(3 * 2**30 / bw)
     assert op_time(0, 3 * 2**30, h100) == pytest.approx(3 * 2**30 / bw)
-    with pytest.raises(pv.HardwareError, match="Unknown roofline='min'; valid: additive, max"):
+    with pytest.raises(pv.HardwareError, match="Unknown roofline='min'; valid: additive, max, kernels"):
         dataclasses.replace(h100, roofline="min")
 
 

@@ -1,0 +1,162 @@
+"""This machine's kernel times, measured per op and shape: what ``hardware="cpu"`` costs a layer with.
+
+A roofline needs a peak and a bandwidth; on a CPU neither predicts a small or skinny matmul (a 16 x 1024 x 2048
+product runs at a third of a 512-cube's rate here: the weight does not stay in cache), nor what PyTorch spends per
+op around the kernel (dispatch, autograd's bookkeeping: ~10-20 µs an op, forward and backward). So the ``"cpu"``
+preset times the ops themselves: each op of the trace is run again on random tensors of its shapes at the
+microbatch size, forward and backward (``torch.autograd.grad``), one thread (a pipeline rank on its own core, as
+``pv.launch`` pins them), and the times are cached by (op, shapes, dtype). This is not ``pv.profile``: no layer of
+the model runs, only one aten op at a time with the arguments the trace recorded (``Op.spec``), so it needs no
+weights and no data and answers for microbatch sizes never run. Ops it cannot replay (sizes given as arguments
+that the microbatch changes, more than ``MAX_BYTES`` of tensors or ``MAX_FLOPS`` of work) fall back to the
+roofline of the measured rates.
+
+Example:
+    >>> fwd, bwd = op_seconds(graph.capture.ops[3], scale=0.25)     # a quarter of the traced batch
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = ["MAX_BYTES", "MAX_FLOPS", "TensorSpec", "op_seconds", "replayable", "scaled_shape"]
+
+MAX_BYTES = 256 * 2**20  # an op whose tensors are larger is estimated, not replayed (a meta-device big model)
+MAX_FLOPS = 2e9  # nor one with more work (~30 ms a run here): a matmul that large runs at the measured peak rate
+_SECONDS = 0.02  # time spent measuring one op (each of forward and backward), after a warm-up call
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor argument of a traced op: its shape and dtype, whether it is an activation computed from the batch
+    (its first dim is the batch's, scaled with the microbatch) or not (parameters, buffers, constants and what is
+    computed from them alone, such as position embeddings: kept as traced), and whether training
+    computes its gradient (activations and parameters in floating point; not buffers or integer tensors)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    activation: bool
+    grad: bool
+
+
+def replayable(op: Any) -> bool:
+    """Whether ``op`` (a ``pipeviz.capture.Op``) carries the arguments a replay needs."""
+    return op.spec is not None and op.target.startswith("aten.")
+
+
+def op_seconds(op: Any, scale: float, dtype: torch.dtype | None = None, batch: int | None = None
+               ) -> tuple[float, float] | None:
+    """Forward and backward seconds of ``op`` at ``scale`` x the traced batch of ``batch`` examples (each
+    activation's batch dim scaled: ``scaled_shape``), in ``dtype`` (default: as traced), on one thread; None when it
+    cannot be replayed."""
+    if not replayable(op) or op.flops * scale > MAX_FLOPS:
+        return None
+    args, kwargs = op.spec
+    leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, TensorSpec)]
+    shapes = tuple((scaled_shape(t, scale, batch), t.dtype if dtype is None or not t.dtype.is_floating_point else dtype,
+                    t.grad) for t in leaves)
+    try:
+        return _measure(op.target, (args, kwargs), shapes)
+    except Exception:  # an op that does not replay on random tensors: the caller estimates it
+        return None
+
+
+def scaled_shape(t: TensorSpec, scale: float, batch: int | None = None) -> tuple[int, ...]:
+    """An activation's shape at ``scale`` x the traced batch: the batch's dim is the first whose size is the batch
+    (``(seq, batch, dim)`` as ``nn.MultiheadAttention`` lays it out), else dim 0 (``(batch, ...)``, or the batch
+    flattened with other dims); parameters and what is not computed from the batch keep their shape."""
+    if not t.activation or not t.shape or scale == 1:
+        return t.shape
+    dims = list(t.shape)
+    at = 0 if not batch or dims[0] == batch else next((i for i, d in enumerate(dims) if d == batch), 0)
+    dims[at] = max(1, round(dims[at] * scale))
+    return tuple(dims)
+
+
+def _thaw(tree: Any, tensors: list[torch.Tensor]) -> Any:
+    """The recorded arguments (tuples for lists, keyword arguments as pairs: ``Op.spec``) with each ``TensorSpec``
+    replaced by the next of ``tensors``, lists restored."""
+    it = iter(tensors)
+
+    def go(x: Any) -> Any:
+        if isinstance(x, TensorSpec):
+            return next(it)
+        if isinstance(x, tuple):
+            return [go(v) for v in x]
+        return x
+
+    args, kwargs = tree
+    return tuple(go(a) for a in args), {k: go(v) for k, v in kwargs}
+
+
+def _resolve(target: str) -> Callable[..., Any]:
+    ns, name, overload = target.split(".")
+    return getattr(getattr(getattr(torch.ops, ns), name), overload)
+
+
+@functools.lru_cache(maxsize=4096)
+def _measure(target: str, frozen: Any, shapes: tuple[tuple[tuple[int, ...], torch.dtype, bool], ...]
+             ) -> tuple[float, float]:
+    """(forward, backward) seconds; ``shapes``: each tensor argument's (shape, dtype, needs a gradient)."""
+    if sum(_numel(s) * _itemsize(dt) for s, dt, _ in shapes) > MAX_BYTES:
+        raise ValueError("too large to replay")
+    fn = _resolve(target)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a pipeline rank on its own core
+    try:
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            tensors = [_random(s, dt, grad) for s, dt, grad in shapes]
+        args, kwargs = _thaw(frozen, tensors)
+        grads = [t for t in tensors if t.requires_grad]
+        with torch.no_grad():
+            forward = _timed(lambda: fn(*args, **kwargs))
+        if not grads:
+            return forward, 0.0
+        with torch.enable_grad():
+            out = [o for o in pytree.tree_leaves(fn(*args, **kwargs))
+                   if isinstance(o, torch.Tensor) and o.requires_grad]
+            if not out:
+                return forward, 0.0
+            ones = [torch.ones_like(o) for o in out]
+            backward = _timed(lambda: torch.autograd.grad(out, grads, ones, retain_graph=True, allow_unused=True))
+        return forward, backward
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, grad: bool) -> torch.Tensor:
+    if dtype.is_floating_point:
+        return torch.randn(shape, dtype=dtype).requires_grad_(grad)
+    if dtype == torch.bool:
+        return torch.ones(shape, dtype=dtype)
+    return torch.zeros(shape, dtype=dtype)  # indices: 0 is valid for any table
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    fn()  # warm-up: allocations, one-time dispatch
+    n, start = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        elapsed = time.perf_counter() - start
+        if (elapsed > _SECONDS and n >= 3) or n >= 1000:
+            return elapsed / n
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

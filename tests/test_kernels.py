@@ -1,0 +1,76 @@
+"""hardware="cpu" times each traced op on this machine (``pipeviz.kernels``): what the trace records for a replay,
+how the microbatch scales it, and the fallbacks. Speed itself is judged in benchmarks/simulator_accuracy.py."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import pipeviz as pv
+from pipeviz.costs import CostOptions, layer_times
+from pipeviz.kernels import MAX_FLOPS, TensorSpec, op_seconds, scaled_shape
+from pipeviz.zoo import TinyTransformer
+
+
+def _ops(graph: pv.ModelGraph, target: str) -> list:
+    return [op for op in graph.capture.ops if op.target == target]
+
+
+def test_the_trace_records_each_ops_arguments_as_shapes() -> None:
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    graph = pv.trace(model, example_args=(torch.randn(16, 32),))
+    first = _ops(graph, "aten.linear.default")[0]
+    args, kwargs = first.spec
+    x, weight, bias = args
+    assert x == TensorSpec((16, 32), torch.float32, activation=True, grad=True)  # the batch: scaled with it
+    assert weight == TensorSpec((64, 32), torch.float32, activation=False, grad=True)  # a parameter: as traced
+    assert bias.shape == (64,) and not bias.activation and kwargs == ()
+    assert hash(first)  # an Op stays hashable
+    relu = _ops(graph, "aten.relu.default")[0]
+    assert relu.spec[0][0].shape == (16, 64) and relu.spec[0][0].activation
+
+
+def test_what_is_not_computed_from_the_batch_keeps_its_shape() -> None:
+    """A position table (an embedding of arange) is the same for any microbatch: only what reads the batch is
+    scaled; integer inputs train no gradient."""
+    model = TinyTransformer(vocab=64, dim=32, heads=2, depth=1, seq=16)
+    graph = pv.trace(model, example_args=(torch.randint(0, 64, (8, 16)),))
+    embeddings = _ops(graph, "aten.embedding.default")
+    tokens = [t for op in embeddings for t in op.spec[0] if isinstance(t, TensorSpec) and not t.dtype.is_floating_point]
+    assert any(t.activation and t.shape[0] == 8 and not t.grad for t in tokens)  # the token ids: the batch
+    table = [t for op in embeddings for t in op.spec[0] if isinstance(t, TensorSpec) and t.dtype.is_floating_point]
+    assert table and all(not t.activation and t.grad for t in table)  # the embedding weights
+    # x + pos[:seq]: the token embeddings are the batch's, the sliced position table is not (not scaled)
+    add = _ops(graph, "aten.add.Tensor")[0]
+    tokens_emb, pos = add.spec[0]
+    assert (tokens_emb.shape, tokens_emb.activation) == ((8, 16, 32), True) and (pos.shape, pos.activation) == (
+        (16, 32), False)
+    assert scaled_shape(tokens_emb, 0.25, 8) == (2, 16, 32) and scaled_shape(pos, 0.25, 8) == (16, 32)
+    # nn.MultiheadAttention (batch_first=False) works on (seq, batch, dim): the batch's dim is scaled, not dim 0
+    qkv = _ops(graph, "aten.linear.default")[0]
+    assert qkv.spec[0][0].shape == (16, 8, 32) and scaled_shape(qkv.spec[0][0], 0.25, 8) == (16, 2, 32)
+    assert scaled_shape(TensorSpec((64, 32), torch.float32, True, True), 0.5, 8) == (32, 32)  # (batch x seq, dim)
+
+
+def test_ops_replay_forward_and_backward_and_too_big_ones_fall_back() -> None:
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    graph = pv.trace(model, example_args=(torch.randn(32, 64),))
+    linear = _ops(graph, "aten.linear.default")[0]
+    times = op_seconds(linear, 0.25)
+    assert times is not None and times[0] > 0 and times[1] > 0
+    assert op_seconds(linear, MAX_FLOPS / linear.flops * 2) is None  # more work than a replay may take
+    threads = torch.get_num_threads()
+    op_seconds(_ops(graph, "aten.gelu.default")[0], 0.5)
+    assert torch.get_num_threads() == threads  # the replay's one thread is given back
+
+
+def test_the_cpu_preset_costs_layers_by_their_replayed_ops() -> None:
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    graph = pv.trace(model, example_args=(torch.randn(32, 64),))
+    fwd, bwd, source = layer_times(graph, 4, options=CostOptions(hardware="cpu"))
+    assert source == "roofline" and all(f > 0 for f in fwd) and all(b > 0 for b in bwd)
+    # GELU has no FLOPs: the plain roofline gives it its bytes' time; replayed, its backward is its own measure,
+    # not twice the forward by rule.
+    assert bwd != [2 * f for f in fwd]
+    plan = pv.balance(graph, 2, hardware="cpu")
+    assert pv.simulate(plan, "1F1B", 4, hardware="cpu").step_time > 0
