@@ -6,9 +6,10 @@ degrees 1 to 64) is rebuilt and predicted:
 1. the model at the row's shape is built on the meta device (``GPT2Config`` / ``LlamaConfig``, no weights) and
    traced with ``pv.trace`` on one sequence of the row's length, at its full depth (so every stage's layers are
    the real ones; tracing costs about 0.2-0.4 s per layer here, the benchmark's main cost);
-2. it is split as Megatron-LM and torchtitan split: transformer blocks evenly over ``pp x stages_per_rank``
-   stages (a remainder to the later stages), the embeddings on the first stage, the final norm and head on the
-   last;
+2. it is split as its framework split it (``PublishedRun.split``): Megatron-LM's transformer blocks evenly over
+   ``pp x stages_per_rank`` stages (a remainder to the later stages), torchtitan's ``generate_split_points``
+   (a remainder to the stages after the first); the embeddings on the first stage, the final norm and head on
+   the last;
 3. ``pv.simulate(plan, schedule, microbatches, stages_per_rank, hardware=<gpu>, dtype, recompute, dp, tp,
    options=CostOptions(batch_scale=global_batch), collectives=Collectives(...))`` predicts the step: the traced
    sequence scaled to the global batch, each replica's microbatch costed at its size, and the collectives done as
