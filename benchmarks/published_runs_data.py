@@ -191,7 +191,7 @@ _GPT26 = {"family": "gpt", "vocab": 131072, "seq_len": 4096, "gpu": "h100", "dty
                        "all-gather, fp32 grads, --tp-comm-overlap, sequence parallelism, flash attention",
           "assumed": ("no recomputation: the README gives layout and batch only",
                       "without pipelining, a replica's 4 sequences in one microbatch of 4 (unpublished; NVIDIA's own "
-                      "H100 performance config for the same shape and layout, NeMo-Framework-Launcher "
+                      "H100 performance config for the same width, heads and layout, NeMo-Framework-Launcher "
                       "conf/training/gpt3/20b_bf16_performance.yaml: hidden 6144, 48 heads, tp 4, pp 1, Megatron-Core, "
                       "distributed Adam with overlapped grad and param sync, has micro_batch_size 4). With 4 "
                       "microbatches of 1 the fp32 reduce-scatter (r0.8.0 overlaps it with the last microbatch's "
