@@ -352,6 +352,8 @@ def stage_costs(
         fwd[-1] += prof.loss_forward * scale
         bwd[-1] += prof.loss_backward * scale
         overhead = prof.overhead
+    elif source == "roofline" and opts.hw is not None:
+        overhead = opts.hw.action_overhead
     bs = opts.byte_scale(g) * opts.batch_scale
     stored = layer_activation_bytes(g, opts)
     dropped = [layer.saved_bytes * opts.byte_scale(g) - kept for layer, kept in zip(g.layers, stored, strict=True)]

@@ -77,6 +77,9 @@ class Hardware:
         fused: the run's element-wise chains are fused kernels (Megatron-LM's fused kernels, torch.compile):
             an intermediate that only the next element-wise op reads costs no memory traffic. Default False
             (eager PyTorch: one kernel per op).
+        action_overhead: fixed seconds per pipeline action around its ops (posting sends and receives, the
+            stage's bookkeeping, event timing): 0 for the GPU presets (hidden behind queued kernels), for
+            ``"cpu"`` the gap measured between a rank's actions (``pipeviz.profile.CPU_ACTION_OVERHEAD``).
     """
 
     name: str
@@ -90,6 +93,7 @@ class Hardware:
     collective_efficiency: float = 0.8
     roofline: str = "additive"
     fused: bool = False
+    action_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         if self.roofline not in ROOFLINES:
@@ -108,7 +112,7 @@ class Hardware:
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.flops.items())), self.memory_bytes, self.memory_bandwidth,
                      self.devices_per_node, self.intra_node, self.inter_node, self.efficiency,
-                     self.collective_efficiency, self.roofline, self.fused))
+                     self.collective_efficiency, self.roofline, self.fused, self.action_overhead))
 
     def dtype(self, dtype: str | None = None) -> str:
         """The canonical dtype name (``"bf16"`` -> ``"bfloat16"``); ``None``: bfloat16 where the device computes it
@@ -236,7 +240,11 @@ def measure_cpu(seconds: float = 0.3) -> Hardware:
         ram = 16 * 2**30
     gloo = (1e9, 2e-4)  # pipeviz.costs.LINKS["gloo"]: what a pipeline sees between ranks on one host
     return Hardware("cpu", flops, int(ram), bandwidth, os.cpu_count() or 1, gloo, gloo, efficiency=1.0,
-                    collective_efficiency=1.0, roofline="kernels")
+                    collective_efficiency=1.0, roofline="kernels", action_overhead=_CPU_ACTION_OVERHEAD)
+
+
+# pipeviz.profile.CPU_ACTION_OVERHEAD (not imported: the profile module imports the cost model, which imports this)
+_CPU_ACTION_OVERHEAD = 4e-4
 
 
 class _Presets(Mapping[str, Hardware]):

@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,9 @@ __all__ = ["MAX_BYTES", "MAX_FLOPS", "TensorSpec", "op_seconds", "replayable", "
 MAX_BYTES = 256 * 2**20  # an op whose tensors are larger is estimated, not replayed (a meta-device big model)
 MAX_FLOPS = 2e9  # nor one with more work (~30 ms a run here): a matmul that large runs at the measured peak rate
 _SECONDS = 0.02  # time spent measuring one op (each of forward and backward), after a warm-up call
+_CALLS = 15  # at most this many timed calls (each after a cache flush)
+# Larger than a CPU's last-level cache: writing it evicts what an op's previous call left there.
+_FLUSH = torch.empty(64 * 2**20 // 4, dtype=torch.float32)
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,7 @@ def op_seconds(op: Any, scale: float, dtype: torch.dtype | None = None, batch: i
     args, kwargs = op.spec
     leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, TensorSpec)]
     shapes = tuple((scaled_shape(t, scale, batch), t.dtype if dtype is None or not t.dtype.is_floating_point else dtype,
-                    t.grad) for t in leaves)
+                    t.grad, t.activation) for t in leaves)
     try:
         return _measure(op.target, (args, kwargs), shapes)
     except Exception:  # an op that does not replay on random tensors: the caller estimates it
@@ -102,10 +106,11 @@ def _resolve(target: str) -> Callable[..., Any]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _measure(target: str, frozen: Any, shapes: tuple[tuple[tuple[int, ...], torch.dtype, bool], ...]
+def _measure(target: str, frozen: Any, shapes: tuple[tuple[tuple[int, ...], torch.dtype, bool, bool], ...]
              ) -> tuple[float, float]:
-    """(forward, backward) seconds; ``shapes``: each tensor argument's (shape, dtype, needs a gradient)."""
-    if sum(_numel(s) * _itemsize(dt) for s, dt, _ in shapes) > MAX_BYTES:
+    """(forward, backward) seconds; ``shapes``: each tensor argument's (shape, dtype, needs a gradient, is an
+    activation)."""
+    if sum(_numel(s) * _itemsize(dt) for s, dt, _, _ in shapes) > MAX_BYTES:
         raise ValueError("too large to replay")
     fn = _resolve(target)
     threads = torch.get_num_threads()
@@ -113,11 +118,12 @@ def _measure(target: str, frozen: Any, shapes: tuple[tuple[tuple[int, ...], torc
     try:
         with torch.random.fork_rng():
             torch.manual_seed(0)
-            tensors = [_random(s, dt, grad) for s, dt, grad in shapes]
+            tensors = [_random(s, dt, grad) for s, dt, grad, _ in shapes]
         args, kwargs = _thaw(frozen, tensors)
+        warm = [t for t, (_, _, _, activation) in zip(tensors, shapes, strict=True) if activation]
         grads = [t for t in tensors if t.requires_grad]
         with torch.no_grad():
-            forward = _timed(lambda: fn(*args, **kwargs))
+            forward = _timed(lambda: fn(*args, **kwargs), warm)
         if not grads:
             return forward, 0.0
         with torch.enable_grad():
@@ -126,7 +132,8 @@ def _measure(target: str, frozen: Any, shapes: tuple[tuple[tuple[int, ...], torc
             if not out:
                 return forward, 0.0
             ones = [torch.ones_like(o) for o in out]
-            backward = _timed(lambda: torch.autograd.grad(out, grads, ones, retain_graph=True, allow_unused=True))
+            backward = _timed(lambda: torch.autograd.grad(out, grads, ones, retain_graph=True, allow_unused=True),
+                              [*warm, *ones])
         return forward, backward
     finally:
         torch.set_num_threads(threads)
@@ -140,15 +147,21 @@ def _random(shape: tuple[int, ...], dtype: torch.dtype, grad: bool) -> torch.Ten
     return torch.zeros(shape, dtype=dtype)  # indices: 0 is valid for any table
 
 
-def _timed(fn: Callable[[], Any]) -> float:
+def _timed(fn: Callable[[], Any], warm: list[torch.Tensor]) -> float:
+    """Seconds of one ``fn()``, as a run meets it: each call after the caches were flushed (a run streams a
+    layer's weights from memory once a microbatch: a loop over one op would find them in cache) and the
+    activations ``warm`` read again (the op before just wrote them); the median of up to ``_CALLS`` calls or
+    ``_SECONDS`` of them."""
     fn()  # warm-up: allocations, one-time dispatch
-    n, start = 0, time.perf_counter()
-    while True:
+    times: list[float] = []
+    while len(times) < _CALLS and sum(times) < _SECONDS:
+        _FLUSH.zero_()
+        for t in warm:
+            t.detach().sum()
+        start = time.perf_counter()
         fn()
-        n += 1
-        elapsed = time.perf_counter() - start
-        if (elapsed > _SECONDS and n >= 3) or n >= 1000:
-            return elapsed / n
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -74,3 +74,14 @@ def test_the_cpu_preset_costs_layers_by_their_replayed_ops() -> None:
     assert bwd != [2 * f for f in fwd]
     plan = pv.balance(graph, 2, hardware="cpu")
     assert pv.simulate(plan, "1F1B", 4, hardware="cpu").step_time > 0
+
+
+def test_the_cpu_preset_pays_the_measured_gap_between_actions() -> None:
+    from pipeviz.profile import CPU_ACTION_OVERHEAD
+
+    assert pv.hardware("cpu").action_overhead == CPU_ACTION_OVERHEAD and pv.hardware("h100").action_overhead == 0
+    graph = pv.trace(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)), example_args=(torch.randn(8, 16),))
+    plan = graph.split(["0"])
+    from pipeviz.costs import stage_costs
+
+    assert stage_costs(plan, 2, options=CostOptions(hardware="cpu")).overhead == CPU_ACTION_OVERHEAD
