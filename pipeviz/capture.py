@@ -393,7 +393,7 @@ def _batched(gm: torch.fx.GraphModule, batch: int | None) -> set[str]:
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             val = node.meta.get("val")
-            if isinstance(val, torch.Tensor) and val.dim() and batch and int(val.shape[0]) == batch:
+            if isinstance(val, torch.Tensor) and val.dim() and batch and val.shape[0] == batch:
                 out.add(node.name)
         elif node.op == "call_function" and any(a.name in out for a in node.all_input_nodes):
             out.add(node.name)
@@ -420,11 +420,10 @@ def _spec(node: torch.fx.Node, buffers: frozenset[str], batched: set[str]
         if not isinstance(val, torch.Tensor):
             bad = True
             return None
-        try:
-            shape = tuple(int(d) for d in val.shape)
-        except (TypeError, ValueError):
+        if not all(isinstance(d, int) for d in val.shape):  # a size the data decides (MoE routing): no replay
             bad = True
             return None
+        shape = tuple(val.shape)
         floating = val.dtype.is_floating_point
         grad = floating and (arg.op != "get_attr" or str(arg.target) not in buffers)
         return TensorSpec(shape, val.dtype, arg.name in batched, grad)

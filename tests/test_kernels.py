@@ -85,3 +85,15 @@ def test_the_cpu_preset_pays_the_measured_gap_between_actions() -> None:
     from pipeviz.costs import stage_costs
 
     assert stage_costs(plan, 2, options=CostOptions(hardware="cpu")).overhead == CPU_ACTION_OVERHEAD
+
+
+def test_a_size_the_data_decides_is_not_replayed() -> None:
+    """MoE routing (a nonzero over the router's choice) gives later ops sizes that only the data fixes: those ops
+    carry no replay spec (hardware="cpu" estimates them); the trace itself is unaffected."""
+    from pipeviz import zoo
+
+    model = zoo.MoENet(layers=2)
+    graph = pv.trace(model, example_args=(torch.randint(0, 64, (4, 16)),))
+    assert any(op.spec is None for op in graph.capture.ops)
+    assert any(op.spec is not None for op in graph.capture.ops)
+    assert all(f > 0 for f in layer_times(graph, 2, options=CostOptions(hardware="cpu"))[0][1:])
