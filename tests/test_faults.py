@@ -207,7 +207,11 @@ def test_no_orphans_when_the_parent_dies(tmp_path: object) -> None:
         print(*run.pids, flush=True)
         time.sleep(3600)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    # The parent's temporary files go to a folder of its own: a launch anywhere else on the machine (another test
+    # run) sweeps the shared temporary folder, and would take them before this test looks (it did, once in five).
+    folder = str(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": folder})
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]  # type: ignore[union-attr]
         assert len(pids) == 2 and all(alive(p) for p in pids)
@@ -221,8 +225,8 @@ def test_no_orphans_when_the_parent_dies(tmp_path: object) -> None:
     # Its temporary files (payloads, rank logs, the state folder) stay behind; the next launch sweeps them.
     from pipeviz.runtime.procs import sweep_stale
 
-    theirs = [n for n in os.listdir(tempfile.gettempdir()) if n.startswith("pipeviz-") and f"-{proc.pid}-" in n]
+    theirs = [n for n in os.listdir(folder) if n.startswith("pipeviz-") and f"-{proc.pid}-" in n]
     assert any(n.startswith("pipeviz-state-") for n in theirs), theirs
-    removed = {os.path.basename(p) for p in sweep_stale()}
+    removed = {os.path.basename(p) for p in sweep_stale(folder)}
     assert set(theirs) <= removed
-    assert not any(f"-{proc.pid}-" in n for n in os.listdir(tempfile.gettempdir()))
+    assert not any(f"-{proc.pid}-" in n for n in os.listdir(folder))
