@@ -228,9 +228,10 @@ def layer_times(graph: ModelGraph, microbatches: float = 1, device: str | None =
     Measured when the graph carries a ``pv.profile`` of its layers (``graph.with_profile``), scaled from the
     microbatch size it was measured at (a measurement wins over any estimate made for that kind of device:
     ``measured_here``); else, on a ``Hardware``
-    (``options.hardware``), a roofline per op: ``max(flops / (peak x efficiency), bytes / memory_bandwidth)``
-    summed over the layer's ops (matmuls by their FLOPs, elementwise ops by the bytes they read and write, views
-    free; backward = 2 x forward); else FLOPs at ``flops_per_s`` (default by device). Recomputation adds to the
+    (``options.hardware``), a roofline per op summed over the layer's ops (``pipeviz.hardware.op_time``: matmuls by
+    their FLOPs, elementwise ops by the bytes they read and write, views free; backward = 2 x forward), or on
+    ``"cpu"`` each op replayed at its shapes (``pipeviz.kernels``: its own forward and backward); else FLOPs at
+    ``flops_per_s`` (default by device). Recomputation adds to the
     backward: the whole forward (``"full"``) or attention's score ops (``"selective"``).
 
     Example:
