@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeviz import schedules as sched
 from pipeviz.capture import op_saved_bytes
-from pipeviz.hardware import DTYPE_BYTES, Hardware, hardware, layer_roofline, op_table
+from pipeviz.hardware import DTYPE_BYTES, Hardware, dtype_name, hardware, layer_roofline, op_table
 
 if TYPE_CHECKING:
     from pipeviz.graph import ModelGraph
@@ -125,11 +125,7 @@ class CostOptions:
             object.__setattr__(self, "hardware", hw)
             object.__setattr__(self, "dtype", hw.dtype(self.dtype))
         elif self.dtype is not None:
-            name = str(self.dtype).lower().removeprefix("torch.")
-            name = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16"}.get(name, name)
-            if name not in DTYPE_BYTES:
-                raise ValueError(f"Unknown dtype {self.dtype!r}; valid: {', '.join(DTYPE_BYTES)}.")
-            object.__setattr__(self, "dtype", name)
+            object.__setattr__(self, "dtype", dtype_name(self.dtype))
         if not self.batch_scale > 0:
             raise ValueError(f"batch_scale must be positive, got {self.batch_scale!r}.")
 

@@ -46,6 +46,16 @@ _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp
                   "float8": "fp8", "float8_e4m3fn": "fp8"}
 
 
+def dtype_name(dtype: object, what: str = "dtype") -> str:
+    """The canonical name of a dtype given as a name, an alias (``"bf16"``) or a ``torch.dtype``, one of
+    ``DTYPE_BYTES``; a ``ValueError`` naming ``what`` and the valid ones otherwise."""
+    name = str(dtype).lower().removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"Unknown {what} {dtype!r}; valid: {', '.join(DTYPE_BYTES)}.")
+    return name
+
+
 class HardwareError(ValueError):
     """An unknown hardware name or dtype; the message lists the valid ones."""
 

@@ -36,7 +36,7 @@ from pipeviz.costs import (
     stage_costs,
     tp_collectives,
 )
-from pipeviz.hardware import DTYPE_BYTES, Hardware
+from pipeviz.hardware import DTYPE_BYTES, Hardware, dtype_name
 from pipeviz.mesh import Mesh
 from pipeviz.plan import SplitPlan
 from pipeviz.timeline import Event, Timeline
@@ -94,11 +94,7 @@ class Collectives:
                              "dp_reduce='ddp' (torch DDP), 'after_flush' (Megatron-LM local DDP) or 'distributed' "
                              "(Megatron-Core's distributed optimizer).")
         if self.grad_dtype is not None:
-            name = str(self.grad_dtype).lower().removeprefix("torch.")
-            name = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16"}.get(name, name)
-            if name not in DTYPE_BYTES:
-                raise ValueError(f"Unknown grad_dtype {self.grad_dtype!r}; valid: {', '.join(DTYPE_BYTES)}.")
-            object.__setattr__(self, "grad_dtype", name)
+            object.__setattr__(self, "grad_dtype", dtype_name(self.grad_dtype, "grad_dtype"))
 
 
 def estimate_costs(plan: SplitPlan, microbatches: int, **options: Any) -> Costs:
