@@ -32,6 +32,7 @@ __all__ = ["MAX_BYTES", "MAX_FLOPS", "TensorSpec", "op_seconds", "replayable", "
 MAX_BYTES = 256 * 2**20  # an op whose tensors are larger is estimated, not replayed (a meta-device big model)
 MAX_FLOPS = 2e9  # nor one with more work (~30 ms a run here): a matmul that large runs at the measured peak rate
 _SECONDS = 0.02  # time spent measuring one op (each of forward and backward), after a warm-up call
+_CACHED = 2**20  # bytes of tensors an op may touch and still find in cache in a run (a core's L2, roughly)
 _CALLS = 15  # at most this many timed calls (each after a cache flush)
 # Larger than a CPU's last-level cache: writing it evicts what an op's previous call left there.
 _FLUSH = torch.empty(64 * 2**20 // 4, dtype=torch.float32)
@@ -121,9 +122,10 @@ def _measure(target: str, frozen: Any, shapes: tuple[tuple[tuple[int, ...], torc
             tensors = [_random(s, dt, grad) for s, dt, grad, _ in shapes]
         args, kwargs = _thaw(frozen, tensors)
         warm = [t for t, (_, _, _, activation) in zip(tensors, shapes, strict=True) if activation]
+        flush = sum(t.numel() * t.element_size() for t in tensors) > _CACHED
         grads = [t for t in tensors if t.requires_grad]
         with torch.no_grad():
-            forward = _timed(lambda: fn(*args, **kwargs), warm)
+            forward = _timed(lambda: fn(*args, **kwargs), warm, flush)
         if not grads:
             return forward, 0.0
         with torch.enable_grad():
@@ -133,10 +135,25 @@ def _measure(target: str, frozen: Any, shapes: tuple[tuple[tuple[int, ...], torc
                 return forward, 0.0
             ones = [torch.ones_like(o) for o in out]
             backward = _timed(lambda: torch.autograd.grad(out, grads, ones, retain_graph=True, allow_unused=True),
-                              [*warm, *ones])
-        return forward, backward
+                              [*warm, *ones], flush)
+        # One torch.autograd.grad call costs far more than one node of a whole backward (~60 µs against ~10 here):
+        # the call's own cost, measured on a trivial op, is taken off and a node's (a trivial forward's) added.
+        entry, node = _autograd_call()
+        return forward, max(backward - entry, 0.0) + node
     finally:
         torch.set_num_threads(threads)
+
+
+@functools.lru_cache(maxsize=1)
+def _autograd_call() -> tuple[float, float]:
+    """Seconds of a ``torch.autograd.grad`` call on a one-element product, and of that product's forward call."""
+    x = torch.randn(1, requires_grad=True)
+    with torch.enable_grad():
+        y = x * 2.0
+    ones = torch.ones_like(y)
+    entry = _timed(lambda: torch.autograd.grad([y], [x], [ones], retain_graph=True), [])
+    node = _timed(lambda: torch.ops.aten.mul.Tensor(x.detach(), 2.0), [])
+    return entry, node
 
 
 def _random(shape: tuple[int, ...], dtype: torch.dtype, grad: bool) -> torch.Tensor:
@@ -147,15 +164,17 @@ def _random(shape: tuple[int, ...], dtype: torch.dtype, grad: bool) -> torch.Ten
     return torch.zeros(shape, dtype=dtype)  # indices: 0 is valid for any table
 
 
-def _timed(fn: Callable[[], Any], warm: list[torch.Tensor]) -> float:
+def _timed(fn: Callable[[], Any], warm: list[torch.Tensor], flush: bool = True) -> float:
     """Seconds of one ``fn()``, as a run meets it: each call after the caches were flushed (a run streams a
     layer's weights from memory once a microbatch: a loop over one op would find them in cache) and the
-    activations ``warm`` read again (the op before just wrote them); the median of up to ``_CALLS`` calls or
-    ``_SECONDS`` of them."""
+    activations ``warm`` read again (the op before just wrote them; ``flush=False``: an op whose tensors fit in
+    a core's own cache, which a flush would make cold along with the code that runs it); the median of up to
+    ``_CALLS`` calls or ``_SECONDS`` of them."""
     fn()  # warm-up: allocations, one-time dispatch
     times: list[float] = []
     while len(times) < _CALLS and sum(times) < _SECONDS:
-        _FLUSH.zero_()
+        if flush:
+            _FLUSH.zero_()
         for t in warm:
             t.detach().sum()
         start = time.perf_counter()
