@@ -5,7 +5,9 @@ pipeline x data parallel (2 stages x 2 replicas = 4 processes, ``pv.launch(..., 
 case with the ranks left unpinned (``pin_cpus=False``). The cases run round-robin for ``--rounds`` rounds (the
 order rotated each round), so a slow minute on a shared machine spreads over all cases instead of landing on
 one. For each case the table gives the prediction next to the median of the rounds' measured step times, their
-min-max and the error of the prediction against that median.
+min-max, the share of CPU time the hypervisor stole during the runs (``steal`` in /proc/stat: on a virtual
+machine, time the cores were taken away, which no model of this program can predict) and the error of the
+prediction against the median.
 
 Predictions:
 
@@ -14,7 +16,8 @@ Predictions:
   of every round (the table gives the median prediction); the split is the first round's throughout. For
   PP x DP the profile is taken at the replicas' microbatch (``microbatches x dp`` pieces of the batch) with one
   thread per process, and the simulation is told the machine's cores (``cores=``): 4 processes share 2 cores.
-- ``hardware="cpu"``: FLOPs on ``pv.hardware("cpu")`` (no profile), when that preset exists.
+- ``hardware="cpu"``: every op of the trace replayed alone at its shapes (``pipeviz.kernels``; no layer of the
+  model runs, no profile), retaken each round too.
 
 Run on an idle machine when possible: the script records ``os.getloadavg()`` before every round, because
 other processes on the cores move the measured step more than the model's error does.
@@ -65,6 +68,7 @@ class Case:
     predicted: dict[str, list[float]] = field(default_factory=dict)  # per round
     measured: list[float] = field(default_factory=list)  # one median step time per round
     steps: list[float] = field(default_factory=list)  # every step after warm-up, all rounds pooled
+    stolen: list[float] = field(default_factory=list)  # per round: share of the run's CPU time the hypervisor took
 
     @property
     def label(self) -> str:
@@ -102,6 +106,10 @@ def predict(all_cases: list[Case], m: int, graphs: dict[str, Any]) -> None:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     profiled: dict[tuple[str, int], Any] = {}
     hw = pv.hardware("cpu") if hasattr(pv, "hardware") else None
+    if hw is not None:
+        from pipeviz import kernels
+
+        kernels.forget()  # the replay is a measurement too: retaken each round, like the profile
     for c in all_cases:
         name = c.model.name
         if name not in graphs:
@@ -132,12 +140,26 @@ def predict(all_cases: list[Case], m: int, graphs: dict[str, Any]) -> None:
             c.predicted.setdefault("cpu preset", []).append(t)
 
 
+def cpu_times() -> tuple[int, int]:
+    """(steal, total) jiffies over all CPUs from /proc/stat; (0, 0) off Linux. Steal is time a virtual CPU was
+    ready to run while the hypervisor ran something else: what this machine's noise is made of."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return 0, 0
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
 def measure(c: Case, m: int, steps: int) -> float:
+    before = cpu_times()
     run = pv.launch(c.plan, schedule=c.schedule, microbatches=m, steps=steps,
                     inputs=(c.model.x,), target=c.model.y, loss_fn=c.model.loss, stages_per_rank=c.spr,
                     dp=c.dp, pin_cpus=c.pin, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3))
     if run.wait(600) != "done":
         raise RuntimeError(f"{c.model.name} {c.label}: {run.error}")
+    after = cpu_times()
+    c.stolen.append((after[0] - before[0]) / max(1, after[1] - before[1]))
     tl = run.timeline()
     c.steps += tl.step_times[1:]
     return tl.step_time
@@ -170,7 +192,7 @@ def main() -> None:
 
     keys = list(all_cases[0].predicted)
     head = f"{'model':<21}{'case':<22}{'procs':>6}" + "".join(f"{k:>12}" for k in keys)
-    head += f"{'measured':>10}{'min-max':>15}{'step IQR':>15}" + "".join(f"{'err ' + k:>16}" for k in keys)
+    head += f"{'measured':>10}{'min-max':>15}{'step IQR':>15}{'stolen':>8}" + "".join(f"{'err ' + k:>16}" for k in keys)
     print("\nstep times in ms; predicted and measured: medians over rounds (measured: of each run's median step);"
           " min-max: over rounds; step IQR: all steps after warm-up pooled")
     print(head)
@@ -181,7 +203,7 @@ def main() -> None:
         line = f"{c.model.name:<21}{c.label:<22}{c.processes:>6}"
         line += "".join(f"{fmt_ms(statistics.median(c.predicted[k])):>12}" for k in keys)
         line += f"{fmt_ms(med):>10}{fmt_ms(min(c.measured)) + '-' + fmt_ms(max(c.measured)):>15}"
-        line += f"{fmt_ms(q[0]) + '-' + fmt_ms(q[2]):>15}"
+        line += f"{fmt_ms(q[0]) + '-' + fmt_ms(q[2]):>15}{statistics.median(c.stolen):>8.1%}"
         for k in keys:
             err = statistics.median(c.predicted[k]) / med - 1
             line += f"{err:>+16.1%}"
@@ -195,6 +217,9 @@ def main() -> None:
             if e:
                 print(f"{k:<12} {what:<30} max |error| {max(e):6.1%}  mean {sum(e) / len(e):6.1%}  ({len(e)} cases)")
     spreads = [(max(c.measured) - min(c.measured)) / statistics.median(c.measured) for c in all_cases]
+    stolen = [s for c in all_cases for s in c.stolen]
+    print("CPU time stolen by the hypervisor during the runs (/proc/stat steal): "
+          f"median {statistics.median(stolen):.1%}, max {max(stolen):.1%} of a run")
     print(f"measured, run-to-run spread (max-min)/median: median {statistics.median(spreads):.1%}, "
           f"max {max(spreads):.1%}")
     p_spreads = [(max(v) - min(v)) / statistics.median(v) for c in all_cases for v in [c.predicted["profiled"]]]

@@ -334,6 +334,7 @@ def capture(
     index_of: dict[str, int] = {}
     gm_buffers = frozenset(name for name, _ in gm.named_buffers())  # get_attr targets that train no gradient
     batched = _batched(gm, _batch_size(example_args, kwargs))
+    grads = _needs_grad(gm, gm_buffers)
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -367,7 +368,7 @@ def capture(
                 saved_bytes=saved.first.get(node.name, 0) if saved.ok else None,
                 resaved=tuple((index_of[first], slot, b) for first, slot, b in saved.again.get(node.name, ())
                               if first in index_of) if saved.ok else (),
-                spec=_spec(node, gm_buffers, batched),
+                spec=_spec(node, grads, batched),
             )
         )
     unsupported = _unsupported_ops(gm)
@@ -400,7 +401,24 @@ def _batched(gm: torch.fx.GraphModule, batch: int | None) -> set[str]:
     return out
 
 
-def _spec(node: torch.fx.Node, buffers: frozenset[str], batched: set[str]
+def _needs_grad(gm: torch.fx.GraphModule, buffers: frozenset[str]) -> set[str]:
+    """Names of the nodes training computes a gradient for: parameters (floating ``get_attr`` targets that are not
+    buffers) and every floating op output computed from one. The model's inputs need none: the first stage's first
+    Linear computes its weight's gradient only (``pipeviz.kernels`` replays what needs one)."""
+    out: set[str] = set()
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        floating = isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+        if node.op == "get_attr":
+            if str(node.target) not in buffers and (floating or not isinstance(val, torch.Tensor)):
+                out.add(node.name)
+        elif node.op == "call_function" and (floating or not isinstance(val, torch.Tensor)) and any(
+                a.name in out for a in node.all_input_nodes):
+            out.add(node.name)  # a tuple output (its getitem is the tensor) passes the flag on
+    return out
+
+
+def _spec(node: torch.fx.Node, grads: set[str], batched: set[str]
           ) -> tuple[tuple[Any, ...], tuple[tuple[str, Any], ...]] | None:
     """The op's arguments with each tensor as a ``TensorSpec`` (shape, dtype, activation or not, gradient or not):
     what ``pipeviz.kernels`` replays to time the op on this machine. None if an argument is neither a tensor nor a
@@ -424,8 +442,7 @@ def _spec(node: torch.fx.Node, buffers: frozenset[str], batched: set[str]
             bad = True
             return None
         shape = tuple(val.shape)
-        floating = val.dtype.is_floating_point
-        grad = floating and (arg.op != "get_attr" or str(arg.target) not in buffers)
+        grad = val.dtype.is_floating_point and arg.name in grads
         return TensorSpec(shape, val.dtype, arg.name in batched, grad)
 
     def _device_or_bad(arg: Any) -> Any:

@@ -351,6 +351,9 @@ def stage_costs(
         overhead = prof.overhead
     elif source == "roofline" and opts.hw is not None:
         overhead = opts.hw.action_overhead
+        if opts.hw.roofline == "kernels":  # this machine's kernels: the last stage's loss, replayed like its ops
+            fwd[-1], bwd[-1] = (a + b for a, b in zip((fwd[-1], bwd[-1]), _loss_seconds(g, microbatches, opts),
+                                                      strict=True))
     bs = opts.byte_scale(g) * opts.batch_scale
     stored = layer_activation_bytes(g, opts)
     dropped = [layer.saved_bytes * opts.byte_scale(g) - kept for layer, kept in zip(g.layers, stored, strict=True)]
@@ -373,6 +376,18 @@ def stage_costs(
     return Costs(tuple(fwd), tuple(bwd), comm, tuple(int(a) for a in acts), tuple(s.param_bytes for s in stages),
                  overhead=overhead, source=source, buffer_bytes=tuple(s.buffer_bytes for s in stages), latency=lat,
                  recompute_bytes=rebuilt, send_bytes=sends)
+
+
+def _loss_seconds(graph: ModelGraph, microbatches: float, opts: CostOptions) -> tuple[float, float]:
+    import torch
+
+    from pipeviz.hardware import _TORCH_DTYPES
+    from pipeviz.kernels import loss_seconds
+
+    cap = graph.capture
+    leaves = cap.outputs if cap.output_index is None else cap.outputs[cap.output_index:cap.output_index + 1]
+    dtype = getattr(torch, _TORCH_DTYPES[opts.dtype]) if opts.dtype in _TORCH_DTYPES else None
+    return loss_seconds(list(leaves), opts.batch_scale / microbatches, dtype)
 
 
 def link(device: str | None = "cpu", backend: str | None = None, bandwidth: float | None = None,

@@ -87,6 +87,9 @@ class Hardware:
         fused: the run's element-wise chains are fused kernels (Megatron-LM's fused kernels, torch.compile):
             an intermediate that only the next element-wise op reads costs no memory traffic. Default False
             (eager PyTorch: one kernel per op).
+        allreduce_efficiency: an all-reduce's achieved share of what ``link`` gives a hand-off: 1 for the GPU
+            presets (NCCL: ``collective_efficiency`` covers both), 0.55 for ``"cpu"`` (gloo between two processes
+            here: a 13 MiB all-reduce takes 23 ms where a send of it takes 13, ``benchmarks/gloo_links.py``).
         action_overhead: fixed seconds per pipeline action around its ops (posting sends and receives, the
             stage's bookkeeping, event timing): 0 for the GPU presets (hidden behind queued kernels), for
             ``"cpu"`` the gap measured between a rank's actions (``pipeviz.profile.CPU_ACTION_OVERHEAD``).
@@ -104,6 +107,7 @@ class Hardware:
     roofline: str = "additive"
     fused: bool = False
     action_overhead: float = 0.0
+    allreduce_efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         if self.roofline not in ROOFLINES:
@@ -113,7 +117,8 @@ class Hardware:
         if unknown:
             raise HardwareError(f"Hardware {self.name!r}: unknown dtype(s) {unknown} in flops; valid: "
                                 f"{', '.join(DTYPES)}.")
-        for label, value in (("efficiency", self.efficiency), ("collective_efficiency", self.collective_efficiency)):
+        for label, value in (("efficiency", self.efficiency), ("collective_efficiency", self.collective_efficiency),
+                             ("allreduce_efficiency", self.allreduce_efficiency)):
             if not 0 < value <= 1:
                 raise HardwareError(f"{label} must be in (0, 1], got {value!r}. Fix: e.g. {label}=0.5.")
         # An immutable copy, so the frozen dataclass stays hashable (costs are cached per Hardware).
@@ -122,7 +127,8 @@ class Hardware:
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.flops.items())), self.memory_bytes, self.memory_bandwidth,
                      self.devices_per_node, self.intra_node, self.inter_node, self.efficiency,
-                     self.collective_efficiency, self.roofline, self.fused, self.action_overhead))
+                     self.collective_efficiency, self.roofline, self.fused, self.action_overhead,
+                     self.allreduce_efficiency))
 
     def dtype(self, dtype: str | None = None) -> str:
         """The canonical dtype name (``"bf16"`` -> ``"bfloat16"``); ``None``: bfloat16 where the device computes it
@@ -250,8 +256,13 @@ def measure_cpu(seconds: float = 0.3) -> Hardware:
         ram = 16 * 2**30
     gloo = (1e9, 2e-4)  # pipeviz.costs.LINKS["gloo"]: what a pipeline sees between ranks on one host
     return Hardware("cpu", flops, int(ram), bandwidth, os.cpu_count() or 1, gloo, gloo, efficiency=1.0,
-                    collective_efficiency=1.0, roofline="kernels", action_overhead=_CPU_ACTION_OVERHEAD)
+                    collective_efficiency=1.0, roofline="kernels", action_overhead=_CPU_ACTION_OVERHEAD,
+                    allreduce_efficiency=_GLOO_ALLREDUCE)
 
+
+# Gloo's all-reduce between two processes on this machine moves 0.5-0.6 GB/s of bus bandwidth (4-32 MiB) where a
+# send moves 1.0 GB/s (benchmarks/gloo_links.py): the reduction and the extra copies run on the same cores.
+_GLOO_ALLREDUCE = 0.55
 
 # pipeviz.profile.CPU_ACTION_OVERHEAD (not imported: the profile module imports the cost model, which imports this)
 _CPU_ACTION_OVERHEAD = 4e-4

@@ -27,13 +27,14 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["MAX_BYTES", "MAX_FLOPS", "TensorSpec", "op_seconds", "replayable", "scaled_shape"]
+__all__ = ["MAX_BYTES", "MAX_FLOPS", "TensorSpec", "forget", "loss_seconds", "op_seconds", "replayable", "scaled_shape"]
 
 MAX_BYTES = 256 * 2**20  # an op whose tensors are larger is estimated, not replayed (a meta-device big model)
 MAX_FLOPS = 2e9  # nor one with more work (~30 ms a run here): a matmul that large runs at the measured peak rate
-_SECONDS = 0.02  # time spent measuring one op (each of forward and backward), after a warm-up call
+_SECONDS = 0.05  # time spent measuring one op (each of forward and backward), after a warm-up call
 _CACHED = 2**20  # bytes of tensors an op may touch and still find in cache in a run (a core's L2, roughly)
-_CALLS = 15  # at most this many timed calls (each after a cache flush)
+_CALLS = 15  # at most this many timed calls (each after a cache flush), and at least _MIN_CALLS
+_MIN_CALLS = 5
 # Larger than a CPU's last-level cache: writing it evicts what an op's previous call left there.
 _FLUSH = torch.empty(64 * 2**20 // 4, dtype=torch.float32)
 
@@ -49,6 +50,17 @@ class TensorSpec:
     dtype: torch.dtype
     activation: bool
     grad: bool
+
+
+def forget() -> None:
+    """Drop every remembered kernel time (and the layer times built from them), so the next ``hardware="cpu"``
+    estimate times the ops again: on a shared machine whose speed drifts (this one's moves by 10-20 % from one
+    second to the next), a benchmark retakes its measurement in each round's conditions."""
+    from pipeviz.hardware import _ROOFLINE
+
+    for cached in (_measure, _accumulate, _autograd_call):
+        cached.cache_clear()
+    _ROOFLINE.clear()
 
 
 def replayable(op: Any) -> bool:
@@ -71,6 +83,28 @@ def op_seconds(op: Any, scale: float, dtype: torch.dtype | None = None, batch: i
         return _measure(op.target, (args, kwargs), shapes)
     except Exception:  # an op that does not replay on random tensors: the caller estimates it
         return None
+
+
+def loss_seconds(outputs: list[tuple[tuple[int, ...], torch.dtype]], scale: float,
+                 dtype: torch.dtype | None = None) -> tuple[float, float]:
+    """Forward and backward seconds of the loss on the last stage, at ``scale`` x the traced batch: a log-softmax
+    over the last dim of each floating output (``Capture.outputs``' shapes; cross-entropy's cost, the loss the
+    memory model assumes too: ``graph._loss_input_bytes``). The loss function itself is not traced; a cheaper one
+    (MSE) costs less. Zero for what cannot be replayed."""
+    fwd = bwd = 0.0
+    for shape, dt in outputs:
+        if not dt.is_floating_point or not shape:
+            continue
+        spec = TensorSpec(tuple(shape), dt, True, True)
+        scaled = (scaled_shape(spec, scale), dt if dtype is None else dtype, True, True)
+        if _numel(scaled[0]) * _itemsize(scaled[1]) > MAX_BYTES:
+            continue
+        try:
+            f, b = _measure("aten._log_softmax.default", ((spec, -1, False), ()), (scaled,))
+        except Exception:  # a dtype this CPU cannot run: the loss goes uncounted, as before
+            continue
+        fwd, bwd = fwd + f, bwd + b
+    return fwd, bwd
 
 
 def scaled_shape(t: TensorSpec, scale: float, batch: int | None = None) -> tuple[int, ...]:
@@ -113,6 +147,11 @@ def _measure(target: str, frozen: Any, shapes: tuple[tuple[tuple[int, ...], torc
     activation)."""
     if sum(_numel(s) * _itemsize(dt) for s, dt, _, _ in shapes) > MAX_BYTES:
         raise ValueError("too large to replay")
+    from pipeviz._malloc import keep_heap
+
+    # As in the workers: without it every large output (a weight's gradient) is fresh mmap pages, and a
+    # 1024 x 2048 Linear's backward measured 8.5 ms here instead of 4.8.
+    keep_heap()
     fn = _resolve(target)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a pipeline rank on its own core
@@ -124,7 +163,8 @@ def _measure(target: str, frozen: Any, shapes: tuple[tuple[tuple[int, ...], torc
         warm = [t for t, (_, _, _, activation) in zip(tensors, shapes, strict=True) if activation]
         flush = sum(t.numel() * t.element_size() for t in tensors) > _CACHED
         grads = [t for t in tensors if t.requires_grad]
-        with torch.no_grad():
+        # Grad mode as in training: recording the graph and saving tensors is part of a training forward's cost.
+        with torch.set_grad_enabled(bool(grads)):
             forward = _timed(lambda: fn(*args, **kwargs), warm, flush)
         if not grads:
             return forward, 0.0
@@ -139,9 +179,20 @@ def _measure(target: str, frozen: Any, shapes: tuple[tuple[tuple[int, ...], torc
         # One torch.autograd.grad call costs far more than one node of a whole backward (~60 µs against ~10 here):
         # the call's own cost, measured on a trivial op, is taken off and a node's (a trivial forward's) added.
         entry, node = _autograd_call()
-        return forward, max(backward - entry, 0.0) + node
+        # Each parameter's gradient is added into its .grad once a microbatch (every microbatch but a step's first):
+        # a pass over the weight that a 16-row Linear's backward spends a third of its time on here.
+        accumulate = sum(_accumulate(tuple(t.shape), t.dtype) for t, (_, _, _, activation)
+                         in zip(tensors, shapes, strict=True) if t.requires_grad and not activation)
+        return forward, max(backward - entry, 0.0) + node + accumulate
     finally:
         torch.set_num_threads(threads)
+
+
+@functools.lru_cache(maxsize=256)
+def _accumulate(shape: tuple[int, ...], dtype: torch.dtype) -> float:
+    """Seconds of adding a gradient of ``shape`` into a parameter's ``.grad`` (autograd's AccumulateGrad)."""
+    acc, g = torch.zeros(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
+    return _timed(lambda: acc.add_(g), [], 2 * acc.numel() * acc.element_size() > _CACHED)
 
 
 @functools.lru_cache(maxsize=1)
@@ -151,8 +202,9 @@ def _autograd_call() -> tuple[float, float]:
     with torch.enable_grad():
         y = x * 2.0
     ones = torch.ones_like(y)
-    entry = _timed(lambda: torch.autograd.grad([y], [x], [ones], retain_graph=True), [])
-    node = _timed(lambda: torch.ops.aten.mul.Tensor(x.detach(), 2.0), [])
+    # Warm (no flush): a flush makes the call's code cold, 412 µs and 196 µs here instead of ~65 and ~5.
+    entry = _timed(lambda: torch.autograd.grad([y], [x], [ones], retain_graph=True), [], flush=False)
+    node = _timed(lambda: torch.ops.aten.mul.Tensor(x.detach(), 2.0), [], flush=False)
     return entry, node
 
 
@@ -172,7 +224,7 @@ def _timed(fn: Callable[[], Any], warm: list[torch.Tensor], flush: bool = True) 
     ``_CALLS`` calls or ``_SECONDS`` of them."""
     fn()  # warm-up: allocations, one-time dispatch
     times: list[float] = []
-    while len(times) < _CALLS and sum(times) < _SECONDS:
+    while len(times) < _MIN_CALLS or (len(times) < _CALLS and sum(times) < _SECONDS):
         if flush:
             _FLUSH.zero_()
         for t in warm:

@@ -287,7 +287,9 @@ def plan_cluster(
             assert plan is not None
             coll = None
             if t > 1:
-                coll = tp_collectives(plan, 1, 1, t, base.link(t), base.byte_scale(plan.graph) * b * per_token)
+                tbw, tlat = base.link(t)
+                via = (tbw * (base.hw.allreduce_efficiency if base.hw else 1.0), tlat)
+                coll = tp_collectives(plan, 1, 1, t, via, base.byte_scale(plan.graph) * b * per_token)
             rank_cache[key] = parallel_costs(costs_for(n, b, mode), 1, t, coll)
         return rank_cache[key]
 

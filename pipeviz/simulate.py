@@ -224,10 +224,11 @@ def simulate(
     tp_via = opts.link(tp) if hw is not None else (tp_bandwidth or bw, lat)
     dp_via = (dp_bandwidth or bw, lat)
     if hw is not None:
+        tp_via = (tp_via[0] * hw.allreduce_efficiency, tp_via[1])
         # The replicas of one shard sit tp ranks apart: a node holds devices_per_node / tp of them, each with its
         # own NIC, and NCCL rings over all of those NICs at once (Hardware.link's rails).
         dbw, dlat = hw.link(mesh.replicas(0)[-1] + 1, rails=min(dp, max(1, hw.devices_per_node // tp)))
-        dp_via = (opts.bandwidth or dbw, dlat if opts.latency is None else opts.latency)
+        dp_via = (opts.bandwidth or dbw * hw.allreduce_efficiency, dlat if opts.latency is None else opts.latency)
     if tp_bandwidth and hw is not None:
         tp_via = (tp_bandwidth, tp_via[1])
     if dp_bandwidth and hw is not None:
@@ -462,9 +463,10 @@ def _run_on_cores(acts: list[list[str]], lay: sched.Layout, costs: Costs, n: int
         s, kind, mb = sched.parse(acts[rank][pos[rank]])
         start = max(earliest, core_at)
         end = start + costs.duration(s, kind) * slow
-        heapq.heappush(core_free, end)
         if red is not None:
             end = red.finish(rank, pos[rank], start, end)
+        # Gloo's all-reduce on CPU is the cores' own work (copies through the loopback, the sums): it holds the core.
+        heapq.heappush(core_free, end)
         done[(s, kind, mb)] = end
         free[rank] = end
         pos[rank] += 1

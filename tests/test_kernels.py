@@ -22,12 +22,15 @@ def test_the_trace_records_each_ops_arguments_as_shapes() -> None:
     first = _ops(graph, "aten.linear.default")[0]
     args, kwargs = first.spec
     x, weight, bias = args
-    assert x == TensorSpec((16, 32), torch.float32, activation=True, grad=True)  # the batch: scaled with it
+    # The batch: scaled with it; no gradient (training never computes the input's, so the first Linear's backward
+    # is its weight's alone)
+    assert x == TensorSpec((16, 32), torch.float32, activation=True, grad=False)
     assert weight == TensorSpec((64, 32), torch.float32, activation=False, grad=True)  # a parameter: as traced
     assert bias.shape == (64,) and not bias.activation and kwargs == ()
     assert hash(first)  # an Op stays hashable
     relu = _ops(graph, "aten.relu.default")[0]
     assert relu.spec[0][0].shape == (16, 64) and relu.spec[0][0].activation
+    assert relu.spec[0][0].grad  # computed from a parameter: its gradient flows back
 
 
 def test_what_is_not_computed_from_the_batch_keeps_its_shape() -> None:
@@ -97,3 +100,29 @@ def test_a_size_the_data_decides_is_not_replayed() -> None:
     assert any(op.spec is None for op in graph.capture.ops)
     assert any(op.spec is not None for op in graph.capture.ops)
     assert all(f > 0 for f in layer_times(graph, 2, options=CostOptions(hardware="cpu"))[0][1:])
+
+
+def test_the_replay_times_what_training_runs() -> None:
+    """A parameter's gradient is accumulated into .grad (counted: a parameter-free op of the same output costs
+    nothing for it); the last stage pays the loss (a log-softmax over the output), the others do not; forget()
+    makes the next estimate measure again."""
+    from pipeviz import kernels
+    from pipeviz.costs import stage_costs
+
+    assert kernels._accumulate((256, 256), torch.float32) > 0
+    fwd, bwd = kernels.loss_seconds([((64, 1000), torch.float32), ((64,), torch.int64)], 0.5)
+    assert fwd > 0 and bwd > 0
+    assert kernels.loss_seconds([((64,), torch.int64)], 1.0) == (0.0, 0.0)  # an integer output: no loss over it
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 512))
+    graph = pv.trace(model, example_args=(torch.randn(32, 64),))
+    plan = graph.split(["1"])
+    opts = CostOptions(hardware="cpu")
+    layer_f, _, _ = layer_times(graph, 2, options=opts)
+    costs = stage_costs(plan, 2, options=opts)
+    first = plan.stages[0].layers
+    pos = {n: i for i, n in enumerate(graph.layer_names)}
+    assert costs.forward[0] == sum(layer_f[pos[n]] for n in first)  # no loss before the last stage
+    assert costs.forward[1] > sum(layer_f[pos[n]] for n in plan.stages[1].layers)  # the loss on the last
+    assert kernels._measure.cache_info().currsize > 0
+    kernels.forget()
+    assert kernels._measure.cache_info().currsize == 0 and kernels._accumulate.cache_info().currsize == 0

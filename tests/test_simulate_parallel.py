@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
+import torch
 
 import pipeviz as pv
 from pipeviz import schedules as sched
@@ -267,3 +269,30 @@ def test_tp_overlap_and_scattered_hand_offs(classic_graph: pv.ModelGraph) -> Non
     assert scattered.step_time < whole.step_time
     tiny = pv.simulate(plan, "1F1B", m, tp=8, hardware="a100", collectives=Collectives(scatter_gather=True))
     assert tiny.step_time > pv.simulate(plan, "1F1B", m, tp=8, hardware="a100").step_time
+
+
+def test_on_shared_cores_the_all_reduce_holds_a_core() -> None:
+    """Gloo's all-reduce on CPU is the cores' own work: with one core for a replica's four ranks, every action and
+    every reduction (in its rank's last backward) runs one after another, none overlapping (a rank's last
+    backward used to free the core while its all-reduce went on)."""
+    costs = _costs((8_000_000,) * 4)
+    shared = pv.simulate(None, "GPipe", 4, costs=costs, num_stages=4, dp=2, cores=2, bandwidth=BW, latency=LAT)
+    assert sum(shared.meta["dp_seconds"]) > 0
+    assert shared.step_time == pytest.approx(sum(e.duration for e in shared.events))
+    spans = sorted((e.start, e.end) for e in shared.events)
+    assert all(b[0] >= a[1] - 1e-9 for a, b in itertools.pairwise(spans))
+
+
+def test_the_cpu_preset_all_reduces_slower_than_it_hands_off() -> None:
+    """Gloo's all-reduce moves 0.55 of a send's bytes per second here (benchmarks/gloo_links.py); GPU presets 1."""
+    cpu, h100 = pv.hardware("cpu"), pv.hardware("h100")
+    assert cpu.allreduce_efficiency == 0.55 and h100.allreduce_efficiency == 1.0
+    with pytest.raises(pv.HardwareError, match="allreduce_efficiency"):
+        dataclasses.replace(h100, allreduce_efficiency=0.0)
+    graph = pv.trace(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)),
+                     example_args=(torch.randn(32, 256),))
+    plan = graph.split(["0"])
+    slow = pv.simulate(plan, "1F1B", 4, dp=2, hardware="cpu")
+    fast = pv.simulate(plan, "1F1B", 4, dp=2, hardware=dataclasses.replace(cpu, allreduce_efficiency=1.0))
+    for s, f in zip(slow.meta["dp_seconds"], fast.meta["dp_seconds"], strict=True):
+        assert s > f
