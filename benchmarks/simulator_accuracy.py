@@ -69,6 +69,9 @@ class Case:
     measured: list[float] = field(default_factory=list)  # one median step time per round
     steps: list[float] = field(default_factory=list)  # every step after warm-up, all rounds pooled
     stolen: list[float] = field(default_factory=list)  # per round: share of the run's CPU time the hypervisor took
+    cpu: list[float] = field(default_factory=list)  # per round: CPU seconds a process used per step (mean)
+    switches: list[float] = field(default_factory=list)  # per round: involuntary context switches per process-step
+    busy: list[float] = field(default_factory=list)  # per round: the cpu preset's compute seconds per rank-step
 
     @property
     def label(self) -> str:
@@ -132,8 +135,11 @@ def predict(all_cases: list[Case], m: int, graphs: dict[str, Any]) -> None:
         if hw is not None:
             try:
                 flop_plan = pv.SplitPlan(graph, c.plan.splits)  # the same split, without the profile
-                t = pv.simulate(flop_plan, c.schedule, m, stages_per_rank=c.spr, dp=c.dp, cores=cores,
-                                hardware="cpu").step_time
+                sim = pv.simulate(flop_plan, c.schedule, m, stages_per_rank=c.spr, dp=c.dp, cores=cores,
+                                  hardware="cpu")
+                t = sim.step_time
+                # What the model says each rank computes (its all-reduce included): the CPU a process should use.
+                c.busy.append(sum(e.duration for e in sim.events) / sim.num_ranks)
             except (TypeError, ValueError) as exc:  # an API that differs from what this script expects
                 t = float("nan")
                 print(f"hardware='cpu' prediction skipped for {name} {c.label}: {exc}")
@@ -151,13 +157,45 @@ def cpu_times() -> tuple[int, int]:
     return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
 
 
+def process_times(pids: list[int]) -> dict[int, tuple[float, int]]:
+    """Per process: (CPU seconds used so far, involuntary context switches), from /proc; empty off Linux."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/status") as f:
+                status = f.read()
+        except OSError:
+            continue
+        involuntary = int(status.split("nonvoluntary_ctxt_switches:")[1].split()[0])
+        out[pid] = ((int(fields[11]) + int(fields[12])) / tick, involuntary)  # utime + stime
+    return out
+
+
 def measure(c: Case, m: int, steps: int) -> float:
     before = cpu_times()
     run = pv.launch(c.plan, schedule=c.schedule, microbatches=m, steps=steps,
                     inputs=(c.model.x,), target=c.model.y, loss_fn=c.model.loss, stages_per_rank=c.spr,
                     dp=c.dp, pin_cpus=c.pin, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3))
-    if run.wait(600) != "done":
+    # Each process's CPU time between the end of step 2 and of step steps-1: what the ranks really computed
+    # (and spent around it), against the model's compute per rank.
+    marks: list[tuple[int, dict[int, tuple[float, int]]]] = []
+    deadline = time.time() + 600
+    while not run.done and time.time() < deadline:
+        done = len(run.step_walltimes) + 1 if run.step_walltimes else 0
+        if (not marks and done >= 2) or (len(marks) == 1 and done >= steps - 1):
+            marks.append((done, process_times(run.pids)))
+        run.wait(0.02)
+    if run.wait(1) != "done":
         raise RuntimeError(f"{c.model.name} {c.label}: {run.error}")
+    if len(marks) == 2 and marks[1][0] > marks[0][0]:
+        (n0, a), (n1, b) = marks
+        common = [p for p in a if p in b]
+        if common:
+            c.cpu.append(sum(b[p][0] - a[p][0] for p in common) / len(common) / (n1 - n0))
+            c.switches.append(sum(b[p][1] - a[p][1] for p in common) / len(common) / (n1 - n0))
     after = cpu_times()
     c.stolen.append((after[0] - before[0]) / max(1, after[1] - before[1]))
     tl = run.timeline()
@@ -192,9 +230,12 @@ def main() -> None:
 
     keys = list(all_cases[0].predicted)
     head = f"{'model':<21}{'case':<22}{'procs':>6}" + "".join(f"{k:>12}" for k in keys)
-    head += f"{'measured':>10}{'min-max':>15}{'step IQR':>15}{'stolen':>8}" + "".join(f"{'err ' + k:>16}" for k in keys)
+    head += f"{'measured':>10}{'min-max':>15}{'step IQR':>15}{'stolen':>8}{'cpu/step':>10}{'model':>8}{'csw':>6}"
+    head += "".join(f"{'err ' + k:>16}" for k in keys)
     print("\nstep times in ms; predicted and measured: medians over rounds (measured: of each run's median step);"
-          " min-max: over rounds; step IQR: all steps after warm-up pooled")
+          " min-max: over rounds; step IQR: all steps after warm-up pooled; stolen: hypervisor steal; cpu/step:"
+          " CPU ms a process used per step (/proc), model: the cpu preset's compute ms per rank-step; csw:"
+          " involuntary context switches per process-step")
     print(head)
     errors: dict[str, dict[str, list[float]]] = {k: {"fit": [], "over": []} for k in keys}
     for c in all_cases:
@@ -204,6 +245,9 @@ def main() -> None:
         line += "".join(f"{fmt_ms(statistics.median(c.predicted[k])):>12}" for k in keys)
         line += f"{fmt_ms(med):>10}{fmt_ms(min(c.measured)) + '-' + fmt_ms(max(c.measured)):>15}"
         line += f"{fmt_ms(q[0]) + '-' + fmt_ms(q[2]):>15}{statistics.median(c.stolen):>8.1%}"
+        line += (f"{fmt_ms(statistics.median(c.cpu)):>10}" if c.cpu else f"{'-':>10}")
+        line += (f"{fmt_ms(statistics.median(c.busy)):>8}" if c.busy else f"{'-':>8}")
+        line += (f"{statistics.median(c.switches):>6.0f}" if c.switches else f"{'-':>6}")
         for k in keys:
             err = statistics.median(c.predicted[k]) / med - 1
             line += f"{err:>+16.1%}"
