@@ -401,6 +401,20 @@ def _batched(gm: torch.fx.GraphModule, batch: int | None) -> set[str]:
     return out
 
 
+def _layout(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The dims from outermost to innermost in memory for a dense tensor whose layout is not the plain
+    row-major one (a transposed activation: ``.contiguous()`` on it copies, a matmul reads it strided); None for a
+    contiguous tensor or one with gaps or broadcast dims (replayed contiguous)."""
+    order = tuple(sorted(range(len(shape)), key=lambda d: (-stride[d], d)))
+    expected = 1
+    for d in reversed(order):
+        if shape[d] != 1 and stride[d] != expected:
+            return None
+        expected *= shape[d]
+    real = [d for d in order if shape[d] != 1]  # size-1 dims carry no layout
+    return None if real == sorted(real) else order
+
+
 def _needs_grad(gm: torch.fx.GraphModule, buffers: frozenset[str]) -> set[str]:
     """Names of the nodes training computes a gradient for: parameters (floating ``get_attr`` targets that are not
     buffers) and every floating op output computed from one. The model's inputs need none: the first stage's first
@@ -443,7 +457,7 @@ def _spec(node: torch.fx.Node, grads: set[str], batched: set[str]
             return None
         shape = tuple(val.shape)
         grad = val.dtype.is_floating_point and arg.name in grads
-        return TensorSpec(shape, val.dtype, arg.name in batched, grad)
+        return TensorSpec(shape, val.dtype, arg.name in batched, grad, _layout(shape, tuple(val.stride())))
 
     def _device_or_bad(arg: Any) -> Any:
         nonlocal bad

@@ -44,12 +44,16 @@ class TensorSpec:
     """A tensor argument of a traced op: its shape and dtype, whether it is an activation computed from the batch
     (its first dim is the batch's, scaled with the microbatch) or not (parameters, buffers, constants and what is
     computed from them alone, such as position embeddings: kept as traced), and whether training
-    computes its gradient (activations and parameters in floating point; not buffers or integer tensors)."""
+    computes its gradient (parameters and what is computed from them; not the model's inputs, buffers or integer
+    tensors), and its layout in memory where it is not row-major (``order``: a transposed activation is replayed
+    transposed, so a ``.contiguous()`` of it copies as in the run)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     activation: bool
     grad: bool
+    # Dims from outermost to innermost in memory when not row-major (a transposed view); None: contiguous.
+    order: tuple[int, ...] | None = None
 
 
 def forget() -> None:
@@ -78,7 +82,7 @@ def op_seconds(op: Any, scale: float, dtype: torch.dtype | None = None, batch: i
     args, kwargs = op.spec
     leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, TensorSpec)]
     shapes = tuple((scaled_shape(t, scale, batch), t.dtype if dtype is None or not t.dtype.is_floating_point else dtype,
-                    t.grad, t.activation) for t in leaves)
+                    t.grad, t.activation, t.order) for t in leaves)
     try:
         return _measure(op.target, (args, kwargs), shapes)
     except Exception:  # an op that does not replay on random tensors: the caller estimates it
@@ -96,7 +100,7 @@ def loss_seconds(outputs: list[tuple[tuple[int, ...], torch.dtype]], scale: floa
         if not dt.is_floating_point or not shape:
             continue
         spec = TensorSpec(tuple(shape), dt, True, True)
-        scaled = (scaled_shape(spec, scale), dt if dtype is None else dtype, True, True)
+        scaled = (scaled_shape(spec, scale), dt if dtype is None else dtype, True, True, None)
         if _numel(scaled[0]) * _itemsize(scaled[1]) > MAX_BYTES:
             continue
         try:
@@ -141,11 +145,11 @@ def _resolve(target: str) -> Callable[..., Any]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _measure(target: str, frozen: Any, shapes: tuple[tuple[tuple[int, ...], torch.dtype, bool, bool], ...]
+def _measure(target: str, frozen: Any, shapes: tuple[tuple[tuple[int, ...], torch.dtype, bool, bool, Any], ...]
              ) -> tuple[float, float]:
     """(forward, backward) seconds; ``shapes``: each tensor argument's (shape, dtype, needs a gradient, is an
-    activation)."""
-    if sum(_numel(s) * _itemsize(dt) for s, dt, _, _ in shapes) > MAX_BYTES:
+    activation, layout: ``TensorSpec.order``)."""
+    if sum(_numel(s) * _itemsize(dt) for s, dt, _, _, _ in shapes) > MAX_BYTES:
         raise ValueError("too large to replay")
     from pipeviz._malloc import keep_heap
 
@@ -158,9 +162,9 @@ def _measure(target: str, frozen: Any, shapes: tuple[tuple[tuple[int, ...], torc
     try:
         with torch.random.fork_rng():
             torch.manual_seed(0)
-            tensors = [_random(s, dt, grad) for s, dt, grad, _ in shapes]
+            tensors = [_random(s, dt, grad, order) for s, dt, grad, _, order in shapes]
         args, kwargs = _thaw(frozen, tensors)
-        warm = [t for t, (_, _, _, activation) in zip(tensors, shapes, strict=True) if activation]
+        warm = [t for t, (_, _, _, activation, _) in zip(tensors, shapes, strict=True) if activation]
         flush = sum(t.numel() * t.element_size() for t in tensors) > _CACHED
         grads = [t for t in tensors if t.requires_grad]
         # Grad mode as in training: recording the graph and saving tensors is part of a training forward's cost.
@@ -181,7 +185,7 @@ def _measure(target: str, frozen: Any, shapes: tuple[tuple[tuple[int, ...], torc
         entry, node = _autograd_call()
         # Each parameter's gradient is added into its .grad once a microbatch (every microbatch but a step's first):
         # a pass over the weight that a 16-row Linear's backward spends a third of its time on here.
-        accumulate = sum(_accumulate(tuple(t.shape), t.dtype) for t, (_, _, _, activation)
+        accumulate = sum(_accumulate(tuple(t.shape), t.dtype) for t, (_, _, _, activation, _)
                          in zip(tensors, shapes, strict=True) if t.requires_grad and not activation)
         return forward, max(backward - entry, 0.0) + node + accumulate
     finally:
@@ -208,8 +212,12 @@ def _autograd_call() -> tuple[float, float]:
     return entry, node
 
 
-def _random(shape: tuple[int, ...], dtype: torch.dtype, grad: bool) -> torch.Tensor:
+def _random(shape: tuple[int, ...], dtype: torch.dtype, grad: bool, order: tuple[int, ...] | None = None
+            ) -> torch.Tensor:
     if dtype.is_floating_point:
+        if order is not None:  # laid out as traced: a row-major tensor of the dims in memory order, permuted back
+            inverse = sorted(range(len(order)), key=lambda i: order[i])
+            return torch.randn([shape[d] for d in order], dtype=dtype).permute(inverse).requires_grad_(grad)
         return torch.randn(shape, dtype=dtype).requires_grad_(grad)
     if dtype == torch.bool:
         return torch.ones(shape, dtype=dtype)

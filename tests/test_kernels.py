@@ -126,3 +126,25 @@ def test_the_replay_times_what_training_runs() -> None:
     assert kernels._measure.cache_info().currsize > 0
     kernels.forget()
     assert kernels._measure.cache_info().currsize == 0 and kernels._accumulate.cache_info().currsize == 0
+
+
+def test_a_transposed_activation_is_replayed_transposed() -> None:
+    """The trace keeps a non-row-major activation's layout (``TensorSpec.order``): ``.contiguous()`` of a transposed
+    tensor copies in the run, and so in the replay."""
+    from pipeviz import kernels
+
+    class T(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x.transpose(0, 1).contiguous())
+
+    graph = pv.trace(T(), example_args=(torch.randn(32, 16, 64),))
+    cont = _ops(graph, "aten.contiguous.default")[0]
+    (arg,), _ = cont.spec
+    assert arg.shape == (16, 32, 64) and arg.order == (1, 0, 2)  # dim 1 outermost in memory: a transposed view
+    x = kernels._random((16, 8, 64), torch.float32, False, arg.order)
+    assert x.shape == (16, 8, 64) and not x.is_contiguous() and x.transpose(0, 1).is_contiguous()
+    assert _ops(graph, "aten.linear.default")[0].spec[0][0].order is None  # contiguous: no layout recorded
