@@ -113,9 +113,9 @@ def predict(all_cases: list[Case], m: int, graphs: dict[str, Any]) -> None:
     profiled: dict[tuple[str, int], Any] = {}
     hw = pv.hardware("cpu") if hasattr(pv, "hardware") else None
     if hw is not None:
-        from pipeviz import kernels
+        from pipeviz.hardware import forget_kernel_times
 
-        kernels.forget()  # the replay is a measurement too: retaken each round, like the profile
+        forget_kernel_times()  # the replay is a measurement too: retaken each round, like the profile
     for c in all_cases:
         name = c.model.name
         if name not in graphs:

@@ -35,8 +35,9 @@ if TYPE_CHECKING:
     from pipeviz.capture import Capture
     from pipeviz.graph import ModelGraph
 
-__all__ = ["DTYPES", "DTYPE_BYTES", "HARDWARE", "ROOFLINES", "Hardware", "HardwareError", "OpTable", "hardware",
-           "layer_roofline", "matmul_efficiency", "measure_cpu", "op_table", "op_time"]
+__all__ = ["DTYPES", "DTYPE_BYTES", "HARDWARE", "ROOFLINES", "Hardware", "HardwareError", "OpTable",
+           "forget_kernel_times", "hardware", "layer_roofline", "matmul_efficiency", "measure_cpu", "op_table",
+           "op_time"]
 
 
 DTYPES = ("float32", "tf32", "bfloat16", "float16", "fp8")
@@ -476,6 +477,17 @@ def _attention_scores(cap: Capture) -> tuple[int, ...]:
 
 
 _ROOFLINE: dict[tuple[Any, ...], tuple[OpTable, tuple[list[float], list[float], list[float]]]] = {}
+
+
+def forget_kernel_times() -> None:
+    """Drop every remembered ``hardware="cpu"`` kernel time (and the layer times built from them), so the next
+    estimate times the ops again: on a shared machine whose speed drifts (this one's moves by 10-20 % from one
+    second to the next), a benchmark retakes its measurement in each round's conditions."""
+    from pipeviz import kernels
+
+    for cached in (kernels._measure, kernels._accumulate, kernels._autograd_call):
+        cached.cache_clear()
+    _ROOFLINE.clear()
 
 
 def _add(a: float, b: float) -> float:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["MAX_BYTES", "MAX_FLOPS", "TensorSpec", "forget", "loss_seconds", "op_seconds", "replayable", "scaled_shape"]
+__all__ = ["MAX_BYTES", "MAX_FLOPS", "TensorSpec", "loss_seconds", "op_seconds", "replayable", "scaled_shape"]
 
 MAX_BYTES = 256 * 2**20  # an op whose tensors are larger is estimated, not replayed (a meta-device big model)
 MAX_FLOPS = 2e9  # nor one with more work (~30 ms a run here): a matmul that large runs at the measured peak rate
@@ -54,17 +54,6 @@ class TensorSpec:
     grad: bool
     # Dims from outermost to innermost in memory when not row-major (a transposed view); None: contiguous.
     order: tuple[int, ...] | None = None
-
-
-def forget() -> None:
-    """Drop every remembered kernel time (and the layer times built from them), so the next ``hardware="cpu"``
-    estimate times the ops again: on a shared machine whose speed drifts (this one's moves by 10-20 % from one
-    second to the next), a benchmark retakes its measurement in each round's conditions."""
-    from pipeviz.hardware import _ROOFLINE
-
-    for cached in (_measure, _accumulate, _autograd_call):
-        cached.cache_clear()
-    _ROOFLINE.clear()
 
 
 def replayable(op: Any) -> bool:
