@@ -149,7 +149,9 @@ def simulate(
         cores: simulate the run on this many CPU cores ("as run here" on a machine with fewer cores than
             ranks): at most ``cores`` actions compute at once, a rank ready to compute waits for a free core.
             Default: a core (or a GPU) per rank. With replicas or shards, all ``pp x dp x tp`` processes share
-            them: replica 0's pipeline gets ``cores / (dp x tp)`` (a fraction spread as slower cores).
+            them: replica 0's pipeline gets ``cores / (dp x tp)`` (a fraction spread as slower cores), and an
+            all-reduce holds its core. Time-slicing's own cost (4 processes on 2 cores are preempted ~90 times a
+            step each) is not modelled: ``benchmarks/simulator_accuracy.py`` measures it.
         forward_only: an inference run (``pv.launch`` without a ``loss_fn``): the schedule's forwards only,
             and memory without gradients or optimizer state.
         dp: data-parallel replicas of the pipeline, each on 1/dp of every microbatch: compute, activations
@@ -437,8 +439,8 @@ def _run_on_cores(acts: list[list[str]], lay: sched.Layout, costs: Costs, n: int
                   red: _Reduction | None = None) -> list[Event]:
     """Like ``_run``, with at most ``cores`` actions running at once: the next action to start is always the
     one that can start earliest (list scheduling), on the core that frees first; every action takes ``slow``
-    times as long (cores shared with other replicas' processes). A rank waiting on an all-reduce holds no
-    core."""
+    times as long (cores shared with other replicas' processes). A data-parallel all-reduce in a rank's last
+    backward holds that rank's core: on CPU, gloo's copies and sums are the cores' own work."""
     import heapq
 
     done: dict[tuple[int, str, int], float] = {}
