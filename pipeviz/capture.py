@@ -95,6 +95,12 @@ class Capture:
     out_spec: Any = None  # the output's pytree structure (an HF ModelOutput, a tuple, a tensor)
     unsupported: list[str] = field(default_factory=list)  # ops torch's pipeline() cannot split: why, where, fix
 
+    @property
+    def loss_outputs(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """The output leaves a loss reads: the ``logits`` of an HF output, else every leaf (shape, dtype)."""
+        i = self.output_index
+        return self.outputs if i is None else self.outputs[i:i + 1]
+
     def fresh_copy(self) -> nn.Module:
         """A deep copy of the user's model with the capture's fixups applied; the original is untouched."""
         model = copy.deepcopy(self.model)

@@ -52,7 +52,15 @@ from typing import TYPE_CHECKING, Any
 
 from pipeviz import schedules as sched
 from pipeviz.capture import op_saved_bytes
-from pipeviz.hardware import DTYPE_BYTES, Hardware, dtype_name, hardware, layer_roofline, op_table
+from pipeviz.hardware import (
+    DTYPE_BYTES,
+    Hardware,
+    dtype_name,
+    hardware,
+    layer_roofline,
+    loss_kernel_times,
+    op_table,
+)
 
 if TYPE_CHECKING:
     from pipeviz.graph import ModelGraph
@@ -142,13 +150,14 @@ class CostOptions:
         """The ``Hardware`` (resolved from a name on construction), or None."""
         return self.hardware if isinstance(self.hardware, Hardware) else None
 
-    def link(self, span: int = 2) -> tuple[float, float]:
+    def link(self, span: int = 2, allreduce: bool = False) -> tuple[float, float]:
         """``(bandwidth, latency)`` between ranks ``span`` apart (a group over ``span`` consecutive ranks): the
-        hardware's intra- or inter-node link, else the backend's; ``bandwidth`` / ``latency`` override."""
+        hardware's intra- or inter-node link (an all-reduce's share of it with ``allreduce=True``), else the
+        backend's; ``bandwidth`` / ``latency`` override."""
         hw = self.hw
         if hw is None:
             return link(self.device, self.backend, self.bandwidth, self.latency)
-        bw, lat = hw.link(span)
+        bw, lat = hw.link(span, allreduce=allreduce)
         return self.bandwidth or bw, lat if self.latency is None else self.latency
 
     def byte_scale(self, graph: ModelGraph) -> float:
@@ -352,8 +361,8 @@ def stage_costs(
     elif source == "roofline" and opts.hw is not None:
         overhead = opts.hw.action_overhead
         if opts.hw.roofline == "kernels":  # this machine's kernels: the last stage's loss, replayed like its ops
-            fwd[-1], bwd[-1] = (a + b for a, b in zip((fwd[-1], bwd[-1]), _loss_seconds(g, microbatches, opts),
-                                                      strict=True))
+            lf, lb = loss_kernel_times(g.capture, opts.batch_scale / microbatches, opts.dtype)
+            fwd[-1], bwd[-1] = fwd[-1] + lf, bwd[-1] + lb
     bs = opts.byte_scale(g) * opts.batch_scale
     stored = layer_activation_bytes(g, opts)
     dropped = [layer.saved_bytes * opts.byte_scale(g) - kept for layer, kept in zip(g.layers, stored, strict=True)]
@@ -376,18 +385,6 @@ def stage_costs(
     return Costs(tuple(fwd), tuple(bwd), comm, tuple(int(a) for a in acts), tuple(s.param_bytes for s in stages),
                  overhead=overhead, source=source, buffer_bytes=tuple(s.buffer_bytes for s in stages), latency=lat,
                  recompute_bytes=rebuilt, send_bytes=sends)
-
-
-def _loss_seconds(graph: ModelGraph, microbatches: float, opts: CostOptions) -> tuple[float, float]:
-    import torch
-
-    from pipeviz.hardware import _TORCH_DTYPES
-    from pipeviz.kernels import loss_seconds
-
-    cap = graph.capture
-    leaves = cap.outputs if cap.output_index is None else cap.outputs[cap.output_index:cap.output_index + 1]
-    dtype = getattr(torch, _TORCH_DTYPES[opts.dtype]) if opts.dtype in _TORCH_DTYPES else None
-    return loss_seconds(list(leaves), opts.batch_scale / microbatches, dtype)
 
 
 def link(device: str | None = "cpu", backend: str | None = None, bandwidth: float | None = None,

@@ -541,9 +541,8 @@ def _loss_input_bytes(cap: Capture) -> int:
     either is the output's size (the target, saved too, is not known before a launch and is usually small)."""
     import torch
 
-    leaves = cap.outputs if cap.output_index is None else cap.outputs[cap.output_index:cap.output_index + 1]
     total = 0
-    for shape, dtype in leaves:
+    for shape, dtype in cap.loss_outputs:
         if dtype.is_floating_point:
             n = 1
             for d in shape:

@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     from pipeviz.graph import ModelGraph
 
 __all__ = ["DTYPES", "DTYPE_BYTES", "HARDWARE", "ROOFLINES", "Hardware", "HardwareError", "OpTable",
-           "forget_kernel_times", "hardware", "layer_roofline", "matmul_efficiency", "measure_cpu", "op_table",
-           "op_time"]
+           "forget_kernel_times", "hardware", "layer_roofline", "loss_kernel_times", "matmul_efficiency",
+           "measure_cpu", "op_table", "op_time"]
 
 
 DTYPES = ("float32", "tf32", "bfloat16", "float16", "fp8")
@@ -160,10 +160,10 @@ class Hardware:
         """This hardware with another calibration constant (``dataclasses.replace`` does the same)."""
         return replace(self, efficiency=efficiency)
 
-    def link(self, span: int, rails: int = 1) -> tuple[float, float]:
+    def link(self, span: int, rails: int = 1, allreduce: bool = False) -> tuple[float, float]:
         """``(bandwidth, latency)`` of a link between devices ``span`` ranks apart or a group spanning ``span``
         consecutive ranks: intra-node when it fits in one node, else inter-node; bandwidth x
-        ``collective_efficiency``.
+        ``collective_efficiency`` (x ``allreduce_efficiency`` for an all-reduce's ``allreduce=True``).
 
         ``rails``: the group's devices in each node when it spans nodes. Each device has its own NIC (DGX A100 /
         H100: one InfiniBand NIC per GPU), and NCCL runs one ring (a "channel") per NIC, so a ring collective
@@ -180,7 +180,7 @@ class Hardware:
         else:
             rails = max(1, min(int(rails), self.devices_per_node))
             bw, lat = min(self.inter_node[0] * rails, self.intra_node[0]), self.inter_node[1]
-        return bw * self.collective_efficiency, lat
+        return bw * self.collective_efficiency * (self.allreduce_efficiency if allreduce else 1.0), lat
 
 
 # Datasheet figures. Dense (no 2:4 sparsity) tensor-core peaks per GPU; torchtitan's get_peak_flops keeps the
@@ -529,15 +529,28 @@ def layer_roofline(graph: ModelGraph, hw: Hardware, dtype: str | None, k: float,
 _TORCH_DTYPES = {"float32": "float32", "tf32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
+def _torch_dtype(dtype: str | None) -> Any:
+    """The torch dtype a replay runs ``dtype`` in (tf32 as float32); None: as traced (or not replayable)."""
+    import torch
+
+    return getattr(torch, _TORCH_DTYPES[dtype]) if dtype in _TORCH_DTYPES else None
+
+
+def loss_kernel_times(cap: Capture, k: float, dtype: str | None) -> tuple[float, float]:
+    """Forward and backward seconds of the loss (a log-softmax over the outputs a loss reads,
+    ``pipeviz.kernels.loss_seconds``) at ``k`` x the traced batch, as this machine runs it."""
+    from pipeviz.kernels import loss_seconds
+
+    return loss_seconds(cap.loss_outputs, k, _torch_dtype(dtype))
+
+
 def _kernel_times(cap: Capture, times: list[float], back: list[float], k: float,
                   dtype: str | None) -> tuple[list[float], list[float]]:
     """Each op's forward and backward seconds as this machine runs it (``pipeviz.kernels``), the roofline's where
     it cannot be replayed."""
-    import torch
-
     from pipeviz.kernels import op_seconds
 
-    torch_dtype = getattr(torch, _TORCH_DTYPES[dtype]) if dtype in _TORCH_DTYPES else None
+    torch_dtype = _torch_dtype(dtype)
     fwd, bwd = list(times), list(back)
     for op in cap.ops:
         measured = op_seconds(op, k, torch_dtype, cap.batch_size)

@@ -287,9 +287,8 @@ def plan_cluster(
             assert plan is not None
             coll = None
             if t > 1:
-                tbw, tlat = base.link(t)
-                via = (tbw * (base.hw.allreduce_efficiency if base.hw else 1.0), tlat)
-                coll = tp_collectives(plan, 1, 1, t, via, base.byte_scale(plan.graph) * b * per_token)
+                coll = tp_collectives(plan, 1, 1, t, base.link(t, allreduce=True),
+                                      base.byte_scale(plan.graph) * b * per_token)
             rank_cache[key] = parallel_costs(costs_for(n, b, mode), 1, t, coll)
         return rank_cache[key]
 

@@ -223,14 +223,14 @@ def simulate(
     coll = collectives or Collectives()
     mesh = Mesh(lay.num_ranks, dp, tp)
     bw, lat = opts.link(2)
-    tp_via = opts.link(tp) if hw is not None else (tp_bandwidth or bw, lat)
+    tp_via = opts.link(tp, allreduce=True) if hw is not None else (tp_bandwidth or bw, lat)
     dp_via = (dp_bandwidth or bw, lat)
     if hw is not None:
-        tp_via = (tp_via[0] * hw.allreduce_efficiency, tp_via[1])
         # The replicas of one shard sit tp ranks apart: a node holds devices_per_node / tp of them, each with its
         # own NIC, and NCCL rings over all of those NICs at once (Hardware.link's rails).
-        dbw, dlat = hw.link(mesh.replicas(0)[-1] + 1, rails=min(dp, max(1, hw.devices_per_node // tp)))
-        dp_via = (opts.bandwidth or dbw * hw.allreduce_efficiency, dlat if opts.latency is None else opts.latency)
+        dbw, dlat = hw.link(mesh.replicas(0)[-1] + 1, rails=min(dp, max(1, hw.devices_per_node // tp)),
+                            allreduce=True)
+        dp_via = (opts.bandwidth or dbw, dlat if opts.latency is None else opts.latency)
     if tp_bandwidth and hw is not None:
         tp_via = (tp_bandwidth, tp_via[1])
     if dp_bandwidth and hw is not None:
