@@ -190,6 +190,9 @@ class Costs:
             layer's, the largest); empty without recomputation.
         send_bytes: per boundary, bytes one microbatch hands on (``pv.simulate`` prices them on the link the
             two ranks share); empty when unknown.
+        runtime: per stage, fixed seconds an ``F``, ``B`` or ``I`` pays for the send and receive actions that go
+            with it under torch's multi-stage runtime (``pv.simulate`` sets it: ``overhead`` per cross-rank
+            hand-off); empty for single-stage schedules, whose hand-offs ride inside the compute action.
     """
 
     forward: tuple[float, ...]
@@ -205,11 +208,14 @@ class Costs:
     latency: float = 0.0
     recompute_bytes: tuple[int, ...] = ()
     send_bytes: tuple[float, ...] = ()
+    runtime: tuple[float, ...] = ()
 
     def duration(self, stage: int, kind: str) -> float:
         """Seconds of one action: ``F``, ``B``, or a zero-bubble ``I`` / ``W`` half of a backward (tensor-parallel
         all-reduces go with ``F``, ``B`` and ``I``: the weight-grad pass sends nothing)."""
         coll = self.collective[stage] if self.collective and kind != "W" else 0.0
+        if self.runtime and kind != "W":
+            coll += self.runtime[stage]
         if kind == "F":
             return self.forward[stage] + coll + self.overhead
         if kind == "B":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 import pipeviz as pv
@@ -84,3 +86,20 @@ def test_simulate_a_real_plan_and_compare(classic_graph: pv.ModelGraph) -> None:
     assert {(r["ranks"], r["stages"]) for r in rows if r["schedule"] not in ("GPipe", "1F1B")} == {(2, 4)}
     assert next(r for r in rows if r["schedule"] == "ZBVZeroBubble")["plan"] == pv.balance(classic_graph, 4)
     assert len(pv.compare(four, microbatches=4).rows) == 2
+
+
+@pytest.mark.parametrize(("schedule", "crossings"),
+                         [("Interleaved1F1B", [1, 2, 2, 1]), ("ZBVZeroBubble", [1, 1, 1, 1])])
+def test_multi_stage_runtime_pays_its_send_and_receive_actions(schedule: str, crossings: list[int]) -> None:
+    # torch's multi-stage runtime runs each cross-rank hand-off as an action of its own: a forward or backward
+    # pays the fixed per-action cost once more for each boundary it crosses to another rank (V-shaped schedules
+    # keep their middle stages on one rank: nothing crosses there).
+    costs = replace(Costs.uniform(4, 1.0, 2.0), overhead=0.1)
+    tl = pv.simulate(None, schedule, 4, stages_per_rank=2, costs=costs, num_stages=4)
+    for e in tl.events:
+        if e.kind == "F":
+            assert e.duration == pytest.approx(1.0 + 0.1 + 0.1 * crossings[e.stage])
+        if e.kind == "W":
+            assert e.duration == pytest.approx(2.0 * 0.5 + 0.1)  # the weight-grad pass sends nothing
+    single = pv.simulate(None, "1F1B", 4, costs=replace(Costs.uniform(2, 1.0, 2.0), overhead=0.1), num_stages=2)
+    assert {round(e.duration, 9) for e in single.events if e.kind == "F"} == {1.1}  # hand-offs inside the action
