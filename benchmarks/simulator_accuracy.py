@@ -12,6 +12,15 @@ prediction against the median. Beside them, what the operating system did: the C
 step (4 processes on 2 cores are preempted twice as often). The summary counts the predictions that fall outside
 the rounds' measured min-max, and by how much: the error that the machine's own spread does not explain.
 
+Two columns tell the model's error from the machine's speed. ``speed``: in each pinned run, the time the ranks
+spent in their forward and backward spans (one process a core: their own CPU) over the time the replay gave
+the same ops a few seconds earlier; the same ops moved by 0.96-1.44 from one run to the next here, so a
+prediction taken at one speed and checked at another is off by that much whatever the model. ``err at run
+speed``: the cpu preset with its op times scaled by that run's speed, against that run: what is left is the
+schedule's model (overheads, hand-offs, bubbles). ``used``: all the processes' CPU over the cores' time in
+the same window; for PP x DP below 100 % means the operating system left cores idle while four processes
+waited on each other (not modelled: the simulator keeps a shared core busy while any rank can run).
+
 Predictions:
 
 - ``profiled``: ``pv.profile`` measures every layer on this machine at the run's microbatch size and thread
@@ -36,13 +45,14 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 import pipeviz as pv
+from pipeviz.timeline import COMPUTE
 from pipeviz.zoo import MyNetwork, TinyTransformer
 
 
@@ -75,6 +85,9 @@ class Case:
     cpu: list[float] = field(default_factory=list)  # per round: CPU seconds a process used per step (mean)
     switches: list[float] = field(default_factory=list)  # per round: involuntary context switches per process-step
     busy: list[float] = field(default_factory=list)  # per round: the cpu preset's compute seconds per rank-step
+    compute: list[float] = field(default_factory=list)  # per round: the cpu preset's op time (no overhead), a step
+    speed: list[float] = field(default_factory=list)  # per round: measured op time / predicted op time
+    used: list[float] = field(default_factory=list)  # per round: share of the cores' time the processes used
 
     @property
     def label(self) -> str:
@@ -143,6 +156,10 @@ def predict(all_cases: list[Case], m: int, graphs: dict[str, Any]) -> None:
                 t = sim.step_time
                 # What the model says each rank computes (its all-reduce included): the CPU a process should use.
                 c.busy.append(sum(e.duration for e in sim.events) / sim.num_ranks)
+                # The ops alone (no per-action overhead): what the run's F/B spans time, summed over ranks.
+                bare = pv.simulate(flop_plan, c.schedule, m, stages_per_rank=c.spr, dp=c.dp, cores=cores,
+                                   hardware=replace(pv.hardware("cpu"), action_overhead=0.0))
+                c.compute.append(sum(e.duration for e in bare.events if e.kind in COMPUTE))
             except (TypeError, ValueError) as exc:  # an API that differs from what this script expects
                 t = float("nan")
                 print(f"hardware='cpu' prediction skipped for {name} {c.label}: {exc}")
@@ -184,25 +201,36 @@ def measure(c: Case, m: int, steps: int) -> float:
                     dp=c.dp, pin_cpus=c.pin, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3))
     # Each process's CPU time between the end of step 2 and of step steps-1: what the ranks really computed
     # (and spent around it), against the model's compute per rank.
-    marks: list[tuple[int, dict[int, tuple[float, int]]]] = []
+    marks: list[tuple[int, dict[int, tuple[float, int]], float]] = []
     deadline = time.time() + 600
     while not run.done and time.time() < deadline:
         done = len(run.step_walltimes) + 1 if run.step_walltimes else 0
         if (not marks and done >= 2) or (len(marks) == 1 and done >= steps - 1):
-            marks.append((done, process_times(run.pids)))
+            marks.append((done, process_times(run.pids), time.perf_counter()))
         run.wait(0.02)
     if run.wait(1) != "done":
         raise RuntimeError(f"{c.model.name} {c.label}: {run.error}")
     if len(marks) == 2 and marks[1][0] > marks[0][0]:
-        (n0, a), (n1, b) = marks
+        (n0, a, t0), (n1, b, t1) = marks
         common = [p for p in a if p in b]
         if common:
             c.cpu.append(sum(b[p][0] - a[p][0] for p in common) / len(common) / (n1 - n0))
             c.switches.append(sum(b[p][1] - a[p][1] for p in common) / len(common) / (n1 - n0))
+            if len(common) == c.processes:
+                # All the processes' CPU over the cores' time in the same window: below 1, cores sat idle.
+                cores = min(c.processes, os.cpu_count() or 1)
+                c.used.append(sum(b[p][0] - a[p][0] for p in common) / ((t1 - t0) * cores))
     after = cpu_times()
     c.stolen.append((after[0] - before[0]) / max(1, after[1] - before[1]))
     tl = run.timeline()
     c.steps += tl.step_times[1:]
+    if c.compute and c.processes <= (os.cpu_count() or 1):
+        # The machine's speed during this run against the replay's: the ops' measured time (F/B spans of the
+        # steps after warm-up, all ranks) over the time the replay gave the same ops. Pinned, one process a
+        # core, a span is the rank's own CPU time; time-sliced (PP x DP) it is not, so no ratio there.
+        steps = tl.steps[1:]
+        spent = sum(e.duration for st in steps for e in tl.step_events(st) if e.kind in COMPUTE) / len(steps)
+        c.speed.append(spent / c.compute[-1])
     return tl.step_time
 
 
@@ -234,13 +262,19 @@ def main() -> None:
     keys = list(all_cases[0].predicted)
     head = f"{'model':<21}{'case':<22}{'procs':>6}" + "".join(f"{k:>12}" for k in keys)
     head += f"{'measured':>10}{'min-max':>15}{'step IQR':>15}{'stolen':>8}{'cpu/step':>10}{'model':>8}{'csw':>6}"
-    head += "".join(f"{'err ' + k:>16}" for k in keys)
+    head += f"{'used':>6}"
+    head += "".join(f"{'err ' + k:>16}" for k in keys) + f"{'speed':>7}{'err at run speed':>18}"
     print("\nstep times in ms; predicted and measured: medians over rounds (measured: of each run's median step);"
           " min-max: over rounds; step IQR: all steps after warm-up pooled; stolen: hypervisor steal; cpu/step:"
           " CPU ms a process used per step (/proc), model: the cpu preset's compute ms per rank-step; csw:"
-          " involuntary context switches per process-step")
+          " involuntary context switches per process-step; used: the processes' CPU over the cores' time while"
+          " they ran (PP x DP: 4 processes on 2 cores; below 100 % the cores sat idle); speed: the ops' measured"
+          " time in the run over the replay's for them (median over rounds; 1.20 = the machine ran the same ops"
+          " 20 % slower than when it replayed them); err at run speed: the cpu preset with its op times scaled by"
+          " that round's speed")
     print(head)
     errors: dict[str, dict[str, list[float]]] = {k: {"fit": [], "over": []} for k in keys}
+    at_speed: list[float] = []
     outside: dict[str, dict[str, list[float]]] = {k: {"fit": [], "over": []} for k in keys}
     for c in all_cases:
         med = statistics.median(c.measured)
@@ -252,6 +286,7 @@ def main() -> None:
         line += (f"{fmt_ms(statistics.median(c.cpu)):>10}" if c.cpu else f"{'-':>10}")
         line += (f"{fmt_ms(statistics.median(c.busy)):>8}" if c.busy else f"{'-':>8}")
         line += (f"{statistics.median(c.switches):>6.0f}" if c.switches else f"{'-':>6}")
+        line += (f"{statistics.median(c.used):>6.0%}" if c.used else f"{'-':>6}")
         for k in keys:
             err = statistics.median(c.predicted[k]) / med - 1
             line += f"{err:>+16.1%}"
@@ -263,6 +298,16 @@ def main() -> None:
                 p = statistics.median(c.predicted[k])
                 lo, hi = min(c.measured), max(c.measured)
                 outside[k][group].append(0.0 if lo <= p <= hi else (lo - p) / lo if p < lo else (p - hi) / hi)
+        if c.speed and "cpu preset" in c.predicted:
+            # Per round, the prediction at the speed the machine ran the ops in that run (the step scaled whole:
+            # the per-action overhead, ~5 % of it, is scaled too), against that run's median step.
+            scaled = [p * r / mm - 1 for p, r, mm in zip(c.predicted["cpu preset"], c.speed, c.measured, strict=True)]
+            err = statistics.median(scaled)
+            line += f"{statistics.median(c.speed):>7.2f}{err:>+18.1%}"
+            if c.pin:
+                at_speed.append(abs(err))
+        else:
+            line += f"{'-':>7}{'-':>18}"
         print(line)
     print()
     for k in keys:
@@ -272,6 +317,11 @@ def main() -> None:
                 o = outside[k][group]
                 print(f"{k:<12} {what:<30} max |error| {max(e):6.1%}  mean {sum(e) / len(e):6.1%}  ({len(e)} cases);"
                       f" outside the measured min-max: {sum(x > 0 for x in o)} cases, by at most {max(o):.1%}")
+    if at_speed:
+        speeds = [r for c in all_cases for r in c.speed]
+        print(f"cpu preset   at each run's own op speed (pinned)  max |error| {max(at_speed):6.1%}  mean "
+              f"{sum(at_speed) / len(at_speed):6.1%}; the machine's op speed in the runs against the replay's: "
+              f"{min(speeds):.2f}-{max(speeds):.2f} (median {statistics.median(speeds):.2f})")
     spreads = [(max(c.measured) - min(c.measured)) / statistics.median(c.measured) for c in all_cases]
     stolen = [s for c in all_cases for s in c.stolen]
     print("CPU time stolen by the hypervisor during the runs (/proc/stat steal): "
