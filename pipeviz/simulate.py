@@ -150,8 +150,11 @@ def simulate(
             ranks): at most ``cores`` actions compute at once, a rank ready to compute waits for a free core.
             Default: a core (or a GPU) per rank. With replicas or shards, all ``pp x dp x tp`` processes share
             them: replica 0's pipeline gets ``cores / (dp x tp)`` (a fraction spread as slower cores), and an
-            all-reduce holds its core. Time-slicing's own cost (4 processes on 2 cores are preempted ~90 times a
-            step each) is not modelled: ``benchmarks/simulator_accuracy.py`` measures it.
+            all-reduce holds its core. Not modelled, measured by ``benchmarks/simulator_accuracy.py``: time-
+            slicing's own cost (4 processes on 2 cores are preempted 52-94 times a step each and use 7-24 % more
+            CPU than their compute), the cores the scheduler leaves idle (8-18 % of the step there) and the
+            work between steps (optimizer, gradient scaling), which delays the other processes on a shared
+            core: such runs measured 12-24 % longer than simulated.
         forward_only: an inference run (``pv.launch`` without a ``loss_fn``): the schedule's forwards only,
             and memory without gradients or optimizer state.
         dp: data-parallel replicas of the pipeline, each on 1/dp of every microbatch: compute, activations
