@@ -94,6 +94,10 @@ class Hardware:
         action_overhead: fixed seconds per pipeline action around its ops (posting sends and receives, the
             stage's bookkeeping, event timing): 0 for the GPU presets (hidden behind queued kernels), for
             ``"cpu"`` the gap measured between a rank's actions (``pipeviz.profile.CPU_ACTION_OVERHEAD``).
+        contention: how much longer an op runs while another rank computes at the same moment: 1 for the GPU
+            presets (each rank its own device), 1.10 for ``"cpu"`` (ranks pinned to cores of one processor
+            still share its cache and memory bandwidth: ``benchmarks/cpu_contention.py``). ``pv.simulate``
+            stretches each rank's ops by ``1 + (contention - 1) x`` the share of their time another rank computes.
     """
 
     name: str
@@ -109,6 +113,7 @@ class Hardware:
     fused: bool = False
     action_overhead: float = 0.0
     allreduce_efficiency: float = 1.0
+    contention: float = 1.0
 
     def __post_init__(self) -> None:
         if self.roofline not in ROOFLINES:
@@ -122,6 +127,9 @@ class Hardware:
                              ("allreduce_efficiency", self.allreduce_efficiency)):
             if not 0 < value <= 1:
                 raise HardwareError(f"{label} must be in (0, 1], got {value!r}. Fix: e.g. {label}=0.5.")
+        if not 1 <= self.contention <= 4:
+            raise HardwareError(f"contention must be in [1, 4] (1: ranks never slow each other), got "
+                                f"{self.contention!r}. Fix: e.g. contention=1.1.")
         # An immutable copy, so the frozen dataclass stays hashable (costs are cached per Hardware).
         object.__setattr__(self, "flops", MappingProxyType(dict(self.flops)))
 
@@ -129,7 +137,7 @@ class Hardware:
         return hash((self.name, tuple(sorted(self.flops.items())), self.memory_bytes, self.memory_bandwidth,
                      self.devices_per_node, self.intra_node, self.inter_node, self.efficiency,
                      self.collective_efficiency, self.roofline, self.fused, self.action_overhead,
-                     self.allreduce_efficiency))
+                     self.allreduce_efficiency, self.contention))
 
     def dtype(self, dtype: str | None = None) -> str:
         """The canonical dtype name (``"bf16"`` -> ``"bfloat16"``); ``None``: bfloat16 where the device computes it
@@ -224,7 +232,9 @@ def measure_cpu(seconds: float = 0.3) -> Hardware:
     forward and backward, on one thread); the rates below serve the ops that cannot be replayed: float32 and
     bfloat16 matmul FLOP/s (512 x 512 and 128 x 128 products) and memory bandwidth (copying 32 MiB), one thread
     each; each rate is what was achieved, so ``efficiency`` is 1. Links are gloo's on one host
-    (``pipeviz.costs.LINKS``); memory is the machine's RAM.
+    (``pipeviz.costs.LINKS``); memory is the machine's RAM. Three figures are constants measured on this machine
+    by benchmarks (too noisy for a short probe): the per-action overhead, gloo's all-reduce efficiency and the
+    contention between ranks computing at once.
     """
     import torch
 
@@ -258,12 +268,17 @@ def measure_cpu(seconds: float = 0.3) -> Hardware:
     gloo = (1e9, 2e-4)  # pipeviz.costs.LINKS["gloo"]: what a pipeline sees between ranks on one host
     return Hardware("cpu", flops, int(ram), bandwidth, os.cpu_count() or 1, gloo, gloo, efficiency=1.0,
                     collective_efficiency=1.0, roofline="kernels", action_overhead=_CPU_ACTION_OVERHEAD,
-                    allreduce_efficiency=_GLOO_ALLREDUCE)
+                    allreduce_efficiency=_GLOO_ALLREDUCE, contention=_CPU_CONTENTION)
 
 
 # Gloo's all-reduce between two processes on this machine moves 0.5-0.6 GB/s of bus bandwidth (4-32 MiB) where a
 # send moves 1.0 GB/s (benchmarks/gloo_links.py): the reduction and the extra copies run on the same cores.
 _GLOO_ALLREDUCE = 0.55
+
+# An op streaming its weights from memory runs 1.10x as long while the other core runs the same (four repeats of
+# seven alternations: medians 1.097-1.118, benchmarks/cpu_contention.py). A constant, like the two above: a probe
+# short enough for a first lookup scattered 0.97-1.24 on this machine, whose speed drifts 10-20 % within a second.
+_CPU_CONTENTION = 1.10
 
 # pipeviz.profile.CPU_ACTION_OVERHEAD (not imported: the profile module imports the cost model, which imports this)
 _CPU_ACTION_OVERHEAD = 4e-4

@@ -39,7 +39,7 @@ from pipeviz.costs import (
 from pipeviz.hardware import DTYPE_BYTES, Hardware, dtype_name
 from pipeviz.mesh import Mesh
 from pipeviz.plan import SplitPlan
-from pipeviz.timeline import Event, Timeline
+from pipeviz.timeline import COMPUTE, Event, Timeline
 
 __all__ = ["DP_REDUCE", "Collectives", "Comparison", "Costs", "estimate_costs", "simulate"]
 
@@ -255,19 +255,26 @@ def simulate(
         costs = replace(costs, runtime=runtime_actions(lay, costs.overhead))
     if hw is not None and costs.send_bytes:
         costs = replace(costs, comm=_placed_comm(costs, lay, mesh, opts, tp if coll.scatter_gather else 1))
-    red = None
-    if dp > 1 and not forward_only:
-        traced = _traced_element_bytes(plan)
-        grad = DTYPE_BYTES[coll.grad_dtype] / traced if coll.grad_dtype else 1.0
-        param = DTYPE_BYTES[opts.dtype] / traced if opts.dtype else 1.0
-        red = _Reduction(acts, lay, costs, dp, dp_via, coll.dp_reduce, grad, param,
-                         (coll.grad_dtype and DTYPE_BYTES[coll.grad_dtype]) or traced)
     share = cores / (dp * tp) if cores is not None else math.inf  # replica 0's pipeline's share of the cores
-    if share >= lay.num_ranks:
-        events = _run(acts, lay, costs, n, red)
-    else:
+
+    def run(c: Costs) -> tuple[list[Event], _Reduction | None]:
+        red = None
+        if dp > 1 and not forward_only:
+            traced = _traced_element_bytes(plan)
+            grad = DTYPE_BYTES[coll.grad_dtype] / traced if coll.grad_dtype else 1.0
+            param = DTYPE_BYTES[opts.dtype] / traced if opts.dtype else 1.0
+            red = _Reduction(acts, lay, c, dp, dp_via, coll.dp_reduce, grad, param,
+                             (coll.grad_dtype and DTYPE_BYTES[coll.grad_dtype]) or traced)
+        if share >= lay.num_ranks:
+            return _run(acts, lay, c, n, red), red
         slots = math.ceil(share)
-        events = _run_on_cores(acts, lay, costs, n, slots, slots / share, red)
+        return _run_on_cores(acts, lay, c, n, slots, slots / share, red), red
+
+    if hw is not None and hw.contention > 1 and per_replica and cores != 1:
+        # Replicas and shards compute the same actions at the same moments on the other cores: always contended.
+        events, red = _contended(run, costs, lay, hw.contention, mirrored=dp * tp > 1)
+    else:
+        events, red = run(costs)
     if red is not None:
         events += red.after_step(events)
     peaks = ([max(costs.activation_bytes[s] for s in lay.stages_of(r)) for r in range(lay.num_ranks)] if forward_only
@@ -405,6 +412,42 @@ class _Reduction:
                 end = max(e.end for e in mine)
                 out.append(Event(rank, -1, "DP", -1, end, end + t))
         return out
+
+
+def _contended(run: Any, costs: Costs, lay: sched.Layout, factor: float, mirrored: bool) -> tuple[list[Event], Any]:
+    """``run(costs)`` with each rank's ops stretched by ``1 + (factor - 1) x`` the share of their time another rank
+    computes (``Hardware.contention``: ranks on the cores of one processor share its cache and memory
+    bandwidth). The share comes from the run itself, so it is run again with the stretched ops (twice: the share
+    settles within a percent); ``mirrored``: other processes always compute alongside (replicas), a share of 1."""
+    events, red = run(costs)
+    for _ in range(1 if mirrored else 2):
+        shares = [1.0] * lay.num_ranks if mirrored else _overlap(events, lay.num_ranks)
+        scale = [1 + (factor - 1) * shares[r] for r in lay.stage_ranks]
+        stretched = replace(costs, forward=tuple(f * k for f, k in zip(costs.forward, scale, strict=True)),
+                            backward=tuple(b * k for b, k in zip(costs.backward, scale, strict=True)))
+        events, red = run(stretched)
+    return events, red
+
+
+def _overlap(events: list[Event], ranks: int) -> list[float]:
+    """Per rank, the share of its compute time during which another rank computes too."""
+    marks = sorted((t, d, e.rank) for e in events if e.kind in COMPUTE and e.end > e.start
+                   for t, d in ((e.start, 1), (e.end, -1)))  # at one instant, ends before starts
+    active: set[int] = set()
+    busy, shared = [0.0] * ranks, [0.0] * ranks
+    prev = 0.0
+    for t, d, r in marks:
+        if active and t > prev:
+            for q in active:
+                busy[q] += t - prev
+                if len(active) > 1:
+                    shared[q] += t - prev
+        if d > 0:
+            active.add(r)
+        else:
+            active.discard(r)
+        prev = t
+    return [s / b if b > 0 else 0.0 for s, b in zip(shared, busy, strict=True)]
 
 
 def runtime_actions(lay: sched.Layout, overhead: float) -> tuple[float, ...]:

@@ -296,3 +296,31 @@ def test_the_cpu_preset_all_reduces_slower_than_it_hands_off() -> None:
     fast = pv.simulate(plan, "1F1B", 4, dp=2, hardware=dataclasses.replace(cpu, allreduce_efficiency=1.0))
     for s, f in zip(slow.meta["dp_seconds"], fast.meta["dp_seconds"], strict=True):
         assert s > f
+
+
+def test_ranks_computing_at_once_slow_each_other_by_the_hardware_contention() -> None:
+    """``Hardware.contention``: an op runs longer while another rank computes (one processor's cache and memory
+    bandwidth shared; 1.10 on "cpu", 1 on GPUs). Ops that never overlap are untouched; replicas always compute
+    beside each other, so every op stretches by the whole factor."""
+    cpu, h100 = pv.hardware("cpu"), pv.hardware("h100")
+    assert cpu.contention == pytest.approx(1.10) and h100.contention == 1.0
+    with pytest.raises(pv.HardwareError, match="contention"):
+        dataclasses.replace(h100, contention=0.5)
+    graph = pv.trace(torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)]),
+                     example_args=(torch.randn(64, 512),))
+    plan = graph.split(["1"])
+    # A device 10^5 times slower than an H100: the ops, not the links' latency, fill the step.
+    slow = dataclasses.replace(h100, flops={k: v / 1e5 for k, v in h100.flops.items()},
+                               memory_bandwidth=h100.memory_bandwidth / 1e5)
+    slowed = dataclasses.replace(slow, contention=1.5)
+
+    def step(hw: pv.Hardware, m: int) -> float:
+        return pv.simulate(plan, "GPipe" if m == 1 else "1F1B", m, hardware=hw).step_time
+
+    # One microbatch: rank 1 starts when rank 0 has finished, and so on back: never two ranks at once.
+    assert step(slowed, 1) == pytest.approx(step(slow, 1))
+    # Eight: the ranks overlap for most of the step, but not in its fill and drain.
+    assert step(slow, 8) * 1.05 < step(slowed, 8) < step(slow, 8) * 1.5
+    forwards = [[e.duration for e in pv.simulate(plan, "1F1B", 8, hardware=hw, dp=2).events if e.kind == "F"]
+                for hw in (slow, slowed)]
+    assert [b / a for a, b in zip(*forwards, strict=True)] == pytest.approx([1.5] * len(forwards[0]))
