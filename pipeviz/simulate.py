@@ -19,7 +19,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -414,7 +414,8 @@ class _Reduction:
         return out
 
 
-def _contended(run: Any, costs: Costs, lay: sched.Layout, factor: float, mirrored: bool) -> tuple[list[Event], Any]:
+def _contended(run: Callable[[Costs], tuple[list[Event], Any]], costs: Costs, lay: sched.Layout, factor: float,
+               mirrored: bool) -> tuple[list[Event], Any]:
     """``run(costs)`` with each rank's ops stretched by ``1 + (factor - 1) x`` the share of their time another rank
     computes (``Hardware.contention``: ranks on the cores of one processor share its cache and memory
     bandwidth). The share comes from the run itself, so it is run again with the stretched ops (twice: the share
