@@ -21,7 +21,7 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -70,12 +70,25 @@ def op_seconds(op: Any, scale: float, dtype: torch.dtype | None = None, batch: i
         return None
     args, kwargs = op.spec
     leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, TensorSpec)]
-    shapes = tuple((scaled_shape(t, scale, batch), t.dtype if dtype is None or not t.dtype.is_floating_point else dtype,
-                    t.grad, t.activation, t.order) for t in leaves)
-    try:
-        return _measure(op.target, (args, kwargs), shapes)
-    except Exception:  # an op that does not replay on random tensors: the caller estimates it
-        return None
+
+    def shapes(constants: bool) -> tuple[tuple[tuple[int, ...], torch.dtype, bool, bool, Any], ...]:
+        # constants: also scale a tensor that is neither an activation nor trained but carries the batch's dim
+        # (an attention mask built from positions alone, expanded to the batch), else it keeps its traced shape
+        # and disagrees with the scaled activations it meets: GPT-2's and Llama's attention did not replay.
+        return tuple((scaled_shape(replace(t, activation=True) if constants and not t.grad and batch in t.shape else t,
+                                   scale, batch),
+                      t.dtype if dtype is None or not t.dtype.is_floating_point else dtype, t.grad, t.activation,
+                      t.order) for t in leaves)
+
+    plain = shapes(False)
+    for attempt in (plain, shapes(True)):
+        if attempt is not plain and attempt == plain:
+            break
+        try:
+            return _measure(op.target, (args, kwargs), attempt)
+        except Exception:  # an op that does not replay on random tensors at these shapes
+            continue
+    return None  # the caller estimates it
 
 
 def loss_seconds(outputs: list[tuple[tuple[int, ...], torch.dtype]], scale: float,

@@ -510,11 +510,14 @@ class SplitPlan:
         return spec, per_call
 
     def stage_modules(self, microbatches: int = 1) -> list[Any]:
-        """One ``nn.Module`` per stage, built from fresh copies: the Pipe's submodules for a traced plan,
+        """One ``nn.Module`` per stage, built from fresh copies: the Pipe's submodules for a traced plan (run as
+        generated code rather than torch's default ``fx.Interpreter``: ``pipeviz.adapter.compiled_submodules``),
         ``SequenceStage`` modules (original module names kept) for a manual plan."""
         if self.graph.capture.traced:
+            from pipeviz.adapter import compiled_submodules
+
             pipe = self.pipe(microbatches)
-            return [pipe.get_stage_module(i) for i in range(self.num_stages)]
+            return [compiled_submodules(pipe.get_stage_module(i)) for i in range(self.num_stages)]
         from pipeviz.sequence import SequenceStage
 
         return [SequenceStage(self.graph.model, s.layers) for s in self.stages]

@@ -50,6 +50,25 @@ def test_flat_stage_computes_what_torch_stage_computes_and_survives_pickling() -
     assert [n.target for n in graph.nodes if n.op == "call_module"] == ["submod_pp_0", "submod_pp_1"]
 
 
+def test_stage_modules_run_generated_code_not_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's stage submodules run node by node through torch.fx.Interpreter; plan.stage_modules() gives the same
+    modules running their generated code, with the same results bit for bit."""
+    from torch import fx
+
+    interpreted = []
+    run = fx.Interpreter.run
+    monkeypatch.setattr(fx.Interpreter, "run", lambda self, *a, **k: interpreted.append(1) or run(self, *a, **k))
+    torch.manual_seed(0)
+    model, x = BNNet(), torch.randn(8, 16)
+    plan = pv.trace(model, example_args=(x,)).split(["bn0"])
+    torchs, ours = plan.pipe(2).get_stage_module(0), plan.stage_modules(2)[0]
+    ours.load_state_dict(torchs.state_dict())
+    expected = torchs(x[:4])
+    assert interpreted, "torch's stage module no longer runs through fx.Interpreter: compiled_submodules is moot"
+    interpreted.clear()
+    assert torch.equal(ours(x[:4]), expected) and not interpreted
+
+
 def test_canonical_names_drop_call_suffixes() -> None:
     aliases = {"head.weight": "embed.weight", "shared.0.weight": "shared.0.weight"}
     assert adapter.canonical_name("shared@1.0@1.weight", aliases) == "shared.0.weight"

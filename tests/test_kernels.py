@@ -150,3 +150,30 @@ def test_a_transposed_activation_is_replayed_transposed() -> None:
     x = kernels._random((16, 8, 64), torch.float32, False, arg.order)
     assert x.shape == (16, 8, 64) and not x.is_contiguous() and x.transpose(0, 1).is_contiguous()
     assert _ops(graph, "aten.linear.default")[0].spec[0][0].order is None  # contiguous: no layout recorded
+
+
+class _CausalAttention(nn.Module):
+    """Attention whose causal mask is built from positions alone and expanded to the batch, as HF models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (batch, heads, seq, dim)
+        batch, _, seq, _ = x.shape
+        pos = torch.arange(seq)
+        mask = (pos[:, None] >= pos[None, :]).expand(batch, 1, seq, seq)
+        q = self.proj(x)
+        return nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+
+def test_a_mask_expanded_to_the_batch_is_scaled_with_it() -> None:
+    """The mask is no activation (no batch data in it) but has the batch's dim: replayed at a quarter of the batch
+    it must shrink with the queries, or the op does not run and falls back to the roofline."""
+    graph = pv.trace(_CausalAttention(), example_args=(torch.randn(8, 2, 64, 32),))
+    (sdpa,) = _ops(graph, "aten.scaled_dot_product_attention.default")
+    mask = sdpa.spec[0][3]
+    assert mask.shape == (8, 1, 64, 64) and not mask.activation and not mask.grad
+    quarter, whole = op_seconds(sdpa, 0.25, batch=8), op_seconds(sdpa, 1.0, batch=8)
+    assert quarter is not None and whole is not None
+    assert quarter[0] > 0 and quarter[1] > 0

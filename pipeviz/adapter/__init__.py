@@ -4,6 +4,8 @@
   pickled; each is turned into one flat ``fx.GraphModule`` (pure torch: no model class needed to run it),
   so the parent traces once and each rank receives only its own stage. Parameters get the original model's
   canonical names, so a tensor used twice in a stage (T5's shared embedding) is one parameter.
+- ``compiled_submodules``: the same stage modules run as generated code, not through ``torch.fx.Interpreter``
+  (``plan.stage_modules()``: a third off an HF stage's forward).
 - ``split_graph``: the top-level graph of a ``Pipe`` (which stage reads which value).
 - ``timed_waits``: times blocking communication waits inside torch's schedules.
 - ``fake_tensors``: run stages on fake tensors to learn their shapes without computing or touching any
@@ -28,10 +30,11 @@ fails there loudly, not in a worker.
 from pipeviz.adapter.backward import exact_split_backward
 from pipeviz.adapter.collectives import COLLECTIVES, timed_collectives
 from pipeviz.adapter.fake import defake, fake_cpu, fake_tensors
-from pipeviz.adapter.flat import FlatStage, canonical_name, describe, flatten_stage
+from pipeviz.adapter.flat import FlatStage, canonical_name, compiled_submodules, describe, flatten_stage
 from pipeviz.adapter.schedules import regions_inlined, schedule_actions, split_graph, timed_waits
 from pipeviz.adapter.stage import OVERRIDDEN, check_stage_methods, timed_stage_class
 
-__all__ = ["COLLECTIVES", "OVERRIDDEN", "FlatStage", "canonical_name", "check_stage_methods", "defake", "describe",
+__all__ = ["COLLECTIVES", "OVERRIDDEN", "FlatStage", "canonical_name", "check_stage_methods", "compiled_submodules",
+           "defake", "describe",
            "exact_split_backward", "fake_cpu", "fake_tensors", "flatten_stage", "regions_inlined", "schedule_actions",
            "split_graph", "timed_collectives", "timed_stage_class", "timed_waits"]
