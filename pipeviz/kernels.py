@@ -80,10 +80,8 @@ def op_seconds(op: Any, scale: float, dtype: torch.dtype | None = None, batch: i
                       t.dtype if dtype is None or not t.dtype.is_floating_point else dtype, t.grad, t.activation,
                       t.order) for t in leaves)
 
-    plain = shapes(False)
-    for attempt in (plain, shapes(True)):
-        if attempt is not plain and attempt == plain:
-            break
+    plain, wide = shapes(False), shapes(True)
+    for attempt in (plain,) if wide == plain else (plain, wide):
         try:
             return _measure(op.target, (args, kwargs), attempt)
         except Exception:  # an op that does not replay on random tensors at these shapes

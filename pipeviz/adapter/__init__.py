@@ -35,6 +35,5 @@ from pipeviz.adapter.schedules import regions_inlined, schedule_actions, split_g
 from pipeviz.adapter.stage import OVERRIDDEN, check_stage_methods, timed_stage_class
 
 __all__ = ["COLLECTIVES", "OVERRIDDEN", "FlatStage", "canonical_name", "check_stage_methods", "compiled_submodules",
-           "defake", "describe",
-           "exact_split_backward", "fake_cpu", "fake_tensors", "flatten_stage", "regions_inlined", "schedule_actions",
-           "split_graph", "timed_collectives", "timed_stage_class", "timed_waits"]
+           "defake", "describe", "exact_split_backward", "fake_cpu", "fake_tensors", "flatten_stage", "regions_inlined",
+           "schedule_actions", "split_graph", "timed_collectives", "timed_stage_class", "timed_waits"]
