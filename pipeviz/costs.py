@@ -18,7 +18,8 @@ Memory per rank, for a (plan, schedule, microbatches, optimizer state):
     + the most activation bytes the rank's schedule keeps alive at once
 
 where a stage keeps ``activation_bytes / microbatches`` alive per microbatch between its forward and its
-backward (zero-bubble: the input-grad pass frees ``weight_fraction`` of it, the weight-grad pass the rest), less
+backward (zero-bubble: the input-grad pass frees what the ops after the stage's last weight op saved,
+``Costs.input_freed``, the weight-grad pass the rest), less
 what recomputation drops (``layer_activation_bytes``), plus, under recomputation, one layer's rebuilt activations.
 The peak is read off the schedule's action order, so it is exact for that order whatever the timings.
 
@@ -193,6 +194,8 @@ class Costs:
         runtime: per stage, fixed seconds an ``F``, ``B`` or ``I`` pays for the send and receive actions that go
             with it under torch's multi-stage runtime (``pv.simulate`` sets it: ``overhead`` per cross-rank
             hand-off); empty for single-stage schedules, whose hand-offs ride inside the compute action.
+        input_freed: per stage, the share of ``activation_bytes`` a zero-bubble input-grad pass (``I``) frees, the
+            rest going at its ``W`` (``SplitPlan.input_grad_freed_bytes``); empty: ``weight_fraction`` at ``I``.
     """
 
     forward: tuple[float, ...]
@@ -209,6 +212,7 @@ class Costs:
     recompute_bytes: tuple[int, ...] = ()
     send_bytes: tuple[float, ...] = ()
     runtime: tuple[float, ...] = ()
+    input_freed: tuple[float, ...] = ()
 
     def duration(self, stage: int, kind: str) -> float:
         """Seconds of one action: ``F``, ``B``, or a zero-bubble ``I`` / ``W`` half of a backward (tensor-parallel
@@ -388,9 +392,13 @@ def stage_costs(
     sends = tuple(s.send_bytes * bs / microbatches for s in stages[:-1])
     bw, lat = opts.link(2)
     comm = tuple(b / bw + lat for b in sends)
+    # What a zero-bubble I pass frees, as a share of what the stage keeps (recomputation keeps other tensors: there
+    # the even split stays).
+    freed = tuple(min(1.0, f / s.activation_bytes) if s.activation_bytes else 1.0
+                  for f, s in zip(plan.input_grad_freed_bytes, stages, strict=True)) if opts.recompute == "none" else ()
     return Costs(tuple(fwd), tuple(bwd), comm, tuple(int(a) for a in acts), tuple(s.param_bytes for s in stages),
                  overhead=overhead, source=source, buffer_bytes=tuple(s.buffer_bytes for s in stages), latency=lat,
-                 recompute_bytes=rebuilt, send_bytes=sends)
+                 recompute_bytes=rebuilt, send_bytes=sends, input_freed=freed)
 
 
 def link(device: str | None = "cpu", backend: str | None = None, bandwidth: float | None = None,
@@ -474,10 +482,10 @@ def parallel_costs(costs: Costs, dp: int = 1, tp: int = 1, collective: Sequence[
 
 
 def peak_activations(order: Sequence[Sequence[str]], activation_bytes: Sequence[int],
-                     weight_fraction: float = 0.5) -> list[int]:
+                     weight_fraction: float = 0.5, input_freed: Sequence[float] = ()) -> list[int]:
     """Per rank, the most activation bytes alive at once when each rank runs its ``order``: a forward
-    adds its stage's per-microbatch bytes, a backward frees them (an input-grad pass ``weight_fraction`` of
-    them, a weight-grad pass the rest)."""
+    adds its stage's per-microbatch bytes, a backward frees them (an input-grad pass the stage's share
+    ``input_freed[s]``, else ``weight_fraction`` of them, a weight-grad pass the rest)."""
     peaks = []
     for acts in order:
         live = peak = 0.0
@@ -490,7 +498,8 @@ def peak_activations(order: Sequence[Sequence[str]], activation_bytes: Sequence[
             elif kind == "B":
                 live -= size
             else:
-                live -= size * (weight_fraction if kind == "I" else 1 - weight_fraction)
+                at_input = input_freed[s] if input_freed else weight_fraction
+                live -= size * (at_input if kind == "I" else 1 - at_input)
         peaks.append(round(peak))
     return peaks
 
@@ -546,7 +555,7 @@ def memory_per_rank(plan: SplitPlan | None, schedule: str, microbatches: int, st
     if forward_only:
         return [max(costs.activation_bytes[s] for s in lay.stages_of(r))
                 + sum(costs.param_bytes[s] + buffers[s] for s in lay.stages_of(r)) for r in range(lay.num_ranks)]
-    peaks = peak_activations(acts, costs.activation_bytes, costs.weight_fraction)
+    peaks = peak_activations(acts, costs.activation_bytes, costs.weight_fraction, costs.input_freed)
     rebuilt = costs.recompute_bytes or (0,) * n
     return [
         peaks[r] + max(rebuilt[s] for s in lay.stages_of(r))

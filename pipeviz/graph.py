@@ -288,6 +288,7 @@ class ModelGraph:
             numel=dict(cap.param_numel), nbytes=dict(cap.param_bytes), mutated=cap.mutated,
             saved_prefix=tuple(saved),
             resaved=tuple((op.index, first, slot, b) for op in cap.ops for first, slot, b in op.resaved),
+            loss_saved=self._loss_saved,
         )
 
     @cached_property
@@ -295,12 +296,17 @@ class ModelGraph:
         """Per op, the bytes it keeps for backward (``Op.saved_bytes``); the op making the model's output also
         keeps what the loss saves: the loss runs right after it, on the same stage, and its saved tensors live
         until that microbatch's backward like the stage's own."""
-        ops = self._cap.ops
-        out = [op_saved_bytes(op) for op in ops]
-        outputs = self._graph_outputs()
-        if outputs:
-            out[max(outputs)] += _loss_input_bytes(self._cap)
+        out = [op_saved_bytes(op) for op in self._cap.ops]
+        op, loss = self._loss_saved
+        if op >= 0:
+            out[op] += loss
         return out
+
+    @cached_property
+    def _loss_saved(self) -> tuple[int, int]:
+        """(op, bytes): the loss's saved bytes and the output op ``_op_saved`` counts them at ((-1, 0): none)."""
+        outputs = self._graph_outputs()
+        return (max(outputs), _loss_input_bytes(self._cap)) if outputs else (-1, 0)
 
     def _graph_outputs(self) -> set[int]:
         # Ops nobody reads inside the graph are the model's outputs.

@@ -60,6 +60,7 @@ class GraphIndex:
             first op that saves it; the model's output op also holds the loss's, ``Layer.saved_bytes``).
         resaved: ``(op, first op, slot, bytes)`` of every tensor an op saves that an earlier op saved first
             (``Op.resaved``): a stage other than the first saver's holds a copy of its own (it received it).
+        loss_saved: ``(op, bytes)``: the loss's saved bytes, counted in ``saved_prefix`` at the model's output op.
     """
 
     num_ops: int
@@ -77,6 +78,7 @@ class GraphIndex:
     mutated: frozenset[str] = field(default_factory=frozenset)
     saved_prefix: tuple[int, ...] = ()
     resaved: tuple[tuple[int, int, int, int], ...] = ()
+    loss_saved: tuple[int, int] = (-1, 0)
 
 
 @dataclass(frozen=True)
@@ -309,6 +311,26 @@ class SplitPlan:
                 again.add((s, first, slot))
                 out[s] += nbytes
         return out
+
+    @cached_property
+    def input_grad_freed_bytes(self) -> list[int]:
+        """Per stage, the saved bytes (``StageInfo.activation_bytes``' units) its input-grad pass frees under a
+        zero-bubble schedule: what the ops after the stage's last op using a parameter saved (a stage without
+        parameters: all of it). torch's ``stage_backward_input`` keeps the graph below the weight ops for the
+        weight-grad pass and detaches the stage's outputs, which frees only the part above them."""
+        idx = self.graph.index
+        stage = self._stage_of_op
+        cuts = [0, *(int(p + 0.5) for p in self.positions), idx.num_ops]
+        last = [cuts[s] - 1 for s in range(self.num_stages)]  # before the stage's first op: no parameter
+        for uses in idx.param_uses.values():
+            for u in uses:
+                last[stage(u)] = max(last[stage(u)], u)
+        prefix = idx.saved_prefix or idx.act_prefix
+        freed = [prefix[cuts[s + 1]] - prefix[last[s] + 1] for s in range(self.num_stages)]
+        op, loss = idx.loss_saved
+        if loss and op <= last[stage(op)]:  # the loss runs after the output op, whatever weights that op reads
+            freed[stage(op)] += loss
+        return freed
 
     @cached_property
     def stages(self) -> list[StageInfo]:

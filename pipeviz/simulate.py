@@ -278,7 +278,7 @@ def simulate(
     if red is not None:
         events += red.after_step(events)
     peaks = ([max(costs.activation_bytes[s] for s in lay.stages_of(r)) for r in range(lay.num_ranks)] if forward_only
-             else peak_activations(acts, costs.activation_bytes, costs.weight_fraction))
+             else peak_activations(acts, costs.activation_bytes, costs.weight_fraction, costs.input_freed))
     memory = memory_per_rank(None, lay.schedule, microbatches, stages_per_rank, optimizer_states, costs=costs,
                              order=acts, forward_only=forward_only)
     meta: dict[str, Any] = {"peak_activation_bytes": peaks, "memory_bytes": memory, "costs": costs.source,
