@@ -38,6 +38,7 @@ from pipeviz.timeline import Timeline
 from pipeviz.training import cross_entropy, default_target
 from pipeviz.widgets import panels
 from pipeviz.widgets.figures import graph_figure, graph_layout, graph_traces, plural, timeline_figure
+from pipeviz.widgets.live_figure import LiveFigure
 from pipeviz.widgets.panels import guarded, soon
 from pipeviz.widgets.timeline_view import TimelineView
 
@@ -140,7 +141,7 @@ class Explorer(W.VBox):
         wide = {"description_width": "initial"}
         self.notes = W.HTML(panels.notes_html(self.graph.notes))
         self.notes.add_class("pipeviz-notes")
-        self.graph_figure = go.FigureWidget(graph_figure(self._plan, width=GRAPH_WIDTH))
+        self.graph_figure = LiveFigure(graph_figure(self._plan, width=GRAPH_WIDTH))
         self.graph_figure._config = {"displayModeBar": False}  # nothing to zoom; it would cover the title
         self._layers_trace().on_click(self._on_graph_click)
         self.view_bar = W.HBox(layout=box())

@@ -19,6 +19,7 @@ import plotly.graph_objects as go
 from pipeviz.live import Live
 from pipeviz.timeline import COMPUTE, Timeline
 from pipeviz.widgets.figures import GL_THRESHOLD, time_origin, timeline_layout, timeline_title, timeline_traces
+from pipeviz.widgets.live_figure import LiveFigure
 
 __all__ = ["TimelineView"]
 
@@ -73,7 +74,7 @@ class TimelineView(W.VBox):
                  interval: float = 0.25, title: str | None = None, height: int | None = None,
                  clock: Callable[[], float] = time.perf_counter,
                  later: Callable[[float, Callable[[], None]], Any] | None = None) -> None:
-        self.figure = go.FigureWidget()
+        self.figure = LiveFigure()
         # Follow the window's width (plotly.js re-measures on resize; the layout's autosize keeps it allowed to).
         self.figure._config = {"responsive": True}
         self.summary = W.HTML()

@@ -1,0 +1,36 @@
+"""``LiveFigure``: plotly's ``FigureWidget`` for figures pipeviz redraws from Python while the browser shows them.
+
+After every restyle the browser sends each trace's computed defaults back (``_js2py_traceDeltas``), and plotly's
+handler reconciles them with the trace's properties, asserting their shapes agree. When Python has redrawn the
+trace in between (a live timeline updates several times a second), the two can disagree and the handler raises
+``AssertionError`` in ``_remove_overlapping_props`` on the kernel (seen once in a clean CI run of the browser test,
+plotly 7.1). pipeviz never reads those defaults back, so a delta that no longer fits is dropped, not raised.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import plotly.graph_objects as go
+from plotly.basewidget import BaseFigureWidget
+from traitlets import observe
+
+__all__ = ["LiveFigure"]
+
+_RECONCILE = BaseFigureWidget.__dict__["_handler_js2py_traceDeltas"].func  # plotly's own handler
+
+
+class LiveFigure(go.FigureWidget):
+    """A ``go.FigureWidget`` whose browser-to-Python trace defaults may be stale without an error."""
+
+    @observe("_js2py_traceDeltas")
+    def _handler_js2py_traceDeltas(self, change: dict[str, Any]) -> None:
+        try:
+            _RECONCILE(self, change)
+        except (AssertionError, KeyError, ValueError, IndexError):
+            # Deltas for a trace Python has since redrawn or replaced: nothing to reconcile. End the edit as
+            # plotly's handler does, so that callbacks waiting for it run.
+            self._trace_edit_in_process = False
+            if not self._layout_edit_in_process:
+                while self._waiting_edit_callbacks:
+                    self._waiting_edit_callbacks.pop()()
