@@ -24,6 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from pipeviz.adapter import fake_cpu
 from pipeviz.hf_moe import exportable_moe
 from pipeviz.regions import REGION_META, inline_regions, leave_region
+from pipeviz.support import model_notes
 
 __all__ = ["TRACE_LOCK", "Capture", "Op", "SavedTensors", "TraceError", "apply_fixups", "buffer_names", "capture",
            "elementwise_modules", "op_saved_bytes"]
@@ -282,7 +283,7 @@ def capture(
         example_args = (example_args,)
     kwargs = dict(example_kwargs or {})
     fixups: dict[str, Any] = {}
-    notes: list[str] = []
+    notes: list[str] = model_notes(model)  # a transformers release newer than CI has tested: said, not refused
     if _needs_cache_fix(model) and "use_cache" not in kwargs:
         fixups["use_cache"] = False
         note = (

@@ -42,7 +42,7 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,16 +59,32 @@ class Cell:
     torch: str  # an exact pin, installed first and alone
     transformers: str
     extra: tuple[str, ...] = ()  # pins this transformers needs beside its own ranges
+    # False: pip's configuration files are not read for this venv's installs (PIP_CONFIG_FILE=os.devnull), so a
+    # machine's own constraints (this image caps torch at 2.14.1 in /etc/xdg/pip) do not refuse the cell's pin;
+    # the cell's constraints file still holds torch to it. Nothing outside the cache is touched.
+    pip_config: bool = True
+    # The Python the venv is built with ("3.13": found on PATH or under pyenv; None: PIPEVIZ_GRID_PYTHON or this one).
+    python: str | None = None
+    # Environment the cell's tests run with: OTHER_KERNELS makes torch's CPU ops and MKL take other code paths than
+    # make test's, as another CPU would (a test exact only on one machine's kernels fails here).
+    env: tuple[tuple[str, str], ...] = ()
 
+
+# ATen's vectorised kernels without AVX (ATEN_CPU_CAPABILITY=default) and MKL's conditional numerical reproducibility
+# in its compatible code path (MKL_CBWR=COMPATIBLE): each changes the last bits of a Linear's output here.
+OTHER_KERNELS = (("ATEN_CPU_CAPABILITY", "default"), ("MKL_CBWR", "COMPATIBLE"))
 
 CELLS = (
     # The oldest torch with the 4.x line: 4.57 still accepts huggingface_hub < 1.0 only (its own range says so).
     # "+cpu": the local CPU wheel (/opt/wheels); the plain PyPI 2.13.0 is a multi-GB CUDA build.
     Cell("t2.13-tf4.57", "torch==2.13.0+cpu", "transformers==4.57.6", ("huggingface_hub<1.0",)),
     # torch 2.14.1's CUDA build lies on this machine's disk (/opt/pypi-more): 5.5 GB in the venv, no download.
-    Cell("t2.14-tf5.23", "torch==2.14.1", "transformers==5.23.0"),
-    # torch 2.15 is only on PyPI (a CUDA build, ~3 GB download) and needs pip's cap lifted (see lift_pip_cap).
-    Cell("t2.15-tf5.24", "torch==2.15.0", "transformers==5.24.0"),
+    Cell("t2.14-tf5.23", "torch==2.14.1", "transformers==5.23.0", env=OTHER_KERNELS),
+    # torch 2.15 is only on PyPI (a CUDA build, ~3 GB download), which this machine's pip configuration refuses
+    # (pip_config=False). transformers: the newest release at the time the grid runs (a range, resolved against the
+    # index when the venv is looked up: a new release gets a venv of its own).
+    # Python 3.13: the newest this machine has, beside make test's 3.11 (pyproject's floor).
+    Cell("t2.15-tf-newest", "torch==2.15.0", "transformers>=5.25,<6", pip_config=False, python="3.13"),
 )
 
 # The same test tools in every cell (the versions the main .venv runs), pinned so a rebuild changes nothing else.
@@ -92,7 +108,7 @@ TOOLS = ("pytest==9.2.0", "pytest-timeout==2.4.0", "psutil==7.2.2", "cloudpickle
 # - tests/test_hf_moe.py: transformers 4.x's MoE blocks traced through pipeviz.hf_moe (nothing patched on 5.x).
 TESTS = ("tests/test_adapter.py", "tests/test_regions.py", "tests/test_runtime.py", "tests/test_families.py",
          "tests/test_compat.py", "tests/test_hf_moe.py")
-TRAIN_ROWS = ("Llama", "GPT-NeoX", "Qwen2-MoE")
+TRAIN_ROWS = ("Llama", "GPT-NeoX", "Qwen2-MoE", "mBART")
 META_ROWS = ("GPT-2", "Llama", "GPT-NeoX", "Qwen2-MoE", "Mixtral", "BERT", "T5")
 
 
@@ -107,57 +123,84 @@ def select_args() -> list[str]:
 
 
 def pyproject_dependencies() -> list[str]:
-    text = (REPO / "pyproject.toml").read_text()
-    try:
-        import tomllib
+    import tomllib
 
-        return list(tomllib.loads(text)["project"]["dependencies"])
-    except ImportError:  # Python 3.10: hash the whole file (a rebuild on any change, still correct)
-        return [text]
+    return list(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"])
 
 
 def cell_hash(cell: Cell) -> str:
-    key = {"cell": [cell.torch, cell.transformers, *cell.extra], "tools": TOOLS, "recipe": RECIPE,
-           "python": subprocess.run([PYTHON, "-c", "import sys; print(sys.version)"], capture_output=True,
+    key = {"cell": [cell.torch, cell.transformers, *cell.extra, cell.pip_config], "tools": TOOLS, "recipe": RECIPE,
+           "python": subprocess.run([interpreter(cell), "-c", "import sys; print(sys.version)"], capture_output=True,
                                     text=True, check=True).stdout.strip(),
            "pyproject": pyproject_dependencies()}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def lift_pip_cap() -> None:
-    """This machine image caps pip at the torch releases on its disk (/etc/xdg/pip/constraints.txt says
-    torch<=2.14.1), so ``torch==2.15.0`` is refused ('The user requested (constraint) torch<=2.14.1'). The image's
-    own note says ``rm -r /etc/xdg/pip`` lifts it; done only here, only when a 2.15 cell is being built."""
-    cap = Path("/etc/xdg/pip")
-    if cap.exists():
-        print(f"grid: removing {cap} (pip's cap at torch<=2.14.1) to install torch 2.15", flush=True)
-        shutil.rmtree(cap)
+def interpreter(cell: Cell) -> str:
+    """The Python the cell's venv is built with: ``python3.X`` on PATH, else pyenv's newest 3.X.*, else (said on
+    stdout) ``PYTHON``."""
+    if cell.python is None:
+        return PYTHON
+    found = shutil.which(f"python{cell.python}")
+    if found and subprocess.run([found, "-V"], capture_output=True).returncode == 0:  # a pyenv shim may refuse
+        return found
+    root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    versions = sorted((p for p in root.glob(f"{cell.python}.*") if p.name.split(".")[-1].isdigit()
+                       and (p / "bin" / "python3").exists()), key=lambda p: int(p.name.split(".")[-1]))
+    if versions:
+        return str(versions[-1] / "bin" / "python3")
+    # Not on this machine: the cell still runs (on PYTHON), and the table says which Python it ran on.
+    print(f"grid: {cell.name} asks for Python {cell.python}: no python{cell.python} on PATH, none under {root}; "
+          f"using {PYTHON}", flush=True)
+    return PYTHON
 
 
-def pip(venv: Path, *args: str) -> None:
+def pip_env(cell: Cell) -> dict[str, str]:
+    """The environment of the cell's pip runs: the caller's, with pip's configuration files switched off for a
+    cell that asks (``os.devnull`` is pip's documented way to read none). No file outside the cache is changed."""
+    env = dict(os.environ)
+    if not cell.pip_config:
+        env["PIP_CONFIG_FILE"] = os.devnull
+        env.pop("PIP_CONSTRAINT", None)
+    return env
+
+
+def pip(venv: Path, *args: str, env: dict[str, str] | None = None) -> None:
     cmd = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args]
     print("grid: $", " ".join(cmd[3:]), flush=True)
-    res = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
+    res = subprocess.run(cmd, stderr=subprocess.PIPE, text=True, env=env)
     # This machine's extra local indexes lack most projects: pip warns once per package; the rest is shown.
     noise = "is ignored: it is neither a file nor a directory"
     sys.stderr.write("".join(line for line in res.stderr.splitlines(True) if noise not in line))
     res.check_returncode()
 
 
+def resolve(cell: Cell) -> Cell:
+    """The cell with its transformers range resolved to the newest release the index has now (``pip install
+    --dry-run --report``, nothing installed); an exact pin is returned as it is. Raises ``RuntimeError`` when the
+    index cannot be asked."""
+    if "==" in cell.transformers:
+        return cell
+    cmd = [PYTHON, "-m", "pip", "install", "--dry-run", "--no-deps", "--ignore-installed", "-q", "--report", "-",
+           "--disable-pip-version-check", cell.transformers]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=pip_env(cell))
+    if res.returncode != 0:
+        raise RuntimeError(f"cannot resolve {cell.transformers!r}: {res.stderr.strip()[-500:]}")
+    version = json.loads(res.stdout)["install"][0]["metadata"]["version"]
+    return replace(cell, transformers=f"transformers=={version}")
 def build(cell: Cell, target: Path) -> float:
     """Create the cell's venv at ``target`` (built aside, then renamed: a half-built venv is never reused)."""
     t0 = time.time()
     tmp = Path(tempfile.mkdtemp(prefix=f".build-{target.name}-", dir=CACHE))
     try:
-        subprocess.run([PYTHON, "-m", "venv", str(tmp)], check=True)
-        if cell.torch.startswith("torch==2.15"):
-            lift_pip_cap()
+        subprocess.run([interpreter(cell), "-m", "venv", str(tmp)], check=True)
+        env = pip_env(cell)
         # torch first and alone, exactly pinned; every later install is constrained to the same torch, so no
         # other requirement can ever swap it for a (CUDA) build of another version.
-        pip(tmp, cell.torch)
+        pip(tmp, cell.torch, env=env)
         constraints = tmp / "grid-constraints.txt"
         constraints.write_text(cell.torch + "\n")
-        pip(tmp, "-c", str(constraints), cell.transformers, *cell.extra, *TOOLS)
+        pip(tmp, "-c", str(constraints), cell.transformers, *cell.extra, *TOOLS, env=env)
         check = ("import torch, transformers; print('grid: torch', torch.__version__, '| transformers', "
                  "transformers.__version__)")
         subprocess.run([str(tmp / "bin" / "python"), "-c", check], check=True)
@@ -174,8 +217,17 @@ def build(cell: Cell, target: Path) -> float:
 
 
 def ensure(cell: Cell) -> tuple[Path, str]:
-    """The cell's venv, built if missing; older venvs of the same cell are removed (5 GB each)."""
+    """The cell's venv, built if missing; older venvs of the same cell are removed (5 GB each). A cell whose
+    transformers is a range is resolved first; when the index cannot be asked, its newest cached venv is used."""
     CACHE.mkdir(parents=True, exist_ok=True)
+    try:
+        cell = resolve(cell)
+    except RuntimeError as exc:
+        cached = sorted(CACHE.glob(f"{cell.name}-*/grid-built.json"), key=lambda p: p.stat().st_mtime)
+        if not cached:
+            raise
+        print(f"grid: {exc}; using the cached {cached[-1].parent.name}", flush=True)
+        return cached[-1].parent, "cached (index unreachable)"
     target = CACHE / f"{cell.name}-{cell_hash(cell)}"
     with open(CACHE / f".{cell.name}.lock", "w") as lock:  # two CI runs on one machine: one builds, one waits
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -207,22 +259,31 @@ class Outcome:
 def run_cell(cell: Cell, venv: Path, extra: list[str]) -> Outcome:
     out = Outcome(cell)
     py = str(venv / "bin" / "python")
-    probe = ("import json, torch, transformers, tomllib\n"
+    probe = ("import json, sys, torch, transformers, tomllib\n"
              "from pip._vendor.packaging.requirements import Requirement\n"
              "deps = tomllib.load(open('pyproject.toml', 'rb'))['project']\n"
              "reqs = [Requirement(r) for r in deps['dependencies'] + deps['optional-dependencies']['test']]\n"
              "have = {'torch': torch.__version__.split('+')[0], 'transformers': transformers.__version__}\n"
              "bad = [f'pyproject {r} excludes {r.name} {have[r.name]}' for r in reqs\n"
              "       if r.name in have and not r.specifier.contains(have[r.name], prereleases=True)]\n"
-             "print(json.dumps([f\"torch {torch.__version__} | transformers {transformers.__version__}\", bad]))")
+             "from pip._vendor.packaging.specifiers import SpecifierSet\n"
+             "py = '.'.join(map(str, sys.version_info[:3]))\n"
+             "if not SpecifierSet(deps['requires-python']).contains(py):\n"
+             "    bad.append(f\"pyproject's requires-python {deps['requires-python']} excludes python {py}\")\n"
+             "print(json.dumps([f\"python {sys.version.split()[0]} | torch {torch.__version__} | transformers \"\n"
+             "                  f\"{transformers.__version__}\", bad]))")
     res = subprocess.run([py, "-c", probe], cwd=REPO, capture_output=True, text=True)
     if res.returncode == 0:
         out.versions, out.notes = json.loads(res.stdout)
+        if cell.python and f"python {cell.python}." not in out.versions:
+            out.notes.append(f"asked for Python {cell.python}, ran on {out.versions.split(' |')[0]}")
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        env = {**os.environ, **dict(cell.env),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         cmd = [py, "-m", "pytest", *select_args(), "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *extra]
-        print(f"\n===== grid cell {cell.name}: {out.versions} =====", flush=True)
+        shown = " ".join(f"{k}={v}" for k, v in cell.env)
+        print(f"\n===== grid cell {cell.name}: {out.versions}{' | ' + shown if shown else ''} =====", flush=True)
         print("grid: $", " ".join(cmd[1:]), flush=True)
         t0, r0 = time.time(), resource.getrusage(resource.RUSAGE_CHILDREN)
         subprocess.run(cmd, cwd=REPO, env=env)
@@ -264,11 +325,11 @@ def first_error(message: str, report: str = "") -> str:
 
 
 def table(outcomes: list[Outcome]) -> str:
-    head = (f"{'cell':<14} {'versions':<44} {'venv':<13} {'passed':>6} {'failed':>6} {'skipped':>7} {'time':>7}"
+    head = (f"{'cell':<16} {'versions':<58} {'venv':<13} {'passed':>6} {'failed':>6} {'skipped':>7} {'time':>7}"
             f" {'cpu':>7}")
     lines = [head, "-" * len(head)]
     for o in outcomes:
-        lines.append(f"{o.cell.name:<14} {o.versions:<44} {o.venv:<13} {o.passed:>6} {o.failed:>6} {o.skipped:>7} "
+        lines.append(f"{o.cell.name:<16} {o.versions:<58} {o.venv:<13} {o.passed:>6} {o.failed:>6} {o.skipped:>7} "
                      f"{o.seconds / 60:>5.1f} m {o.cpu / 60:>5.1f} m")
     for o in outcomes:
         for note in o.notes:
