@@ -175,8 +175,10 @@ if train:
 else:  # forward only: one stage of both layers (torch cannot run two adjacent stages of one rank without a backward)
     whole = Stage(nn.Sequential(a, b), 0, 1, torch.device("cpu"), input_args=(torch.empty(2, 4),),
                   output_args=(torch.empty(2, 2),))
-    with torch.no_grad():
-        assert torch.equal(schedules.ScheduleGPipe(whole, n_microbatches=2).step(x), b(a(x)))
+    with torch.no_grad():  # the reference at the microbatches' shapes: the same kernels, so exactly equal anywhere
+        # (one batch of 4 rows may take another BLAS kernel than two of 2, which differs in the last bits on some CPUs)
+        want = torch.cat([b(a(x[i:i + 2])) for i in (0, 2)])
+        assert torch.equal(schedules.ScheduleGPipe(whole, n_microbatches=2).step(x), want)
 print(" ".join(seen))
 dist.destroy_process_group()
 """
