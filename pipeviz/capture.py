@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipeviz.adapter import fake_cpu
+from pipeviz.hf_layerdrop import LayerDropError, decided_layerdrop
 from pipeviz.hf_moe import exportable_moe
 from pipeviz.regions import REGION_META, inline_regions, leave_region
 from pipeviz.support import model_notes
@@ -196,8 +197,10 @@ def _inference_mode_seen(seen: list[str]) -> Any:
 def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.export.ExportedProgram:
     seen: list[str] = []
     try:
-        with TRACE_LOCK, quiet_torch_logs(), _inference_mode_seen(seen), exportable_moe():
+        with TRACE_LOCK, quiet_torch_logs(), _inference_mode_seen(seen), exportable_moe(), decided_layerdrop():
             ep = torch.export.export(model, args, kwargs)
+    except LayerDropError as exc:
+        raise TraceError(f"Cannot trace {type(model).__name__}: {exc}") from None
     except Exception as exc:  # torch raises many types here; all mean "cannot capture"
         text = f"{type(exc).__name__}: {exc}".strip()
         first = text.splitlines()[0][:300]

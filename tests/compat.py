@@ -99,6 +99,12 @@ ROWS: list[Row] = [
                                             decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
                                             dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
                                             max_position_embeddings=64), kind="s2s"),
+    # transformers 4.x draws a LayerDrop number before every layer, even at probability 0 (pipeviz.hf_layerdrop)
+    Row("mBART", "encoder-decoder", _decoder("MBartForConditionalGeneration", "MBartConfig", d_model=32,
+                                             encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                                             decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                             dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                                             max_position_embeddings=64), kind="s2s"),
     Row("ViT", "vision", lambda: _vit(), kind="cls"),
 ]
 

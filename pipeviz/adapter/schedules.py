@@ -78,13 +78,15 @@ def regions_inlined() -> Iterator[None]:
     bodies when they split the exported graph, and refuse a constant that is not a tensor."""
     from torch.distributed.pipelining._IR import Pipe
 
+    from pipeviz.hf_layerdrop import decided_layerdrop
     from pipeviz.hf_moe import exportable_moe
     from pipeviz.regions import hold_constants, inline_regions
 
     original = Pipe.__dict__["_trace_with_export"]
 
     def trace(mod: nn.Module, example_args: tuple[Any, ...], example_kwargs: dict[str, Any] | None = None) -> Any:
-        with exportable_moe():  # transformers 4.x's MoE loops (pipeviz.hf_moe)
+        # transformers 4.x's MoE loops (pipeviz.hf_moe) and LayerDrop checks (pipeviz.hf_layerdrop)
+        with exportable_moe(), decided_layerdrop():
             ep = original.__func__(mod, example_args, example_kwargs)
         inline_regions(ep.graph_module)
         hold_constants(ep.graph_module)
