@@ -81,7 +81,8 @@ def export_torchrun(
     """
     import cloudpickle
 
-    from pipeviz.runtime.spec import LaunchError, spec_stages, validate_launch
+    from pipeviz.runtime.payloads import spec_stages
+    from pipeviz.runtime.spec import LaunchError, validate_launch
 
     cfg = launch_config(config, schedule=schedule, microbatches=microbatches, steps=steps, **options)
     if cfg.devices != "auto":
@@ -134,7 +135,8 @@ def run_rank(payload_path: str, events_dir: str) -> int:
 
     import cloudpickle
 
-    from pipeviz.runtime.spec import rank_payload, resolve_devices
+    from pipeviz.runtime.payloads import rank_payload
+    from pipeviz.runtime.spec import resolve_devices
     from pipeviz.runtime.worker import _run
 
     warnings.filterwarnings("ignore", category=FutureWarning)

@@ -73,7 +73,7 @@ def test_launch_and_export_validate_the_same_config(small: tuple[pv.SplitPlan, t
 
 def test_an_exported_rank_gets_the_payload_launch_would_build(
         small: tuple[pv.SplitPlan, torch.Tensor, torch.Tensor], tmp_path: Path) -> None:
-    from pipeviz.runtime.spec import rank_payload
+    from pipeviz.runtime.payloads import rank_payload
 
     plan, x, y = small
     cfg = pv.LaunchConfig(schedule="GPipe", microbatches=2, steps=5, loss_fn=F.cross_entropy, dp=2, timeout=45.0)

@@ -10,7 +10,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import cloudpickle
 import pytest
 import torch
 from torch import nn
@@ -101,13 +100,17 @@ def test_a_checkpoint_starts_a_real_or_meta_model_and_ranks_get_no_values(tmp_pa
     meta_plan = pv.balance(pv.trace(meta_llama(), example_args=(IDS,)), 2)
     assert pv.check_numerics(launch(meta_plan, "GPipe", weights=single[0])).ok
     # what each rank is sent: its own stage, with no model values (every parameter a meta tensor)
-    from pipeviz.runtime.spec import check_weights, rank_payloads, validate_launch
+    from pipeviz.runtime.payloads import rank_payloads
+    from pipeviz.runtime.ship import load_payload
+    from pipeviz.runtime.spec import check_weights, validate_launch
 
     spec = validate_launch(plan, pv.LaunchConfig(microbatches=4, loss_fn=lm_loss), inputs=(IDS,), target=IDS)
     spec.sources = check_weights(plan, tmp_path / "hf", 0)
-    payloads = rank_payloads(plan, spec, ["cpu", "cpu"], [None, None], "gloo", 0, 0.0, 60.0, 1, None)
+    payloads, shipment = rank_payloads(plan, spec, ["cpu", "cpu"], [None, None], "gloo", 0, 0.0, 60.0, 1, None)
+    params = set(dict(plan.graph.model.named_parameters()))
+    assert shipment.path is None and not params & set(shipment.inline), shipment  # no value is shipped
     for data in payloads:
-        (stage,) = cloudpickle.loads(data).stages
+        (stage,) = load_payload(data).stages
         assert all(p.is_meta for p in stage.runner.parameters())
 
 

@@ -14,7 +14,8 @@ import tempfile
 import threading
 from typing import Any
 
-__all__ = ["context", "free_port", "preload_modules", "rendezvous", "start_without_main", "sweep_stale", "temp_prefix"]
+__all__ = ["context", "free_port", "preload_modules", "rendezvous", "server_running", "start_without_main",
+           "sweep_stale", "temp_prefix"]
 
 
 def free_port() -> int:
@@ -64,6 +65,21 @@ def context(model: Any = None) -> Any:
     return ctx
 
 
+def server_running() -> bool:
+    """Whether this process's fork server is up (its first start imports torch: seconds)."""
+    import multiprocessing.forkserver as fs
+
+    server = fs._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return False
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return False
+    return done == 0
+
+
 def preload_modules(model: Any) -> list[str]:
     """The transformers modules ``model``'s classes come from (``transformers.models.llama.modeling_llama``,
     ...), if the caller has imported them. Only these: importing a user's own module in the fork server could
@@ -74,7 +90,7 @@ def preload_modules(model: Any) -> list[str]:
     return [n for n in names if n.split(".")[0] == "transformers" and n in sys.modules]
 
 
-TEMP_NAME = re.compile(r"^pipeviz-(?:state|rank\d+)-(\d+)-")  # what temp_prefix() names: kind, owner pid
+TEMP_NAME = re.compile(r"^pipeviz-(?:state|values|rank\d+)-(\d+)-")  # what temp_prefix() names: kind, owner pid
 
 
 def temp_prefix(kind: str) -> str:
@@ -89,8 +105,12 @@ def sweep_stale(folder: str | None = None) -> list[str]:
     A run removes its own when it ends and, for what it keeps (its trained tensors), when it is collected or its
     process exits. A process that never reaches its exit handlers leaves them: a Jupyter kernel that is shut
     down or restarted, a killed script. Each launch sweeps up after such processes."""
-    folder = folder or tempfile.gettempdir()
     removed: list[str] = []
+    if folder is None:  # the temporary folder, and /dev/shm for the values files (pipeviz.runtime.ship)
+        for where in dict.fromkeys([tempfile.gettempdir(), "/dev/shm"]):
+            if os.path.isdir(where):
+                removed += sweep_stale(where)
+        return removed
     try:
         names = os.listdir(folder)
     except OSError:

@@ -42,13 +42,13 @@ from pipeviz.runtime.messages import (
     State,
     StepEnd,
 )
-from pipeviz.runtime.procs import context, rendezvous, start_without_main, sweep_stale, temp_prefix
+from pipeviz.runtime.payloads import rank_boots, rank_payloads
+from pipeviz.runtime.procs import context, rendezvous, server_running, start_without_main, sweep_stale, temp_prefix
 from pipeviz.runtime.spec import (
     LaunchError,
     LaunchSpec,
     check_weights,
     cpu_sets,
-    rank_payloads,
     resolve_devices,
     share,
     validate_launch,
@@ -127,6 +127,9 @@ class Run:
         self._finished = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._start_error: BaseException | None = None
+        self._fds: list[int] = []  # payload files reserved, not yet written
+        self._shipped_bytes = 0  # the model's values the ranks map (pipeviz.runtime.ship)
         _LIVE.add(self)
 
     # ----------------------------------------------------------------- public
@@ -301,8 +304,8 @@ class Run:
                 f"status={self.status!r}, step {self.step}/{self.steps}, {len(self.events)} events)")
 
     # ----------------------------------------------------------------- monitor
-    def _start(self, build: Callable[[], list[bytes]]) -> None:
-        self._thread = threading.Thread(target=self._monitor, args=(build,), daemon=True, name="pipeviz-run")
+    def _start(self, build: Callable[[], list[bytes]], boots: list[Any]) -> None:
+        self._thread = threading.Thread(target=self._monitor, args=(build, boots), daemon=True, name="pipeviz-run")
         self._thread.start()
 
     def _who(self, msg: Message) -> str:
@@ -325,32 +328,46 @@ class Run:
 
                 traceback.print_exc()
 
-    def _monitor(self, build: Callable[[], list[bytes]]) -> None:
+    def _monitor(self, build: Callable[[], list[bytes]], boots: list[Any]) -> None:
+        procs_started: threading.Thread | None = None
         try:
-            self._set_phase("building the stages (torch's Pipe, traced once)")
             # Ranks that build their own stage (weights=, a meta model) unpickle its modules: the server imports
             # their HF code once. Other runs' ranks get generated code only, so their first launch skips it.
+            first = not server_running()
             ctx = context(self.plan.graph.model if self.spec.sources is not None else None)
+            if first:
+                self._set_phase("starting the fork server (once per session: it imports torch, torch.distributed "
+                                "and pipeviz's worker)")
+            q = ctx.Queue()
+            ready = ctx.Event()
+            streamed = self.spec.data is not None
+            feeds = [ctx.Queue(maxsize=2) for _ in boots] if streamed else [None] * len(boots)
+            files = [self._reserve(f"rank{rank}", ".pkl") for rank in range(len(boots))]
+            paths = [path for _, path in files]
+            # The ranks start now and join the process group while the stages are built and written here; each
+            # reads its payload once ``ready`` is set. (Starting blocks until the fork server is up: a thread.)
+            procs_started = threading.Thread(target=self._start_procs, args=(ctx, boots, paths, q, feeds, ready),
+                                             daemon=True, name="pipeviz-start")
+            self._set_phase(f"starting {len(boots)} processes")
+            procs_started.start()
+            # torch's Pipe is traced once per plan and input shape (then cached); the model's values are written
+            # into a file the ranks map (pipeviz.runtime.ship).
+            self._set_phase("building the stages")
             payloads = build()
             if self._stop.is_set():
+                procs_started.join()
+                self._kill_all()
                 return self._finish("stopped")
-            q = ctx.Queue()
-            from pipeviz.runtime import worker
-
-            self._set_phase(f"starting {len(payloads)} processes")
-            streamed = self.spec.data is not None
-            feeds = [ctx.Queue(maxsize=2) for _ in payloads] if streamed else [None] * len(payloads)
             # Payloads go through files: a large argument would be written into each child's start-up pipe
             # while the child imports torch, so the children would start one after another.
-            for rank, data in enumerate(payloads):
-                path = self._write_payload(rank, data)
-                fd, log = tempfile.mkstemp(prefix=temp_prefix(f"rank{rank}"), suffix=".log")
-                os.close(fd)
-                self._files.append(log)
-                proc = ctx.Process(target=worker.main, args=(path, q, log, feeds[rank]), daemon=True)
-                start_without_main(proc)
-                proc._args = ()  # sent to the child at start; kept, it would keep the queue's semaphores alive
-                self._procs.append(proc)
+            for rank, ((fd, path), data) in enumerate(zip(files, payloads, strict=True)):
+                self._write_payload(rank, fd, path, data)
+            ready.set()
+            self._set_phase(f"stages sent ({sum(map(len, payloads)) / 2**20:.1f} MiB pickled, "
+                            f"{self._shipped_bytes / 2**20:.1f} MiB of values mapped)")
+            procs_started.join()
+            if self._start_error is not None:
+                raise self._start_error
             self.status = "running"
             self._notify()
             if streamed:
@@ -359,11 +376,30 @@ class Run:
         except BaseException as exc:
             import traceback
 
+            if procs_started is not None:
+                procs_started.join(30)  # a start in progress finishes (or fails) before the processes are reaped
             if self.error is None:
                 self.error = (str(exc) if isinstance(exc, LaunchError)
                               else f"launch failed in the parent process:\n{traceback.format_exc()}")
             self._kill_all()
             self._finish("failed" if not isinstance(exc, KeyboardInterrupt) else "stopped")
+
+    def _start_procs(self, ctx: Any, boots: list[Any], paths: list[str], q: Any, feeds: list[Any],
+                     ready: Any) -> None:
+        from pipeviz.runtime import worker
+
+        try:
+            for rank, boot in enumerate(boots):
+                fd, log = tempfile.mkstemp(prefix=temp_prefix(f"rank{rank}"), suffix=".log")
+                os.close(fd)
+                self._files.append(log)
+                proc = ctx.Process(target=worker.main, args=(paths[rank], q, log, feeds[rank], boot, ready),
+                                   daemon=True)
+                start_without_main(proc)
+                proc._args = ()  # sent to the child at start; kept, it would keep the queue's semaphores alive
+                self._procs.append(proc)
+        except BaseException as exc:
+            self._start_error = exc
 
     def _feed(self, feeds: list[Any]) -> None:
         """Stream ``data=`` batches to the ranks as the run goes: the first stage's rank gets the inputs, the
@@ -420,9 +456,15 @@ class Run:
                 continue
         return False
 
-    def _write_payload(self, rank: int, data: bytes) -> str:
-        fd, path = tempfile.mkstemp(prefix=temp_prefix(f"rank{rank}"), suffix=".pkl")
+    def _reserve(self, kind: str, suffix: str) -> tuple[int, str]:
+        """A new temporary file, open for writing, and its path (removed when the run ends)."""
+        fd, path = tempfile.mkstemp(prefix=temp_prefix(kind), suffix=suffix)
         self._files.append(path)
+        self._fds.append(fd)
+        return fd, path
+
+    def _write_payload(self, rank: int, fd: int, path: str, data: bytes) -> None:
+        self._fds.remove(fd)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -433,7 +475,6 @@ class Run:
                     "its stage, weights and inputs). Fix: free some space there, or point TMPDIR at a disk with room."
                 ) from exc
             raise
-        return path
 
     def _watch(self, q: Any) -> None:
         done: set[int] = set()
@@ -596,6 +637,10 @@ class Run:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=2)
+        for fd in self._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds.clear()
         for path in self._files:  # payloads a child never got to read, and the ranks' logs
             with contextlib.suppress(OSError):
                 os.unlink(path)
@@ -744,8 +789,12 @@ def launch(
     port = run._store.port
 
     def build() -> list[bytes]:
-        return rank_payloads(plan, spec, stage_devices, compute, backend, port, t0, cfg.timeout, threads, cpus,
-                             run._state_dir)
+        blobs, shipment = rank_payloads(plan, spec, stage_devices, compute, backend, port, t0, cfg.timeout, threads,
+                                        cpus, run._state_dir, values_prefix=temp_prefix("values"))
+        if shipment.path:  # the ranks map it; removed when the run ends (the mappings outlive the name)
+            run._files.append(shipment.path)
+        run._shipped_bytes = shipment.nbytes
+        return blobs
 
-    run._start(build)
+    run._start(build, rank_boots(spec, stage_devices, compute, backend, port, t0, cfg.timeout, threads, cpus))
     return run

@@ -1,5 +1,6 @@
 """What a launch runs, checked before any process starts: the ``LaunchSpec``, its validation, the devices and
-cores of each rank, and each rank's payload. Shared by ``pv.launch`` and ``pv.export_torchrun``.
+cores of each rank (each rank's payload: ``pipeviz.runtime.payloads``). Shared by ``pv.launch`` and
+``pv.export_torchrun``.
 
 Example:
     >>> cfg = LaunchConfig(schedule="1F1B", microbatches=4, steps=3, loss_fn=F.cross_entropy)
@@ -18,13 +19,13 @@ import torch
 from torch.utils import _pytree as pytree
 
 from pipeviz import schedules as sched
-from pipeviz.capture import TRACE_LOCK, _batch_size
+from pipeviz.capture import _batch_size
 from pipeviz.mesh import Mesh
 from pipeviz.plan import SplitPlan
 from pipeviz.runtime.config import LaunchConfig
 
-__all__ = ["LaunchError", "LaunchSpec", "cpu_sets", "data_batch", "rank_payload", "rank_payloads", "resolve_devices",
-           "share", "spec_stages", "validate_launch"]
+__all__ = ["LaunchError", "LaunchSpec", "check_weights", "cpu_sets", "data_batch", "resolve_devices", "share",
+           "validate_launch"]
 
 
 class LaunchError(ValueError):
@@ -97,6 +98,7 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
     name = sched.canonical(schedule)
     if plan.graph.capture.unsupported:
         raise LaunchError(plan.graph.capture.unsupported[0])
+    _check_model_unchanged(plan)
     if plan.num_stages < 2:
         raise LaunchError("The plan has 1 stage; a pipeline needs at least 2. Fix: plan.toggle(<layer>) to split.")
     lay = sched.layout(name, plan.num_stages, stages_per_rank)
@@ -173,6 +175,24 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
                               "function or lambda, without open files, locks or CUDA state.") from exc
     return LaunchSpec(name, lay, args, kwargs, target, loss_fn, optimizer, microbatches, steps, stream, dp=dp, tp=tp,
                       tp_placements=placements, config=config, dp_shard=config.dp_shard)
+
+
+def _check_model_unchanged(plan: SplitPlan) -> None:
+    """Every tensor the trace saw is still in the model with the same number of elements and bytes: a launch ships
+    the model's values as they are now (``pipeviz.runtime.ship``) into stages traced from it then."""
+    from pipeviz.weights import _lookup
+
+    cap = plan.graph.capture
+    for canon, numel in cap.param_numel.items():
+        try:
+            t = _lookup(cap.model, canon)
+        except (KeyError, AttributeError):
+            t = None
+        if t is None or t.numel() != numel or t.numel() * t.element_size() != cap.param_bytes.get(canon):
+            now = "gone" if t is None else f"{tuple(t.shape)} {t.dtype}"
+            raise LaunchError(f"The model's {canon!r} is {now}, not what pv.trace saw ({numel:,} elements, "
+                              f"{cap.param_bytes.get(canon, 0):,} bytes): the model changed after it was traced. "
+                              "Fix: trace it again (pv.trace) and split the new graph.")
 
 
 def _check_dp_shard(config: LaunchConfig) -> None:
@@ -375,65 +395,6 @@ def resolve_devices(devices: str | Sequence[str], num_ranks: int) -> tuple[list[
     return ["cpu"] * num_ranks, "gloo", [d if d.startswith("cuda") else None for d in devices]
 
 
-def rank_payloads(plan: SplitPlan, spec: LaunchSpec, devices: list[str], compute: list[str | None], backend: str,
-                  port: int, t0: float, timeout: float, threads: int,
-                  cpus: list[tuple[int, ...]] | None, state_dir: str | None = None) -> list[bytes]:
-    """Build the stages once (here, not in every rank) and pickle each rank's share of the run: with
-    ``spec.sources`` (weights= or a meta model) the stages go without the values their ranks load or
-    initialise themselves. Each rank writes its trained tensors to ``state_dir``."""
-    import cloudpickle
-
-    stages, tied = spec_stages(plan, spec)
-    sources = stage_sources(plan, stages, spec) if spec.sources is not None else None
-    return [cloudpickle.dumps(rank_payload(
-        spec, stages, tied, rank, sources=sources, port=port, backend=backend, device=devices[rank],
-        compute=compute[rank], t0=t0, parent_pid=os.getpid(), timeout=max(timeout, 30.0), threads=threads,
-        cpus=cpus[rank] if cpus else None, state_path=os.path.join(state_dir, f"rank{rank}.pt") if state_dir else None,
-    )) for rank in range(spec.mesh.world)]
-
-
-def spec_stages(plan: SplitPlan, spec: LaunchSpec) -> tuple[Any, dict[str, list[int]]]:
-    """The launch's stages (``pipeviz.runtime.stages.build_stages``), traced with one replica's microbatch, and
-    the pipeline ranks holding each shared parameter."""
-    from pipeviz.runtime.stages import build_stages, tied_ranks
-
-    batch = _batch_size(spec.args, spec.kwargs) or 1
-    # Traced with one replica's share of the batch: its microbatches have the shape every stage will see.
-    args0, kwargs0 = share((spec.args, spec.kwargs), 0, spec.dp, batch)
-    with TRACE_LOCK:  # torch.export keeps global tracing state: two runs starting at once trace in turn
-        stages = build_stages(_with_inputs(plan, args0, kwargs0), spec.microbatches,
-                              whole_output=spec.loss_fn is None)
-    return stages, tied_ranks(stages, spec.layout.stage_ranks)
-
-
-def rank_payload(spec: LaunchSpec, stages: Any, tied: dict[str, list[int]], rank: int, *, sources: Any = None,
-                 port: int = 0, backend: str = "gloo", device: str = "cpu", compute: str | None = None,
-                 t0: float = -1.0, parent_pid: int = 0, timeout: float = 120.0, threads: int = 1,
-                 cpus: tuple[int, ...] | None = None, init_method: str | None = None,
-                 state_path: str | None = None) -> Any:
-    """Process ``rank``'s share of a launch (a ``worker.RankPayload``), the one builder ``pv.launch`` and an
-    exported script's ranks use: its coordinates' stages, its replica's share of the batch (the inputs on the
-    first pipeline rank, the target on the last), and the layout."""
-    from pipeviz.runtime.stages import rank_stages
-    from pipeviz.runtime.worker import RankPayload
-
-    lay, mesh = spec.layout, spec.mesh
-    pp, replica, _ = mesh.coords(rank)
-    batch = _batch_size(spec.args, spec.kwargs) or 1
-    args, kwargs, target = share((spec.args, spec.kwargs, spec.target), replica, mesh.dp, batch)
-    first, last = lay.stage_ranks[0], lay.stage_ranks[-1]
-    return RankPayload(
-        rank=rank, world=mesh.world, port=port, backend=backend, device=device, compute_device=compute,
-        schedule=spec.schedule, stage_ranks=lay.stage_ranks, microbatches=spec.microbatches, steps=spec.steps,
-        stages=rank_stages(stages, lay.stage_ranks, pp, sources),
-        tied=tied, loss_fn=spec.loss_fn, optimizer=spec.optimizer,
-        args=args if pp == first else (), kwargs=kwargs if pp == first else {},
-        target=target if pp == last else None, t0=t0, parent_pid=parent_pid, timeout_s=timeout, threads=threads,
-        cpus=cpus, init_method=init_method, on_nonfinite=spec.config.on_nonfinite, state_path=state_path,
-        mesh=mesh if mesh.world > mesh.pp else None, tp_placements=spec.tp_placements, dp_shard=spec.dp_shard,
-    )
-
-
 def check_weights(plan: SplitPlan, weights: Any, init_seed: int) -> dict[str, Any] | None:
     """Where each tensor of the plan's stages comes from (``pipeviz.weights.plan_sources``), checked now:
     a checkpoint's missing tensors and wrong shapes, and meta tensors nothing can initialise, are named."""
@@ -446,24 +407,6 @@ def check_weights(plan: SplitPlan, weights: Any, init_seed: int) -> dict[str, An
         return plan_sources(cap.model, cap.aliases, plan.stage_tensors(), weights)
     except WeightsError as exc:
         raise LaunchError(str(exc)) from exc
-
-
-def stage_sources(plan: SplitPlan, stages: Any, spec: LaunchSpec) -> list[Any]:
-    """Per stage, a ``StageSource`` (what its rank loads or initialises), with those tensors stripped to meta
-    in the stage that is shipped."""
-    from pipeviz.weights import StageSource, init_units, strip
-
-    assert spec.sources is not None
-    cap = plan.graph.capture
-    out = []
-    for s, runner in enumerate(stages.runners):
-        inner = {**stages.params[s], **stages.buffers[s]}
-        src = {c: spec.sources.get(c, "keep") for c in inner}
-        load = {c: v for c, v in src.items() if isinstance(v, tuple)}
-        init = [c for c, v in src.items() if v == "init"]
-        strip(runner.stage, [inner[c] for c in [*load, *init]])
-        out.append(StageSource(load, init_units(cap.model, init, cap.aliases), spec.init_seed))
-    return out
 
 
 def cpu_sets(ranks: int, pin: bool) -> tuple[int, list[tuple[int, ...]] | None]:
@@ -483,17 +426,3 @@ def cpu_sets(ranks: int, pin: bool) -> tuple[int, list[tuple[int, ...]] | None]:
 
 def _default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1)
-
-
-def _with_inputs(plan: SplitPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SplitPlan:
-    """The same plan over a capture whose example inputs are the launch's batch (shapes are baked into the
-    traced Pipe, so it is traced with a microbatch of what will really run)."""
-    import copy
-
-    cap = copy.copy(plan.graph.capture)
-    cap.example_args, cap.example_kwargs = args, kwargs
-    cap.batch_size = _batch_size(args, kwargs)
-    from pipeviz.graph import ModelGraph
-
-    graph = ModelGraph(cap, plan.graph.layer_names, tree=plan.graph._tree)
-    return SplitPlan(graph, plan.splits)

@@ -53,10 +53,37 @@ from pipeviz.runtime.messages import (
 from pipeviz.runtime.stages import StepError
 from pipeviz.schedules import SINGLE, ZERO_BUBBLE
 
-__all__ = ["SEND_INTERVAL", "RankPayload", "main"]
+__all__ = ["SEND_INTERVAL", "Boot", "RankPayload", "main"]
 
 
 SEND_INTERVAL = 0.1  # seconds: live enough to watch, rare enough not to disturb the ranks
+
+
+@dataclass
+class Boot:
+    """What a rank needs to join the run before its stages arrive: ``pv.launch`` starts the processes with it, so
+    they join the process group while the launching process builds and writes their payloads."""
+
+    rank: int
+    world: int
+    port: int
+    backend: str
+    device: str
+    compute_device: str | None
+    t0: float
+    parent_pid: int
+    timeout_s: float
+    threads: int
+    cpus: tuple[int, ...] | None = None
+    init_method: str | None = None
+    mesh: Any = None
+
+    @property
+    def coords(self) -> Coords:
+        return self.mesh.coords(self.rank) if self.mesh is not None else Coords(self.rank, 0, 0)
+
+
+PAYLOAD_WAIT = 3600.0  # seconds a started rank waits for its payload (the launching process may trace a big model)
 
 
 @dataclass
@@ -99,25 +126,34 @@ class RankPayload:
         return self.mesh.coords(self.rank) if self.mesh is not None else Coords(self.rank, 0, 0)
 
 
-def main(payload_path: str, queue: Any, log_path: str | None = None, data: Any = None) -> None:
+def main(payload_path: str, queue: Any, log_path: str | None = None, data: Any = None, boot: Boot | None = None,
+         payload_ready: Any = None) -> None:
     """Process entry point (started by ``launch``): reads its payload from ``payload_path`` and deletes it;
     stderr goes to ``log_path`` (the launching process removes it when the run ends); ``data``: the queue
-    of a ``data=`` run's batches."""
+    of a ``data=`` run's batches. With ``boot`` the rank joins the process group first, then waits for
+    ``payload_ready`` (an event the launching process sets once every payload is written)."""
     import warnings
 
-    import cloudpickle
+    from pipeviz.runtime.ship import load_payload
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's own pytree deprecation noise
-    rank, coords = -1, Coords(-1, 0, 0)
+    rank, coords = (boot.rank, boot.coords) if boot is not None else (-1, Coords(-1, 0, 0))
     _quiet_stderr(log_path)
     try:
+        connected = None
+        if boot is not None:
+            threading.Thread(target=_watch_parent, args=(boot.parent_pid,), daemon=True).start()
+            connected = _connect(boot, queue)
+            if payload_ready is not None and not payload_ready.wait(PAYLOAD_WAIT):
+                raise TimeoutError(f"rank {rank} waited {PAYLOAD_WAIT:g} s for its stages from the launching process")
         with open(payload_path, "rb") as f:
-            payload: RankPayload = cloudpickle.loads(f.read())
+            payload: RankPayload = load_payload(f.read())
         os.unlink(payload_path)
         rank, coords = payload.rank, payload.coords
         payload.data = data
-        threading.Thread(target=_watch_parent, args=(payload.parent_pid,), daemon=True).start()
-        _run(payload, queue)
+        if boot is None:
+            threading.Thread(target=_watch_parent, args=(payload.parent_pid,), daemon=True).start()
+        _run(payload, queue, connected)
         queue.put(Done(rank, coords))
     except BaseException as exc:  # report everything, including SystemExit from user code
         summary = _summary(exc)
@@ -174,12 +210,12 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-def _run(p: RankPayload, queue: Any) -> None:
+def _run(p: RankPayload, queue: Any, connected: tuple[_Clock, torch.device, torch.device] | None = None) -> None:
     import torch.distributed as dist
 
     from pipeviz.adapter import exact_split_backward, timed_collectives, timed_waits
 
-    clock, device, compute = _connect(p, queue)
+    clock, device, compute = connected or _connect(p, queue)
     step_box = [0]
     pp_group, dp_group, dp_mesh, tp_mesh = _mesh_groups(p)
     stages, params, local = _stages(p, clock, step_box, device, compute, pp_group, dp_group, tp_mesh,
@@ -220,7 +256,7 @@ def _run(p: RankPayload, queue: Any) -> None:
     dist.destroy_process_group()
 
 
-def _connect(p: RankPayload, queue: Any) -> tuple[_Clock, torch.device, torch.device]:
+def _connect(p: Boot | RankPayload, queue: Any) -> tuple[_Clock, torch.device, torch.device]:
     """Join the process group, take this rank's cores, agree on one clock."""
     import torch.distributed as dist
 

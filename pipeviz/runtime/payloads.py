@@ -1,0 +1,266 @@
+"""What each rank of a launch receives, and how: its payload (its stages, its share of the batch, the layout), the
+model's values mapped from one file (``pipeviz.runtime.ship``), and torch's Pipe traced once per plan and input shape.
+Shared by ``pv.launch`` (``rank_payloads``) and ``pv.export_torchrun`` (``spec_stages``, ``rank_payload``).
+
+Example:
+    >>> blobs, shipment = rank_payloads(plan, spec, ["cpu"] * 2, [None] * 2, "gloo", port, t0, 120.0, 1, None)
+    >>> payload = ship.load_payload(blobs[0])      # in rank 0: its stages, their tensors mapped from the file
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from pipeviz.capture import TRACE_LOCK, _batch_size
+from pipeviz.plan import SplitPlan
+from pipeviz.runtime.ship import Shipment
+from pipeviz.runtime.spec import LaunchError, LaunchSpec, share
+
+__all__ = ["SHIP_VALUES", "launch_stages", "rank_boots", "rank_payload", "rank_payloads",
+           "spec_stages", "stage_sources"]
+
+
+def rank_payloads(plan: SplitPlan, spec: LaunchSpec, devices: list[str], compute: list[str | None], backend: str,
+                  port: int, t0: float, timeout: float, threads: int,
+                  cpus: list[tuple[int, ...]] | None, state_dir: str | None = None,
+                  values_prefix: str = "pipeviz-values-") -> tuple[list[bytes], Shipment]:
+    """Each rank's share of the run, pickled, and the ``Shipment`` of the model's tensor values.
+
+    The stages' structure is built once per plan and input shapes (``launch_stages``, cached); the values are the
+    model's tensors at this moment, written once into a file the ranks map (``pipeviz.runtime.ship``). With
+    ``spec.sources`` (weights= or a meta model) the tensors the ranks load or initialise themselves are not shipped.
+    Each rank writes its trained tensors to ``state_dir``. The caller removes ``shipment.path`` when the run ends."""
+    from pipeviz.runtime import ship
+
+    if not SHIP_VALUES:  # as before 2026-12-02: traced at every launch, every value pickled into its rank's payload
+        stages, tied = spec_stages(plan, spec)
+        shipped: dict[int, Any] = {}
+        values: dict[str, torch.Tensor] = {}
+    else:
+        stages, tied = launch_stages(plan, spec)
+    sources = stage_sources(plan, stages, spec) if spec.sources is not None else None
+    if SHIP_VALUES:
+        shipped, values = _shipped(plan, stages, sources)
+    try:
+        shipment = ship.write_values(values, values_prefix)
+    except ship.ValuesSpaceError as exc:
+        raise LaunchError(str(exc)) from exc
+    try:
+        blobs = []
+        for rank in range(spec.mesh.world):
+            payload = rank_payload(
+                spec, stages, tied, rank, sources=sources, port=port, backend=backend, device=devices[rank],
+                compute=compute[rank], t0=t0, parent_pid=os.getpid(), timeout=max(timeout, 30.0), threads=threads,
+                cpus=cpus[rank] if cpus else None,
+                state_path=os.path.join(state_dir, f"rank{rank}.pt") if state_dir else None)
+            # the small values inline, each rank its own stages' only
+            mine = {canon for st in payload.stages for canon, _, t in _stage_tensors(stages, st.index)
+                    if id(t) in shipped}
+            blobs.append(ship.dump_payload(payload, shipped, ship.Shipment(
+                shipment.path, shipment.slots, {k: v for k, v in shipment.inline.items() if k in mine})))
+    except BaseException:
+        if shipment.path:
+            os.unlink(shipment.path)
+        raise
+    return blobs, shipment
+
+
+def rank_boots(spec: LaunchSpec, devices: list[str], compute: list[str | None], backend: str, port: int, t0: float,
+               timeout: float, threads: int, cpus: list[tuple[int, ...]] | None) -> list[Any]:
+    """Each rank's ``worker.Boot``: what it needs to join the process group before its payload is written."""
+    from pipeviz.runtime.worker import Boot
+
+    mesh = spec.mesh
+    return [Boot(rank=rank, world=mesh.world, port=port, backend=backend, device=devices[rank],
+                 compute_device=compute[rank], t0=t0, parent_pid=os.getpid(), timeout_s=max(timeout, 30.0),
+                 threads=threads, cpus=cpus[rank] if cpus else None, mesh=mesh if mesh.world > mesh.pp else None)
+            for rank in range(mesh.world)]
+
+
+def spec_stages(plan: SplitPlan, spec: LaunchSpec) -> tuple[Any, dict[str, list[int]]]:
+    """The launch's stages (``pipeviz.runtime.stages.build_stages``), traced with one replica's microbatch, and
+    the pipeline ranks holding each shared parameter. Built anew, holding the model's values (what an exported run
+    pickles); ``launch_stages`` is the cached structure ``pv.launch`` ships values into."""
+    from pipeviz.runtime.stages import build_stages, tied_ranks
+
+    args0, kwargs0 = _replica_inputs(spec)
+    with TRACE_LOCK:  # torch.export keeps global tracing state: two runs starting at once trace in turn
+        stages = build_stages(_with_inputs(plan, args0, kwargs0), spec.microbatches,
+                              whole_output=spec.loss_fn is None)
+    return stages, tied_ranks(stages, spec.layout.stage_ranks)
+
+
+def _replica_inputs(spec: LaunchSpec) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    # Traced with one replica's share of the batch: its microbatches have the shape every stage will see.
+    batch = _batch_size(spec.args, spec.kwargs) or 1
+    return share((spec.args, spec.kwargs), 0, spec.dp, batch)
+
+
+# False: the stages are traced at every launch and pickled with their values into each rank's payload, as pv.launch
+# did before 2026-12-02 (benchmarks/launch_latency.py sets it to measure both side by side).
+SHIP_VALUES = True
+_STAGE_CACHE: collections.OrderedDict[tuple[Any, ...], tuple[Any, Any]] = collections.OrderedDict()
+_CACHE_LOCK = threading.Lock()
+_CACHE_SIZE = 8  # structures only (the model's tensors are meta in them): small
+
+
+def launch_stages(plan: SplitPlan, spec: LaunchSpec) -> tuple[Any, dict[str, list[int]]]:
+    """``spec_stages`` with the model's parameters and buffers on the meta device (their values are shipped from
+    the model at each launch), cached per traced plan, microbatch shapes and output mode: torch's ``pipeline()``
+    traces the model (2-3 s for GPT-2 small), and a second launch of the same plan needs none of it."""
+    import weakref
+
+    from pipeviz.runtime.stages import tied_ranks
+
+    cap = plan.graph.capture
+    key: tuple[Any, ...] | None = None
+    if cap.traced:
+        args0, kwargs0 = _replica_inputs(spec)
+        key = (id(cap), plan.splits, tuple(plan.graph.layer_names), spec.microbatches, spec.loss_fn is None,
+               _signature((args0, kwargs0)))
+        with _CACHE_LOCK:
+            hit = _STAGE_CACHE.get(key)
+            if hit is not None and hit[0]() is cap:
+                _STAGE_CACHE.move_to_end(key)
+                return hit[1], tied_ranks(hit[1], spec.layout.stage_ranks)
+    stages, tied = spec_stages(plan, spec)
+    _to_meta(stages)
+    if key is not None:
+        with _CACHE_LOCK:
+            _STAGE_CACHE[key] = (weakref.ref(cap), stages)
+            while len(_STAGE_CACHE) > _CACHE_SIZE:
+                _STAGE_CACHE.popitem(last=False)
+    return stages, tied
+
+
+def _signature(tree: Any) -> tuple[Any, ...]:
+    """What a traced Pipe depends on in its example inputs: their structure, and each tensor's shape, dtype and
+    device (other values as they are)."""
+    leaves, treespec = pytree.tree_flatten(tree)
+    return (str(treespec), tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor) else repr(t)
+                                 for t in leaves))
+
+
+def _stage_tensors(stages: Any, s: int) -> list[tuple[str, bool, torch.Tensor]]:
+    """Stage ``s``'s model tensors: (canonical name, is a parameter, the tensor), each object once."""
+    mod = stages.runners[s].stage
+    named = {**dict(mod.named_parameters(remove_duplicate=False)), **dict(mod.named_buffers(remove_duplicate=False))}
+    out = [(c, True, named[i]) for c, i in stages.params[s].items()]
+    return out + [(c, False, named[i]) for c, i in stages.buffers[s].items()]
+
+
+def _to_meta(stages: Any) -> None:
+    """Replace the stages' model tensors by meta tensors of the same shape, dtype and kind, keeping which names
+    share one object (a tensor used twice in a stage stays one)."""
+    ids = {id(t) for s in range(len(stages.runners)) for _, _, t in _stage_tensors(stages, s)}
+    memo: dict[int, torch.Tensor] = {}
+    for runner in stages.runners:
+        for m in runner.stage.modules():
+            for table in (m._parameters, m._buffers):
+                for k, t in table.items():
+                    if t is None or id(t) not in ids:
+                        continue
+                    if id(t) not in memo:
+                        empty = torch.empty_like(t, device="meta")
+                        memo[id(t)] = (torch.nn.Parameter(empty, requires_grad=t.requires_grad)
+                                       if isinstance(t, torch.nn.Parameter) else empty)
+                    table[k] = memo[id(t)]
+
+
+def _shipped(plan: SplitPlan, stages: Any, sources: list[Any] | None) -> tuple[dict[int, Any], dict[str, Any]]:
+    """The stage tensors to ship (``id -> (tensor, Shipped)``) and their values, the model's tensors now by
+    canonical name; the ones a rank loads or initialises itself (``sources``) stay as they are.
+
+    Raises:
+        LaunchError: the model no longer has a tensor of the traced shape and dtype (it changed after ``pv.trace``).
+    """
+    from pipeviz.runtime.ship import Shipped
+    from pipeviz.weights import _lookup
+
+    model = plan.graph.capture.model
+    shipped: dict[int, Any] = {}
+    values: dict[str, torch.Tensor] = {}
+    for s in range(len(stages.runners)):
+        own = {*sources[s].load, *(c for u in sources[s].init for c in u.names.values())} if sources else set()
+        for canon, is_param, t in _stage_tensors(stages, s):
+            if canon in own or id(t) in shipped:
+                continue
+            try:
+                value = _lookup(model, canon).detach()
+            except (KeyError, AttributeError):
+                value = None
+            if value is None or value.is_meta or value.shape != t.shape or value.dtype != t.dtype:
+                now = "gone" if value is None else f"{tuple(value.shape)} {value.dtype}" + (
+                    " on the meta device" if value.is_meta else "")
+                raise LaunchError(
+                    f"the model's {canon!r} is {now}, but the traced plan has {tuple(t.shape)} {t.dtype}: the model "
+                    "changed after pv.trace. Fix: trace it again (pv.trace) and split the new graph.")
+            values[canon] = value
+            shipped[id(t)] = (t, Shipped(canon, len(shipped), is_param, t.requires_grad))
+    return shipped, values
+
+
+def rank_payload(spec: LaunchSpec, stages: Any, tied: dict[str, list[int]], rank: int, *, sources: Any = None,
+                 port: int = 0, backend: str = "gloo", device: str = "cpu", compute: str | None = None,
+                 t0: float = -1.0, parent_pid: int = 0, timeout: float = 120.0, threads: int = 1,
+                 cpus: tuple[int, ...] | None = None, init_method: str | None = None,
+                 state_path: str | None = None) -> Any:
+    """Process ``rank``'s share of a launch (a ``worker.RankPayload``), the one builder ``pv.launch`` and an
+    exported script's ranks use: its coordinates' stages, its replica's share of the batch (the inputs on the
+    first pipeline rank, the target on the last), and the layout."""
+    from pipeviz.runtime.stages import rank_stages
+    from pipeviz.runtime.worker import RankPayload
+
+    lay, mesh = spec.layout, spec.mesh
+    pp, replica, _ = mesh.coords(rank)
+    batch = _batch_size(spec.args, spec.kwargs) or 1
+    args, kwargs, target = share((spec.args, spec.kwargs, spec.target), replica, mesh.dp, batch)
+    first, last = lay.stage_ranks[0], lay.stage_ranks[-1]
+    return RankPayload(
+        rank=rank, world=mesh.world, port=port, backend=backend, device=device, compute_device=compute,
+        schedule=spec.schedule, stage_ranks=lay.stage_ranks, microbatches=spec.microbatches, steps=spec.steps,
+        stages=rank_stages(stages, lay.stage_ranks, pp, sources),
+        tied=tied, loss_fn=spec.loss_fn, optimizer=spec.optimizer,
+        args=args if pp == first else (), kwargs=kwargs if pp == first else {},
+        target=target if pp == last else None, t0=t0, parent_pid=parent_pid, timeout_s=timeout, threads=threads,
+        cpus=cpus, init_method=init_method, on_nonfinite=spec.config.on_nonfinite, state_path=state_path,
+        mesh=mesh if mesh.world > mesh.pp else None, tp_placements=spec.tp_placements, dp_shard=spec.dp_shard,
+    )
+
+
+def stage_sources(plan: SplitPlan, stages: Any, spec: LaunchSpec) -> list[Any]:
+    """Per stage, a ``StageSource`` (what its rank loads or initialises), with those tensors stripped to meta
+    in the stage that is shipped."""
+    from pipeviz.weights import StageSource, init_units, strip
+
+    assert spec.sources is not None
+    cap = plan.graph.capture
+    out = []
+    for s, runner in enumerate(stages.runners):
+        inner = {**stages.params[s], **stages.buffers[s]}
+        src = {c: spec.sources.get(c, "keep") for c in inner}
+        load = {c: v for c, v in src.items() if isinstance(v, tuple)}
+        init = [c for c, v in src.items() if v == "init"]
+        strip(runner.stage, [inner[c] for c in [*load, *init]])
+        out.append(StageSource(load, init_units(cap.model, init, cap.aliases), spec.init_seed))
+    return out
+
+
+def _with_inputs(plan: SplitPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SplitPlan:
+    """The same plan over a capture whose example inputs are the launch's batch (shapes are baked into the
+    traced Pipe, so it is traced with a microbatch of what will really run)."""
+    import copy
+
+    cap = copy.copy(plan.graph.capture)
+    cap.example_args, cap.example_kwargs = args, kwargs
+    cap.batch_size = _batch_size(args, kwargs)
+    from pipeviz.graph import ModelGraph
+
+    graph = ModelGraph(cap, plan.graph.layer_names, tree=plan.graph._tree)
+    return SplitPlan(graph, plan.splits)
