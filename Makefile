@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # On a machine without an NVIDIA GPU pin the local CPU build: an unpinned torch pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test compat grid lint bench render screenshots clean
+.PHONY: setup demo test compat grid wheel lint bench render screenshots clean
 
 setup: $(VENV)/.installed
 
@@ -39,6 +39,12 @@ compat: setup
 grid:
 	$(PYTHON) scripts/grid.py
 
+# pipeviz as a user installs it: the sdist and the wheel built from it (metadata checked), the wheel installed with
+# the notebook extra into a fresh venv on pyproject's floor Python, every public name imported, `pipeviz demo --model
+# classic` and lesson 01 run from outside the clone. Writes only under build/. See scripts/check_wheel.py.
+wheel: setup
+	$(PY) scripts/check_wheel.py
+
 # Executed HTML renderings of every lesson and demo notebook (outputs and plotly figures embedded, readable offline)
 # in build/html/ (gitignored), with an index; exits 1 if a notebook fails. See scripts/render.py.
 render: setup
@@ -52,4 +58,4 @@ bench: setup
 	$(PY) benchmarks/preview_latency.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info build
