@@ -84,7 +84,7 @@ CELLS = (
     # (pip_config=False). transformers: the newest release at the time the grid runs (a range, resolved against the
     # index when the venv is looked up: a new release gets a venv of its own).
     # Python 3.13: the newest this machine has, beside make test's 3.11 (pyproject's floor).
-    Cell("t2.15-tf-newest", "torch==2.15.0", "transformers>=5.25,<6", pip_config=False, python="3.13"),
+    Cell("t2.15-tf-newest", "torch==2.15.0", "transformers>=5.24,<6", pip_config=False, python="3.13"),
 )
 
 # The same test tools in every cell (the versions the main .venv runs), pinned so a rebuild changes nothing else.
@@ -175,19 +175,30 @@ def pip(venv: Path, *args: str, env: dict[str, str] | None = None) -> None:
     res.check_returncode()
 
 
-def resolve(cell: Cell) -> Cell:
-    """The cell with its transformers range resolved to the newest release the index has now (``pip install
-    --dry-run --report``, nothing installed); an exact pin is returned as it is. Raises ``RuntimeError`` when the
-    index cannot be asked."""
+def resolve(cell: Cell) -> tuple[Cell, str]:
+    """The cell with its transformers range resolved to the newest release that installs from the index now, with
+    its dependencies, beside the cell's torch (``pip install --dry-run --report``, nothing installed), and a note
+    when a newer release exists that does not install here (a dependency the index lacks); an exact pin is returned
+    as it is. Raises ``RuntimeError`` when the index cannot be asked."""
     if "==" in cell.transformers:
-        return cell
-    cmd = [PYTHON, "-m", "pip", "install", "--dry-run", "--no-deps", "--ignore-installed", "-q", "--report", "-",
-           "--disable-pip-version-check", cell.transformers]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=pip_env(cell))
-    if res.returncode != 0:
-        raise RuntimeError(f"cannot resolve {cell.transformers!r}: {res.stderr.strip()[-500:]}")
-    version = json.loads(res.stdout)["install"][0]["metadata"]["version"]
-    return replace(cell, transformers=f"transformers=={version}")
+        return cell, ""
+
+    def ask(*args: str) -> str:
+        cmd = [interpreter(cell), "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q", "--report", "-",
+               "--disable-pip-version-check", *args]
+        res = subprocess.run(cmd, capture_output=True, text=True, env=pip_env(cell))
+        if res.returncode != 0:
+            raise RuntimeError(f"cannot resolve {' '.join(args)!r}: {res.stderr.strip()[-500:]}")
+        report = json.loads(res.stdout)["install"]
+        return next(i["metadata"]["version"] for i in report if i["metadata"]["name"].lower() == "transformers")
+
+    version = ask(cell.transformers, cell.torch, *cell.extra, *TOOLS)
+    newest = ask("--no-deps", cell.transformers)
+    note = "" if newest == version else (f"transformers {newest} is out but does not install from this index (a "
+                                         f"dependency is missing there): this cell runs {version}")
+    return replace(cell, transformers=f"transformers=={version}"), note
+
+
 def build(cell: Cell, target: Path) -> float:
     """Create the cell's venv at ``target`` (built aside, then renamed: a half-built venv is never reused)."""
     t0 = time.time()
@@ -221,7 +232,10 @@ def ensure(cell: Cell) -> tuple[Path, str]:
     transformers is a range is resolved first; when the index cannot be asked, its newest cached venv is used."""
     CACHE.mkdir(parents=True, exist_ok=True)
     try:
-        cell = resolve(cell)
+        cell, note = resolve(cell)
+        if note:
+            print(f"grid: {cell.name}: {note}", flush=True)
+            NOTES.setdefault(cell.name, []).append(note)
     except RuntimeError as exc:
         cached = sorted(CACHE.glob(f"{cell.name}-*/grid-built.json"), key=lambda p: p.stat().st_mtime)
         if not cached:
@@ -240,6 +254,9 @@ def ensure(cell: Cell) -> tuple[Path, str]:
         print(f"grid: building {target}", flush=True)
         seconds = build(cell, target)
         return target, f"built {seconds:.0f} s"
+
+
+NOTES: dict[str, list[str]] = {}  # cell name -> what resolving it found (printed with the table)
 
 
 @dataclass
@@ -332,7 +349,7 @@ def table(outcomes: list[Outcome]) -> str:
         lines.append(f"{o.cell.name:<16} {o.versions:<58} {o.venv:<13} {o.passed:>6} {o.failed:>6} {o.skipped:>7} "
                      f"{o.seconds / 60:>5.1f} m {o.cpu / 60:>5.1f} m")
     for o in outcomes:
-        for note in o.notes:
+        for note in [*NOTES.get(o.cell.name, []), *o.notes]:
             lines.append(f"  {o.cell.name}: note: {note}")
         for f in o.failures:
             lines.append(f"  {o.cell.name}: FAILED {f}")

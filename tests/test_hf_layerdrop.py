@@ -51,7 +51,7 @@ def modelling() -> types.ModuleType:
 
 
 def test_torch_export_alone_cannot_capture_the_check(modelling: types.ModuleType) -> None:
-    with pytest.raises(Exception, match="(?i)data.dependent|guard"):
+    with pytest.raises(Exception, match=r"(?i)data.dependent|guard"):
         torch.export.export(modelling.Encoder(0.0), (torch.randn(4, 8),))
 
 
