@@ -286,7 +286,7 @@ def capture(
         example_args = (example_args,)
     kwargs = dict(example_kwargs or {})
     fixups: dict[str, Any] = {}
-    notes: list[str] = model_notes(model)  # a transformers release newer than CI has tested: said, not refused
+    notes: list[str] = []
     if _needs_cache_fix(model) and "use_cache" not in kwargs:
         fixups["use_cache"] = False
         note = (
@@ -294,6 +294,7 @@ def capture(
             "pipeline stages or be exported); your model is unchanged."
         )
         notes.append(note)  # shown where the user looks (graph.notes, the Explorer), not as a Python warning
+    notes += model_notes(model)  # a transformers release newer than CI has tested: said, not refused
     # Trace a copy: export runs forward, which would update BatchNorm statistics of the user's model.
     traced = copy.deepcopy(model)
     apply_fixups(traced, fixups)
