@@ -80,7 +80,7 @@ def decided_layerdrop() -> Iterator[None]:
                 return LayerDropDraw(f"{module.rsplit('.', 1)[-1]}:{caller.f_lineno}")
         return original(*args, **kwargs)
 
-    torch.rand = rand  # type: ignore[assignment]
+    torch.rand = rand
     try:
         yield
     finally:
