@@ -376,10 +376,10 @@ def compare(plan: SplitPlan, schedules: Sequence[str] | None = None, microbatche
     split: SplitPlan | PlanError | None = None
     for name in schedules or sched.ALL:
         canon = sched.canonical(name)
-        if simulate_options.get("forward_only") and canon in sched.V_SHAPED:
+        if simulate_options.get("forward_only") and not sched.SCHEDULES[canon].forward_only:
             skipped[canon] = f"{canon} cannot run forward only (torch 2.13's V-shaped schedules need a backward)."
             continue
-        single = canon in sched.SINGLE
+        single = not sched.SCHEDULES[canon].multi
         run_plan = plan
         if not single:
             if split is None:

@@ -554,13 +554,13 @@ def memory_per_rank(plan: SplitPlan | None, schedule: str, microbatches: int, st
     buffers = costs.buffer_bytes or (0,) * n
     if forward_only:
         return [max(costs.activation_bytes[s] for s in lay.stages_of(r))
-                + sum(costs.param_bytes[s] + buffers[s] for s in lay.stages_of(r)) for r in range(lay.num_ranks)]
+                + sum(costs.param_bytes[s] + buffers[s] for s in lay.stages_of(r)) for r in lay.ranks]
     peaks = peak_activations(acts, costs.activation_bytes, costs.weight_fraction, costs.input_freed)
     rebuilt = costs.recompute_bytes or (0,) * n
     return [
         peaks[r] + max(rebuilt[s] for s in lay.stages_of(r))
         + sum(stage_memory(costs.param_bytes[s], buffers[s], 0, optimizer_states) for s in lay.stages_of(r))
-        for r in range(lay.num_ranks)
+        for r in lay.ranks
     ]
 
 

@@ -143,7 +143,7 @@ def run_rank(payload_path: str, events_dir: str) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
     sink = _JsonLines(events_dir, rank)
-    coords = Coords(-1, 0, 0)  # known once the payload is read
+    coords = Coords(-1)  # known once the payload is read
     try:
         with open(payload_path, "rb") as f:
             job = cloudpickle.loads(f.read())

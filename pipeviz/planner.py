@@ -318,9 +318,10 @@ def plan_cluster(
             per_replica = global_batch // dp
             sizes = [b for b in (microbatch_sizes or [2**i for i in range(7)]) if per_replica % b == 0]
             for name in names:
-                vs = [1] if name in sched.SINGLE else [v for v in stages_per_rank if pp > 1 and pp * v <= len(blocks)]
-                if name in sched.V_SHAPED:
-                    vs = [v for v in vs if v == 2]
+                trait = sched.SCHEDULES[name]
+                vs = [1] if not trait.multi else [v for v in stages_per_rank if pp > 1 and pp * v <= len(blocks)]
+                if trait.v_shape:
+                    vs = [v for v in vs if v == trait.stages_per_rank]
                 if pp == 1 and name != "1F1B":
                     continue  # one stage: every schedule is the same sequence of forwards and backwards
                 for v in vs:
@@ -340,7 +341,7 @@ def plan_cluster(
                             work = _step_bound(c, lay, m)
                             mem_lb = max(_static_memory(c, lay.stages_of(r), optimizer_states)
                                          + max(c.activation_bytes[s] for s in lay.stages_of(r))
-                                         for r in range(lay.num_ranks))
+                                         for r in lay.ranks)
                             if mem_lb > limit:
                                 pruned += 1
                                 continue
@@ -401,7 +402,7 @@ def _simulate(plan: SplitPlan, name: str, m: int, v: int, dp: int, tp: int,
 def _actions(name: str, pp: int, v: int, m: int) -> int:
     """Schedule actions the simulations of one option take (see ``max_actions``)."""
     m1, m2 = _extrapolated_from(pp)
-    per = pp * v * (3 if name in sched.ZERO_BUBBLE else 2)
+    per = pp * v * (3 if sched.SCHEDULES[name].split_backward else 2)
     return per * (m if m <= m2 else m1 + m2)
 
 
@@ -442,12 +443,12 @@ def _step_bound(c: Costs, lay: sched.Layout, m: int) -> float:
     hand-offs are priced on the intra-node link (the fastest), the replicas' all-reduce is left out: both only
     add."""
     best = 0.0
-    for r in range(lay.num_ranks):
+    for r in lay.ranks:
         stages = lay.stages_of(r)
         first = min(stages)
         head = sum(c.duration(s, "F") + c.comm[s] for s in range(first))
         tail = 0.0
-        if lay.schedule not in sched.ZERO_BUBBLE:
+        if not lay.info.split_backward:
             tail = sum(c.duration(s, "B") + c.comm[s] for s in range(first))
         best = max(best, head + m * sum(c.duration(s, "F") + c.duration(s, "B") for s in stages) + tail)
     return best

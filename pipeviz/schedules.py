@@ -15,20 +15,107 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
+from typing import NamedTuple
 
-__all__ = ["ALL", "MULTI", "SINGLE", "V_SHAPED", "ZERO_BUBBLE", "Layout", "ScheduleError", "canonical",
-           "check_microbatches", "layout", "orders", "parse", "validate"]
+from pipeviz.mesh import PipelineRank
 
-
-SINGLE = ("GPipe", "1F1B")
-MULTI = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-ALL = SINGLE + MULTI
-V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
-ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+__all__ = ["ALL", "KINDS", "MULTI", "SCHEDULES", "SINGLE", "V_SHAPED", "ZERO_BUBBLE", "Action", "Layout",
+           "ScheduleError", "ScheduleInfo", "canonical", "check_microbatches", "info", "layout", "orders", "parse",
+           "validate"]
 
 
 class ScheduleError(ValueError):
     """A schedule name or a (stages, microbatches, stages per rank) combination torch cannot run."""
+
+
+@dataclass(frozen=True)
+class ScheduleInfo:
+    """What a schedule is, as every module asks it: read these traits, never test names.
+
+    Attributes:
+        name: torch's spelling.
+        stages_per_rank: the default (1, or 2 for the multi-stage schedules); ``layout`` applies it.
+        multi: torch's multi-stage runtime (``_PipelineScheduleRuntime``): a list of stages per rank, and each
+            cross-rank send and receive an action of its own.
+        v_shape: stages placed in a V (rank 0 holds the first and the last), exactly 2 per rank.
+        split_backward: backwards split into input-grad (``I``) and weight-grad (``W``) passes (zero bubble).
+        forward_only: can run without a loss (torch 2.13's V-shaped schedules fail without a backward).
+        microbatches: the microbatch rule: ``"any"``, ``"at_least_stages"`` or ``"rounds"`` (``m`` a multiple of
+            ``max(1, m // ranks)``).
+        source: where the schedule comes from.
+    """
+
+    name: str
+    stages_per_rank: int
+    multi: bool
+    v_shape: bool = False
+    split_backward: bool = False
+    forward_only: bool = True
+    microbatches: str = "any"
+    source: str = ""
+
+
+SCHEDULES: dict[str, ScheduleInfo] = {i.name: i for i in (
+    ScheduleInfo("GPipe", 1, False, source="Huang et al. 2019, GPipe"),
+    ScheduleInfo("1F1B", 1, False, microbatches="at_least_stages",
+                 source="Narayanan et al. 2021, PipeDream-Flush"),
+    ScheduleInfo("Interleaved1F1B", 2, True, microbatches="rounds", source="Narayanan et al. 2021, Megatron-LM"),
+    ScheduleInfo("LoopedBFS", 2, True, source="Lamy-Poirier 2023, Breadth-First Pipeline Parallelism"),
+    ScheduleInfo("InterleavedZeroBubble", 2, True, split_backward=True, microbatches="rounds",
+                 source="Qi et al. 2024, Zero Bubble Pipeline Parallelism"),
+    ScheduleInfo("ZBVZeroBubble", 2, True, v_shape=True, split_backward=True, forward_only=False,
+                 source="Qi et al. 2024, ZB-V"),
+    ScheduleInfo("DualPipeV", 2, True, v_shape=True, split_backward=True, forward_only=False,
+                 microbatches="at_least_stages", source="DeepSeek's DualPipe repository, the cut-in-half variant"),
+)}
+
+ALL = tuple(SCHEDULES)
+SINGLE = tuple(n for n, i in SCHEDULES.items() if not i.multi)
+MULTI = tuple(n for n, i in SCHEDULES.items() if i.multi)
+V_SHAPED = tuple(n for n, i in SCHEDULES.items() if i.v_shape)
+ZERO_BUBBLE = tuple(n for n, i in SCHEDULES.items() if i.split_backward)
+
+KINDS = ("F", "B", "I", "W")  # forward, full backward, input-grad pass, weight-grad pass
+
+
+class Action(NamedTuple):
+    """One compute action of a schedule: stage, kind (``KINDS``), microbatch. Its text form is torch's: ``2F0``.
+
+    Example:
+        >>> Action.parse("2I3"), str(Action(2, "F", 0))
+        (Action(stage=2, kind='I', mb=3), '2F0')
+    """
+
+    stage: int
+    kind: str
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.mb}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """``"2F0"`` -> ``Action(2, "F", 0)``.
+
+        Raises:
+            ScheduleError: not ``<stage><kind><microbatch>`` with a kind in ``KINDS``.
+        """
+        for i, ch in enumerate(text):
+            if ch.isalpha():
+                if i and ch in KINDS and text[:i].isdigit() and text[i + 1:].isdigit():
+                    return cls(int(text[:i]), ch, int(text[i + 1:]))
+                break
+        raise ScheduleError(f"Not an action: {text!r}; expected <stage><kind><microbatch> such as '2F0', with a kind "
+                            f"among {', '.join(KINDS)} (forward, backward, input-grad, weight-grad).")
+
+
+def info(schedule: str) -> ScheduleInfo:
+    """The traits of ``schedule`` (any case).
+
+    Raises:
+        ScheduleError: unknown name; the message lists the valid ones.
+    """
+    return SCHEDULES[canonical(schedule)]
 
 
 def canonical(name: str) -> str:
@@ -49,14 +136,28 @@ def canonical(name: str) -> str:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where stages run: ``stage_ranks[s]`` is the rank holding stage ``s``."""
+    """Where stages run: ``stage_ranks[s]`` is the pipeline rank holding stage ``s``."""
 
     schedule: str
     num_stages: int
     num_ranks: int
     stage_ranks: tuple[int, ...]
 
-    def stages_of(self, rank: int) -> list[int]:
+    @property
+    def info(self) -> ScheduleInfo:
+        return SCHEDULES[self.schedule]
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.num_stages // self.num_ranks
+
+    @property
+    def ranks(self) -> tuple[PipelineRank, ...]:
+        """Every pipeline rank, in order."""
+        return tuple(PipelineRank(r) for r in range(self.num_ranks))
+
+    def stages_of(self, rank: PipelineRank) -> list[int]:
+        """The stages pipeline rank ``rank`` runs (a *pipeline* rank: ``Mesh.coords(process).pp``)."""
         return [s for s, r in enumerate(self.stage_ranks) if r == rank]
 
 
@@ -64,24 +165,25 @@ def layout(schedule: str, num_stages: int, stages_per_rank: int | None = None) -
     """Map stages to ranks for ``schedule`` (loop style; V style for ZBV and DualPipeV).
 
     Single-stage schedules put one stage on each rank. Multi-stage ones put ``stages_per_rank``
-    (default 2) on each; ZBVZeroBubble and DualPipeV need exactly 2.
+    (default: the schedule's, ``info(schedule).stages_per_rank``) on each; V-shaped ones need exactly 2.
 
     Raises:
         ScheduleError: the stage count does not fit the schedule; the message says what would.
     """
-    name = canonical(schedule)
-    if name in SINGLE:
+    sch = info(schedule)
+    name = sch.name
+    if not sch.multi:
         if stages_per_rank not in (None, 1):
             raise ScheduleError(
                 f"{name} runs one stage per rank; got stages_per_rank={stages_per_rank}. "
                 f"Fix: drop stages_per_rank, or pick a multi-stage schedule: {', '.join(MULTI)}."
             )
         return Layout(name, num_stages, num_stages, tuple(range(num_stages)))
-    v = 2 if stages_per_rank is None else stages_per_rank
-    if name in V_SHAPED and v != 2:
-        raise ScheduleError(f"{name} needs exactly 2 stages per rank; got stages_per_rank={v}.")
-    if not isinstance(v, int) or v < 1:
+    v = sch.stages_per_rank if stages_per_rank is None else stages_per_rank
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ScheduleError(f"stages_per_rank must be a positive int, got {v!r}.")
+    if sch.v_shape and v != 2:
+        raise ScheduleError(f"{name} needs exactly 2 stages per rank; got stages_per_rank={v}.")
     if num_stages % v or num_stages // v < 1:
         fits = [s for s in range(v, 4 * v * 2 + 1, v)]
         raise ScheduleError(
@@ -89,7 +191,7 @@ def layout(schedule: str, num_stages: int, stages_per_rank: int | None = None) -
             f"Fix: split into one of {', '.join(map(str, fits[:6]))} stages, or change stages_per_rank."
         )
     ranks = num_stages // v
-    if name in V_SHAPED:
+    if sch.v_shape:
         mapping = tuple(s if s < ranks else 2 * ranks - 1 - s for s in range(num_stages))
     else:
         mapping = tuple(s % ranks for s in range(num_stages))
@@ -102,18 +204,18 @@ def check_microbatches(
 ) -> None:
     """Raise ``ScheduleError`` unless torch's ``schedule`` accepts ``microbatches`` for this layout.
 
-    The rules are torch 2.13's: 1F1B needs at least as many microbatches as stages; Interleaved1F1B and
-    InterleavedZeroBubble need ``m % max(1, m // ranks) == 0``; DualPipeV needs ``m >= stages``.
+    The rules are torch 2.13's (``ScheduleInfo.microbatches``): 1F1B and DualPipeV need at least as many
+    microbatches as stages; Interleaved1F1B and InterleavedZeroBubble need ``m % max(1, m // ranks) == 0``.
     """
     lay = layout(schedule, num_stages, stages_per_rank)
-    name, m, p = lay.schedule, microbatches, lay.num_ranks
+    name, rule, m, p = lay.schedule, lay.info.microbatches, microbatches, lay.num_ranks
     if not isinstance(m, int) or isinstance(m, bool) or m < 1:
         raise ScheduleError(f"microbatches must be a positive int, got {m!r}.")
 
     def ok(k: int) -> bool:
-        if name == "1F1B" or name == "DualPipeV":
+        if rule == "at_least_stages":
             return k >= num_stages
-        if name in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        if rule == "rounds":
             return k % max(1, k // p) == 0
         return True
 
@@ -123,10 +225,8 @@ def check_microbatches(
     if not fits(m):
         top = batch_size if batch_size is not None else 4 * num_stages
         good = [k for k in range(1, top + 1) if fits(k)][:8]
-        why = {
-            "1F1B": f"1F1B needs at least as many microbatches as stages ({num_stages})",
-            "DualPipeV": f"DualPipeV needs at least as many microbatches as stages ({num_stages})",
-        }.get(name, f"{name} needs microbatches to be a multiple of max(1, microbatches // ranks) with {p} ranks")
+        why = (f"{name} needs at least as many microbatches as stages ({num_stages})" if rule == "at_least_stages"
+               else f"{name} needs microbatches to be a multiple of max(1, microbatches // ranks) with {p} ranks")
         if ok(m):
             why = f"it does not divide the batch of {batch_size}"
         valid = ", ".join(map(str, good)) or f"none for a batch of {batch_size}; change the batch size"
@@ -168,6 +268,7 @@ def orders(schedule: str, num_stages: int, microbatches: int, stages_per_rank: i
     """
     lay = layout(schedule, num_stages, stages_per_rank)
     check_microbatches(lay.schedule, num_stages, microbatches, stages_per_rank)
+    # GPipe and 1F1B are generated here (torch's private visualizer gets them wrong); the multi-stage ones are torch's.
     if lay.schedule == "GPipe":
         return [_gpipe(r, num_stages, microbatches) for r in range(num_stages)]
     if lay.schedule == "1F1B":
@@ -177,12 +278,13 @@ def orders(schedule: str, num_stages: int, microbatches: int, stages_per_rank: i
     return schedule_actions(lay.schedule, lay.num_ranks, num_stages, microbatches)
 
 
-def parse(action: str) -> tuple[int, str, int]:
-    """``"2F0"`` -> ``(2, "F", 0)``."""
-    for i, ch in enumerate(action):
-        if ch.isalpha():
-            return int(action[:i]), ch, int(action[i + 1:])
-    raise ValueError(f"Not an action: {action!r}; expected e.g. '2F0' (stage, kind F/B/I/W, microbatch).")
+def parse(action: str) -> Action:
+    """``"2F0"`` -> ``Action(2, "F", 0)`` (a tuple: ``stage, kind, mb = parse(a)``).
+
+    Raises:
+        ScheduleError: not an action, or a kind outside ``KINDS``.
+    """
+    return Action.parse(action)
 
 
 def validate(order: list[list[str]], num_stages: int, microbatches: int, stage_ranks: tuple[int, ...]) -> None:

@@ -251,7 +251,7 @@ def simulate(
         # The backward's recomputed forward pays the forward's all-reduces again (Megatron-LM: 4 all-reduces per
         # block in a recomputing backward, 2 in a forward).
         costs = replace(costs, backward=tuple(b + c for b, c in zip(costs.backward, costs.collective, strict=True)))
-    if costs.overhead and not costs.runtime and lay.schedule in sched.MULTI:
+    if costs.overhead and not costs.runtime and lay.info.multi:
         costs = replace(costs, runtime=runtime_actions(lay, costs.overhead))
     if hw is not None and costs.send_bytes:
         costs = replace(costs, comm=_placed_comm(costs, lay, mesh, opts, tp if coll.scatter_gather else 1))
@@ -277,7 +277,7 @@ def simulate(
         events, red = run(costs)
     if red is not None:
         events += red.after_step(events)
-    peaks = ([max(costs.activation_bytes[s] for s in lay.stages_of(r)) for r in range(lay.num_ranks)] if forward_only
+    peaks = ([max(costs.activation_bytes[s] for s in lay.stages_of(r)) for r in lay.ranks] if forward_only
              else peak_activations(acts, costs.activation_bytes, costs.weight_fraction, costs.input_freed))
     memory = memory_per_rank(None, lay.schedule, microbatches, stages_per_rank, optimizer_states, costs=costs,
                              order=acts, forward_only=forward_only)
@@ -286,10 +286,11 @@ def simulate(
     if hw is not None:
         meta["hardware"], meta["dtype"], meta["recompute"] = hw.name, opts.dtype, opts.recompute
     if dp > 1 or tp > 1:
-        meta["processes"] = [mesh.label(mesh.rank(r)) for r in range(lay.num_ranks)]
+        meta["processes"] = [mesh.label(mesh.rank(r)) for r in lay.ranks]
     if red is not None:
         meta["dp_bytes"], meta["dp_seconds"] = red.nbytes, red.seconds
-    return Timeline(events, lay.num_ranks, n, microbatches, lay.schedule, source="simulated", meta=meta)
+    return Timeline(events, lay.num_ranks, n, microbatches, lay.schedule, source="simulated", meta=meta, mesh=mesh,
+                    ranks="pipeline")
 
 
 def _placed_comm(costs: Costs, lay: sched.Layout, mesh: Mesh, opts: CostOptions,
@@ -332,9 +333,9 @@ class _Reduction:
                  mode: str = "ddp", grad_scale: float = 1.0, param_scale: float = 1.0,
                  grad_element: float = 4.0) -> None:
         self.dp, self.via, self.costs = dp, via, costs
-        self.mode = "after_flush" if mode == "ddp" and lay.schedule in sched.ZERO_BUBBLE else mode
+        self.mode = "after_flush" if mode == "ddp" and lay.info.split_backward else mode
         self.grads = [p * grad_scale for p in costs.param_bytes]  # per stage, the bytes reduced
-        self.nbytes = [sum(self.grads[s] for s in lay.stages_of(r)) for r in range(lay.num_ranks)]
+        self.nbytes = [sum(self.grads[s] for s in lay.stages_of(r)) for r in lay.ranks]
         self.bucket = (DDP_BUCKET_BYTES if mode == "ddp"
                        else int(max(MEGATRON_BUCKET_PARAMS, 1_000_000 * dp) * grad_element))
         self.seconds = [0.0] * lay.num_ranks

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeviz.mesh import DIMS, Mesh, PipelineRank, ProcessRank
+
 __all__ = ["COMPUTE", "KINDS", "Event", "Timeline"]
 
 
@@ -77,6 +79,10 @@ class Timeline:
     schedule: str
     source: str = "measured"
     meta: dict[str, Any] = field(default_factory=dict)
+    mesh: Mesh | None = None  # the run's layout; None: a pure pipeline of num_ranks processes
+    # What an event's ``rank`` is: "process" (a measured run: one row per process), or "pipeline" (a simulation,
+    # which plays one pipeline, replica 0's, shard 0's: its ranks are pipeline ranks).
+    ranks: str = "process"
 
     def __post_init__(self) -> None:
         self.events = sorted(self.events, key=lambda e: (e.start, e.rank))
@@ -88,6 +94,25 @@ class Timeline:
     @property
     def steps(self) -> list[int]:
         return sorted(self._by_step)
+
+    @property
+    def layout(self) -> Mesh:
+        """The layout the events come from (a pure pipeline when none was given)."""
+        return self.mesh or Mesh(pp=self.num_ranks)
+
+    @property
+    def pipeline_ranks(self) -> int:
+        """Pipeline ranks (``num_ranks`` counts processes in a measured run with replicas or shards)."""
+        return self.layout.pp
+
+    def process_of(self, rank: int) -> ProcessRank:
+        """The process an event's ``rank`` stands for: itself in a measured run; in a simulation, the process of
+        replica 0, share 0, shard 0 at that pipeline rank (where its events are drawn over a measured run)."""
+        return self.layout.rank(rank) if self.ranks == "pipeline" else ProcessRank(rank)
+
+    def pipeline_of(self, rank: int) -> PipelineRank:
+        """The pipeline rank of an event's ``rank`` (which stages it runs)."""
+        return PipelineRank(rank) if self.ranks == "pipeline" else self.layout.pipeline_rank(rank)
 
     def process_label(self, rank: int) -> str:
         """How a row is named: ``"rank 2"``, or the process's mesh coordinates (``"pp1 dp0"``: pipeline rank 1,
@@ -149,7 +174,8 @@ class Timeline:
     # ----------------------------------------------------------------- export
     def to_dict(self) -> dict[str, Any]:
         return {"num_ranks": self.num_ranks, "num_stages": self.num_stages, "microbatches": self.microbatches,
-                "schedule": self.schedule, "source": self.source, "meta": self.meta,
+                "schedule": self.schedule, "source": self.source, "meta": self.meta, "ranks": self.ranks,
+                "mesh": None if self.mesh is None else dict(zip(DIMS, self.mesh.degrees, strict=True)),
                 "events": [asdict(e) for e in self.events]}
 
     def to_json(self) -> str:
@@ -159,7 +185,8 @@ class Timeline:
     def from_json(cls, text: str) -> Timeline:
         d = json.loads(text)
         events = [Event(**e) for e in d.pop("events")]
-        return cls(events=events, **d)
+        mesh = d.pop("mesh", None)
+        return cls(events=events, mesh=Mesh(**mesh) if mesh else None, **d)
 
     def to_chrome_trace(self, path: str | Path) -> Path:
         """Write Chrome-trace JSON (one track per rank, microseconds, one clock) that Perfetto opens."""

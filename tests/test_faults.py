@@ -121,6 +121,22 @@ def test_a_rank_killed_by_a_signal(plan: pv.SplitPlan) -> None:
     assert not left_behind(run)
 
 
+@pytest.mark.parametrize(("layout", "victim", "named"), [({"dp": 2}, 3, "rank 3 (pp1 dp1, stage 1)"),
+                                                        ({"dp": 2}, 1, "rank 1 (pp0 dp1, stage 0)"),
+                                                        ({"tp": 2}, 2, "rank 2 (pp1 tp0, stage 1)")])
+def test_a_killed_process_is_named_by_its_coordinates_and_stage(layout: dict, victim: int, named: str) -> None:
+    # A process rank is not a pipeline rank: with replicas or shards, process 1 is pp0 (stage 0), process 3 pp1.
+    torch.manual_seed(0)
+    plan = pv.trace(MyNetwork(8, [8, 8]), example_args=(torch.randn(8, 8),)).split(["layer0"])
+    run = pv.launch(plan, schedule="GPipe", microbatches=2, steps=100000, inputs=(X,), target=Y,
+                    loss_fn=F.cross_entropy, **layout)
+    wait_running(run)
+    os.kill(run.pids[victim], signal.SIGKILL)
+    assert run.wait(60) == "failed"
+    assert run.error.startswith(f"{named} died (killed by signal SIGKILL) without a Python traceback."), run.error
+    assert not left_behind(run)
+
+
 def test_a_hung_step_ends_at_the_timeout(plan: pv.SplitPlan) -> None:
     run = pv.launch(plan, schedule="1F1B", microbatches=4, steps=2, inputs=(X,), target=Y, loss_fn=sleepy_loss,
                     timeout=3)

@@ -218,7 +218,8 @@ def rank_payload(spec: LaunchSpec, stages: Any, tied: dict[str, list[int]], rank
     from pipeviz.runtime.worker import RankPayload
 
     lay, mesh = spec.layout, spec.mesh
-    pp, replica, _ = mesh.coords(rank)
+    c = mesh.coords(rank)
+    pp, replica = c.pp, c.dp
     batch = _batch_size(spec.args, spec.kwargs) or 1
     args, kwargs, target = share((spec.args, spec.kwargs, spec.target), replica, mesh.dp, batch)
     first, last = lay.stage_ranks[0], lay.stage_ranks[-1]

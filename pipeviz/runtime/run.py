@@ -201,7 +201,7 @@ class Run:
         if self.mesh.world > self.mesh.pp:
             meta["processes"] = [self.mesh.label(r) for r in range(self.mesh.world)]
         return Timeline(events, self.mesh.world, self.layout.num_stages, self.microbatches, self.schedule,
-                        source="measured", meta=meta)
+                        source="measured", meta=meta, mesh=self.mesh)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Trained parameters and buffers gathered from all stages, keyed by the original model's names
@@ -429,7 +429,8 @@ class Run:
                     break
             size_of = _batch_size(batch[0], batch[1]) or 1
             for rank, feed in enumerate(feeds):
-                pp, replica, _ = self.mesh.coords(rank)  # each replica its share of the batch
+                c = self.mesh.coords(rank)  # each replica its share of the batch
+                pp, replica = c.pp, c.dp
                 args, kwargs, target = share(batch, replica, self.mesh.dp, size_of)
                 msg = ("batch", args if pp == first_rank else (), kwargs if pp == first_rank else {},
                        target if pp == last_rank else None)
@@ -572,16 +573,20 @@ class Run:
                 self._publish([Event(*e) for e in msg.events])
 
         def where(r: int) -> str:
-            stages = self.layout.stages_of(r) if r >= 0 else []
-            st = f" (stage{'s' * (len(stages) > 1)} {', '.join(map(str, stages))})" if stages else ""
-            return f"rank {r}{st}"
+            """A process rank in words, with its coordinates (when the run has replicas or shards) and stages."""
+            if not 0 <= r < self.mesh.world:
+                return f"rank {r}"
+            stages = self.layout.stages_of(self.mesh.pipeline_rank(r))
+            said = [self.mesh.label(r)] if self.mesh.world > self.mesh.pp else []
+            said += [f"stage{'s' * (len(stages) > 1)} {', '.join(map(str, stages))}"] if stages else []
+            return f"rank {r}" + (f" ({', '.join(said)})" if said else "")
 
-        causes: list[str] = []
+        causes: list[tuple[int, str]] = []  # (process rank, what happened to it)
         for r, proc in enumerate(self._procs):
             code = proc.exitcode
             if code is not None and code < 0:
-                causes.append(f"{where(r)} died (killed by signal {signal.Signals(-code).name}) without a Python "
-                              "traceback.")
+                causes.append((r, f"{where(r)} died (killed by signal {signal.Signals(-code).name}) without a Python "
+                                  "traceback."))
         real = [r for r, (s, tb, _) in errors.items() if not any(c in s or c in tb for c in _PEER_GONE)]
         consequences = [r for r in errors if r not in real]
         for r in real:
@@ -589,15 +594,16 @@ class Run:
             text = f"{where(r)} failed in step {steps.get(r, 0)}: {summary}\n\n{tb.rstrip()}"
             if log.strip():
                 text += f"\n\ntorch's log on rank {r} (last lines):\n{log.rstrip()}"
-            causes.append(text)
+            causes.append((r, text))
         for r, proc in enumerate(self._procs):
             if proc.exitcode is not None and proc.exitcode > 0 and r not in errors:
-                causes.append(f"{where(r)} died (exit code {proc.exitcode}) without a Python traceback.")
+                causes.append((r, f"{where(r)} died (exit code {proc.exitcode}) without a Python traceback."))
         if not causes and consequences:  # only peers-went-away errors: the first one is all there is
             r = consequences.pop(0)
-            causes.append(f"{where(r)} failed in step {steps.get(r, 0)}: {errors[r][0]}\n\n{errors[r][1].rstrip()}")
-        self.error = causes[0] if causes else "a rank failed without a report."
-        others = [c.split(" failed")[0].split(" died")[0] for c in causes[1:]] + [where(r) for r in consequences]
+            causes.append((r, f"{where(r)} failed in step {steps.get(r, 0)}: {errors[r][0]}\n\n"
+                              f"{errors[r][1].rstrip()}"))
+        self.error = causes[0][1] if causes else "a rank failed without a report."
+        others = [where(r) for r, _ in causes[1:]] + [where(r) for r in consequences]
         if others:
             self.error += f"\n\nAs a consequence, {', '.join(others)} failed too (their peers went away)."
         self._kill_all()

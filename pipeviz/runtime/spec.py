@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 from pipeviz import schedules as sched
 from pipeviz.capture import _batch_size
+from pipeviz.errors import LaunchError
 from pipeviz.mesh import Mesh
 from pipeviz.plan import SplitPlan
 from pipeviz.runtime.config import LaunchConfig
@@ -28,8 +29,6 @@ __all__ = ["LaunchError", "LaunchSpec", "check_weights", "cpu_sets", "data_batch
            "validate_launch"]
 
 
-class LaunchError(ValueError):
-    """A launch that cannot work, found before any process starts."""
 
 
 @dataclass
@@ -144,7 +143,7 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
         raise type(exc)(f"{exc} (each of the dp={dp} replicas takes {batch // dp} of the batch of {batch})") \
             from None
     if loss_fn is None:  # a forward-only run: run.outputs
-        if name in sched.V_SHAPED:
+        if not sched.info(name).forward_only:
             raise LaunchError(f"{name} cannot run forward only: torch 2.13's V-shaped schedules split every backward "
                               "and fail without one. Fix: schedule='GPipe', '1F1B' or 'Interleaved1F1B' for a "
                               "forward-only run, or pass loss_fn=... to train.")

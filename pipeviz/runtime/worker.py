@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from pipeviz import schedules as sched
 from pipeviz.mesh import Coords
 from pipeviz.runtime.memory import MemoryMeter
 from pipeviz.runtime.messages import (
@@ -51,7 +52,6 @@ from pipeviz.runtime.messages import (
     StepEnd,
 )
 from pipeviz.runtime.stages import StepError
-from pipeviz.schedules import SINGLE, ZERO_BUBBLE
 
 __all__ = ["SEND_INTERVAL", "Boot", "RankPayload", "main"]
 
@@ -80,7 +80,7 @@ class Boot:
 
     @property
     def coords(self) -> Coords:
-        return self.mesh.coords(self.rank) if self.mesh is not None else Coords(self.rank, 0, 0)
+        return self.mesh.coords(self.rank) if self.mesh is not None else Coords(self.rank)
 
 
 PAYLOAD_WAIT = 3600.0  # seconds a started rank waits for its payload (the launching process may trace a big model)
@@ -123,7 +123,7 @@ class RankPayload:
     @property
     def coords(self) -> Coords:
         """This process's place in the mesh (pipeline rank, replica, shard)."""
-        return self.mesh.coords(self.rank) if self.mesh is not None else Coords(self.rank, 0, 0)
+        return self.mesh.coords(self.rank) if self.mesh is not None else Coords(self.rank)
 
 
 def main(payload_path: str, queue: Any, log_path: str | None = None, data: Any = None, boot: Boot | None = None,
@@ -137,7 +137,7 @@ def main(payload_path: str, queue: Any, log_path: str | None = None, data: Any =
     from pipeviz.runtime.ship import load_payload
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's own pytree deprecation noise
-    rank, coords = (boot.rank, boot.coords) if boot is not None else (-1, Coords(-1, 0, 0))
+    rank, coords = (boot.rank, boot.coords) if boot is not None else (-1, Coords(-1))
     _quiet_stderr(log_path)
     try:
         connected = None
@@ -345,7 +345,7 @@ def _stages(p: RankPayload, clock: _Clock, step_box: list[int], device: torch.de
             retarget(compute)
         runner = st.runner.to(compute)
         runner.compute_device = compute if compute != device else None
-        runner.fresh_outputs = p.schedule in ZERO_BUBBLE
+        runner.fresh_outputs = sched.info(p.schedule).split_backward
         # Static shapes, so torch never runs its shape inference (an extra forward/backward in step 1).
         # Activations from another stage need grads; model inputs and integer tensors (masks) do not.
         ins = tuple(_like(t, device, grad=st.index > 0 and t.is_floating_point()) for t in st.inputs)
@@ -406,7 +406,7 @@ def _schedule(p: RankPayload, stages: list[Any]) -> Any:
 
     cls = torch_schedules.get_schedule_class(p.schedule)
     loss_fn = _named_loss(p.loss_fn, p) if p.loss_fn is not None else None
-    if p.schedule in SINGLE:
+    if not sched.info(p.schedule).multi:
         return cls(stages[0], n_microbatches=p.microbatches, loss_fn=loss_fn)  # one stage per rank
     return cls(stages, n_microbatches=p.microbatches, loss_fn=loss_fn)
 
@@ -437,7 +437,7 @@ def _train(p: RankPayload, schedule: Any, optimizer: torch.optim.Optimizer, para
     first = any(st.index == 0 for st in p.stages)
     last = any(st.index == len(p.stage_ranks) - 1 for st in p.stages)
     # One process reports the loss: replica 0's shard 0 (the other replicas averaged into it, the shards agree).
-    reports = p.mesh is None or p.mesh.coords(p.rank)[1:] == (0, 0)
+    reports = p.coords.dp == p.coords.tp == p.coords.cp == 0  # replica 0, shard 0, share 0 speaks for all
     names = {id(t): canon for st in p.stages for canon, inner in st.params.items()
              for n, t in st.runner.stage.named_parameters(remove_duplicate=False) if n == inner}
     for step, (args, kwargs, target) in enumerate(_batches(p, device)):
@@ -568,7 +568,7 @@ def _like(t: torch.Tensor, device: torch.device, grad: bool) -> torch.Tensor:
 def _averaged_after_step(p: RankPayload) -> bool:
     """Whether replicas average their gradients after the step (``_average_replicas``) rather than by DDP: the
     split-backward schedules, and tensor-parallel stages (DDP does not take DTensor parameters)."""
-    return not p.dp_shard and (p.schedule in ZERO_BUBBLE or (p.mesh is not None and p.mesh.tp > 1))
+    return not p.dp_shard and (sched.info(p.schedule).split_backward or (p.mesh is not None and p.mesh.tp > 1))
 
 
 def _average_replicas(params: list[torch.nn.Parameter], group: Any, replicas: int, clock: _Clock, rank: int,
@@ -634,7 +634,7 @@ class _Clock:
         self.memory: list[tuple[float, int, int]] = []  # (time, total bytes, saved-activation bytes)
         self.sent_at = 0.0
         self.queue: Any = None
-        self.rank, self.coords = -1, Coords(-1, 0, 0)  # the sender named in every message
+        self.rank, self.coords = -1, Coords(-1)  # the sender named in every message
         self.anchor: tuple[float, Any] | None = None
 
     def span(self, rank: int, stage: int, kind: str, mb: int, step: int) -> _Span:

@@ -73,6 +73,8 @@ def _shifted_overlay(overlay: Timeline, measured: dict[str, np.ndarray]) -> dict
     sim = _columns(overlay.events)
     if not len(sim["start"]):
         return sim
+    # Drawn on the rows of the processes its ranks stand for (a simulation's pipeline rank r: process pp r, dp 0).
+    sim["rank"] = np.asarray([overlay.process_of(int(r)) for r in sim["rank"]], dtype=float)
     sim_start = sim["start"].min()
     starts = [0.0]
     if len(measured["start"]):
@@ -109,7 +111,7 @@ def timeline_traces(timeline: Timeline, overlay: Timeline | None = None, *, gl: 
             c["start"], c["end"] = c["start"] - t0, c["end"] - t0
     gl = n > GL_THRESHOLD if gl is None else gl
     labels = n <= LABEL_LIMIT if labels is None else labels
-    multi = timeline.num_stages > timeline.num_ranks
+    multi = timeline.num_stages > timeline.pipeline_ranks
     # (name, columns, is overlay, y offset in the rank's row, bar width, opacity)
     # With an overlay, the measured bars take the lower part of a rank's row and the simulated step a band
     # above them, wide enough to see.
@@ -172,13 +174,14 @@ def memory_traces(timeline: Timeline, overlay: Timeline | None = None, t0: float
                        "legendgroup": "memory", "showlegend": i == 0, "meta": ["memory", "MEM"],
                        "customdata": sizes / 2**20, "hovertemplate": f"rank {rank}: %{{customdata:.2f}} MiB saved "
                        "for backward<extra>measured memory</extra>"})
-        if rank < len(predicted) and len(times):
-            y = base - 0.16 * predicted[rank] / top
+        pipe = timeline.pipeline_of(rank) if overlay is not None else rank  # the prediction is per pipeline rank
+        if pipe < len(predicted) and len(times):
+            y = base - 0.16 * predicted[pipe] / top
             traces.append({"type": "scatter", "mode": "lines", "x": [times.min() * 1e3, times.max() * 1e3],
                            "y": [y, y], "line": {"color": MEMORY_COLOR, "width": 1, "dash": "dot"},
                            "name": "simulated peak", "legendgroup": "memory-sim", "showlegend": i == 0,
                            "meta": ["memory", "MEMSIM"], "hovertemplate": f"rank {rank}: simulated peak "
-                           f"{predicted[rank] / 2**20:.2f} MiB<extra></extra>"})
+                           f"{predicted[pipe] / 2**20:.2f} MiB<extra></extra>"})
     return traces
 
 
