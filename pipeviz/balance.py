@@ -19,12 +19,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipeviz import schedules as sched
+from pipeviz._compat import positional_legacy
 from pipeviz.costs import CostOptions, in_flight, layer_activation_bytes, layer_times, stage_memory
 from pipeviz.graph import ModelGraph
 from pipeviz.hardware import Hardware
 from pipeviz.plan import PlanError, SplitPlan
+from pipeviz.runtime.config import LaunchConfig
 from pipeviz.schedules import ScheduleError
-from pipeviz.simulate import Comparison, simulate
+from pipeviz.simulate import Comparison, ComparisonRow, simulate
+from pipeviz.training import cross_entropy
 
 __all__ = ["BY", "balance", "compare", "layer_costs", "optimal_partitions", "partition", "slowest_stage"]
 
@@ -278,8 +281,8 @@ def _fastest(graph: ModelGraph, candidates: list[list[int]], schedule: str, micr
     for ends in candidates:
         plan = SplitPlan.from_stages(graph, _groups(graph, ends))
         try:
-            step = simulate(plan, schedule, microbatches, None if stages_per_rank == 1 else stages_per_rank,
-                            options=options).step_time
+            step = simulate(plan, schedule, microbatches, stages_per_rank=None if stages_per_rank == 1
+                            else stages_per_rank, options=options).step_time
         except ScheduleError:  # this schedule cannot run such a plan: the evenest split stands
             return candidates[0]
         if step < best_time - 1e-12:
@@ -339,10 +342,11 @@ def _groups(graph: ModelGraph, ends: list[int]) -> list[list[str]]:
     return out
 
 
-def compare(plan: SplitPlan, schedules: Sequence[str] | None = None, microbatches: int = 8,
-            stages_per_rank: int | None = None, *, by: str = "time", hardware: Hardware | str | None = None,
-            dtype: str | None = None, recompute: str | None = None, options: CostOptions | None = None,
-            **simulate_options: Any) -> Comparison:
+@positional_legacy("stages_per_rank")
+def compare(plan: SplitPlan, schedules: Sequence[str] | None = None, microbatches: int = 8, *,
+            stages_per_rank: int | None = None, by: str = "time", config: LaunchConfig | None = None,
+            hardware: Hardware | str | None = None, dtype: str | None = None, recompute: str | None = None,
+            options: CostOptions | None = None, **simulate_options: Any) -> Comparison:
     """Simulate ``plan`` under several schedules (default: all 7) on the same number of devices, and tabulate
     step time, bubble and memory.
 
@@ -350,7 +354,8 @@ def compare(plan: SplitPlan, schedules: Sequence[str] | None = None, microbatche
     ``plan`` itself; a schedule with ``v`` stages per rank (``stages_per_rank``, default 2) runs a split of the
     plan's graph into ``p x v`` stages balanced the same way (``pv.balance(graph, p * v, by=by)`` with the same
     cost options), so each row answers "which schedule on these p devices". Rows give ``ranks`` and ``stages``
-    (and the ``plan`` they ran).
+    (and the ``plan`` they ran, with the ``config`` that launches it: ``pv.launch(row.plan, config=row.config,
+    ...)``).
 
     Schedules that cannot run (more stages than the graph has layers, a microbatch count the schedule refuses)
     are listed in ``skipped`` with the reason; with ``forward_only=True`` (an inference run) the V-shaped ones too,
@@ -358,48 +363,56 @@ def compare(plan: SplitPlan, schedules: Sequence[str] | None = None, microbatche
 
     Example:
         >>> cmp = pv.compare(plan, microbatches=8, hardware="h100")
-        >>> [(r["schedule"], r["ranks"], r["stages"]) for r in cmp.rows]
+        >>> [(r.schedule, r.ranks, r.stages) for r in cmp.rows]
 
     Args:
         plan: the split; its stage count is the number of ranks.
         schedules: schedule names (case-insensitive); default all.
         microbatches: per step.
-        stages_per_rank: for the multi-stage schedules (default 2).
+        stages_per_rank: for the multi-stage schedules (default: each schedule's, ``ScheduleInfo``).
         by: how the multi-stage splits are balanced (``pv.balance``'s ``by``).
+        config: the rest of the run (``dp``, ``cp``, ``tp``, ``loss_fn``: without one, forward only), as
+            ``pv.launch`` takes it; each row's schedule, microbatches and stages per rank replace its own.
         hardware, dtype, recompute, options: cost options (``pipeviz.costs.CostOptions``).
         simulate_options: the rest of ``pv.simulate``'s keywords (``dp``, ``tp``, ``forward_only``, ``cores``, ...).
     """
     opts = CostOptions.of(options, hardware=hardware, dtype=dtype, recompute=recompute)
     ranks = plan.num_stages
-    v = stages_per_rank or 2
-    rows, tls, skipped = [], {}, {}
-    split: SplitPlan | PlanError | None = None
+    base = config or LaunchConfig(loss_fn=cross_entropy)  # a training run unless the config says otherwise
+    forward_only = simulate_options.pop("forward_only", base.loss_fn is None)
+    rows, tls, skipped, why = [], {}, {}, {}
+    splits: dict[int, SplitPlan | PlanError] = {}
     for name in schedules or sched.ALL:
-        canon = sched.canonical(name)
-        if simulate_options.get("forward_only") and not sched.SCHEDULES[canon].forward_only:
-            skipped[canon] = f"{canon} cannot run forward only (torch 2.13's V-shaped schedules need a backward)."
+        trait = sched.info(name)
+        canon = trait.name
+        if forward_only and not trait.forward_only:
+            why[canon] = f"{canon} cannot run forward only (torch 2.13's V-shaped schedules need a backward)"
+            skipped[canon] = why[canon] + "."
             continue
-        single = not sched.SCHEDULES[canon].multi
+        v = 1 if not trait.multi else stages_per_rank or trait.stages_per_rank
         run_plan = plan
-        if not single:
-            if split is None:
+        if v > 1:
+            if v not in splits:
                 try:
-                    split = balance(plan.graph, ranks * v, by=by, options=opts)
+                    splits[v] = balance(plan.graph, ranks * v, by=by, options=opts)
                 except PlanError as exc:
-                    split = exc
-            if isinstance(split, PlanError):
-                skipped[canon] = (f"{canon} on {ranks} ranks needs {ranks * v} stages ({v} per rank): "
-                                  f"{str(split).split('. Valid')[0]}. Fix: a finer graph (graph.expand(name)) or "
-                                  "fewer ranks.")
+                    splits[v] = exc
+            split = splits[v]
+            if isinstance(split, SplitPlan):
+                run_plan = split
+            else:
+                why[canon] = (f"{canon} on {ranks} ranks needs {ranks * v} stages ({v} per rank): the graph has "
+                              f"{len(plan.graph.layer_names)} layers")
+                skipped[canon] = f"{why[canon]}. Fix: a finer graph (graph.expand(name)) or fewer ranks."
                 continue
-            run_plan = split
+        cfg = base.replace(schedule=canon, microbatches=microbatches, stages_per_rank=None if v == 1 else v)
         try:
-            tl = simulate(run_plan, canon, microbatches, None if single else v, options=opts, **simulate_options)
+            tl = simulate(run_plan, cfg, options=opts, forward_only=forward_only, **simulate_options)
         except ScheduleError as exc:
             skipped[canon] = str(exc)
+            why[canon] = str(exc)
             continue
         tls[canon] = tl
-        rows.append({"schedule": canon, "ranks": tl.num_ranks, "stages": run_plan.num_stages,
-                     "step_time": tl.step_time, "bubble": tl.bubble_fraction, "memory_bytes": tl.meta["memory_bytes"],
-                     "peak_activation_bytes": tl.meta["peak_activation_bytes"], "plan": run_plan})
-    return Comparison(rows, tls, skipped)
+        rows.append(ComparisonRow(canon, tl.num_ranks, run_plan.num_stages, tl.step_time, tl.bubble_fraction,
+                                  tl.meta["memory_bytes"], tl.meta["peak_activation_bytes"], run_plan, cfg))
+    return Comparison(rows, tls, skipped, why)

@@ -101,11 +101,11 @@ def _section(name: str, a: argparse.Namespace) -> Any:
     print(f"  simulated schedules, every one on {plan.num_stages} ranks (2 stages per rank: a "
           f"{2 * plan.num_stages}-stage split balanced the same way):\n"
           + "\n".join("    " + line for line in cmp.table().splitlines()))
-    spr = None if pv.schedules.canonical(a.schedule) in pv.schedules.SINGLE else 2
+    spr = pv.schedules.info(a.schedule).stages_per_rank if pv.schedules.info(a.schedule).multi else None
     run_plan = plan
-    row = next((r for r in cmp.rows if r["schedule"] == a.schedule), None)
+    row = cmp.row(a.schedule)
     if spr is not None and row is not None:
-        run_plan = row["plan"]  # the comparison's split: the same ranks as the table
+        run_plan = row.plan  # the comparison's split: the same ranks as the table
     elif spr is not None and plan.num_stages % 2:
         run_plan = pv.balance(graph, plan.num_stages + 1, by="time")
         print(f"  {a.schedule} needs an even stage count: running {run_plan!r}")

@@ -62,6 +62,7 @@ from pipeviz.hardware import (
     loss_kernel_times,
     op_table,
 )
+from pipeviz.mesh import Mesh
 
 if TYPE_CHECKING:
     from pipeviz.graph import ModelGraph
@@ -224,6 +225,9 @@ class Costs:
             return self.forward[stage] + coll + self.overhead
         if kind == "B":
             return self.backward[stage] + coll + self.overhead
+        if kind not in ("I", "W"):
+            raise sched.ScheduleError(f"Cannot price an action of kind {kind!r}; valid: F, B, I, W (forward, backward, "
+                                "input-grad, weight-grad).")
         part = self.weight_fraction if kind == "W" else 1 - self.weight_fraction
         return self.backward[stage] * part + coll + self.overhead
 
@@ -460,25 +464,55 @@ def tp_collectives(plan: SplitPlan, microbatches: float, dp: int = 1, tp: int = 
     )
 
 
-def parallel_costs(costs: Costs, dp: int = 1, tp: int = 1, collective: Sequence[float] | None = None) -> Costs:
-    """``costs`` of one microbatch of a pipeline alone, for one rank of that pipeline composed with ``dp``
-    replicas and ``tp`` shards per stage: forward and backward / (dp x tp), activations / (dp x tp) (roughly,
-    for tp), hand-offs' bytes / dp (``comm - latency``), parameters / tp; ``collective`` (``tp_collectives``)
-    replaces ``costs.collective`` when given. ``dp = tp = 1`` returns ``costs`` itself."""
-    if dp == 1 and tp == 1 and collective is None:
+def parallel_costs(costs: Costs, mesh: Mesh | int = 1, tp: int | None = None,
+                   collective: Sequence[float] | None = None) -> Costs:
+    """``costs`` of one microbatch of a pipeline alone, for one process of that pipeline in ``mesh`` (its ``dp``
+    replicas, ``cp`` shares of every sequence and ``tp`` shards per stage): forward and backward / (dp x cp x tp),
+    activations likewise (roughly, for tp), hand-offs' bytes / (dp x cp) (``comm - latency``), parameters / tp;
+    ``collective`` (``tp_collectives`` plus ``cp_collectives``) replaces ``costs.collective`` when given. A trivial
+    mesh returns ``costs`` itself. (``parallel_costs(costs, dp, tp)``, the form before the mesh, still works.)"""
+    if not isinstance(mesh, Mesh):
+        mesh = Mesh(pp=1, dp=mesh, tp=tp or 1)
+    dp, cp, tp = mesh.dp, mesh.cp, mesh.tp
+    if dp == cp == tp == 1 and collective is None:
         return costs
-    k = dp * tp
+    k, rows = dp * cp * tp, dp * cp
     return replace(
         costs,
         forward=tuple(f / k for f in costs.forward),
         backward=tuple(b / k for b in costs.backward),
-        comm=tuple((c - costs.latency) / dp + costs.latency for c in costs.comm),
+        comm=tuple((c - costs.latency) / rows + costs.latency for c in costs.comm),
         activation_bytes=tuple(round(a / k) for a in costs.activation_bytes),
         param_bytes=tuple(round(p / tp) for p in costs.param_bytes),
         collective=tuple(collective) if collective is not None else costs.collective,
         recompute_bytes=tuple(round(a / k) for a in costs.recompute_bytes),
-        send_bytes=tuple(b / dp for b in costs.send_bytes),
+        send_bytes=tuple(b / rows for b in costs.send_bytes),
     )
+
+
+def attention_kv_bytes(plan: SplitPlan) -> list[float]:
+    """Per stage, the bytes of keys and values its attention ops read in one forward of the traced batch
+    (``scaled_dot_product_attention``'s second and third inputs; twice its output where the trace does not tell
+    them apart): what context parallelism gathers from the other shares of the sequence."""
+    ops = plan.graph.capture.ops
+    out = [0.0] * plan.num_stages
+    for op in ops:
+        if "scaled_dot_product" not in op.target:
+            continue
+        kv = sum(ops[i].out_bytes for i in op.inputs[1:3]) if len(op.inputs) >= 3 else 2 * op.out_bytes
+        out[plan._stage_of_op(op.index)] += kv
+    return out
+
+
+def cp_collectives(plan: SplitPlan, microbatches: float, mesh: Mesh, via: tuple[float, float],
+                   scale: float = 1.0) -> tuple[float, ...]:
+    """Per stage, seconds of context parallelism's exchange in one forward of one microbatch: the keys and values
+    of every attention op all-gathered across the ``cp`` shares of the sequence (torch's ``context_parallel`` and
+    torchtitan default to this all-gather rotation: ``(cp-1)/cp x bytes / bandwidth + (cp-1) x latency``, half a
+    ring all-reduce), not overlapped; its backward gathers them again and reduce-scatters their gradients: twice
+    as much (``pv.simulate`` adds that to the backward)."""
+    return tuple(all_reduce_time(kv * scale / (microbatches * mesh.dp), mesh.cp, via) / 2
+                 for kv in attention_kv_bytes(plan))
 
 
 def peak_activations(order: Sequence[Sequence[str]], activation_bytes: Sequence[int],

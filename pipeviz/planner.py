@@ -20,11 +20,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipeviz import schedules as sched
+from pipeviz._compat import deprecated
 from pipeviz.balance import balance
 from pipeviz.costs import (
     RECOMPUTE,
     CostOptions,
     Costs,
+    cp_collectives,
     memory_per_rank,
     parallel_costs,
     stage_costs,
@@ -33,8 +35,11 @@ from pipeviz.costs import (
 from pipeviz.graph import ModelGraph
 from pipeviz.hardware import Hardware, op_table
 from pipeviz.hardware import hardware as find_hardware
+from pipeviz.mesh import DIMS, Mesh, check_degree
 from pipeviz.plan import PlanError, SplitPlan, human_bytes
+from pipeviz.runtime.config import LaunchConfig
 from pipeviz.simulate import Collectives, simulate
+from pipeviz.training import cross_entropy
 
 __all__ = ["ClusterPlan", "LayoutOption", "plan_cluster"]
 
@@ -43,7 +48,8 @@ class LayoutOption:
     """One way to train on the cluster, with what the simulator predicts for it.
 
     Attributes:
-        pp, dp, tp: pipeline ranks, data-parallel replicas, tensor-parallel shards (``pp x dp x tp`` GPUs).
+        pp, dp, tp, cp: pipeline ranks, data-parallel replicas, tensor-parallel shards, context-parallel shares of
+            every sequence (``pp x dp x cp x tp`` GPUs; ``mesh``).
         schedule, stages_per_rank: the pipeline schedule (torch's name) and stages each pipeline rank holds.
         microbatch_size, microbatches: sequences per microbatch (per replica) and microbatches per step.
         recompute: ``"none"``, ``"selective"`` or ``"full"``.
@@ -54,6 +60,11 @@ class LayoutOption:
         bubble: idle fraction of the pipeline ranks.
         peak_memory: the most bytes any device holds.
         extrapolated: the step and memory come from two shorter simulations (see ``plan_cluster``).
+        options, collectives: how it was costed (``CostOptions``: hardware, dtype, recomputation, batch scale).
+
+    A row launches as it is: ``config`` is the ``LaunchConfig`` it simulated (a training run with
+    ``pv.cross_entropy``), so ``pv.simulate(row.plan, row.config, options=row.options,
+    collectives=row.collectives)`` reproduces it and ``pv.launch(row.plan, config=row.config, ...)`` runs it.
     """
 
     pp: int
@@ -74,22 +85,37 @@ class LayoutOption:
     extrapolated: bool = False
     options: CostOptions = field(default_factory=CostOptions, repr=False, compare=False)
     collectives: Collectives | None = field(default=None, repr=False, compare=False)
+    cp: int = 1
+
+    @property
+    def mesh(self) -> Mesh:
+        return Mesh(self.pp, self.dp, self.tp, self.cp)
 
     @property
     def gpus(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.mesh.world
+
+    @property
+    def config(self) -> LaunchConfig:
+        """The ``LaunchConfig`` of this row (schedule, microbatches, stages per rank, layout, a training loss)."""
+        return LaunchConfig(schedule=self.schedule, microbatches=self.microbatches, loss_fn=cross_entropy,
+                            stages_per_rank=self.stages_per_rank if self.stages_per_rank > 1 else None,
+                            dp=self.dp, tp=self.tp, cp=self.cp)
 
     @property
     def simulate_options(self) -> dict[str, Any]:
-        """Keywords that make ``pv.simulate(plan, schedule, microbatches, stages_per_rank, **these)`` reproduce
-        this row: ``dp``, ``tp``, the cost options (hardware, dtype, recompute, batch scale) and the collectives."""
-        return {"dp": self.dp, "tp": self.tp, "options": self.options, "collectives": self.collectives}
+        """Deprecated since 0.3: ``pv.simulate(row.plan, row.config, options=row.options,
+        collectives=row.collectives)`` reproduces the row."""
+        deprecated("LayoutOption.simulate_options is deprecated since pipeviz 0.3: pv.simulate(row.plan, row.config, "
+                   "options=row.options, collectives=row.collectives) reproduces the row.")
+        return {"dp": self.dp, "tp": self.tp, "cp": self.cp, "options": self.options,
+                "collectives": self.collectives}
 
     def label(self) -> str:
-        """``"pp4 dp8 tp2 1F1B mb=2x64 selective"``."""
+        """``"pp4 dp8 tp2 1F1B mb=2x64 selective"`` (``cp4`` after ``dp`` when the sequence is split)."""
         v = f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
-        return (f"pp{self.pp} dp{self.dp} tp{self.tp} {self.schedule}{v} mb={self.microbatch_size}x"
-                f"{self.microbatches} {self.recompute}")
+        dims = " ".join(f"{d}{getattr(self, d)}" for d in DIMS if d != "cp" or self.cp > 1)
+        return f"{dims} {self.schedule}{v} mb={self.microbatch_size}x{self.microbatches} {self.recompute}"
 
 
 @dataclass(frozen=True)
@@ -141,15 +167,17 @@ class ClusterPlan:
                 f"batch {self.global_batch} x {self.seq_len} tokens, memory limit {human_bytes(self.memory_limit)}")
         if not self.rows:
             return head + "\n" + self._none_fit()
-        rows = [("#", "pp", "dp", "tp", "schedule", "v", "mb size", "mbs", "recompute", "step", "tokens/s",
-                 "TFLOP/s/GPU", "MFU", "bubble", "peak memory")]
+        cps = any(r.cp > 1 for r in self.rows[:top])  # a cp column only where the sequence is split
+        rows = [("#", "pp", "dp", *(("cp",) if cps else ()), "tp", "schedule", "v", "mb size", "mbs", "recompute",
+                 "step", "tokens/s", "TFLOP/s/GPU", "MFU", "bubble", "peak memory")]
         for i, r in enumerate(self.rows[:top], 1):
-            rows.append((str(i), str(r.pp), str(r.dp), str(r.tp), r.schedule, str(r.stages_per_rank),
-                         str(r.microbatch_size), str(r.microbatches), r.recompute,
+            rows.append((str(i), str(r.pp), str(r.dp), *((str(r.cp),) if cps else ()), str(r.tp), r.schedule,
+                         str(r.stages_per_rank), str(r.microbatch_size), str(r.microbatches), r.recompute,
                          _seconds(r.step_time) + ("*" if r.extrapolated else ""), f"{r.tokens_per_s:,.0f}",
                          f"{r.tflops_per_gpu:.0f}", f"{r.mfu:.1%}", f"{r.bubble:.0%}", human_bytes(r.peak_memory)))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-        lines = ["  ".join(c.rjust(w) if j not in (4, 8) else c.ljust(w) for j, (c, w) in
+        left = {rows[0].index("schedule"), rows[0].index("recompute")}
+        lines = ["  ".join(c.rjust(w) if j not in left else c.ljust(w) for j, (c, w) in
                            enumerate(zip(r, widths, strict=True))).rstrip() for r in rows]
         tail = [f"{len(self.rows)} options fit; {self.considered} considered, {self.simulated} simulated, "
                 f"{self.pruned} pruned by a bound, {self.too_big} over the memory limit"
@@ -170,14 +198,15 @@ def plan_cluster(
     graph: ModelGraph, gpus: int, hardware: Hardware | str, global_batch: int, seq_len: int | None = None,
     memory_limit: float | None = None, schedules: Sequence[str] | None = None,
     recompute: Sequence[str] | str | None = None, dtype: str | None = "bfloat16", *,
-    tp: Sequence[int] | None = None, microbatch_sizes: Sequence[int] | None = None,
+    tp: Sequence[int] | None = None, cp: Sequence[int] | None = None, microbatch_sizes: Sequence[int] | None = None,
     stages_per_rank: Sequence[int] = (2,), optimizer_states: int = 2, top: int = 10, max_actions: int = 40_000,
     collectives: Collectives | None = None,
 ) -> ClusterPlan:
     """Rank every layout of ``gpus`` devices for training ``graph``'s model, fastest first; only those that fit.
 
-    Searched: tensor-parallel degree ``tp`` (powers of two up to a node, dividing ``gpus``), pipeline ranks ``pp``
-    (divisors of ``gpus / tp`` up to the number of places the graph can be split), ``dp = gpus / (pp x tp)``
+    Searched: tensor-parallel degree ``tp`` (powers of two up to a node, dividing ``gpus``), context-parallel
+    degree ``cp`` (long sequences), pipeline ranks ``pp`` (divisors of ``gpus / (tp x cp)`` up to the number of
+    places the graph can be split), ``dp = gpus / (pp x cp x tp)``
     (dividing the global batch), every schedule (multi-stage ones with ``stages_per_rank``), microbatch sizes
     (powers of two dividing the per-replica batch, up to 64), and the recomputation modes. Each option's split
     is ``pv.balance``'s optimum into ``pp x v`` stages on the hardware's roofline (exact, by dynamic
@@ -217,6 +246,10 @@ def plan_cluster(
         recompute: modes to consider (default all three).
         dtype: the training dtype (the peak used, activation bytes).
         tp: tensor-parallel degrees to consider (default powers of two up to ``devices_per_node``).
+        cp: context-parallel degrees to consider: each sequence split over ``cp`` devices (compute, activations
+            and hand-offs / cp; every attention op all-gathers its keys and values across them, as ``pv.simulate``
+            prices it). Default: 1, plus the powers of two up to 16 that leave each share at least 8,192 tokens
+            (long sequences only: 1 alone at 8k).
         microbatch_sizes: sequences per microbatch to consider (default powers of two up to 64).
         stages_per_rank: for the multi-stage schedules.
         optimizer_states: tensors of optimizer state per parameter (Adam: 2).
@@ -276,20 +309,25 @@ def plan_cluster(
             costs_cache[key] = stage_costs(plan, 1, options=replace(base, recompute=mode, batch_scale=b * per_token))
         return costs_cache[key]
 
-    rank_cache: dict[tuple[int, int, str, int], Costs] = {}
+    rank_cache: dict[tuple[int, int, str, int, int], Costs] = {}
 
-    def rank_costs(n: int, b: int, mode: str, t: int) -> Costs:
-        """One device's costs per microbatch of ``b`` sequences: its shard of each stage, with the shards'
-        all-reduces (``pv.simulate``'s, within a node)."""
-        key = (n, b, mode, t)
+    def rank_costs(n: int, b: int, mode: str, t: int, c: int = 1) -> Costs:
+        """One device's costs per microbatch of ``b`` sequences: its shard of each stage and its share of each
+        sequence, with the shards' all-reduces and the shares' key/value gathers (``pv.simulate``'s)."""
+        key = (n, b, mode, t, c)
         if key not in rank_cache:
             plan = plans[n]
             assert plan is not None
+            mesh = Mesh(1, 1, t, c)
             coll = None
-            if t > 1:
-                coll = tp_collectives(plan, 1, 1, t, base.link(t, allreduce=True),
-                                      base.byte_scale(plan.graph) * b * per_token)
-            rank_cache[key] = parallel_costs(costs_for(n, b, mode), 1, t, coll)
+            scale = base.byte_scale(plan.graph) * b * per_token
+            if t > 1 or c > 1:
+                tp_s = (tp_collectives(plan, 1, c, t, base.link(t, allreduce=True), scale) if t > 1
+                        else (0.0,) * n)
+                cp_s = (cp_collectives(plan, 1, mesh, base.link(mesh.rank(0, 0, 0, c - 1) + 1, allreduce=True),
+                                       scale) if c > 1 else (0.0,) * n)
+                coll = tuple(x + y for x, y in zip(tp_s, cp_s, strict=True))
+            rank_cache[key] = parallel_costs(costs_for(n, b, mode), mesh, collective=coll)
         return rank_cache[key]
 
     # Selective recomputation drops attention's stored scores; a fused attention (SDPA) stores none, so there it
@@ -304,15 +342,20 @@ def plan_cluster(
         raise ValueError(f"tp={wide} not within one node of {hw.name} ({hw.devices_per_node} devices): tensor "
                          f"parallelism talks at every layer and stays on the node's link. Fix: tp values from 1 to "
                          f"{hw.devices_per_node}.")
+    cps = list(cp) if cp is not None else [1, *(c for c in (2, 4, 8, 16) if seq % c == 0 and seq // c >= 8192)]
+    for c in cps:
+        check_degree("cp", c)
+    if any(c > 1 for c in cps):
+        notes.append("Context parallelism (cp > 1): keys and values all-gathered per attention op, not overlapped.")
     candidates: list[tuple[float, tuple[Any, ...]]] = []
     considered = pruned = 0
     # Model FLOPs: forward + backward (2x), no recomputation; attention's too where torch's counter missed them.
     model_flops = 3 * max(graph.total_flops, sum(op_table(graph.capture).flops)) * per_token * global_batch
-    for t in tps:
-        if gpus % t:
+    for t, c in [(t, c) for t in tps for c in cps]:
+        if gpus % (t * c):
             continue
-        for pp in [d for d in range(1, gpus // t + 1) if (gpus // t) % d == 0 and d <= len(blocks)]:
-            dp = gpus // (t * pp)
+        for pp in [d for d in range(1, gpus // (t * c) + 1) if (gpus // (t * c)) % d == 0 and d <= len(blocks)]:
+            dp = gpus // (t * c * pp)
             if global_batch % dp:
                 continue
             per_replica = global_batch // dp
@@ -336,20 +379,20 @@ def plan_cluster(
                             continue
                         for mode in modes:
                             considered += 1
-                            c = rank_costs(n, b, mode, t)
+                            rc = rank_costs(n, b, mode, t, c)
                             lay = sched.layout(name, n, v if v > 1 else None)
-                            work = _step_bound(c, lay, m)
-                            mem_lb = max(_static_memory(c, lay.stages_of(r), optimizer_states)
-                                         + max(c.activation_bytes[s] for s in lay.stages_of(r))
+                            work = _step_bound(rc, lay, m)
+                            mem_lb = max(_static_memory(rc, lay.stages_of(r), optimizer_states)
+                                         + max(rc.activation_bytes[s] for s in lay.stages_of(r))
                                          for r in lay.ranks)
                             if mem_lb > limit:
                                 pruned += 1
                                 continue
-                            candidates.append((work, (t, pp, dp, name, v, b, m, mode)))
+                            candidates.append((work, (t, c, pp, dp, name, v, b, m, mode)))
     candidates.sort(key=lambda c: c[0])
     rows: list[LayoutOption] = []
     simulated = too_big = too_long = 0
-    for bound, (t, pp, dp, name, v, b, m, mode) in candidates:
+    for bound, (t, c, pp, dp, name, v, b, m, mode) in candidates:
         if len(rows) >= top and bound > rows[top - 1].step_time:
             pruned += 1
             continue
@@ -358,34 +401,38 @@ def plan_cluster(
             continue
         plan = plans[pp * v]
         assert plan is not None
-        if _memory(rank_costs(pp * v, b, mode, t), name, pp * v, m, v, optimizer_states, limit) > limit:
+        if _memory(rank_costs(pp * v, b, mode, t, c), name, pp * v, m, v, optimizer_states, limit) > limit:
             too_big += 1
             continue
         opts = replace(base, recompute=mode, batch_scale=b * per_token * dp * m)
-        step, busy, memory, extrapolated = _simulate(plan, name, m, v, dp, t, opts, collectives)
+        row = LayoutOption(
+            pp=pp, dp=dp, tp=t, cp=c, schedule=name, stages_per_rank=v, microbatch_size=b, microbatches=m,
+            recompute=mode, plan=plan, step_time=0.0, tokens_per_s=0.0, tflops_per_gpu=0.0, mfu=0.0, bubble=0.0,
+            peak_memory=0, options=opts, collectives=collectives)
+        step, busy, memory, extrapolated = _simulate(row)
         simulated += 1
-        rows.append(LayoutOption(
-            pp=pp, dp=dp, tp=t, schedule=name, stages_per_rank=v, microbatch_size=b, microbatches=m, recompute=mode,
-            plan=plan, step_time=step, tokens_per_s=global_batch * seq / step,
-            tflops_per_gpu=model_flops / step / gpus / 1e12, mfu=model_flops / step / gpus / hw.peak(dt),
-            bubble=max(0.0, 1 - busy / (pp * step)), peak_memory=int(memory), extrapolated=extrapolated,
-            options=opts, collectives=collectives))
+        rows.append(replace(row, step_time=step, tokens_per_s=global_batch * seq / step,
+                            tflops_per_gpu=model_flops / step / gpus / 1e12,
+                            mfu=model_flops / step / gpus / hw.peak(dt),
+                            bubble=max(0.0, 1 - busy / (pp * step)), peak_memory=int(memory),
+                            extrapolated=extrapolated))
         rows.sort(key=lambda r: r.step_time)
     return ClusterPlan(tuple(rows[:top]), hw, gpus, global_batch, seq, dt, limit, considered, simulated, pruned,
                        too_big, too_long, tuple(notes))
 
 
-def _simulate(plan: SplitPlan, name: str, m: int, v: int, dp: int, tp: int,
-              opts: CostOptions, collectives: Collectives | None = None) -> tuple[float, float, float, bool]:
-    """(step seconds, busy seconds summed over pipeline ranks, peak bytes per device, extrapolated)."""
+def _simulate(row: LayoutOption) -> tuple[float, float, float, bool]:
+    """(step seconds, busy seconds summed over pipeline ranks, peak bytes per device, extrapolated) of the row's
+    own ``config`` (``pv.simulate``, as a user reproduces it)."""
+    plan, name, m, v = row.plan, row.schedule, row.microbatches, row.stages_per_rank
     n = plan.num_stages
     spr = v if v > 1 else None
 
     def run(count: int) -> tuple[float, float, float]:
         # batch_scale is the whole step's; with fewer microbatches each keeps its size.
-        o = replace(opts, batch_scale=opts.batch_scale * count / m)
-        tl = simulate(plan, name, count, spr, dp=dp, tp=tp, options=o, order=_orders(name, n, count, spr),
-                      collectives=collectives)
+        o = replace(row.options, batch_scale=row.options.batch_scale * count / m)
+        tl = simulate(plan, row.config.replace(microbatches=count), options=o, order=_orders(name, n, count, spr),
+                      collectives=row.collectives)
         start = min(e.start for e in tl.events)
         step = max(e.end for e in tl.events) - start
         busy = sum(e.duration for e in tl.events if e.kind in ("F", "B", "I", "W"))

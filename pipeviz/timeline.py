@@ -98,7 +98,7 @@ class Timeline:
     @property
     def layout(self) -> Mesh:
         """The layout the events come from (a pure pipeline when none was given)."""
-        return self.mesh or Mesh(pp=self.num_ranks)
+        return self.mesh or Mesh(pp=max(1, self.num_ranks))
 
     @property
     def pipeline_ranks(self) -> int:

@@ -57,7 +57,7 @@ def _brute_force(graph: pv.ModelGraph, gpus: int, hw: pv.Hardware, batch: int, l
                     except pv.ScheduleError:
                         continue
                     for mode in modes:
-                        tl = pv.simulate(plan, name, m, spr, dp=dp, tp=tp,
+                        tl = pv.simulate(plan, name, m, stages_per_rank=spr, dp=dp, tp=tp,
                                          options=CostOptions(hw, "bfloat16", mode, batch_scale=scale))
                         step = max(e.end for e in tl.events) - min(e.start for e in tl.events)
                         if max(tl.memory_bytes) <= limit:
@@ -84,9 +84,10 @@ def test_best_rows_are_the_brute_forces(tiny: pv.ModelGraph) -> None:
     assert three.pruned > 0 and three.simulated < len(brute)
     best = three.best
     assert best.gpus == 4 and best.plan.num_stages == best.pp * best.stages_per_rank
-    # A row says how to reproduce it.
-    tl = pv.simulate(best.plan, best.schedule, best.microbatches, best.stages_per_rank if best.stages_per_rank > 1
-                     else None, **best.simulate_options)
+    # A row says how to reproduce it: its own LaunchConfig (and how it was costed)
+    assert best.config.schedule == best.schedule and best.config.microbatches == best.microbatches
+    assert best.config.mesh(best.plan.num_stages) == best.mesh and best.config.loss_fn is pv.cross_entropy
+    tl = pv.simulate(best.plan, best.config, options=best.options, collectives=best.collectives)
     assert max(e.end for e in tl.events) - min(e.start for e in tl.events) == pytest.approx(best.step_time)
 
 
@@ -214,8 +215,8 @@ def test_collectives_reach_every_option_and_reproduce(tiny: pv.ModelGraph) -> No
     flush = pv.plan_cluster(tiny, 4, hw, 16, schedules=["1F1B"], recompute="none", top=10_000, collectives=after)
     by_key = {_key(r): r for r in ddp.rows}
     for r in flush.rows:
-        assert r.collectives == after and r.simulate_options["collectives"] == after
-        tl = pv.simulate(r.plan, r.schedule, r.microbatches, None, **r.simulate_options)
+        assert r.collectives == after
+        tl = pv.simulate(r.plan, r.config, options=r.options, collectives=r.collectives)
         assert max(e.end for e in tl.events) - min(e.start for e in tl.events) == pytest.approx(r.step_time)
         if r.dp == 1:  # no replicas: nothing to reduce, the same step either way
             assert r.step_time == pytest.approx(by_key[_key(r)].step_time)

@@ -89,3 +89,19 @@ def test_validator_names_the_broken_rule(order: list[list[str]], message: str) -
     with pytest.raises(sched.ScheduleError) as info:
         sched.validate(order, 2, 1, (0, 1))
     assert str(info.value) == message
+
+
+def test_an_action_of_an_unknown_kind_is_refused_wherever_it_enters() -> None:
+    import pipeviz as pv
+    from pipeviz.costs import Costs
+    from pipeviz.schedules import Action, ScheduleError, parse
+
+    assert parse("2I3") == Action(2, "I", 3) == (2, "I", 3) and str(Action(2, "W", 0)) == "2W0"
+    for bad in ("0X0", "F0", "0F", "a0F0"):
+        with pytest.raises(ScheduleError, match=rf"Not an action: '{bad}'.*F, B, I, W"):
+            parse(bad)
+    with pytest.raises(ScheduleError, match=r"Not an action: '0X0'"):  # a custom order: refused, not priced as I
+        pv.simulate(None, "1F1B", 1, costs=Costs.uniform(2), num_stages=2,
+                    order=[["0F0", "0X0", "0B0"], ["1F0", "1B0"]])
+    with pytest.raises(ScheduleError, match=r"Cannot price an action of kind 'X'"):
+        Costs.uniform(1).duration(0, "X")

@@ -73,7 +73,7 @@ def test_simulate_a_real_plan_and_compare(classic_graph: pv.ModelGraph) -> None:
     assert f[1] == pytest.approx(2 * f[0]) and stages[1].flops == 2 * stages[0].flops
     assert tl.memory_bytes[1] > tl.memory_bytes[0]
     cmp = pv.compare(plan, microbatches=4)
-    names = [r["schedule"] for r in cmp.rows]
+    names = [r.schedule for r in cmp.rows]
     assert names == ["GPipe", "1F1B"]  # 3 stages: the multi-stage schedules need an even count
     assert set(cmp.skipped) == {"Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"}
     assert "1F1B" in cmp.table()
@@ -82,9 +82,12 @@ def test_simulate_a_real_plan_and_compare(classic_graph: pv.ModelGraph) -> None:
     two = classic_graph.split(["layer1"])
     rows = pv.compare(two, microbatches=4).rows
     assert len(rows) == 7  # every schedule on the same 2 ranks: the multi-stage ones on a balanced 4-stage split
-    assert {(r["ranks"], r["stages"]) for r in rows if r["schedule"] in ("GPipe", "1F1B")} == {(2, 2)}
-    assert {(r["ranks"], r["stages"]) for r in rows if r["schedule"] not in ("GPipe", "1F1B")} == {(2, 4)}
-    assert next(r for r in rows if r["schedule"] == "ZBVZeroBubble")["plan"] == pv.balance(classic_graph, 4)
+    assert {(r.ranks, r.stages) for r in rows if r.schedule in ("GPipe", "1F1B")} == {(2, 2)}
+    assert {(r.ranks, r.stages) for r in rows if r.schedule not in ("GPipe", "1F1B")} == {(2, 4)}
+    zbv = next(r for r in rows if r.schedule == "ZBVZeroBubble")
+    assert zbv.plan == pv.balance(classic_graph, 4) and zbv.config.stages_per_rank == 2
+    # a row launches as it is: its plan and its LaunchConfig (a training run: compare's default loss)
+    assert zbv.config.schedule == "ZBVZeroBubble" and zbv.config.microbatches == 4 and zbv.config.loss_fn
     assert len(pv.compare(four, microbatches=4).rows) == 2
 
 

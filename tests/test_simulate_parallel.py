@@ -50,8 +50,8 @@ def test_ring_all_reduce_formula() -> None:
     ("InterleavedZeroBubble", 4, 2, 4), ("ZBVZeroBubble", 4, 2, 4), ("DualPipeV", 4, 2, 4)])
 def test_dp1_tp1_is_the_pipeline_alone(schedule: str, n: int, spr: int | None, m: int) -> None:
     costs = _costs((10**6,) * n)
-    alone = pv.simulate(None, schedule, m, spr, costs=costs, num_stages=n)
-    same = pv.simulate(None, schedule, m, spr, costs=costs, num_stages=n, dp=1, tp=1)
+    alone = pv.simulate(None, schedule, m, stages_per_rank=spr, costs=costs, num_stages=n)
+    same = pv.simulate(None, schedule, m, stages_per_rank=spr, costs=costs, num_stages=n, dp=1, tp=1)
     assert same.events == alone.events and same.memory_bytes == alone.memory_bytes
     assert same.meta["mesh"] == (alone.num_ranks, 1, 1) and "processes" not in same.meta and "dp_bytes" not in same.meta
 
@@ -105,8 +105,9 @@ def test_ddp_buckets_overlap_the_last_backward() -> None:
 def test_split_backward_schedules_reduce_after_the_last_action(schedule: str, m: int) -> None:
     params = (1_000_000, 3_000_000, 5_000_000, 7_000_000)
     n, dp = len(params), 2
-    tl = pv.simulate(None, schedule, m, 2, costs=_costs(params), num_stages=n, dp=dp, bandwidth=BW, latency=LAT)
-    smaller = pv.simulate(None, schedule, m, 2, costs=Costs.uniform(n, 1 / dp, 2 / dp), num_stages=n)
+    tl = pv.simulate(None, schedule, m, stages_per_rank=2, costs=_costs(params), num_stages=n, dp=dp, bandwidth=BW,
+                     latency=LAT)
+    smaller = pv.simulate(None, schedule, m, stages_per_rank=2, costs=Costs.uniform(n, 1 / dp, 2 / dp), num_stages=n)
     assert _compute(tl) == _compute(smaller)  # nothing overlaps: the compute is the smaller pipeline's
     lay = sched.layout(schedule, n, 2)
     reduced = [sum(params[s] for s in lay.stages_of(r)) for r in range(lay.num_ranks)]
@@ -145,7 +146,7 @@ def test_tp_divides_compute_and_adds_collectives(classic_graph: pv.ModelGraph) -
     assert tl.memory_bytes == memory_per_rank(None, "1F1B", m, costs=sharded)
     assert max(tl.memory_bytes) < max(pv.simulate(plan, "1F1B", m).memory_bytes)
     # Zero bubble: the input-grad pass carries the backward's all-reduces, the weight-grad pass none.
-    zb = pv.simulate(plan, "InterleavedZeroBubble", m, 1, tp=tp, bandwidth=BW, latency=LAT)
+    zb = pv.simulate(plan, "InterleavedZeroBubble", m, stages_per_rank=1, tp=tp, bandwidth=BW, latency=LAT)
     for e in zb.events:
         if e.kind == "W":
             assert e.duration == pytest.approx(base.backward[e.stage] * base.weight_fraction / tp)
@@ -172,18 +173,21 @@ def test_cores_are_shared_by_the_replicas() -> None:
 
 
 @pytest.mark.parametrize(("option", "value"), [("dp", 0), ("dp", -2), ("tp", 0), ("dp", 1.5), ("tp", "2"),
-                                               ("dp", True), ("tp", None)])
+                                               ("dp", True), ("tp", None), ("cp", 0), ("cp", 2.0)])
 def test_bad_degrees_are_refused(option: str, value: object) -> None:
-    with pytest.raises(ValueError) as info:
+    # one check for simulate, launch and a LaunchConfig: a MeshError (a LaunchError, a ValueError)
+    with pytest.raises(pv.MeshError) as info:
         pv.simulate(None, "1F1B", 4, costs=Costs.uniform(2), num_stages=2, **{option: value})
     assert str(info.value).startswith(f"{option} must be a positive int")
-    assert f"got {value!r}. Fix: {option}=1 for none" in str(info.value)
+    assert f"got {value!r}. Fix: {option}=1 " in str(info.value)
+    with pytest.raises(pv.LaunchError, match=rf"^{option} must be a positive int"):
+        pv.LaunchConfig(**{option: value})
 
 
 def test_compare_takes_dp_and_tp(classic_graph: pv.ModelGraph) -> None:
     plan = classic_graph.split(["layer1"])
     cmp = pv.compare(plan, ["GPipe", "1F1B"], microbatches=4, dp=2, tp=2)
-    assert [r["step_time"] for r in cmp.rows] == [pv.simulate(plan, s, 4, dp=2, tp=2).step_time
+    assert [r.step_time for r in cmp.rows] == [pv.simulate(plan, s, 4, dp=2, tp=2).step_time
                                                   for s in ("GPipe", "1F1B")]
     assert all(tl.meta["mesh"] == (2, 2, 2) for tl in cmp.timelines.values())
 

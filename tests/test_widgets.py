@@ -264,6 +264,7 @@ def test_dp_and_tp_controls_simulate_draw_the_mesh_and_launch_the_one_config(exp
     assert "x 2 replicas" in script.read_text()
     run = explorer.launch()  # pp 2 x dp 2: four processes, one loss per step
     assert run is not None and run.mesh == pv.Mesh(pp=2, dp=2)
+    assert run.spec.config == explorer.sim.meta["config"]  # launched what was simulated
     assert explorer.wait(180) == "done", explorer.error
     assert len(run.losses) == explorer.steps.value and "✓ matches" in explorer.numerics.value, explorer.numerics.value
     assert {run.timeline().process_label(r) for r in range(4)} == {"pp0 dp0", "pp0 dp1", "pp1 dp0", "pp1 dp1"}
@@ -458,3 +459,20 @@ def test_nbconvert_html_renders_the_figures_without_widgets(tmp_path: object) ->
     assert "pipeviz-static" in html and html.count("pipeviz-stage-row") == 2
     assert html.count('class="plotly-graph-div"') == 2  # the layer graph and the simulated timeline
     assert "Plotly.newPlot" in html
+
+
+def test_every_control_reaches_the_simulation_and_the_launch_as_one_config(classic_graph: pv.ModelGraph) -> None:
+    # Walk the controls: after each change the simulated configuration is the one Launch would run (stages per
+    # rank included: the Explorer simulated 2 and launched its config's until 2026-12-02).
+    explorer = pv.Explorer(classic_graph, config=pv.LaunchConfig(stages_per_rank=4))
+    explorer.plan = ["layer0", "layer1", "layer2"]
+    steps = [("schedule", "Interleaved1F1B"), ("microbatches", 8), ("dp", 2), ("tp", 2), ("steps", 3),
+             ("mode", "infer"), ("schedule", "GPipe"), ("mode", "train"), ("dp", 1)]
+    for control, value in steps:
+        getattr(explorer, control).value = value
+        sim = explorer.sim
+        assert sim is not None, (control, value, explorer.error)
+        assert sim.meta["config"] == explorer.launch_config(), (control, value)
+        assert sim.mesh == explorer.launch_config().mesh(explorer.plan.num_stages)
+        if control == "schedule" and value == "Interleaved1F1B":
+            assert sim.num_stages // sim.num_ranks == 4  # the config's 4 stages per rank, not a hard-coded 2

@@ -44,7 +44,8 @@ mesh = pv.Mesh(pp=2, dp=2, tp=2)
 print(f"{mesh.world} processes")
 for rank in range(mesh.world):
     print(f"rank {rank}: {mesh.label(rank)}")
-assert mesh.rank(pp=1, dp=0, tp=0) == 4 and mesh.coords(3) == (0, 1, 1)
+c = mesh.coords(3)
+assert mesh.rank(pp=1, dp=0, tp=0) == 4 and (c.pp, c.dp, c.tp) == (0, 1, 1)
 
 # %% [markdown]
 # ## What each costs, simulated

@@ -21,6 +21,10 @@ from typing import Any, TypedDict
 
 import torch
 
+from pipeviz import schedules as sched
+from pipeviz.mesh import Mesh, check_degree
+from pipeviz.schedules import Layout
+
 __all__ = ["UNSET", "LaunchConfig", "LaunchOptions", "launch_config"]
 
 
@@ -55,6 +59,11 @@ class LaunchConfig:
             replicas with torch's FSDP2 ``fully_shard`` (ZeRO-3) instead of replicating them under DDP.
         tp: tensor-parallel shards of every stage.
         tp_plan: ``{module name: "colwise" | "rowwise"}`` for tensor parallelism; default: Megatron's MLP rule.
+        cp: context-parallel shares of every sequence (``pv.simulate`` and ``pv.plan_cluster``; ``pv.launch``
+            refuses cp > 1, naming why).
+
+    Raises:
+        MeshError: ``dp``, ``cp`` or ``tp`` not a positive int (a ``LaunchError``).
     """
 
     schedule: str = "1F1B"
@@ -72,6 +81,19 @@ class LaunchConfig:
     dp_shard: bool = False
     tp: int = 1
     tp_plan: Mapping[str, str] | None = None
+    cp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "cp", "tp"):  # one check for every front door (pipeviz.mesh)
+            check_degree(name, getattr(self, name))
+
+    def layout(self, num_stages: int) -> Layout:
+        """Where ``num_stages`` stages run under this schedule and stages per rank (``pipeviz.schedules.layout``)."""
+        return sched.layout(self.schedule, num_stages, self.stages_per_rank)
+
+    def mesh(self, num_stages: int) -> Mesh:
+        """The run's layout for a plan of ``num_stages`` stages: its pipeline ranks × ``dp`` × ``cp`` × ``tp``."""
+        return Mesh(self.layout(num_stages).num_ranks, self.dp, self.tp, self.cp)
 
     def replace(self, **changes: Any) -> LaunchConfig:
         """A copy with ``changes``; an unknown option is named with the valid ones."""
@@ -95,6 +117,7 @@ class LaunchOptions(TypedDict, total=False):
     dp_shard: bool
     tp: int
     tp_plan: Mapping[str, str] | None
+    cp: int
 
 
 def _check_names(changes: Mapping[str, Any]) -> None:

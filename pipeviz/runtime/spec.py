@@ -98,6 +98,13 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
     if plan.graph.capture.unsupported:
         raise LaunchError(plan.graph.capture.unsupported[0])
     _check_model_unchanged(plan)
+    if config.cp > 1:
+        raise LaunchError(
+            f"cp={config.cp}: pv.launch does not run context parallelism. torch's context_parallel shards attention "
+            "on CUDA devices only (on the CPU, torch 2.13 refuses: 'Operator "
+            "aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy "
+            "registered'), and pipeviz's GPU path for it is not built yet. pv.simulate and pv.plan_cluster price "
+            "it. Fix: cp=1 to launch.")
     if plan.num_stages < 2:
         raise LaunchError("The plan has 1 stage; a pipeline needs at least 2. Fix: plan.toggle(<layer>) to split.")
     lay = sched.layout(name, plan.num_stages, stages_per_rank)

@@ -192,7 +192,9 @@ class Explorer(W.VBox):
         self.recompute = W.Dropdown(options=list(RECOMPUTE), value="none", description="recompute",
                                     layout=W.Layout(width="170px"), style=wide)
         self.recompute.add_class("pipeviz-recompute")
-        for w in (self.schedule, self.microbatches, self.mode, self.dp, self.tp, self.hardware, self.recompute):
+        # every control the run is described by (steps too: the simulation carries the whole LaunchConfig)
+        for w in (self.schedule, self.microbatches, self.steps, self.mode, self.dp, self.tp, self.hardware,
+                  self.recompute):
             w.observe(self._on_controls, "value")
         self.hint = W.HTML()
         self.hint.add_class("pipeviz-hint")
@@ -308,11 +310,10 @@ class Explorer(W.VBox):
         splits tied at the optimum, the one the simulator gives the shortest step under the schedule."""
         self._clear_error()
         n = int(num_stages if num_stages is not None else self.stages.value)
-        schedule = self.schedule.value
-        spr = None if schedule in sched.SINGLE else 2
+        cfg = self.launch_config()  # the tie-break simulates the run Launch would run
         try:
-            plan = pv.balance(self.graph, n, by=by or self.balance_by.value, schedule=schedule,
-                              microbatches=self.microbatches.value, stages_per_rank=spr or 1,
+            plan = pv.balance(self.graph, n, by=by or self.balance_by.value, schedule=cfg.schedule,
+                              microbatches=cfg.microbatches, stages_per_rank=cfg.layout(n).stages_per_rank,
                               options=self.cost_options())
         except pv.ScheduleError:  # the schedule cannot run n stages: balance without the tie-break
             plan = pv.balance(self.graph, n, by=by or self.balance_by.value, options=self.cost_options())
@@ -386,7 +387,7 @@ class Explorer(W.VBox):
         infer = self.mode.value == "infer"
         return self.config.replace(
             schedule=schedule, microbatches=self.microbatches.value, steps=self.steps.value,
-            stages_per_rank=self.config.stages_per_rank if schedule not in sched.SINGLE else None,
+            stages_per_rank=self.config.stages_per_rank if sched.info(schedule).multi else None,
             loss_fn=None if infer else self.loss_fn or cross_entropy, optimizer=None if infer else self.optimizer,
             devices=self.devices, dp=self.dp.value, tp=self.tp.value)
 
@@ -417,9 +418,9 @@ class Explorer(W.VBox):
         if run is None:
             return None
         cores = _cores()
-        spr = None if run.schedule in sched.SINGLE else run.layout.num_stages // run.layout.num_ranks
-        self.sim_here = pv.simulate(self._run_plan or self._plan, run.schedule, run.microbatches, spr, cores=cores,
-                                    forward_only=run.spec.loss_fn is None, dp=run.mesh.dp, tp=run.mesh.tp)
+        # the run's own configuration (schedule, microbatches, stages per rank, layout, training or not)
+        self.sim_here = pv.simulate(self._run_plan or self._plan, run.spec.config, cores=cores,
+                                    options=self.cost_options())
         self.run_view.update(run.timeline(), overlay=self.sim_here)
         self._explain_run(run)
         return self.sim_here
@@ -577,24 +578,21 @@ class Explorer(W.VBox):
         self.sim = None
         failed = False
         schedule = self.schedule.value
-        spr = None if schedule in sched.SINGLE else 2
-        infer = self.mode.value == "infer"
-        if infer and schedule in sched.V_SHAPED:
+        cfg = self.launch_config()  # one description: what is simulated is what Launch runs
+        if cfg.loss_fn is None and not sched.info(schedule).forward_only:
             failed = True
+            able = ", ".join(n for n, i in sched.SCHEDULES.items() if i.forward_only)
             self._show_error(ValueError(f"{schedule} cannot run forward only: torch 2.13's V-shaped schedules "
-                                        "need a backward. Fix: pick GPipe, 1F1B, Interleaved1F1B, LoopedBFS or "
-                                        "InterleavedZeroBubble, or switch to train."))
+                                        f"need a backward. Fix: pick {able}, or switch to train."))
         elif self._plan.num_stages > 1:
             try:
-                self.sim = pv.simulate(self._plan, schedule=schedule, microbatches=self.microbatches.value,
-                                       stages_per_rank=spr, forward_only=infer, dp=self.dp.value, tp=self.tp.value,
-                                       options=self.cost_options())
+                self.sim = pv.simulate(self._plan, cfg, options=self.cost_options())
             except (pv.ScheduleError, ValueError) as exc:  # the schedule does not fit the plan: said once, above
                 failed = True
                 self._show_error(exc, prefix=f"{schedule} cannot run {plural(self._plan.num_stages, 'stage')}: ")
         self.preview.value = panels.preview_html(self._plan, self.sim, self.microbatches.value, failed,
                                                  options=self.cost_options())
-        self.mesh_view.value = panels.mesh_html(self._plan, self.sim, self.dp.value, self.tp.value, self.schedule.value)
+        self.mesh_view.value = panels.mesh_html(self._plan, cfg)
         # Shown before it is drawn: the chart takes the width it has when drawn (a hidden one has none).
         self.sim_view.layout.display = "none" if self.sim is None else "flex"
         self.sim_view.update(self.sim, overlay=None)

@@ -412,10 +412,10 @@ def comparison_figure(cmp: Comparison) -> go.Figure:
     """
     from plotly.subplots import make_subplots
 
-    names = [r["schedule"] for r in cmp.rows]
+    names = [r.schedule for r in cmp.rows]
     fig = make_subplots(rows=1, cols=2, subplot_titles=("step time (ms)", "bubble"))
-    fig.add_trace(go.Bar(x=names, y=[r["step_time"] * 1e3 for r in cmp.rows], name="step"), 1, 1)
-    fig.add_trace(go.Bar(x=names, y=[r["bubble"] for r in cmp.rows], name="bubble"), 1, 2)
+    fig.add_trace(go.Bar(x=names, y=[r.step_time * 1e3 for r in cmp.rows], name="step"), 1, 1)
+    fig.add_trace(go.Bar(x=names, y=[r.bubble for r in cmp.rows], name="bubble"), 1, 2)
     fig.update_layout(showlegend=False, height=320, margin={"t": 40, "b": 40, "l": 40, "r": 10})
     fig.update_yaxes(tickformat=".0%", row=1, col=2)
     return fig

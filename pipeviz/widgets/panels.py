@@ -184,41 +184,42 @@ def preview_html(plan: SplitPlan, sim: Timeline | None, microbatches: int, faile
             f"<div>{verdict_html(plan, options)}</div>{extra}</div>")
 
 
-def mesh_html(plan: SplitPlan, sim: Timeline | None, dp: int = 1, tp: int = 1, schedule: str | None = None) -> str:
-    """The processes a launch of ``plan`` starts (``pv.Mesh(pp, dp, tp)``): a row per pipeline rank (the stages it
-    holds, in their colours), a column per replica and shard, each cell the process rank and its coordinates.
-    ``sim`` (or ``schedule``) gives the stages' ranks; empty for a one-stage plan or a schedule that cannot run."""
-    from pipeviz import schedules as sched
-    from pipeviz.mesh import Mesh
+def mesh_html(plan: SplitPlan, config: pv.LaunchConfig) -> str:
+    """The processes a launch of ``plan`` with ``config`` starts (``config.mesh``): a row per pipeline rank (the
+    stages it holds, in their colours), a column per replica, share and shard, each cell the process rank and its
+    coordinates. Empty for a one-stage plan or a layout that cannot run."""
+    from pipeviz.mesh import DIMS
 
     if plan.num_stages < 2:
         return ""
-    name = sim.schedule if sim is not None else schedule
-    if name is None:
-        return ""
     try:
-        spr = None if sched.canonical(name) in sched.SINGLE else 2
-        lay = sched.layout(name, plan.num_stages, spr)
-        mesh = Mesh(pp=lay.num_ranks, dp=dp, tp=tp)
+        lay = config.layout(plan.num_stages)
+        mesh = config.mesh(plan.num_stages)
     except ValueError:
         return ""
     cell = "padding:2px 6px;border:1px solid #ddd;white-space:nowrap;text-align:center"
-    heads = "".join(f"<th style='{cell}'>{'replica ' + str(d) if dp > 1 else ''}"
-                    f"{' · ' if dp > 1 and tp > 1 else ''}{'shard ' + str(t) if tp > 1 else ''}</th>"
-                    for d in range(dp) for t in range(tp))
-    rows = [f"<tr><th style='{cell}'>pipeline rank</th>{heads}</tr>"] if dp * tp > 1 else []
-    for p in range(mesh.pp):
-        held = [s for s, r in enumerate(lay.stage_ranks) if r == p]
+    inner = [d for d in mesh.dims if d != "pp"]  # the dims of the columns, outermost first
+    words = {"dp": "replica", "cp": "share", "tp": "shard"}
+    columns = [mesh.coords(r) for r in mesh.pipeline()] if not inner else [
+        mesh.coords(r) for r in range(mesh.world) if mesh.coords(r).pp == 0]
+    heads = "".join(f"<th style='{cell}'>{' · '.join(f'{words[d]} {getattr(c, d)}' for d in inner)}</th>"
+                    for c in columns)
+    rows = [f"<tr><th style='{cell}'>pipeline rank</th>{heads}</tr>"] if inner else []
+    for p in lay.ranks:
+        held = lay.stages_of(p)
         swatches = " ".join(f"<span style='color:{stage_color(s)}'>■</span>{s}" for s in held)
-        cells = "".join(f"<td style='{cell}' title='{html.escape(mesh.label(mesh.rank(p, d, t)))}'>"
-                        f"process {mesh.rank(p, d, t)}</td>" for d in range(dp) for t in range(tp))
+        ranks = [mesh.rank(p, c.dp, c.tp, c.cp) for c in columns] if inner else [mesh.rank(p)]
+        cells = "".join(f"<td style='{cell}' title='{html.escape(mesh.label(r))}'>process {r}</td>" for r in ranks)
         rows.append(f"<tr class='pipeviz-mesh-row'><th style='{cell};text-align:left'>pp{p}: stage"
                     f"{'s' * (len(held) > 1)} {swatches}</th>{cells}</tr>")
-    what = " × ".join(f"{n} {w}" for n, w in ((mesh.pp, "pipeline ranks"), (dp, "replicas"), (tp, "shards"))
-                      if w == "pipeline ranks" or n > 1)
+    what = " × ".join(f"{getattr(mesh, d)} {_DIM_WORDS[d]}" for d in mesh.dims)
+    degrees = ", ".join(f"{d}={getattr(mesh, d)}" for d in DIMS if d != "cp" or mesh.cp > 1)
     return (f"<div class='pipeviz-mesh-box' style='font-size:12px;max-width:100%;overflow-x:auto'>"
-            f"<b>{mesh.world} process{'es' * (mesh.world != 1)}</b> ({what}: pv.Mesh(pp={mesh.pp}, dp={dp}, tp={tp}))"
+            f"<b>{mesh.world} process{'es' * (mesh.world != 1)}</b> ({what}: pv.Mesh({degrees}))"
             f"<table style='border-collapse:collapse'>{''.join(rows)}</table></div>")
+
+
+_DIM_WORDS = {"pp": "pipeline ranks", "dp": "replicas", "cp": "sequence shares", "tp": "shards"}
 
 
 def progress_html(run: pv.Run) -> str:

@@ -70,12 +70,12 @@ def stage_table(plan: SplitPlan, costs: Timeline | None = None) -> str:
 def comparison_table(cmp: Comparison) -> str:
     """``pv.compare``'s rows as an HTML table: every schedule on the same ranks, with its stage count."""
     rows = "".join(
-        f"<tr><td>{r['schedule']}</td><td>{r['ranks']}</td><td>{r.get('stages', r['ranks'])}</td>"
-        f"<td>{r['step_time'] * 1e3:.2f} ms</td>"
-        f"<td>{r['bubble']:.0%}</td><td>{', '.join(human_bytes(b) for b in r['memory_bytes'])}</td></tr>"
+        f"<tr><td>{r.schedule}</td><td>{r.ranks}</td><td>{r.stages}</td>"
+        f"<td>{r.step_time * 1e3:.2f} ms</td>"
+        f"<td>{r.bubble:.0%}</td><td>{', '.join(human_bytes(b) for b in r.memory_bytes)}</td></tr>"
         for r in cmp.rows
     )
-    skipped = "".join(f"<li>{html.escape(k)}: {html.escape(v.split('. Fix:')[0])}.</li>"
+    skipped = "".join(f"<li>{html.escape(k)}: {html.escape(cmp.skipped_why.get(k, v))}.</li>"
                       for k, v in cmp.skipped.items())
     return ("<table><tr><th>schedule</th><th>ranks</th><th>stages</th><th>step</th><th>bubble</th>"
             "<th>memory per rank</th></tr>" + rows + "</table>" + (f"<ul class=note>{skipped}</ul>" if skipped else ""))

@@ -1,0 +1,87 @@
+"""Context parallelism, the mesh's fourth dimension (pp x dp x cp x tp): each sequence split over cp processes,
+priced in pv.simulate and searched by pv.plan_cluster, refused by pv.launch before any process starts."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import pipeviz as pv
+from pipeviz.costs import attention_kv_bytes, stage_costs
+from pipeviz.zoo import gpt2
+
+BW, LAT = 1e8, 1e-4
+
+
+@pytest.fixture(scope="module")
+def plan() -> pv.SplitPlan:
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = gpt2(n_layer=2, n_embd=64, n_head=4, vocab_size=128)
+        return pv.trace(model, example_args=(torch.randint(0, 128, (4, 16)),)).split(["transformer.h.0"])
+
+
+def test_the_mesh_orders_cp_between_dp_and_tp() -> None:
+    mesh = pv.Mesh(pp=2, dp=2, tp=2, cp=2)
+    assert mesh.world == 16 and mesh.dims == ("pp", "dp", "cp", "tp")
+    assert mesh.coords(5) == (0, 1, 1, 0) and mesh.coords(5).cp == 0 and mesh.coords(6).cp == 1
+    assert all(mesh.rank_of(mesh.coords(r)) == r for r in range(16))
+    assert mesh.shares(pp=1, dp=1, tp=1) == (13, 15) and mesh.label(6) == "pp0 dp1 cp1 tp0"
+    assert pv.LaunchConfig(cp=2).mesh(4) == pv.Mesh(pp=4, cp=2)
+
+
+def test_cp_1_is_the_run_without_context_parallelism(plan: pv.SplitPlan) -> None:
+    for schedule in ("GPipe", "1F1B"):
+        alone = pv.simulate(plan, schedule, 2, bandwidth=BW, latency=LAT)
+        same = pv.simulate(plan, pv.LaunchConfig(schedule=schedule, microbatches=2, cp=1, loss_fn=pv.cross_entropy),
+                           bandwidth=BW, latency=LAT)
+        assert same.events == alone.events and same.meta["memory_bytes"] == alone.meta["memory_bytes"]
+
+
+def test_cp_2_against_costs_computed_by_hand(plan: pv.SplitPlan) -> None:
+    m, cp = 2, 2
+    base = stage_costs(plan, m, bandwidth=BW, latency=LAT)
+    one = pv.simulate(plan, "GPipe", m, bandwidth=BW, latency=LAT)
+    two = pv.simulate(plan, "GPipe", m, cp=cp, bandwidth=BW, latency=LAT)
+    assert two.mesh == pv.Mesh(pp=2, cp=2) and two.meta["processes"] == ["pp0 cp0", "pp1 cp0"]
+    kv = attention_kv_bytes(plan)
+    assert kv == [32768.0, 32768.0]  # per stage: one layer's keys and values, 4 x 4 heads x 16 tokens x 16 x 4 B x 2
+    for s in range(2):
+        # the keys and values of one microbatch (16,384 B), gathered across 2 shares: (cp-1)/cp of them, one step
+        gather = (cp - 1) / cp * kv[s] / m / BW + (cp - 1) * LAT
+        f1 = next(e.duration for e in one.events if (e.stage, e.kind, e.mb) == (s, "F", 0))
+        b1 = next(e.duration for e in one.events if (e.stage, e.kind, e.mb) == (s, "B", 0))
+        f2 = next(e.duration for e in two.events if (e.stage, e.kind, e.mb) == (s, "F", 0))
+        b2 = next(e.duration for e in two.events if (e.stage, e.kind, e.mb) == (s, "B", 0))
+        o = base.overhead
+        assert f2 == pytest.approx((f1 - o) / cp + o + gather, rel=1e-9)
+        # the backward gathers them again and reduce-scatters their gradients: twice the forward's exchange
+        assert b2 == pytest.approx((b1 - o) / cp + o + 2 * gather, rel=1e-9)
+    # each share saves half the activations (GPipe holds every microbatch's); the shares hold the same parameters:
+    # their gradients are averaged, as replicas' are
+    assert one.meta["peak_activation_bytes"] == [m * a for a in base.activation_bytes]
+    assert two.meta["peak_activation_bytes"] == [m * round(a / cp) for a in base.activation_bytes]
+    assert two.meta["dp_bytes"] == list(base.param_bytes) and "dp_bytes" not in one.meta
+    assert any(e.kind == "B" for e in two.events) and two.step_time > 0
+
+
+def test_the_planner_searches_cp_and_each_row_reproduces(plan: pv.SplitPlan) -> None:
+    result = pv.plan_cluster(plan.graph, 8, "h100", 8, seq_len=16, cp=[1, 2], tp=[1], schedules=["1F1B"],
+                             recompute="none", top=1000)
+    with_cp = [r for r in result.rows if r.cp == 2]
+    assert with_cp and {r.cp for r in result.rows} == {1, 2}
+    assert all(r.gpus == r.pp * r.dp * r.cp * r.tp == 8 for r in result.rows)
+    row = with_cp[0]
+    assert " cp2 " in f" {row.label()} " and row.config.cp == 2
+    tl = pv.simulate(row.plan, row.config, options=row.options, collectives=row.collectives)
+    assert max(e.end for e in tl.events) - min(e.start for e in tl.events) == pytest.approx(row.step_time)
+    assert "cp" in result.table(top=len(result.rows)).splitlines()[1].split()
+
+
+def test_launch_refuses_cp_before_any_process(plan: pv.SplitPlan) -> None:
+    ids = torch.randint(0, 128, (4, 16))
+    with pytest.raises(pv.LaunchError, match=r"cp=2: pv\.launch does not run context parallelism.*Fix: cp=1"):
+        pv.launch(plan, "GPipe", 2, 1, inputs=(ids,), target=ids, loss_fn=pv.cross_entropy, cp=2)
