@@ -92,7 +92,7 @@ def _peak_rss(pids: list[int], peaks: dict[int, int], stop: threading.Event) -> 
 
 def measured_run(plan: pv.SplitPlan, ids: torch.Tensor, **kw: Any) -> tuple[pv.Run, list[int], float]:
     t0 = time.perf_counter()
-    run = pv.launch(plan, "1F1B", 2, 1, inputs=(ids,), target=ids, loss_fn=pv.cross_entropy,
+    run = pv.launch(plan, "1F1B", 2, steps=1, inputs=(ids,), target=ids, loss_fn=pv.cross_entropy,
                     optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-4), timeout=600, **kw)
     while len(run._procs) < plan.num_stages and not run.done:  # 1F1B: one rank per stage
         time.sleep(0.01)

@@ -34,7 +34,8 @@ def check(name: str, plan: pv.SplitPlan, schedule: str, devices: list[str] | str
     if status != "done":
         print(f"{name}: {status}\n{run.error}")
         return False
-    ref_losses, ref_state = pv.train_reference(model, (ids,), target, lm_loss, opt, 8, steps, device="cuda:0")
+    ref_losses, ref_state = pv.train_reference(model, (ids,), target, loss_fn=lm_loss, optimizer=opt, microbatches=8,
+                                               steps=steps, device="cuda:0")
     state = run.state_dict()
     dl = max(abs(a - b) for a, b in zip(run.losses, ref_losses, strict=True))
     dp = max((state[k] - v).abs().max().item() for k, v in ref_state.items())

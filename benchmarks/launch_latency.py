@@ -47,7 +47,7 @@ def child(model_key: str, mode: str, repeats: int) -> None:
     plan = pv.balance(pv.trace(model, example_args=(ids,)), 3)
     out = []
     for _ in range(repeats):
-        run = pv.launch(plan, "1F1B", 4, 2, inputs=(ids,), target=ids, loss_fn=pv.cross_entropy)
+        run = pv.launch(plan, "1F1B", 4, steps=2, inputs=(ids,), target=ids, loss_fn=pv.cross_entropy)
         assert run.wait(600) == "done", run.error
         out.append((run.first_event_at or float("nan")) - run.started_at)
     print(json.dumps(out))

@@ -37,7 +37,7 @@ def main() -> None:
         times = []
         for _ in range(2):
             t = time.perf_counter()
-            cp = pv.plan_cluster(graph, gpus, a.hardware, batch)
+            cp = pv.plan_cluster(graph, gpus, a.hardware, global_batch=batch)
             times.append(time.perf_counter() - t)
         best = cp.best
         print(f"{gpus:>5} GPUs, global batch {batch}: plan {times[0]:.2f} s cold, {times[1]:.2f} s warm "

@@ -83,7 +83,7 @@ def soak(launches: int) -> None:
         plan = plans[3 if schedule in SINGLE else 4]
         kind = "fail" if i % 5 == 4 else "stop" if i % 7 == 6 else "ok"
         steps = 10**6 if kind == "stop" else 2
-        run = pv.launch(plan, schedule, 4, steps, inputs=(X,), target=Y, loss_fn=boom if kind == "fail" else
+        run = pv.launch(plan, schedule, 4, steps=steps, inputs=(X,), target=Y, loss_fn=boom if kind == "fail" else
                         F.cross_entropy)
         return run, kind
 
@@ -134,7 +134,7 @@ def load() -> None:
         x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
         plan = pv.trace(model, (x,)).split(["layer0", "layer1"])
         t = time.time()
-        run = pv.launch(plan, "1F1B", 4, 20, inputs=(x,), target=y, loss_fn=F.cross_entropy)
+        run = pv.launch(plan, "1F1B", 4, steps=20, inputs=(x,), target=y, loss_fn=F.cross_entropy)
         status = run.wait(600)
         check = pv.check_numerics(run) if status == "done" else None
         print(f"with {cores} busy processes beside it: {status} in {time.time() - t:.1f} s; {check}")
@@ -154,12 +154,12 @@ def faults() -> None:
     print("fault                               time     what the user sees")
     t = time.time()
     try:
-        pv.launch(plan, "1F1B", 4, 1, inputs=(torch.randn(8, 100),), target=Y, loss_fn=F.cross_entropy)
+        pv.launch(plan, "1F1B", 4, steps=1, inputs=(torch.randn(8, 100),), target=Y, loss_fn=F.cross_entropy)
     except pv.LaunchError as exc:
         report("bad input (shape)", time.time() - t, str(exc))
 
     def running(**kw: object) -> pv.Run:
-        run = pv.launch(plan, "1F1B", 4, 10**6, **(args | kw))  # type: ignore[arg-type]
+        run = pv.launch(plan, "1F1B", 4, steps=10**6, **(args | kw))  # type: ignore[arg-type]
         while run.step < 1 and not run.done:
             time.sleep(0.02)
         return run
@@ -169,7 +169,7 @@ def faults() -> None:
     t = time.time()
     run.wait(60)
     report("rank killed (SIGKILL)", time.time() - t, run.error or run.status)
-    run = pv.launch(plan, "1F1B", 4, 2, **(args | {"loss_fn": sleepy, "timeout": 5}))
+    run = pv.launch(plan, "1F1B", 4, steps=2, **(args | {"loss_fn": sleepy, "timeout": 5}))
     t = time.time()
     run.wait(120)
     report("hung rank (timeout=5)", time.time() - t, run.error or run.status)
@@ -184,7 +184,7 @@ def faults() -> None:
         run.wait(60)
     except KeyboardInterrupt:
         report("Ctrl-C in wait()", time.time() - t, f"KeyboardInterrupt; run {run.status}")
-    run = pv.launch(plan, "1F1B", 4, 5, **(args | {"loss_fn": nan_loss}))
+    run = pv.launch(plan, "1F1B", 4, steps=5, **(args | {"loss_fn": nan_loss}))
     t = time.time()
     run.wait(60)
     report("NaN loss (from launch)", time.time() - t, run.error or run.status)

@@ -45,7 +45,7 @@ llama = zoo.llama()  # 4 layers, 128 wide, 4 query / 2 key-value heads
 graph = pv.trace(llama, example_args=(ids,))
 plan = pv.balance(graph, 2)
 print(plan)
-run = pv.launch(plan, "1F1B", 4, 3, inputs=(ids,), target=target, loss_fn=pv.cross_entropy)
+run = pv.launch(plan, "1F1B", 4, steps=3, inputs=(ids,), target=target, loss_fn=pv.cross_entropy)
 assert run.wait(240) == "done", run.error
 print(run.status, [round(x, 4) for x in run.losses])
 numerics = pv.check_numerics(run)
@@ -57,7 +57,7 @@ assert numerics.ok  # trained exactly like the unsplit model (pipeviz's one tole
 # (HF's output class, logits joined back from the microbatches), equal to `llama(ids)`.
 
 # %%
-infer = pv.launch(plan, "1F1B", 4, 1, inputs=(ids,))
+infer = pv.launch(plan, "1F1B", 4, steps=1, inputs=(ids,))
 assert infer.wait(240) == "done", infer.error
 out = infer.outputs[0]
 with torch.no_grad():
@@ -75,7 +75,7 @@ moe = zoo.MoENet(layers=4)
 moe_graph = pv.trace(moe, example_args=(ids,))
 print(moe_graph.layer_names)
 moe_plan = pv.balance(moe_graph, 2)
-moe_run = pv.launch(moe_plan, "GPipe", 4, 3, inputs=(ids,), target=target, loss_fn=pv.cross_entropy)
+moe_run = pv.launch(moe_plan, "GPipe", 4, steps=3, inputs=(ids,), target=target, loss_fn=pv.cross_entropy)
 assert moe_run.wait(240) == "done", moe_run.error
 moe_numerics = pv.check_numerics(moe_run)
 print(moe_numerics)
@@ -118,7 +118,7 @@ print([Path(f).name for f in run.save(ckpt)])
 with torch.device("meta"):
     meta_llama = zoo.llama()
 meta_plan = pv.balance(pv.trace(meta_llama, example_args=(ids,)), 2)
-resumed = pv.launch(meta_plan, "1F1B", 4, 2, inputs=(ids,), target=target, loss_fn=pv.cross_entropy, weights=ckpt)
+resumed = pv.launch(meta_plan, "1F1B", 4, steps=2, inputs=(ids,), target=target, loss_fn=pv.cross_entropy, weights=ckpt)
 assert resumed.wait(240) == "done", resumed.error
 print("first run:", [round(x, 4) for x in run.losses], " resumed:", [round(x, 4) for x in resumed.losses])
 resumed_numerics = pv.check_numerics(resumed)

@@ -178,10 +178,11 @@ def layer_costs(graph: ModelGraph, by: str = "time", options: CostOptions | None
     return [f + b for f, b in zip(fwd, bwd, strict=True)]
 
 
+@positional_legacy("by", "memory_limit", "schedule", "microbatches", "stages_per_rank", "optimizer_states")
 def balance(
-    graph: ModelGraph, num_stages: int, by: str = "time", memory_limit: float | None = None,
+    graph: ModelGraph, num_stages: int, *, by: str = "time", memory_limit: float | None = None,
     schedule: str | None = None, microbatches: int = 1, stages_per_rank: int = 1,
-    optimizer_states: int | None = None, *, hardware: Hardware | str | None = None, dtype: str | None = None,
+    optimizer_states: int | None = None, hardware: Hardware | str | None = None, dtype: str | None = None,
     recompute: str | None = None, options: CostOptions | None = None,
 ) -> SplitPlan:
     """The contiguous split of ``graph`` into ``num_stages`` stages that minimises the slowest stage.

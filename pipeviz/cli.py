@@ -112,7 +112,7 @@ def _section(name: str, a: argparse.Namespace) -> Any:
     cluster = None
     if a.cluster_gpus:
         batch = (graph.batch_size or 1) * a.cluster_gpus
-        cluster = pv.plan_cluster(graph, a.cluster_gpus, a.cluster_hardware, batch, top=5)
+        cluster = pv.plan_cluster(graph, a.cluster_gpus, a.cluster_hardware, global_batch=batch, top=5)
         print(f"  planned for {a.cluster_gpus} x {cluster.hardware.name}, global batch {batch}:\n"
               + "\n".join("    " + line for line in cluster.table(3).splitlines()))
     simulated = pv.simulate(run_plan, a.schedule, a.microbatches, stages_per_rank=spr)
@@ -178,7 +178,7 @@ def plan(a: argparse.Namespace) -> int:
           f"device at {seq} tokens in {time.time() - t:.1f} s{how}")
     t = time.time()
     limit = a.memory_gib * 2**30 if a.memory_gib else None
-    cp = pv.plan_cluster(graph, a.gpus, hw, a.global_batch, memory_limit=limit, dtype=a.dtype, top=a.top)
+    cp = pv.plan_cluster(graph, a.gpus, hw, global_batch=a.global_batch, memory_limit=limit, dtype=a.dtype, top=a.top)
     print(f"planned in {time.time() - t:.1f} s\n")
     print(cp.table(a.top))
     return 0 if cp.rows else 1

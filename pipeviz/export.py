@@ -23,6 +23,7 @@ from typing import Any, Unpack
 
 import torch
 
+from pipeviz._compat import positional_legacy
 from pipeviz.mesh import Coords
 from pipeviz.plan import SplitPlan
 from pipeviz.runtime.config import UNSET, LaunchConfig, LaunchOptions, launch_config
@@ -53,9 +54,10 @@ if __name__ == "__main__":
 '''
 
 
+@positional_legacy("microbatches", "steps")
 def export_torchrun(
-    plan: SplitPlan, path: str | os.PathLike[str], schedule: str = UNSET, microbatches: int = UNSET,
-    steps: int = UNSET, *, inputs: tuple[Any, ...] | None = None, target: torch.Tensor | None = None,
+    plan: SplitPlan, path: str | os.PathLike[str], schedule: str = UNSET, *, microbatches: int = UNSET,
+    steps: int = UNSET, inputs: tuple[Any, ...] | None = None, target: torch.Tensor | None = None,
     input_kwargs: dict[str, Any] | None = None, events_dir: str | None = None, config: LaunchConfig | None = None,
     **options: Unpack[LaunchOptions],
 ) -> Path:

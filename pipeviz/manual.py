@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+from pipeviz._compat import positional_legacy
 from pipeviz.capture import (
     Capture,
     Op,
@@ -38,10 +39,12 @@ from pipeviz.sequence import SequenceStage
 __all__ = ["SequenceStage", "manual_plan"]
 
 
+@positional_legacy("example_kwargs")
 def manual_plan(
     model: nn.Module,
     stages: Sequence[Sequence[str]],
     example_args: tuple[Any, ...] | Any = (),
+    *,
     example_kwargs: dict[str, Any] | None = None,
 ) -> SplitPlan:
     """A plan given as per-stage lists of module names, for models torch.export cannot trace.

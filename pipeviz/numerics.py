@@ -95,8 +95,9 @@ def check_numerics(run: Run, tolerance: float = TOLERANCE, device: str | torch.d
         return _check_outputs(run, model, batches, tolerance, device)
     assert spec.target is not None  # a training run's (validate_launch)
     ref_losses, ref_state = train_reference(
-        model, spec.args, spec.target, spec.loss_fn, spec.optimizer, spec.microbatches * spec.dp,
-        spec.steps or len(run.losses), input_kwargs=spec.kwargs or None, fixups=graph.capture.fixups,
+        model, spec.args, spec.target, loss_fn=spec.loss_fn, optimizer=spec.optimizer,
+        microbatches=spec.microbatches * spec.dp,
+        steps=spec.steps or len(run.losses), input_kwargs=spec.kwargs or None, fixups=graph.capture.fixups,
         device=device, batches=batches, replicas=spec.dp)
     return compare(run.losses, run.state_dict(), ref_losses, ref_state, tolerance)
 
@@ -109,8 +110,8 @@ def _check_outputs(run: Run, model: torch.nn.Module, batches: Any, tolerance: fl
     from pipeviz.runtime.reference import forward_reference
 
     spec = run.spec
-    want, ref_state = forward_reference(model, spec.args, spec.microbatches * spec.dp,
-                                        spec.steps or len(run.outputs), input_kwargs=spec.kwargs or None,
+    want, ref_state = forward_reference(model, spec.args, microbatches=spec.microbatches * spec.dp,
+                                        steps=spec.steps or len(run.outputs), input_kwargs=spec.kwargs or None,
                                         fixups=run.plan.graph.capture.fixups, device=device, batches=batches,
                                         replicas=spec.dp)
     d_out = 0.0

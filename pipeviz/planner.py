@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipeviz import schedules as sched
-from pipeviz._compat import deprecated
+from pipeviz._compat import deprecated, positional_legacy
 from pipeviz.balance import balance
 from pipeviz.costs import (
     RECOMPUTE,
@@ -194,10 +194,11 @@ def _seconds(t: float) -> str:
     return f"{t:.3f} s" if t >= 1 else f"{t * 1e3:.3f} ms" if t >= 1e-3 else f"{t * 1e6:.1f} us"
 
 
+@positional_legacy("global_batch", "seq_len", "memory_limit", "schedules", "recompute", "dtype")
 def plan_cluster(
-    graph: ModelGraph, gpus: int, hardware: Hardware | str, global_batch: int, seq_len: int | None = None,
+    graph: ModelGraph, gpus: int, hardware: Hardware | str, *, global_batch: int, seq_len: int | None = None,
     memory_limit: float | None = None, schedules: Sequence[str] | None = None,
-    recompute: Sequence[str] | str | None = None, dtype: str | None = "bfloat16", *,
+    recompute: Sequence[str] | str | None = None, dtype: str | None = "bfloat16",
     tp: Sequence[int] | None = None, cp: Sequence[int] | None = None, microbatch_sizes: Sequence[int] | None = None,
     stages_per_rank: Sequence[int] = (2,), optimizer_states: int = 2, top: int = 10, max_actions: int = 40_000,
     collectives: Collectives | None = None,

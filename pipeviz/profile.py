@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from pipeviz._compat import positional_legacy
 from pipeviz.graph import ModelGraph
 from pipeviz.plan import check_microbatches
 
@@ -59,7 +60,8 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def profile(graph: ModelGraph, device: str = "cpu", microbatches: int = 1, repeats: int = 7,
+@positional_legacy("device", "microbatches", "repeats", "warmup", "loss_fn", "threads", "busy_cores", "clock")
+def profile(graph: ModelGraph, *, device: str = "cpu", microbatches: int = 1, repeats: int = 7,
             warmup: int = 2, loss_fn: Callable[[Any], torch.Tensor] | None = None, threads: int | None = None,
             busy_cores: bool = True, clock: Callable[[], float] = time.perf_counter) -> Profile:
     """Time every layer's forward and backward for one microbatch on ``device`` and calibrate ``graph``.

@@ -173,7 +173,8 @@ def check(row: Row, multi: str, steps: int = 2, microbatches: int = 4) -> Result
     res = Result(row.name, multi=multi)
     graph = pv.trace(model, example_args=args, example_kwargs=kwargs)
     res.layers, res.params = len(graph.layers), graph.total_params
-    ref = pv.train_reference(model, args, target, lm_loss, sgd, microbatches, steps, input_kwargs=kwargs,
+    ref = pv.train_reference(model, args, target, loss_fn=lm_loss, optimizer=sgd, microbatches=microbatches,
+                             steps=steps, input_kwargs=kwargs,
                              fixups=graph.capture.fixups)
     for schedule in ("GPipe", "1F1B", multi):
         stages = 4 if schedule in MULTI else 3
@@ -181,7 +182,7 @@ def check(row: Row, multi: str, steps: int = 2, microbatches: int = 4) -> Result
             plan = pv.balance(graph, stages, by="params")
             if schedule == "1F1B":
                 res.stages = [list(s.layers) for s in plan.stages]
-            run = pv.launch(plan, schedule, microbatches, steps, inputs=args, input_kwargs=kwargs or None,
+            run = pv.launch(plan, schedule, microbatches, steps=steps, inputs=args, input_kwargs=kwargs or None,
                             target=target, loss_fn=lm_loss, optimizer=sgd)
             if run.wait(300) != "done":
                 res.errors[schedule] = (run.error or run.status).strip().splitlines()[-1][:300]

@@ -21,7 +21,7 @@ def train_exactly(schedule: str, plans: tuple[Any, Any], **launch: Any) -> Any:
     import pipeviz as pv
 
     plan = plans[0] if schedule in ("GPipe", "1F1B") else plans[1]
-    run = pv.launch(plan, schedule, 4, 2, optimizer=pv.sgd(lr=0.1), **launch)
+    run = pv.launch(plan, schedule, 4, steps=2, optimizer=pv.sgd(lr=0.1), **launch)
     assert run.wait(240) == "done", f"{schedule}: {run.error}"
     check = pv.check_numerics(run)  # with replicas, also that they hold the same parameters
     assert check.ok, f"{schedule}: {check}"

@@ -28,7 +28,7 @@ def test_plan_then_pick_a_row(tiny: pv.ModelGraph) -> None:
     panel.hardware.value, panel.gpus.value, panel.global_batch.value = "a100-80gb", 4, 16
     result = panel.plan()
     assert result is not None and result == panel.result
-    assert result.rows == pv.plan_cluster(tiny, 4, "a100", 16, top=5).rows
+    assert result.rows == pv.plan_cluster(tiny, 4, "a100", global_batch=16, top=5).rows
     assert len(panel.rows.options) == len(result.rows) and panel.rows.options[0][0].startswith("1. pp")
     assert "4 x a100-80gb" in panel.summary.value and panel.errors.value == ""
     panel.rows.value = 1  # what a click on the second row does

@@ -44,7 +44,7 @@ def test_architecture_built_on_the_meta_device_trains_from_its_ranks_initialiser
             pv.trace(model, example_args=args, example_kwargs=kwargs)
         return
     plan = pv.balance(pv.trace(model, example_args=args, example_kwargs=kwargs), 2, by="params")
-    run = pv.launch(plan, "1F1B", 4, 1, inputs=args, input_kwargs=kwargs or None, target=target, loss_fn=lm_loss,
+    run = pv.launch(plan, "1F1B", 4, steps=1, inputs=args, input_kwargs=kwargs or None, target=target, loss_fn=lm_loss,
                     optimizer=sgd)
     if int(__import__("transformers").__version__.split(".")[0]) < 5:
         # A known limit (README, "Supported versions"): transformers 4.x initialisers do not set every tensor one

@@ -69,7 +69,7 @@ def test_cp_2_against_costs_computed_by_hand(plan: pv.SplitPlan) -> None:
 
 
 def test_the_planner_searches_cp_and_each_row_reproduces(plan: pv.SplitPlan) -> None:
-    result = pv.plan_cluster(plan.graph, 8, "h100", 8, seq_len=16, cp=[1, 2], tp=[1], schedules=["1F1B"],
+    result = pv.plan_cluster(plan.graph, 8, "h100", global_batch=8, seq_len=16, cp=[1, 2], tp=[1], schedules=["1F1B"],
                              recompute="none", top=1000)
     with_cp = [r for r in result.rows if r.cp == 2]
     assert with_cp and {r.cp for r in result.rows} == {1, 2}
@@ -84,4 +84,4 @@ def test_the_planner_searches_cp_and_each_row_reproduces(plan: pv.SplitPlan) -> 
 def test_launch_refuses_cp_before_any_process(plan: pv.SplitPlan) -> None:
     ids = torch.randint(0, 128, (4, 16))
     with pytest.raises(pv.LaunchError, match=r"cp=2: pv\.launch does not run context parallelism.*Fix: cp=1"):
-        pv.launch(plan, "GPipe", 2, 1, inputs=(ids,), target=ids, loss_fn=pv.cross_entropy, cp=2)
+        pv.launch(plan, "GPipe", 2, steps=1, inputs=(ids,), target=ids, loss_fn=pv.cross_entropy, cp=2)

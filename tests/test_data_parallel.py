@@ -46,11 +46,11 @@ def test_a_replica_count_that_cannot_share_the_batch_is_refused_before_any_proce
     plan = graph.split(["bn"])
     with pytest.raises(pv.LaunchError, match=r"dp=3 replicas cannot share a batch of 16 equally. Valid dp for 4 "
                                              r"microbatches: 1, 2, 4"):
-        pv.launch(plan, "1F1B", 4, 1, inputs=(ids,), target=target, loss_fn=lm_loss, dp=3)
+        pv.launch(plan, "1F1B", 4, steps=1, inputs=(ids,), target=target, loss_fn=lm_loss, dp=3)
     with pytest.raises(pv.LaunchError, match="dp must be a positive int"):
-        pv.launch(plan, "1F1B", 4, 1, inputs=(ids,), target=target, loss_fn=lm_loss, dp=0)
+        pv.launch(plan, "1F1B", 4, steps=1, inputs=(ids,), target=target, loss_fn=lm_loss, dp=0)
     with pytest.raises(ValueError, match=r"each of the dp=4 replicas takes 4 of the batch of 16"):
-        pv.launch(plan, "1F1B", 8, 1, inputs=(ids,), target=target, loss_fn=lm_loss, dp=4)
+        pv.launch(plan, "1F1B", 8, steps=1, inputs=(ids,), target=target, loss_fn=lm_loss, dp=4)
 
 
 def _train(schedules: tuple[str, ...], dp_shard: bool = False) -> None:
@@ -95,16 +95,16 @@ def test_dp_shard_is_checked_before_any_process() -> None:
     plan = graph.split(["bn"])
     with pytest.raises(pv.LaunchError, match=r"dp_shard=True shards parameters across data-parallel replicas, but "
                                              r"dp=1.*Fix: dp=2"):
-        pv.launch(plan, "1F1B", 4, 1, inputs=(ids,), target=target, loss_fn=lm_loss, dp_shard=True)
+        pv.launch(plan, "1F1B", 4, steps=1, inputs=(ids,), target=target, loss_fn=lm_loss, dp_shard=True)
     with pytest.raises(pv.LaunchError, match=r"tp > 1 .* not supported yet"):
-        pv.launch(plan, "1F1B", 2, 1, inputs=(ids,), target=target, loss_fn=lm_loss, dp=2, tp=2, dp_shard=True)
+        pv.launch(plan, "1F1B", 2, steps=1, inputs=(ids,), target=target, loss_fn=lm_loss, dp=2, tp=2, dp_shard=True)
 
 
 @pytest.mark.slow
 @pytest.mark.compat  # make compat (CI): keeps make test within 10 minutes
 def test_data_parallel_forward_only_joins_the_replicas_outputs() -> None:
     _, ids, _, graph = _setup()
-    run = pv.launch(graph.split(["bn"]), "GPipe", 2, 1, inputs=(ids,), dp=2)
+    run = pv.launch(graph.split(["bn"]), "GPipe", 2, steps=1, inputs=(ids,), dp=2)
     assert run.wait(120) == "done", run.error
     assert run.outputs[0].shape == (16, 4, 16)  # replica 0's 8 rows, then replica 1's
     assert pv.check_numerics(run).ok  # against the unsplit model run forward on the same microbatches
@@ -117,7 +117,7 @@ def test_data_batches_are_shared_out_so_each_step_consumes_one_global_batch() ->
     gen = torch.Generator().manual_seed(3)
     batches = [(torch.randint(0, 16, ids.shape, generator=gen), torch.randint(0, 16, ids.shape, generator=gen))
                for _ in range(3)]
-    run = pv.launch(graph.split(["bn"]), "1F1B", 4, None, data=batches, loss_fn=lm_loss, optimizer=pv.sgd(lr=0.1),
+    run = pv.launch(graph.split(["bn"]), "1F1B", 4, steps=None, data=batches, loss_fn=lm_loss, optimizer=pv.sgd(lr=0.1),
                     dp=2)
     assert run.wait(120) == "done", run.error
     assert len(run.losses) == 3

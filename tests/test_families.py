@@ -42,11 +42,12 @@ def mixtral() -> Any:
 def train_under(schedules: tuple[str, ...], model: torch.nn.Module, ids: torch.Tensor, vocab: int) -> None:
     target = torch.randint(0, vocab, ids.shape, generator=torch.Generator().manual_seed(2))
     graph = pv.trace(model, example_args=(ids,))
-    ref_losses, ref_state = pv.train_reference(model, (ids,), target, lm_loss, sgd, 4, 2,
+    ref_losses, ref_state = pv.train_reference(model, (ids,), target, loss_fn=lm_loss, optimizer=sgd, microbatches=4,
+                                               steps=2,
                                                fixups=graph.capture.fixups)
     two, four = pv.balance(graph, 2, by="params"), pv.balance(graph, 4, by="params")
     for schedule in schedules:
-        run = pv.launch(two if schedule in ("GPipe", "1F1B") else four, schedule, 4, 2, inputs=(ids,),
+        run = pv.launch(two if schedule in ("GPipe", "1F1B") else four, schedule, 4, steps=2, inputs=(ids,),
                         target=target, loss_fn=lm_loss, optimizer=sgd)
         assert run.wait(120) == "done", f"{schedule}: {run.error}"
         torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(ref_losses), rtol=0, atol=1e-5)
@@ -87,9 +88,9 @@ def test_moe_with_a_value_branch_goes_the_manual_route() -> None:
     assert "GuardOnDataDependent" in str(info.value)  # torch's own words, first line
     stages = [["embed", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "head"]]
     plan = pv.manual_plan(model, stages, example_args=(ids,))
-    ref = pv.train_reference(model, (ids,), ids, lm_loss, sgd, 4, 2)
+    ref = pv.train_reference(model, (ids,), ids, loss_fn=lm_loss, optimizer=sgd, microbatches=4, steps=2)
     for schedule in ("GPipe", "1F1B"):
-        run = pv.launch(plan, schedule, 4, 2, inputs=(ids,), target=ids, loss_fn=lm_loss, optimizer=sgd)
+        run = pv.launch(plan, schedule, 4, steps=2, inputs=(ids,), target=ids, loss_fn=lm_loss, optimizer=sgd)
         assert run.wait(120) == "done", f"{schedule}: {run.error}"
         torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(ref[0]), rtol=0, atol=1e-5)
         for name, want in ref[1].items():

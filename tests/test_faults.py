@@ -101,7 +101,7 @@ def test_a_failing_layer_is_named_with_its_op_and_shapes() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), Checked(), nn.Linear(8, 4))
     plan = pv.trace(model, example_args=(X,)).split(["0"])
-    run = pv.launch(plan, "GPipe", 2, 1, inputs=(X * 1000,), target=torch.randint(0, 4, (8,)),
+    run = pv.launch(plan, "GPipe", 2, steps=1, inputs=(X * 1000,), target=torch.randint(0, 4, (8,)),
                     loss_fn=F.cross_entropy)
     assert run.wait(60) == "failed"
     first = run.error.splitlines()[0]

@@ -20,7 +20,7 @@ def test_a_simulated_overlay_is_drawn_on_its_processes_rows(degrees: dict, rows:
     torch.manual_seed(0)
     x, y = torch.randn(8, 8), torch.randint(0, 10, (8,))
     plan = pv.trace(MyNetwork(8, [8, 8]), example_args=(x,)).split(["layer0"])
-    run = pv.launch(plan, "GPipe", 2, 1, inputs=(x,), target=y, loss_fn=F.cross_entropy, **degrees)
+    run = pv.launch(plan, "GPipe", 2, steps=1, inputs=(x,), target=y, loss_fn=F.cross_entropy, **degrees)
     assert run.wait(120) == "done", run.error
     measured = run.timeline()
     sim = pv.simulate(plan, "GPipe", 2, **degrees)

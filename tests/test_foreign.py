@@ -37,13 +37,14 @@ def assert_same_training(run: pv.Run, ref: tuple[list[float], dict[str, torch.Te
 def test_trains_like_the_unsplit_model(name: str) -> None:
     model, args, kwargs, target, loss_fn, splits = case(name)
     graph = pv.trace(model, example_args=args, example_kwargs=kwargs)
-    ref = pv.train_reference(model, args, target, loss_fn, sgd, 4, 2, input_kwargs=kwargs)
+    ref = pv.train_reference(model, args, target, loss_fn=loss_fn, optimizer=sgd, microbatches=4, steps=2,
+                             input_kwargs=kwargs)
     plan = graph.split(splits)  # the names a user would write, whatever the view shows
     assert pv.simulate(plan, "1F1B", 4).step_time > 0
     # 4 stages for the multi-stage schedule (2 per rank); the ReLU "1" of the chain makes a stage of its own.
     four = graph.split(["0", "1", "2"]) if name == "mlp_chain" else pv.balance(graph, 4)
     for schedule, p in (("GPipe", plan), ("1F1B", plan), (MULTI[name], four)):
-        run = pv.launch(p, schedule, 4, 2, inputs=args, input_kwargs=kwargs or None, target=target,
+        run = pv.launch(p, schedule, 4, steps=2, inputs=args, input_kwargs=kwargs or None, target=target,
                         loss_fn=loss_fn, optimizer=sgd)
         assert_same_training(run, ref)
 

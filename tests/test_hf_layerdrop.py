@@ -62,7 +62,7 @@ def test_at_probability_zero_it_traces_splits_and_trains_exactly(modelling: type
     graph = pv.trace(model, example_args=(x,))
     assert not any("rand" in op.target for op in graph.capture.ops), "a random op left in the traced graph"
     plan = graph.split(["layers.1"])
-    run = pv.launch(plan, "1F1B", 4, 2, inputs=(x,), target=y, loss_fn=F.cross_entropy)
+    run = pv.launch(plan, "1F1B", 4, steps=2, inputs=(x,), target=y, loss_fn=F.cross_entropy)
     assert run.wait(120) == "done", run.error
     check = pv.check_numerics(run)
     assert check.ok, check

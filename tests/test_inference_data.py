@@ -20,7 +20,7 @@ def test_forward_only_every_schedule_equals_the_model() -> None:
     want = model(*args, **kwargs).detach()
     for schedule in ALL_FORWARD:
         plan = graph.split(splits) if schedule in ("GPipe", "1F1B") else pv.balance(graph, 4)
-        run = pv.launch(plan, schedule, 4, 2, input_kwargs=kwargs)
+        run = pv.launch(plan, schedule, 4, steps=2, input_kwargs=kwargs)
         assert run.wait(120) == "done", run.error
         assert len(run.outputs) == 2 and run.losses == []
         for out in run.outputs:
@@ -35,7 +35,7 @@ def test_forward_only_every_schedule_equals_the_model() -> None:
 def test_check_numerics_of_a_forward_only_run_with_batchnorm_statistics() -> None:
     # Running statistics move in a forward: the microbatched reference matches them; a changed output is caught.
     model, args, _, _, _, splits = case("batchnorm")
-    run = pv.launch(pv.trace(model, example_args=args).split(splits), "GPipe", 4, 2)
+    run = pv.launch(pv.trace(model, example_args=args).split(splits), "GPipe", 4, steps=2)
     assert run.wait(120) == "done", run.error
     check = pv.check_numerics(run)
     assert check.ok and check.steps == 2 and check.output_diff == pytest.approx(0, abs=1e-5), check
@@ -51,7 +51,7 @@ def test_forward_only_keeps_an_hf_output_structure() -> None:
     model = next(r for r in ROWS if r.name == "GPT-2").build().eval()
     ids = torch.randint(0, 96, (4, 8))
     plan = pv.trace(model, example_args=(ids,)).split(["transformer.h.1"])
-    run = pv.launch(plan, "1F1B", 2, 1)
+    run = pv.launch(plan, "1F1B", 2, steps=1)
     assert run.wait(120) == "done", run.error
     out, want = run.outputs[0], model(ids)
     assert type(out).__name__ == type(want).__name__  # CausalLMOutputWithCrossAttentions, not a bare tuple
@@ -67,9 +67,9 @@ def test_forward_only_is_simulated_without_backwards_and_v_schedules_refused() -
     cmp = pv.compare(plan, microbatches=4, forward_only=True)
     assert "ZBVZeroBubble" in cmp.skipped and "DualPipeV" in cmp.skipped
     with pytest.raises(pv.LaunchError, match=r"cannot run forward only.*loss_fn"):
-        pv.launch(pv.trace(model, example_args=args).split(["0", "1", "2"]), "ZBVZeroBubble", 4, 1)
+        pv.launch(pv.trace(model, example_args=args).split(["0", "1", "2"]), "ZBVZeroBubble", 4, steps=1)
     with pytest.raises(pv.LaunchError, match=r"target.*loss_fn"):
-        pv.launch(plan, "1F1B", 4, 1, target=torch.zeros(8, dtype=torch.long))
+        pv.launch(plan, "1F1B", 4, steps=1, target=torch.zeros(8, dtype=torch.long))
 
 
 def loader(n: int, batch: int, drop_last: bool = True) -> DataLoader:
@@ -82,17 +82,18 @@ def loader(n: int, batch: int, drop_last: bool = True) -> DataLoader:
 def test_data_loader_trains_like_the_unsplit_model_on_the_same_batches() -> None:
     model, args, _, _, loss_fn, splits = case("mlp_chain")
     plan = pv.trace(model, example_args=args).split(splits)
-    run = pv.launch(plan, "1F1B", 4, None, data=loader(40, 8), loss_fn=loss_fn)  # until it runs out: 5 steps
+    run = pv.launch(plan, "1F1B", 4, steps=None, data=loader(40, 8), loss_fn=loss_fn)  # until it runs out: 5 steps
     assert run.wait(120) == "done", run.error
     assert run.step == 5 and len(run.losses) == 5
-    ref_losses, _ = pv.train_reference(model, args, None, loss_fn, None, 4, batches=run.batches)
+    ref_losses, _ = pv.train_reference(model, args, None, loss_fn=loss_fn, optimizer=None, microbatches=4,
+                                       batches=run.batches)
     assert len(set(ref_losses)) == 5  # five different batches, not the first one five times
     check = pv.check_numerics(run)
     assert check.ok and check.steps == 5, check
     # steps= stops early; a mapping carries the keyword inputs
     model, args, kwargs, target, loss_fn, splits = case("kwargs")
     data = [{"inputs": args, "target": target, "mask": kwargs["mask"] * s} for s in (1.0, 0.5, 0.0)]
-    run = pv.launch(pv.trace(model, example_args=args, example_kwargs=kwargs).split(splits), "GPipe", 4, 2,
+    run = pv.launch(pv.trace(model, example_args=args, example_kwargs=kwargs).split(splits), "GPipe", 4, steps=2,
                     data=data, loss_fn=loss_fn)
     assert run.wait(120) == "done", run.error
     assert pv.check_numerics(run).ok and len(run.losses) == 2
@@ -101,11 +102,11 @@ def test_data_loader_trains_like_the_unsplit_model_on_the_same_batches() -> None
 def test_a_bad_batch_names_the_step_and_shapes_and_the_ranks_end() -> None:
     model, args, _, _, loss_fn, splits = case("mlp_chain")
     plan = pv.trace(model, example_args=args).split(splits)
-    run = pv.launch(plan, "1F1B", 4, None, data=loader(40, 12, drop_last=False), loss_fn=loss_fn)
+    run = pv.launch(plan, "1F1B", 4, steps=None, data=loader(40, 12, drop_last=False), loss_fn=loss_fn)
     assert run.wait(120) == "failed"
     assert "data= batch 3: inputs[0] is (4, 16)" in run.error and "(12, 16)" in run.error
     assert len(run.losses) == 3 and all(not p.is_alive() for p in run._procs)
     with pytest.raises(pv.LaunchError, match="drop inputs="):
-        pv.launch(plan, "1F1B", 4, None, data=loader(40, 8), inputs=args, loss_fn=loss_fn)
+        pv.launch(plan, "1F1B", 4, steps=None, data=loader(40, 8), inputs=args, loss_fn=loss_fn)
     with pytest.raises(pv.ScheduleError, match="does not divide the batch of 6"):
-        pv.launch(plan, "1F1B", 4, None, data=loader(40, 6), loss_fn=loss_fn)
+        pv.launch(plan, "1F1B", 4, steps=None, data=loader(40, 6), loss_fn=loss_fn)

@@ -62,7 +62,7 @@ def test_a_second_launch_traces_nothing_and_ships_the_models_values_as_they_are_
     plan = pv.trace(model, example_args=(x,)).split(["layer0", "layer1"])
 
     def launch() -> pv.Run:
-        run = pv.launch(plan, "1F1B", 4, 2, inputs=(x,), target=y, loss_fn=F.cross_entropy)
+        run = pv.launch(plan, "1F1B", 4, steps=2, inputs=(x,), target=y, loss_fn=F.cross_entropy)
         assert run.wait(120) == "done", run.error
         return run
 
@@ -74,13 +74,14 @@ def test_a_second_launch_traces_nothing_and_ships_the_models_values_as_they_are_
         model.output_proj.bias.add_(1.0)
     second = launch()
     assert built == [1], "the second launch of the same plan and shapes traced torch's Pipe again"
-    ref_losses, ref_state = pv.train_reference(model, (x,), y, F.cross_entropy, pv.sgd(lr=0.1), 4, 2)
+    ref_losses, ref_state = pv.train_reference(model, (x,), y, loss_fn=F.cross_entropy, optimizer=pv.sgd(lr=0.1),
+                                               microbatches=4, steps=2)
     torch.testing.assert_close(torch.tensor(second.losses), torch.tensor(ref_losses), rtol=0, atol=1e-5)
     for name, want in ref_state.items():
         torch.testing.assert_close(second.state_dict()[name], want, rtol=0, atol=1e-5, msg=name)
     assert first.losses != second.losses
     # another microbatch count is another trace (the shapes every stage sees are baked in)
-    run = pv.launch(plan, "GPipe", 2, 1, inputs=(x,), target=y, loss_fn=F.cross_entropy)
+    run = pv.launch(plan, "GPipe", 2, steps=1, inputs=(x,), target=y, loss_fn=F.cross_entropy)
     assert run.wait(120) == "done", run.error
     assert built == [1, 1]
 
@@ -92,7 +93,7 @@ def test_a_model_changed_after_its_trace_is_refused_before_any_process() -> None
     model.layer1.lin = nn.Linear(8, 16)
     with pytest.raises(pv.LaunchError, match=r"'layer1.lin.weight' is \(16, 8\) torch.float32, not what pv.trace saw "
                                              r"\(64 elements, 256 bytes\).*Fix: trace it again"):
-        pv.launch(plan, "GPipe", 2, 1, inputs=(x,), target=y, loss_fn=F.cross_entropy)
+        pv.launch(plan, "GPipe", 2, steps=1, inputs=(x,), target=y, loss_fn=F.cross_entropy)
 
 
 def test_a_gone_launchers_values_file_is_swept_from_shared_memory() -> None:
@@ -132,7 +133,7 @@ def test_no_room_for_the_values_is_named_with_the_fix(monkeypatch: pytest.Monkey
     model = MyNetwork(64, [256, 256])
     x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
     plan = pv.trace(model, example_args=(x,)).split(["layer0"])
-    run = pv.launch(plan, "GPipe", 2, 1, inputs=(x,), target=y, loss_fn=F.cross_entropy)
+    run = pv.launch(plan, "GPipe", 2, steps=1, inputs=(x,), target=y, loss_fn=F.cross_entropy)
     assert run.wait(60) == "failed"
     assert run.error.startswith("No space left in ") and "for the model's values (0.3 MiB, mapped by the ranks)" \
         in run.error and "Fix: free some space there, or point TMPDIR at a disk with room." in run.error, run.error

@@ -30,7 +30,7 @@ def test_saved_activations_follow_the_schedule_and_static_bytes_are_counted() ->
     per_mb = 3 * MB_ROWS * WIDTH * 4
     peaks = {}
     for schedule in ("GPipe", "1F1B"):
-        run = pv.launch(plan, schedule, MICROBATCHES, 2, inputs=(x,), target=y, loss_fn=pv.cross_entropy,
+        run = pv.launch(plan, schedule, MICROBATCHES, steps=2, inputs=(x,), target=y, loss_fn=pv.cross_entropy,
                         optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
         assert run.wait(120) == "done", run.error
         peaks[schedule] = _peaks(run)

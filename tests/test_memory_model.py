@@ -87,7 +87,7 @@ def test_simulated_peak_matches_the_measured_one_under_1f1b() -> None:
     x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
     plan = pv.trace(model, example_args=(x,)).split(["layer1"])
     m = 4
-    run = pv.launch(plan, "1F1B", m, 1, inputs=(x,), target=y, loss_fn=pv.cross_entropy)
+    run = pv.launch(plan, "1F1B", m, steps=1, inputs=(x,), target=y, loss_fn=pv.cross_entropy)
     assert run.wait(120) == "done", run.error
     measured = [max(b for _, b in run.activation_memory[r]) for r in range(2)]
     simulated = pv.simulate(plan, "1F1B", m).peak_activation_bytes
@@ -115,7 +115,7 @@ def test_simulated_peak_matches_the_measured_one_under_interleaved_zero_bubble()
     x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
     plan = pv.balance(pv.trace(model, example_args=(x,)), 4)
     m = 4
-    run = pv.launch(plan, "InterleavedZeroBubble", m, 1, stages_per_rank=2, inputs=(x,), target=y,
+    run = pv.launch(plan, "InterleavedZeroBubble", m, steps=1, stages_per_rank=2, inputs=(x,), target=y,
                     loss_fn=pv.cross_entropy)
     assert run.wait(120) == "done", run.error
     measured = [max(b for _, b in run.activation_memory[r]) for r in range(2)]

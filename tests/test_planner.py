@@ -74,12 +74,12 @@ def test_best_rows_are_the_brute_forces(tiny: pv.ModelGraph) -> None:
     hw = pv.hardware("h100")
     modes = ("none", "full")
     brute = _brute_force(tiny, 4, hw, 16, hw.memory_bytes, modes)
-    everything = pv.plan_cluster(tiny, 4, hw, 16, schedules=EXACT, recompute=modes, top=10_000)
+    everything = pv.plan_cluster(tiny, 4, hw, global_batch=16, schedules=EXACT, recompute=modes, top=10_000)
     assert len(everything.rows) == len(brute)  # every option that fits, none that does not
     assert [r.step_time for r in everything.rows] == pytest.approx([s for s, _ in brute], rel=1e-9)
     assert {_key(r) for r in everything.rows} == {k for _, k in brute}
     # With a short list the bound prunes, and the rows are still the true best ones.
-    three = pv.plan_cluster(tiny, 4, hw, 16, schedules=EXACT, recompute=modes, top=3)
+    three = pv.plan_cluster(tiny, 4, hw, global_batch=16, schedules=EXACT, recompute=modes, top=3)
     assert [r.step_time for r in three.rows] == pytest.approx([s for s, _ in brute[:3]], rel=1e-9)
     assert three.pruned > 0 and three.simulated < len(brute)
     best = three.best
@@ -93,14 +93,14 @@ def test_best_rows_are_the_brute_forces(tiny: pv.ModelGraph) -> None:
 
 def test_only_options_that_fit(tiny: pv.ModelGraph) -> None:
     hw = pv.hardware("a100")
-    free = pv.plan_cluster(tiny, 4, hw, 16, recompute="none", top=10_000)
+    free = pv.plan_cluster(tiny, 4, hw, global_batch=16, recompute="none", top=10_000)
     peaks = sorted(r.peak_memory for r in free.rows)
     limit = peaks[len(peaks) // 2]
-    tight = pv.plan_cluster(tiny, 4, hw, 16, memory_limit=limit, recompute="none", top=10_000)
+    tight = pv.plan_cluster(tiny, 4, hw, global_batch=16, memory_limit=limit, recompute="none", top=10_000)
     assert tight.rows and all(r.peak_memory <= limit for r in tight.rows)
     assert len(tight.rows) < len(free.rows) and tight.memory_limit == limit
     assert {_key(r) for r in tight.rows} == {_key(r) for r in free.rows if r.peak_memory <= limit}
-    none = pv.plan_cluster(tiny, 4, hw, 16, memory_limit=1000)
+    none = pv.plan_cluster(tiny, 4, hw, global_batch=16, memory_limit=1000)
     assert none.rows == ()
     with pytest.raises(pv.PlanError, match="No layout of 4 x a100-80gb fits"):
         _ = none.best
@@ -109,7 +109,7 @@ def test_only_options_that_fit(tiny: pv.ModelGraph) -> None:
 
 def test_layout_rules(tiny: pv.ModelGraph) -> None:
     hw = pv.hardware("h100")
-    cp = pv.plan_cluster(tiny, 16, hw, 32, top=10_000)
+    cp = pv.plan_cluster(tiny, 16, hw, global_batch=32, top=10_000)
     assert cp.rows
     for r in cp.rows:
         assert r.pp * r.dp * r.tp == 16 and r.tp <= hw.devices_per_node  # tensor parallel within a node
@@ -120,18 +120,18 @@ def test_layout_rules(tiny: pv.ModelGraph) -> None:
     assert text.splitlines()[0].startswith("16 x h100-sxm (bfloat16, efficiency 0.55), global batch 32 x 16 tokens")
     assert "pp" in text.splitlines()[1] and "MFU" in text.splitlines()[1] and len(text.splitlines()) >= 7
     with pytest.raises(ValueError, match="gpus must be a positive int"):
-        pv.plan_cluster(tiny, 0, hw, 32)
+        pv.plan_cluster(tiny, 0, hw, global_batch=32)
     with pytest.raises(pv.ScheduleError, match="Unknown schedule"):
-        pv.plan_cluster(tiny, 4, hw, 16, schedules=["gpipee"])
+        pv.plan_cluster(tiny, 4, hw, global_batch=16, schedules=["gpipee"])
     with pytest.raises(ValueError, match=r"tp=\[16\] not within one node of h100-sxm \(8 devices\)"):
-        pv.plan_cluster(tiny, 16, hw, 32, tp=[2, 16])
+        pv.plan_cluster(tiny, 16, hw, global_batch=32, tp=[2, 16])
 
 
 def test_too_long_simulations_are_left_out_and_counted(tiny: pv.ModelGraph) -> None:
     from pipeviz.planner import _actions
 
-    full = pv.plan_cluster(tiny, 4, "h100", 16, top=10_000)
-    short = pv.plan_cluster(tiny, 4, "h100", 16, top=10_000, max_actions=100)
+    full = pv.plan_cluster(tiny, 4, "h100", global_batch=16, top=10_000)
+    short = pv.plan_cluster(tiny, 4, "h100", global_batch=16, top=10_000, max_actions=100)
     assert short.too_long > 0 and full.too_long == 0
     kept = {_key(r) for r in full.rows if _actions(r.schedule, r.pp, r.stages_per_rank, r.microbatches) <= 100}
     assert {_key(r) for r in short.rows} == kept
@@ -145,7 +145,7 @@ def test_a_meta_model_is_planned_without_weights() -> None:
     with torch.device("meta"):
         model = zoo.llama(num_hidden_layers=4, hidden_size=256, vocab_size=1024)
     graph = pv.trace(model, example_args=(torch.zeros(1, 512, dtype=torch.long),))
-    cp = pv.plan_cluster(graph, 8, "h100", 64, seq_len=1024)
+    cp = pv.plan_cluster(graph, 8, "h100", global_batch=64, seq_len=1024)
     assert cp.rows and cp.seq_len == 1024 and any("scaled" in n for n in cp.notes)
 
 
@@ -211,8 +211,9 @@ def test_collectives_reach_every_option_and_reproduce(tiny: pv.ModelGraph) -> No
 
     hw = pv.hardware("a100")
     after = Collectives(dp_reduce="after_flush")
-    ddp = pv.plan_cluster(tiny, 4, hw, 16, schedules=["1F1B"], recompute="none", top=10_000)
-    flush = pv.plan_cluster(tiny, 4, hw, 16, schedules=["1F1B"], recompute="none", top=10_000, collectives=after)
+    ddp = pv.plan_cluster(tiny, 4, hw, global_batch=16, schedules=["1F1B"], recompute="none", top=10_000)
+    flush = pv.plan_cluster(tiny, 4, hw, global_batch=16, schedules=["1F1B"], recompute="none", top=10_000,
+                            collectives=after)
     by_key = {_key(r): r for r in ddp.rows}
     for r in flush.rows:
         assert r.collectives == after

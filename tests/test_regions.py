@@ -100,7 +100,7 @@ def test_a_model_with_regions_runs_forward_only_like_the_unsplit_model(schedules
     graph = pv.trace(model, example_args=(x,))
     for schedule in schedules:
         plan = graph.split(["rotary"] if schedule in ("GPipe", "1F1B") else ["l0", "rotary", "l1"])
-        run = pv.launch(plan, schedule, 4, 1, inputs=(x,))
+        run = pv.launch(plan, schedule, 4, steps=1, inputs=(x,))
         assert run.wait(120) == "done", f"{schedule}: {run.error}"
         torch.testing.assert_close(run.outputs[0], model(x).detach(), rtol=0, atol=1e-5)
         assert pv.check_numerics(run).ok
@@ -146,4 +146,4 @@ def test_an_op_torch_cannot_split_is_named_before_any_stage_is_built() -> None:
                                         r"Fix: compute both branches and pick with torch.where"):
         plan.pipe(2)
     with pytest.raises(pv.LaunchError, match=r"torch.cond .* cannot be pipelined"):
-        pv.launch(plan, "1F1B", 2, 1, inputs=(x,))
+        pv.launch(plan, "1F1B", 2, steps=1, inputs=(x,))

@@ -33,7 +33,8 @@ def _case(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], torch.T
 def assert_matches_reference(run: pv.Run, model: torch.nn.Module, inputs: tuple, target: torch.Tensor, loss_fn: object,
                              microbatches: int, steps: int, optimizer: object = sgd, **kw: object) -> None:
     assert run.wait(120) == "done", run.error
-    ref_losses, ref_state = pv.train_reference(model, inputs, target, loss_fn, optimizer, microbatches, steps, **kw)
+    ref_losses, ref_state = pv.train_reference(model, inputs, target, loss_fn=loss_fn, optimizer=optimizer,
+                                               microbatches=microbatches, steps=steps, **kw)
     assert len(run.losses) == steps
     torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(ref_losses), rtol=0, atol=1e-5)
     state = run.state_dict()

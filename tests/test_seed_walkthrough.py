@@ -106,6 +106,6 @@ def test_seed_walkthrough_matches_unsplit_model_and_launch(tmp_path: Path) -> No
     torch.testing.assert_close(seed_out, expected, rtol=0, atol=1e-5)
 
     plan = pv.trace(model, example_args=(x,)).split(["layer0", "layer1"])
-    run = pv.launch(plan, "GPipe", CHUNKS, 1, inputs=(x,))  # no loss_fn: forward only
+    run = pv.launch(plan, "GPipe", CHUNKS, steps=1, inputs=(x,))  # no loss_fn: forward only
     assert run.wait(120) == "done", run.error
     torch.testing.assert_close(seed_out, run.outputs[0], rtol=0, atol=1e-5)

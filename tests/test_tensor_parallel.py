@@ -38,13 +38,13 @@ def test_a_tensor_parallel_plan_that_cannot_work_is_refused_before_any_process()
     plan = graph.split(["layer1"])
     kw = {"inputs": (x,), "target": y, "loss_fn": pv.cross_entropy}
     with pytest.raises(pv.LaunchError, match=r"tp_plan names 'layer0', which is not an nn.Linear .*Valid: layer0.lin"):
-        pv.launch(plan, "1F1B", 4, 1, tp=2, tp_plan={"layer0": "colwise"}, **kw)
+        pv.launch(plan, "1F1B", 4, steps=1, tp=2, tp_plan={"layer0": "colwise"}, **kw)
     with pytest.raises(pv.LaunchError, match=r"tp_plan\['layer0.lin'\] is 'diagonal'; valid: 'colwise', 'rowwise'"):
-        pv.launch(plan, "1F1B", 4, 1, tp=2, tp_plan={"layer0.lin": "diagonal"}, **kw)
+        pv.launch(plan, "1F1B", 4, steps=1, tp=2, tp_plan={"layer0.lin": "diagonal"}, **kw)
     with pytest.raises(pv.LaunchError, match=r"'output_proj' has 10 output features, which tp=4 shards cannot share"):
-        pv.launch(plan, "1F1B", 4, 1, tp=4, tp_plan={"output_proj": "colwise"}, **kw)
+        pv.launch(plan, "1F1B", 4, steps=1, tp=4, tp_plan={"output_proj": "colwise"}, **kw)
     with pytest.raises(pv.LaunchError, match=r"tp must be a positive int"):
-        pv.launch(plan, "1F1B", 4, 1, tp=0, **kw)
+        pv.launch(plan, "1F1B", 4, steps=1, tp=0, **kw)
 
 
 def _train(schedules: tuple[str, ...], dp: int = 1) -> None:
@@ -85,7 +85,7 @@ def test_tensor_parallel_keeps_tied_weights_skips_and_batchnorm_exact() -> None:
     def lm_loss(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), tgt.reshape(-1))
 
-    run = pv.launch(plan, "Interleaved1F1B", 4, 2, inputs=(ids,), target=target, loss_fn=lm_loss,
+    run = pv.launch(plan, "Interleaved1F1B", 4, steps=2, inputs=(ids,), target=target, loss_fn=lm_loss,
                     optimizer=pv.sgd(lr=0.1), tp=2, tp_plan={"l2": "colwise", "l3": "rowwise"})
     assert run.wait(240) == "done", run.error
     assert pv.check_numerics(run).ok

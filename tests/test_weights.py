@@ -48,7 +48,7 @@ def test_a_meta_model_is_explored_without_memory() -> None:
 
 
 def launch(plan: pv.SplitPlan, schedule: str = "1F1B", **kw: Any) -> pv.Run:
-    run = pv.launch(plan, schedule, 4, 2, inputs=(IDS,), target=IDS, loss_fn=lm_loss, optimizer=sgd, **kw)
+    run = pv.launch(plan, schedule, 4, steps=2, inputs=(IDS,), target=IDS, loss_fn=lm_loss, optimizer=sgd, **kw)
     assert run.wait(120) == "done", run.error
     return run
 
@@ -93,7 +93,7 @@ def test_a_checkpoint_starts_a_real_or_meta_model_and_ranks_get_no_values(tmp_pa
     plan = pv.balance(pv.trace(other, example_args=(IDS,)), 2)
     run = launch(plan, weights=tmp_path / "hf")
     assert pv.check_numerics(run).ok
-    ref_losses, _ = pv.train_reference(real, (IDS,), IDS, lm_loss, sgd, 4, 2)
+    ref_losses, _ = pv.train_reference(real, (IDS,), IDS, loss_fn=lm_loss, optimizer=sgd, microbatches=4, steps=2)
     torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(ref_losses), rtol=0, atol=1e-5)
     # one .safetensors file, on a meta model
     single = run.save(tmp_path / "one.safetensors")
@@ -126,16 +126,16 @@ def test_bad_checkpoints_and_uninitialisable_meta_tensors_are_named_before_any_p
     save_file(tensors, tmp_path / "partial.safetensors")
     with pytest.raises(pv.LaunchError, match=r"lacks 1 tensor\(s\) the stages need: "
                                              r"model\.layers\.3\.mlp\.down_proj\.weight \(stage 1\)"):
-        pv.launch(plan, "1F1B", 4, 1, inputs=(IDS,), target=IDS, loss_fn=lm_loss,
+        pv.launch(plan, "1F1B", 4, steps=1, inputs=(IDS,), target=IDS, loss_fn=lm_loss,
                   weights=tmp_path / "partial.safetensors")
     wide = transformers.LlamaForCausalLM(config(intermediate_size=48))
     save_file(wide.state_dict(), tmp_path / "wide.safetensors")
     with pytest.raises(pv.LaunchError, match=r"do not match the traced model's shapes: model\.layers\.0\.mlp\."
                                              r"down_proj\.weight: \(32, 48\) in the checkpoint, \(32, 64\)"):
-        pv.launch(plan, "1F1B", 4, 1, inputs=(IDS,), target=IDS, loss_fn=lm_loss,
+        pv.launch(plan, "1F1B", 4, steps=1, inputs=(IDS,), target=IDS, loss_fn=lm_loss,
                   weights=tmp_path / "wide.safetensors")
     with pytest.raises(pv.LaunchError, match="does not exist"):
-        pv.launch(plan, "1F1B", 4, 1, inputs=(IDS,), target=IDS, loss_fn=lm_loss, weights=tmp_path / "nowhere")
+        pv.launch(plan, "1F1B", 4, steps=1, inputs=(IDS,), target=IDS, loss_fn=lm_loss, weights=tmp_path / "nowhere")
 
     class Scaled(nn.Module):  # a raw parameter set in __init__, no reset_parameters: on meta it has no value
         def __init__(self) -> None:
@@ -150,7 +150,7 @@ def test_bad_checkpoints_and_uninitialisable_meta_tensors_are_named_before_any_p
     plan = pv.trace(model, example_args=(torch.randn(8, 16),)).split(["0"])
     with pytest.raises(pv.LaunchError, match=r"1 tensor\(s\) are on the meta device .*1\.scale \(Scaled '1', "
                                              r"stage 1\).*Fix: weights=PATH"):
-        pv.launch(plan, "1F1B", 4, 1, inputs=(torch.randn(8, 16),), target=torch.zeros(8, dtype=torch.long),
+        pv.launch(plan, "1F1B", 4, steps=1, inputs=(torch.randn(8, 16),), target=torch.zeros(8, dtype=torch.long),
                   loss_fn=pv.cross_entropy)
 
 

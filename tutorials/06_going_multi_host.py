@@ -132,7 +132,7 @@ for rank in range(tl.num_ranks):
 # optimizer, as in the export), and the losses must agree:
 
 # %%
-ref_losses, _ = pv.train_reference(model, (x,), y, F.cross_entropy, None, microbatches=4, steps=5)
+ref_losses, _ = pv.train_reference(model, (x,), y, loss_fn=F.cross_entropy, optimizer=None, microbatches=4, steps=5)
 gap = max(abs(a - b) for a, b in zip(watch.losses, ref_losses, strict=True))
 print(f"largest loss difference against the unsplit model: {gap:.1e}")
 assert gap < 1e-5

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from pipeviz._compat import positional_legacy
+
 __all__ = ["forward_reference", "model_output", "train_reference"]
 
 
@@ -29,10 +31,13 @@ def model_output(out: Any) -> Any:
     return leaves[0] if len(leaves) == 1 else tuple(leaves)
 
 
+@positional_legacy("loss_fn", "optimizer", "microbatches", "steps", "input_kwargs", "fixups", "device", "batches",
+                   "replicas")
 def train_reference(
     model: torch.nn.Module,
     inputs: tuple[Any, ...],
     target: torch.Tensor,
+    *,
     loss_fn: Callable[..., torch.Tensor],
     optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
     microbatches: int = 1,
@@ -68,9 +73,11 @@ def train_reference(
     return losses, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
+@positional_legacy("microbatches", "steps", "input_kwargs", "fixups", "device", "batches", "replicas")
 def forward_reference(
     model: torch.nn.Module,
     inputs: tuple[Any, ...],
+    *,
     microbatches: int = 1,
     steps: int = 1,
     input_kwargs: dict[str, Any] | None = None,

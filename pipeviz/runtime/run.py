@@ -26,6 +26,7 @@ from typing import Any, Unpack
 
 import torch
 
+from pipeviz._compat import positional_legacy
 from pipeviz.capture import _batch_size
 from pipeviz.plan import SplitPlan
 from pipeviz.runtime.config import UNSET, LaunchConfig, LaunchOptions, launch_config
@@ -699,12 +700,13 @@ def _reap_all() -> None:
         run._join_monitor()
 
 
+@positional_legacy("steps")
 def launch(
     plan: SplitPlan,
     schedule: str = UNSET,
     microbatches: int = UNSET,
-    steps: int | None = UNSET,
     *,
+    steps: int | None = UNSET,
     inputs: tuple[Any, ...] | Any = None,
     input_kwargs: dict[str, Any] | None = None,
     target: Any = None,

@@ -81,7 +81,8 @@ class ClusterPanel(W.VBox):
         area, as every widget handler's does)."""
         self.errors.value = ""
         try:
-            result = pv.plan_cluster(self.graph, self.gpus.value, self.hardware.value, self.global_batch.value,
+            result = pv.plan_cluster(self.graph, self.gpus.value, self.hardware.value,
+                                     global_batch=self.global_batch.value,
                                      top=self.top)
         except Exception as exc:  # shown, never swallowed
             self.errors.value = error_html(f"{type(exc).__name__}: {exc}")
