@@ -41,9 +41,13 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    # A zombie still answers kill(0); it has exited all the same.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
+    # A zombie still answers kill(0); it has exited all the same. It can be reaped between the two looks: its /proc
+    # entry then reads as gone (ESRCH while reading, or no file), which once failed a clean run here.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def left_behind(run: pv.Run) -> list[str]:
