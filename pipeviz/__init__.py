@@ -16,9 +16,13 @@ from torch.distributed.pipelining import SplitPoint
 
 from pipeviz.balance import balance, compare
 from pipeviz.capture import TraceError
-from pipeviz.costs import CostOptions, Costs
+from pipeviz.cost.model import Costs
+from pipeviz.cost.options import CostOptions
 from pipeviz.export import Watch, export_torchrun, watch
 from pipeviz.graph import Layer, ModelGraph, trace
+
+# pv.hardware and pv.profile are functions; their modules' names (kept from 0.2) are imported here first, so that
+# a later `import pipeviz.hardware` does not replace the function on the package.
 from pipeviz.hardware import HARDWARE, Hardware, HardwareError, hardware
 from pipeviz.live import Live
 from pipeviz.manual import SequenceStage, manual_plan

@@ -20,9 +20,12 @@ from typing import Any
 
 from pipeviz import schedules as sched
 from pipeviz._compat import positional_legacy
-from pipeviz.costs import CostOptions, in_flight, layer_activation_bytes, layer_times, stage_memory
-from pipeviz.graph import ModelGraph
-from pipeviz.hardware import Hardware
+from pipeviz.cost.machine import Hardware
+from pipeviz.cost.memory import in_flight
+from pipeviz.cost.model import layer_activation_bytes, layer_times
+from pipeviz.cost.options import CostOptions
+from pipeviz.cost.rule import stage_memory
+from pipeviz.graphview import GraphView
 from pipeviz.plan import PlanError, SplitPlan
 from pipeviz.runtime.config import LaunchConfig
 from pipeviz.schedules import ScheduleError
@@ -164,7 +167,7 @@ def slowest_stage(plan: SplitPlan, by: str = "time", options: CostOptions | None
     return slowest, optimum
 
 
-def layer_costs(graph: ModelGraph, by: str = "time", options: CostOptions | None = None) -> list[float]:
+def layer_costs(graph: GraphView, by: str = "time", options: CostOptions | None = None) -> list[float]:
     """Per-layer cost for balancing: forward + backward seconds (``pipeviz.costs.layer_times``: measured on a
     graph with a ``pv.profile`` attached, else a roofline on ``options.hardware``, else from FLOPs; with
     ``options.recompute``'s extra forward work), FLOPs, or parameter counts."""
@@ -180,7 +183,7 @@ def layer_costs(graph: ModelGraph, by: str = "time", options: CostOptions | None
 
 @positional_legacy("by", "memory_limit", "schedule", "microbatches", "stages_per_rank", "optimizer_states")
 def balance(
-    graph: ModelGraph, num_stages: int, *, by: str = "time", memory_limit: float | None = None,
+    graph: GraphView, num_stages: int, *, by: str = "time", memory_limit: float | None = None,
     schedule: str | None = None, microbatches: int = 1, stages_per_rank: int = 1,
     optimizer_states: int | None = None, hardware: Hardware | str | None = None, dtype: str | None = None,
     recompute: str | None = None, options: CostOptions | None = None,
@@ -276,7 +279,7 @@ def balance(
     return SplitPlan.from_stages(graph, _groups(graph, ends))
 
 
-def _fastest(graph: ModelGraph, candidates: list[list[int]], schedule: str, microbatches: int,
+def _fastest(graph: GraphView, candidates: list[list[int]], schedule: str, microbatches: int,
              stages_per_rank: int, options: CostOptions) -> list[int]:
     best, best_time = candidates[0], float("inf")
     for ends in candidates:
@@ -291,7 +294,7 @@ def _fastest(graph: ModelGraph, candidates: list[list[int]], schedule: str, micr
     return best
 
 
-def _received_saved(graph: ModelGraph, blocks: list[list[int]]) -> Callable[[int, int], float]:
+def _received_saved(graph: GraphView, blocks: list[list[int]]) -> Callable[[int, int], float]:
     """``received(a, b)``: the bytes a stage of blocks ``[a, b)`` saves of tensors an earlier stage saved too
     (``SplitPlan.received_saved_bytes``, each (tensor, stage) once), for the example batch: the part of a stage's
     memory that depends on where it starts. An op between two layers counts with the layer before it."""
@@ -319,7 +322,7 @@ def _received_saved(graph: ModelGraph, blocks: list[list[int]]) -> Callable[[int
     return lambda a, b: table[a, b]
 
 
-def _blocks(graph: ModelGraph) -> list[list[int]]:
+def _blocks(graph: GraphView) -> list[list[int]]:
     """Layer indices grouped so that a split can follow each group but the last."""
     out: list[list[int]] = [[]]
     names = graph.layer_names
@@ -334,7 +337,7 @@ def _summed(values: Sequence[float], blocks: list[list[int]]) -> list[float]:
     return [sum(values[i] for i in b) for b in blocks]
 
 
-def _groups(graph: ModelGraph, ends: list[int]) -> list[list[str]]:
+def _groups(graph: GraphView, ends: list[int]) -> list[list[str]]:
     names = list(graph.layer_names)
     out, start = [], 0
     for e in [*ends, len(names) - 1]:

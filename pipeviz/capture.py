@@ -448,7 +448,7 @@ def _spec(node: torch.fx.Node, grads: set[str], batched: set[str]
     """The op's arguments with each tensor as a ``TensorSpec`` (shape, dtype, activation or not, gradient or not):
     what ``pipeviz.kernels`` replays to time the op on this machine. None if an argument is neither a tensor nor a
     plain value (a symbolic size, a tensor list's element missing its metadata)."""
-    from pipeviz.kernels import TensorSpec
+    from pipeviz.cost.replay import TensorSpec
 
     bad = False
 

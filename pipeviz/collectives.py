@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeviz import schedules as sched
-from pipeviz.costs import DDP_BUCKET_BYTES, Costs, all_reduce_time, ddp_buckets
-from pipeviz.hardware import dtype_name
+from pipeviz.cost.comm import DDP_BUCKET_BYTES, all_reduce_time, ddp_buckets
+from pipeviz.cost.machine import dtype_name
+from pipeviz.cost.model import Costs
 from pipeviz.timeline import Event
 
 __all__ = ["DP_REDUCE", "MEGATRON_BUCKET_PARAMS", "Collectives", "Reduction"]

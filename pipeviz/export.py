@@ -13,22 +13,20 @@ numerics); every host needs pipeviz installed and the ``.payload.pkl`` file writ
 
 from __future__ import annotations
 
-import json
 import os
-import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Unpack
 
 import torch
 
 from pipeviz._compat import positional_legacy
-from pipeviz.mesh import Coords
 from pipeviz.plan import SplitPlan
 from pipeviz.runtime.config import UNSET, LaunchConfig, LaunchOptions, launch_config
-from pipeviz.runtime.messages import Done, Events, Failed, Loss, Memory, Message, State, StepEnd
-from pipeviz.timeline import Event, Timeline
+from pipeviz.runtime.torchrun import run_rank
+from pipeviz.runtime.watch import Watch, watch
+
+# run_rank, Watch and watch live in pipeviz.runtime; their names here are the ones scripts exported before 0.3 import.
+__all__ = ["Watch", "export_torchrun", "run_rank", "watch"]
 
 _SCRIPT = '''#!/usr/bin/env python
 """Pipeline-parallel training exported by pipeviz {version}: {summary}.
@@ -42,9 +40,7 @@ shows them live. Needs pipeviz on every host and {payload} next to this script.
 import os
 import sys
 
-from pipeviz.export import run_rank
-
-__all__ = ["Watch", "export_torchrun", "run_rank", "watch"]
+from pipeviz.runtime.torchrun import run_rank
 
 
 if __name__ == "__main__":
@@ -106,181 +102,3 @@ def export_torchrun(
                                      name=script.name, events=events, payload=payload.name))
     script.chmod(0o755)
     return script
-
-
-class _JsonLines:
-    """The worker's message sink under torchrun: one JSON line per message (``Message.to_json``), flushed as it
-    comes; a rank's trained tensors go to a file beside it."""
-
-    def __init__(self, folder: str, rank: int) -> None:
-        os.makedirs(folder, exist_ok=True)
-        self.folder, self.rank = folder, rank
-        self.f = open(os.path.join(folder, f"rank{rank}.jsonl"), "w", buffering=1)
-
-    def put(self, msg: Message) -> None:
-        if isinstance(msg, State) and isinstance(msg.data, bytes):
-            Path(self.folder, f"state_rank{self.rank}.pt").write_bytes(msg.data)
-            msg = State(msg.rank, msg.coords, f"state_rank{self.rank}.pt")
-        self.f.write(json.dumps(msg.to_json()) + "\n")
-
-    def close(self) -> None:
-        self.f.close()
-
-    def join_thread(self) -> None:
-        pass
-
-
-def run_rank(payload_path: str, events_dir: str) -> int:
-    """Entry point of an exported script: run this process's rank from torchrun's environment."""
-    import traceback
-    import warnings
-
-    import cloudpickle
-
-    from pipeviz.runtime.payloads import rank_payload
-    from pipeviz.runtime.spec import resolve_devices
-    from pipeviz.runtime.worker import _run
-
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    sink = _JsonLines(events_dir, rank)
-    coords = Coords(-1)  # known once the payload is read
-    try:
-        with open(payload_path, "rb") as f:
-            job = cloudpickle.loads(f.read())
-        spec = job["spec"]
-        mesh = spec.mesh
-        if world != mesh.world:
-            raise SystemExit(f"This plan needs {mesh.world} processes ({mesh.pp} pipeline ranks x {mesh.dp} replicas "
-                             f"x {mesh.tp} shards); torchrun started {world}. Fix: --nproc-per-node x --nnodes = "
-                             f"{mesh.world}.")
-        local_gpus = torch.cuda.device_count()
-        if local_gpus:
-            devices, backend, compute = resolve_devices([f"cuda:{local % local_gpus}"] * world, world)
-            if local_gpus <= local:  # fewer GPUs than local ranks: share them over host memory
-                devices, backend, compute = ["cpu"] * world, "gloo", [f"cuda:{local % local_gpus}"] * world
-        else:
-            devices, backend, compute = ["cpu"] * world, "gloo", [None] * world
-        payload = rank_payload(
-            spec, job["stages"], job["tied"], rank, backend=backend, device=devices[rank], compute=compute[rank],
-            parent_pid=os.getppid(), timeout=spec.config.timeout, init_method="env://",
-            threads=max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))),
-        )
-        coords = payload.coords
-        _run(payload, sink)
-        sink.put(Done(rank, coords))
-        return 0
-    except BaseException as exc:
-        sink.put(Failed(rank, coords, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-        traceback.print_exc()
-        return 1
-    finally:
-        sink.close()
-
-
-class Watch:
-    """Live view of an exported run's event folder (what ``pv.watch`` returns).
-
-    Satisfies ``pv.Live``, the one interface the views use (as ``pv.Run`` does): ``events``, ``losses``,
-    ``status``, ``done``, ``step``, ``error``, ``subscribe``, ``wait()``, ``timeline()``, ``stop()``.
-    """
-
-    def __init__(self, folder: str | os.PathLike[str], poll: float = 0.2, timeout: float | None = None) -> None:
-        self.folder = Path(folder)
-        self.events: list[Event] = []
-        self.losses: list[float] = []
-        self.memory: dict[int, list[tuple[float, int]]] = {}  # per rank: (time, bytes), as ``Run.memory``
-        self.error: str | None = None
-        self.status = "running"
-        self.step = 0
-        self.steps: int | None = None
-        self._offsets: dict[str, int] = {}
-        self._done: set[int] = set()
-        self._steps: dict[int, int] = {}
-        self._subscribers: list[Callable[[list[Event]], None]] = []
-        self._stop = threading.Event()
-        self._poll, self._timeout = poll, timeout
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="pipeviz-watch")
-        self._thread.start()
-
-    @property
-    def done(self) -> bool:
-        return self.status in ("done", "failed", "stopped")
-
-    def subscribe(self, callback: Callable[[list[Event]], None]) -> None:
-        self._subscribers.append(callback)
-
-    def stop(self) -> str:
-        self._stop.set()
-        self._thread.join(5)
-        if not self.done:
-            self.status = "stopped"
-        return self.status
-
-    def wait(self, timeout: float | None = None) -> str:
-        self._thread.join(timeout)
-        return self.status
-
-    def timeline(self) -> Timeline:
-        ranks = max((e.rank for e in self.events), default=-1) + 1
-        stages = max((e.stage for e in self.events), default=-1) + 1
-        mbs = max((e.mb for e in self.events), default=-1) + 1
-        return Timeline(list(self.events), ranks, stages, mbs, "torchrun", source="measured")
-
-    def poll(self) -> list[Event]:
-        """Read what the rank files gained since the last poll; returns the new events."""
-        new: list[Event] = []
-        for path in sorted(self.folder.glob("rank*.jsonl")):
-            rank = int(path.stem[4:])
-            with open(path) as f:
-                f.seek(self._offsets.get(path.name, 0))
-                while True:
-                    line = f.readline()
-                    if not line.endswith("\n"):  # a line still being written: read it next time
-                        break
-                    self._offsets[path.name] = f.tell()
-                    msg = Message.from_json(json.loads(line))
-                    if isinstance(msg, Events):
-                        new.extend(Event(*e) for e in msg.events)
-                    elif isinstance(msg, Loss):
-                        self.losses.append(msg.value)
-                    elif isinstance(msg, Memory):
-                        self.memory.setdefault(rank, []).extend((t, total) for t, total, _ in msg.samples)
-                    elif isinstance(msg, StepEnd):
-                        self._steps[rank] = msg.step + 1
-                        self.step = min(self._steps.values())
-                    elif isinstance(msg, Done):
-                        self._done.add(rank)
-                    elif isinstance(msg, Failed):
-                        self.error = f"rank {rank} failed:\n{msg.traceback}"
-        if new:
-            self.events.extend(new)
-            for cb in list(self._subscribers):
-                cb(new)
-        return new
-
-    def _loop(self) -> None:
-        start = time.time()
-        while not self._stop.is_set():
-            self.poll()
-            if self.error:
-                self.status = "failed"
-                break
-            n = len(list(self.folder.glob("rank*.jsonl")))
-            if n and len(self._done) == n:
-                self.status = "done"
-                break
-            if self._timeout is not None and time.time() - start > self._timeout:
-                self.status = "stopped"
-                break
-            time.sleep(self._poll)
-        self.poll()
-        for cb in list(self._subscribers):
-            cb([])
-
-
-def watch(folder: str | os.PathLike[str], poll: float = 0.2, timeout: float | None = None) -> Watch:
-    """Follow an exported run's event folder live; ``pv.TimelineView(pv.watch(folder))`` draws it."""
-    return Watch(folder, poll, timeout)
-

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -21,60 +20,14 @@ from torch import nn
 from torch.distributed.pipelining import SplitPoint
 
 from pipeviz.capture import Capture, capture, op_saved_bytes
-from pipeviz.plan import GraphIndex, PlanError, SplitPlan
+from pipeviz.graphview import GraphIndex, Layer
+from pipeviz.plan import PlanError, SplitPlan
 from pipeviz.units import ROOT, CallTree, Unit
 
 if TYPE_CHECKING:
-    from pipeviz.profile import Profile
+    from pipeviz.cost.measured import Profile
 
 __all__ = ["Layer", "ModelGraph", "trace"]
-
-
-@dataclass(frozen=True)
-class Layer:
-    """One layer of a ``ModelGraph``: one call of a module in the model's forward.
-
-    Attributes:
-        name: the module's FQN in the original model (``"transformer.h.3"``); ``fqn@k`` for call ``k`` of
-            a module that runs several times (``"shared@1"``).
-        kind: the module's class name.
-        index: position in execution order.
-        params: parameter elements (buffers excluded); a tensor shared by several layers counts once, in
-            the first.
-        param_bytes: bytes of those parameters.
-        flops: forward FLOPs for the example batch (``torch.utils.flop_counter``).
-        out_bytes: bytes of the activations this layer hands to the rest of the model.
-        shared: canonical names of parameters this layer shares with other layers (tied or reused weights).
-        calls: how many times forward calls the module (more than 1: each call is a layer of its own).
-        expandable: whether ``graph.expand(name)`` can show its children.
-        activation_bytes: bytes of every activation the layer produces (its ops' outputs, views included): an
-            upper bound of what it keeps for backward.
-        saved_bytes: bytes autograd saves for the layer's backward (``Op.saved_bytes``: parameters never,
-            nothing in a no_grad region, each tensor once in the model, in the first layer that saves it: a
-            layer's input saved by the layer before it too counts there): what training keeps alive from the
-            layer's forward to its backward, the figure the memory model uses
-            (``pipeviz.costs.layer_activation_bytes``). The layer making the model's output also holds what the
-            loss saves (one output-sized tensor). A stage adds the copies it receives across a split
-            (``StageInfo.activation_bytes``).
-        in_bytes: bytes of the values the layer reads from outside itself (other layers' outputs, model inputs):
-            what it keeps under full recomputation.
-        buffer_bytes: bytes of the buffers (running statistics, ``inv_freq``, ...) first used here.
-    """
-
-    name: str
-    kind: str
-    index: int
-    params: int
-    param_bytes: int
-    flops: int
-    out_bytes: int
-    shared: tuple[str, ...]
-    calls: int
-    expandable: bool
-    activation_bytes: int = 0
-    buffer_bytes: int = 0
-    saved_bytes: int = 0
-    in_bytes: int = 0
 
 
 def trace(

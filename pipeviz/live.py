@@ -24,8 +24,10 @@ class Live(Protocol):
     events: list[Event]
     losses: list[float]
     error: str | None
-    step: int
     steps: int | None
+
+    @property
+    def step(self) -> int: ...
 
     @property
     def done(self) -> bool: ...

@@ -19,7 +19,7 @@ import bisect
 import contextlib
 import json
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -30,55 +30,27 @@ from torch.utils import _pytree as pytree
 
 from pipeviz.adapter import defake, fake_cpu, regions_inlined
 from pipeviz.capture import TRACE_LOCK
-from pipeviz.costs import CostOptions, stage_costs, stage_info_memory, stage_memory
+from pipeviz.cost.rule import stage_memory
+from pipeviz.graphview import GraphIndex
 
 if TYPE_CHECKING:
-    from pipeviz.graph import ModelGraph
+    from pipeviz.graphview import GraphView as ModelGraph  # the graph module makes plans: named by its protocol
 
 __all__ = ["GraphIndex", "PlanError", "SplitPlan", "StageInfo", "check_microbatches", "human_bytes"]
 
 
+# Who prices a plan (stage_memory, table with cost options): the cost model registers itself here when imported
+# (pipeviz.cost.memory), so the plan module imports nothing of it, not even for types.
+_PRICERS: list[Callable[..., list[int]]] = []
+
+
+def register_pricer(pricer: Callable[..., list[int]]) -> None:
+    """Make ``pricer(plan, options, **cost_options) -> bytes per stage`` what ``SplitPlan.stage_memory`` calls."""
+    _PRICERS.append(pricer)
+
+
 class PlanError(ValueError):
     """An invalid split plan; the message names the bad value, the valid choices and the fix."""
-
-
-@dataclass(frozen=True)
-class GraphIndex:
-    """The part of a ``ModelGraph`` a plan reads: ops in execution order with prefix sums, the values
-    crossing each point, and where every tensor and model input is used. Positions are op indices; a split
-    sits between two ops (``k + 0.5``).
-
-    Attributes:
-        num_ops: ops in the captured forward.
-        layer_names, layer_first, layer_last: the view's layers and their op spans.
-        flops_prefix, act_prefix: prefix sums of FLOPs and output bytes over ops (length ``num_ops + 1``).
-        values: ``(producer op, last reader op, bytes)`` of every value read after it is made.
-        param_uses, buffer_uses, input_uses: canonical name -> ops reading it.
-        numel, nbytes: per canonical tensor name.
-        mutated: buffers the forward updates in place.
-        saved_prefix: prefix sums of what each op saves for backward (``Op.saved_bytes``: each tensor in the
-            first op that saves it; the model's output op also holds the loss's, ``Layer.saved_bytes``).
-        resaved: ``(op, first op, slot, bytes)`` of every tensor an op saves that an earlier op saved first
-            (``Op.resaved``): a stage other than the first saver's holds a copy of its own (it received it).
-        loss_saved: ``(op, bytes)``: the loss's saved bytes, counted in ``saved_prefix`` at the model's output op.
-    """
-
-    num_ops: int
-    layer_names: tuple[str, ...]
-    layer_first: tuple[int, ...]
-    layer_last: tuple[int, ...]
-    flops_prefix: tuple[int, ...]
-    act_prefix: tuple[int, ...]
-    values: tuple[tuple[int, int, int], ...]
-    param_uses: Mapping[str, tuple[int, ...]]
-    buffer_uses: Mapping[str, tuple[int, ...]]
-    input_uses: Mapping[str, tuple[int, ...]]
-    numel: Mapping[str, int]
-    nbytes: Mapping[str, int]
-    mutated: frozenset[str] = field(default_factory=frozenset)
-    saved_prefix: tuple[int, ...] = ()
-    resaved: tuple[tuple[int, int, int, int], ...] = ()
-    loss_saved: tuple[int, int] = (-1, 0)
 
 
 @dataclass(frozen=True)
@@ -121,7 +93,8 @@ class StageInfo:
 
     @property
     def memory_bytes(self) -> int:
-        return stage_info_memory(self)
+        # on a rank of its own with every microbatch in flight (GPipe, the most any schedule keeps)
+        return stage_memory(self.param_bytes, self.buffer_bytes, self.activation_bytes)
 
 
 _POINTS = {"end": SplitPoint.END, "beginning": SplitPoint.BEGINNING}
@@ -382,25 +355,26 @@ class SplitPlan:
         self.graph._require_layer(layer)
         return next(s.index for s in self.stages if layer in s.layers)
 
-    def stage_memory(self, options: CostOptions | None = None, **cost_options: Any) -> list[int]:
+    def stage_memory(self, options: Any = None, **cost_options: Any) -> list[int]:
         """Each stage's training footprint on a rank of its own with the whole batch in flight (the preview's
-        ``StageInfo.memory_bytes``), in the cost model's settings: the training dtype's activations, what
-        recomputation keeps, ``optimizer_states`` (``pipeviz.costs.CostOptions`` or its fields as keywords).
+        ``StageInfo.memory_bytes``), in the cost model's settings (a ``pv.CostOptions`` or its fields as keywords):
+        ``pipeviz.cost.memory.plan_stage_memory`` (a plan never prices itself; the cost model answers for it).
 
         Example:
             >>> plan.stage_memory(hardware="h100", dtype="bfloat16", recompute="full")
         """
-        opts = CostOptions.of(options, **cost_options)
-        costs = stage_costs(self, 1, options=opts)
-        rebuilt = costs.recompute_bytes or (0,) * self.num_stages
-        return [stage_memory(s.param_bytes, s.buffer_bytes, a + r, opts.optimizer_states)
-                for s, a, r in zip(self.stages, costs.activation_bytes, rebuilt, strict=True)]
+        if not _PRICERS:
+            raise RuntimeError("No cost model is loaded to price the plan. Fix: import pipeviz (or "
+                               "pipeviz.cost.memory).")
+        return list(_PRICERS[-1](self, options, **cost_options))
 
-    def table(self, options: CostOptions | None = None, **cost_options: Any) -> str:
-        """The stage preview as a plain-text table (memory in the cost options' settings: ``stage_memory``)."""
+    def table(self, options: Any = None, *, memory: list[int] | None = None, **cost_options: Any) -> str:
+        """The stage preview as a plain-text table: ``memory`` per stage, else ``StageInfo.memory_bytes``, or, with
+        cost options, in their settings (``stage_memory``)."""
         rows = [("stage", "layers", "params", "GFLOPs", "sends", "memory")]
-        memory = (self.stage_memory(options, **cost_options) if options is not None or cost_options
-                  else [s.memory_bytes for s in self.stages])
+        if memory is None:
+            memory = (self.stage_memory(options, **cost_options) if options is not None or cost_options
+                      else [s.memory_bytes for s in self.stages])
         for s, mem in zip(self.stages, memory, strict=True):
             names = ", ".join(s.layers) if len(s.layers) <= 4 else f"{s.layers[0]} … {s.layers[-1]} ({len(s.layers)})"
             rows.append((str(s.index), names, f"{s.params:,}", f"{s.flops / 1e9:.3f}", human_bytes(s.send_bytes),

@@ -22,19 +22,14 @@ from typing import Any
 from pipeviz import schedules as sched
 from pipeviz._compat import deprecated, positional_legacy
 from pipeviz.balance import balance
-from pipeviz.costs import (
-    RECOMPUTE,
-    CostOptions,
-    Costs,
-    cp_collectives,
-    memory_per_rank,
-    parallel_costs,
-    stage_costs,
-    tp_collectives,
-)
-from pipeviz.graph import ModelGraph
-from pipeviz.hardware import Hardware, op_table
-from pipeviz.hardware import hardware as find_hardware
+from pipeviz.cost.comm import cp_collectives, tp_collectives
+from pipeviz.cost.machine import Hardware
+from pipeviz.cost.machine import hardware as find_hardware
+from pipeviz.cost.memory import memory_per_rank
+from pipeviz.cost.model import Costs, parallel_costs, stage_costs
+from pipeviz.cost.options import RECOMPUTE, CostOptions
+from pipeviz.cost.roofline import op_table
+from pipeviz.graphview import GraphView
 from pipeviz.mesh import DIMS, Mesh, check_degree
 from pipeviz.plan import PlanError, SplitPlan, human_bytes
 from pipeviz.runtime.config import LaunchConfig
@@ -196,7 +191,7 @@ def _seconds(t: float) -> str:
 
 @positional_legacy("global_batch", "seq_len", "memory_limit", "schedules", "recompute", "dtype")
 def plan_cluster(
-    graph: ModelGraph, gpus: int, hardware: Hardware | str, *, global_batch: int, seq_len: int | None = None,
+    graph: GraphView, gpus: int, hardware: Hardware | str, *, global_batch: int, seq_len: int | None = None,
     memory_limit: float | None = None, schedules: Sequence[str] | None = None,
     recompute: Sequence[str] | str | None = None, dtype: str | None = "bfloat16",
     tp: Sequence[int] | None = None, cp: Sequence[int] | None = None, microbatch_sizes: Sequence[int] | None = None,
@@ -513,13 +508,13 @@ def _static_memory(c: Costs, stages: list[int], optimizer_states: int) -> int:
     return sum(c.param_bytes[s] * (2 + optimizer_states) + buffers[s] for s in stages)
 
 
-def _split_blocks(graph: ModelGraph) -> list[int]:
+def _split_blocks(graph: GraphView) -> list[int]:
     """Indices of the layers a split can follow (plus the last): how many stages the graph allows."""
     names = graph.layer_names
     return [i for i, n in enumerate(names) if i == len(names) - 1 or graph.can_split_after(n)]
 
 
-def _example_seq_len(graph: ModelGraph) -> int:
+def _example_seq_len(graph: GraphView) -> int:
     import torch
 
     # Token ids (integers) of shape (batch, seq, ...): their dim 1; any other input (features) is one "token".
@@ -529,7 +524,7 @@ def _example_seq_len(graph: ModelGraph) -> int:
     return 1
 
 
-def _no_scores(graph: ModelGraph, opts: CostOptions) -> bool:
-    from pipeviz.costs import layer_activation_bytes
+def _no_scores(graph: GraphView, opts: CostOptions) -> bool:
+    from pipeviz.cost.model import layer_activation_bytes
 
     return layer_activation_bytes(graph, replace(opts, recompute="selective")) == layer_activation_bytes(graph, opts)

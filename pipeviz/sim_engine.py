@@ -11,7 +11,7 @@ from typing import TypeVar
 
 from pipeviz import schedules as sched
 from pipeviz.collectives import Reduction
-from pipeviz.costs import Costs
+from pipeviz.cost.model import Costs
 from pipeviz.timeline import COMPUTE, Event
 
 __all__ = ["contended", "play", "play_on_cores", "runtime_actions"]

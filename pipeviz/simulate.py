@@ -32,17 +32,11 @@ from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 from pipeviz import schedules as sched
 from pipeviz._compat import deprecated, positional_legacy
 from pipeviz.collectives import DP_REDUCE, Collectives, Reduction
-from pipeviz.costs import (
-    CostOptions,
-    Costs,
-    cp_collectives,
-    memory_per_rank,
-    parallel_costs,
-    peak_activations,
-    stage_costs,
-    tp_collectives,
-)
-from pipeviz.hardware import DTYPE_BYTES, Hardware
+from pipeviz.cost.comm import cp_collectives, tp_collectives
+from pipeviz.cost.machine import DTYPE_BYTES, Hardware
+from pipeviz.cost.memory import memory_per_rank, peak_activations
+from pipeviz.cost.model import Costs, parallel_costs, stage_costs
+from pipeviz.cost.options import CostOptions
 from pipeviz.mesh import Mesh
 from pipeviz.plan import SplitPlan
 from pipeviz.runtime.config import LaunchConfig, launch_config

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from pipeviz.graph import ModelGraph
+    from pipeviz.graphview import GraphView
 
 __all__ = ["cross_entropy", "default_target", "random_classes", "sgd"]
 
@@ -40,7 +40,7 @@ def random_classes(output: torch.Tensor, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, max(1, output.shape[-1]), tuple(output.shape[:-1]), generator=gen)
 
 
-def default_target(graph: ModelGraph, seed: int = 0) -> torch.Tensor:
+def default_target(graph: GraphView, seed: int = 0) -> torch.Tensor:
     """``random_classes`` for the model's output on the example batch (one forward of a fresh copy).
 
     Raises:

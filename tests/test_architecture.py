@@ -1,7 +1,8 @@
 """The package's shape: no import cycles, and a core that never imports a view library.
 
-The import graph is read from the source with ``ast``: every ``import`` counts, at module level or inside a
-function (a lazy import is still a dependency); only ``if TYPE_CHECKING:`` blocks are left out.
+The import graph is read from the source with ``ast``: every ``import`` counts, at module level, inside a function
+(a lazy import is still a dependency) or under ``if TYPE_CHECKING:`` (a type is a dependency too): no cycle at any
+level.
 """
 
 from __future__ import annotations
@@ -33,15 +34,9 @@ def _modules() -> dict[str, Path]:
 def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
     """Modules imported by one file (pipeviz modules by full name, others by top-level package)."""
     tree = ast.parse(path.read_text())
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skip.update(id(n) for body in node.body for n in ast.walk(body))
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):

@@ -8,7 +8,7 @@ from torch import nn
 
 import pipeviz as pv
 from pipeviz.costs import CostOptions, layer_times
-from pipeviz.kernels import MAX_FLOPS, TensorSpec, op_seconds, scaled_shape
+from pipeviz.cost.replay import MAX_FLOPS, TensorSpec, op_seconds, scaled_shape
 from pipeviz.zoo import TinyTransformer
 
 
@@ -106,7 +106,7 @@ def test_the_replay_times_what_training_runs() -> None:
     """A parameter's gradient is accumulated into .grad (counted: a parameter-free op of the same output costs
     nothing for it); the last stage pays the loss (a log-softmax over the output), the others do not;
     forget_kernel_times() makes the next estimate measure again."""
-    from pipeviz import kernels
+    from pipeviz.cost import replay as kernels
     from pipeviz.costs import stage_costs
 
     assert kernels._accumulate((256, 256), torch.float32) > 0
@@ -133,7 +133,7 @@ def test_the_replay_times_what_training_runs() -> None:
 def test_a_transposed_activation_is_replayed_transposed() -> None:
     """The trace keeps a non-row-major activation's layout (``TensorSpec.order``): ``.contiguous()`` of a transposed
     tensor copies in the run, and so in the replay."""
-    from pipeviz import kernels
+    from pipeviz.cost import replay as kernels
 
     class T(nn.Module):
         def __init__(self) -> None:

@@ -7,11 +7,12 @@ import pytest
 
 from pipeviz.mesh import Coords
 from pipeviz.runtime.messages import Done, Events, Failed, Loss, Message, NonFinite, Output, Phase, State, StepEnd
+from pipeviz.timeline import Event
 
 
 @pytest.mark.parametrize("msg", [
     Phase(5, Coords(1, 0, 1), "stages 1, 2 ready"),
-    Events(0, Coords(0, 0, 0), [(0, 0, "F", 1, 0.5, 0.75, 0), (0, -1, "COMM", -1, 0.75, 0.8, 0)]),
+    Events(0, Coords(0, 0, 0), [Event(0, 0, "F", 1, 0.5, 0.75, 0), Event(0, -1, "COMM", -1, 0.75, 0.8, 0)]),
     Loss(3, Coords(1, 1, 0), 4, 2.25),
     Output(2, Coords(1, 0, 0), 0, b"\x00\x01bytes"),
     StepEnd(7, Coords(1, 1, 1), 2, 12.5),

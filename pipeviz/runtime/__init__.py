@@ -6,8 +6,9 @@ watches a launch.
 """
 
 from pipeviz.runtime.config import LaunchConfig
+from pipeviz.runtime.launch import launch
 from pipeviz.runtime.reference import train_reference
-from pipeviz.runtime.run import Run, launch
+from pipeviz.runtime.run import Run
 from pipeviz.runtime.spec import LaunchError
 
 __all__ = ["LaunchConfig", "LaunchError", "Run", "launch", "train_reference"]

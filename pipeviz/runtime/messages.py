@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pipeviz.mesh import Coords
+from pipeviz.timeline import Event
 
-__all__ = ["Done", "Events", "Failed", "Loss", "Memory", "Message", "NonFinite", "Output", "Phase", "State",
-           "StepEnd"]
+__all__ = ["Batch", "Done", "End", "Events", "Failed", "Feed", "Loss", "Memory", "Message", "NonFinite", "Output",
+           "Phase", "State", "StepEnd"]
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,9 @@ class Message:
             value = getattr(self, f.name)
             if isinstance(value, bytes):
                 value = {"base64": base64.b64encode(value).decode()}
-            elif f.name in ("events", "samples"):
+            elif f.name == "events":
+                value = [list(dataclasses.astuple(e)) for e in value]
+            elif f.name == "samples":
                 value = [list(e) for e in value]
             elif isinstance(value, tuple):
                 value = list(value)
@@ -62,9 +65,10 @@ class Message:
             if isinstance(v, dict) and "base64" in v:
                 values[k] = base64.b64decode(v["base64"])
         values["coords"] = Coords(*values["coords"])
-        for name in ("events", "samples"):
-            if name in values:
-                values[name] = [tuple(e) for e in values[name]]
+        if "events" in values:
+            values["events"] = [Event(*e) for e in values["events"]]
+        if "samples" in values:
+            values["samples"] = [tuple(e) for e in values["samples"]]
         return kind(**values)
 
 
@@ -77,9 +81,9 @@ class Phase(Message):
 
 @dataclass(frozen=True)
 class Events(Message):
-    """A batch of timed actions: ``(rank, stage, kind, mb, start, end, step)`` tuples (``pv.Event``'s fields)."""
+    """A batch of timed actions (``pv.Event``: process rank, stage, kind, microbatch, start, end, step)."""
 
-    events: list[tuple[Any, ...]]
+    events: list[Event]
 
 
 @dataclass(frozen=True)
@@ -142,3 +146,22 @@ class Failed(Message):
     summary: str
     traceback: str
     log_tail: str = ""
+
+
+# ------------------------------------------------------------------- the other way: launching process -> a rank
+@dataclass(frozen=True)
+class Batch:
+    """A ``data=`` run's next batch for one process: the inputs on the first stage's ranks (else empty), the target
+    on the last stage's (else None); every rank gets one per step, so all run the same number of steps."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    target: Any
+
+
+@dataclass(frozen=True)
+class End:
+    """No more batches: the rank's steps are over."""
+
+
+Feed = Batch | End

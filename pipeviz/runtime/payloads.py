@@ -263,5 +263,5 @@ def _with_inputs(plan: SplitPlan, args: tuple[Any, ...], kwargs: dict[str, Any])
     cap.batch_size = _batch_size(args, kwargs)
     from pipeviz.graph import ModelGraph
 
-    graph = ModelGraph(cap, plan.graph.layer_names, tree=plan.graph._tree)
+    graph = ModelGraph(cap, plan.graph.layer_names, tree=getattr(plan.graph, "_tree", None))
     return SplitPlan(graph, plan.splits)

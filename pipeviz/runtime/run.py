@@ -11,57 +11,37 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
-import io
 import itertools
 import os
 import queue as queue_mod
 import shutil
-import signal
 import tempfile
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, Unpack
+from typing import Any
 
 import torch
 
-from pipeviz._compat import positional_legacy
-from pipeviz.capture import _batch_size
 from pipeviz.plan import SplitPlan
-from pipeviz.runtime.config import UNSET, LaunchConfig, LaunchOptions, launch_config
+from pipeviz.runtime.feed import Feeder
 from pipeviz.runtime.messages import (
-    Done,
     Events,
     Failed,
-    Loss,
-    Memory,
     Message,
-    NonFinite,
-    Output,
-    Phase,
-    State,
-    StepEnd,
 )
-from pipeviz.runtime.payloads import rank_boots, rank_payloads
-from pipeviz.runtime.procs import context, rendezvous, server_running, start_without_main, sweep_stale, temp_prefix
+from pipeviz.runtime.procs import context, server_running, start_without_main, sweep_stale, temp_prefix
+from pipeviz.runtime.reducer import Reducer
 from pipeviz.runtime.spec import (
     LaunchError,
     LaunchSpec,
-    check_weights,
-    cpu_sets,
-    resolve_devices,
-    share,
-    validate_launch,
 )
 from pipeviz.timeline import Event, Timeline
 
-__all__ = ["Run", "launch"]
+__all__ = ["Run"]
 
 _LIVE: weakref.WeakSet[Run] = weakref.WeakSet()
-# Errors a rank sees when a peer went away first: consequences, not causes.
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator",
-              "Connection refused", "connection closed")
 
 
 class Run:
@@ -96,29 +76,24 @@ class Run:
         self.status = "starting"
         self.phase = "starting"
         self.phases: list[tuple[float, str]] = []
-        self.events: list[Event] = []
-        self.losses: list[float] = []
+        self._reducer = Reducer(spec.mesh.world)  # every message folded in, as Watch does (runtime.reducer)
+        self.events: list[Event] = self._reducer.events
+        self.losses: list[float] = self._reducer.losses
         self.outputs: list[Any] = []
-        self.batches: list[tuple[tuple[Any, ...], dict[str, Any], Any]] | None = None  # data= runs, for numerics
         self.error: str | None = None
-        self._data_error: str | None = None
-        self.nonfinite: list[tuple[int, str]] = []
-        self.memory: dict[int, list[tuple[float, int]]] = {}
-        self.activation_memory: dict[int, list[tuple[float, int]]] = {}
-        self.step = 0
+        self._feeder: Feeder | None = None  # a data= run's batches, streamed to the ranks (runtime.feed)
+        self.nonfinite: list[tuple[int, str]] = self._reducer.nonfinite
+        self.memory: dict[int, list[tuple[float, int]]] = self._reducer.memory
+        self.activation_memory: dict[int, list[tuple[float, int]]] = self._reducer.activation_memory
         self.devices: list[str] = []
         self.cpus: list[tuple[int, ...]] | None = None  # each rank's cores when pinned (CPU runs)
         self.started_at = time.time()
         self.first_event_at: float | None = None
-        self._state: dict[str, torch.Tensor] = {}
         self.weights: str | os.PathLike[str] | None = None  # the launch's weights=
-        self._state_files: list[str] = []  # each rank's trained tensors (read lazily, memory-mapped)
-        self._replica_files: dict[int, list[str]] = {}  # replicas > 0: their trained tensors, to check agreement
         self._replica_outputs: dict[int, dict[int, list[Any]]] = {}  # step -> replica -> output leaves
         sweep_stale()  # what gone processes (a shut-down kernel) left
         self._state_dir = tempfile.mkdtemp(prefix=temp_prefix("state"))
         weakref.finalize(self, shutil.rmtree, self._state_dir, True)
-        self._step_ends: dict[int, float] = {}
         self._files: list[str] = []
         self._procs: list[Any] = []
         self._store: Any = None
@@ -179,11 +154,21 @@ class Run:
             thread.join(timeout)
 
     @property
+    def step(self) -> int:
+        """Steps finished by every process."""
+        return self._reducer.step
+
+    @property
     def step_walltimes(self) -> list[float]:
         """Wall-clock seconds of each finished step after the first: from one step's end on the slowest
         rank to the next's (optimizer and tied-gradient sync included)."""
-        ends = [self._step_ends[s] for s in sorted(self._step_ends)]
+        ends = [self._reducer.step_ends[s] for s in sorted(self._reducer.step_ends)]
         return [b - a for a, b in itertools.pairwise(ends)]
+
+    @property
+    def batches(self) -> list[tuple[tuple[Any, ...], dict[str, Any], Any]] | None:
+        """A ``data=`` run's batches so far (for ``pv.check_numerics``), while they are small; else None."""
+        return self._feeder.batches if self._feeder is not None else None
 
     @property
     def done(self) -> bool:
@@ -225,11 +210,11 @@ class Run:
         return out
 
     def _check_replicas(self) -> None:
-        if not self._replica_files:
+        if not self._reducer.replica_files:
             return
         mine = self._trained()
         params = set(self.plan.graph.capture.param_numel) - self.plan.graph.capture.buffers
-        for replica, files in sorted(self._replica_files.items()):
+        for replica, files in sorted(self._reducer.replica_files.items()):
             for path in files:
                 for name, value in torch.load(path, mmap=True, weights_only=True).items():
                     if name in params and not torch.equal(value, mine[name]):
@@ -238,8 +223,8 @@ class Run:
                                            "the replicas did not take the same updates. Please report.")
 
     def _trained(self) -> dict[str, torch.Tensor]:
-        out = dict(self._state)
-        for path in sorted(self._state_files):  # memory-mapped: pages are read when used
+        out = dict(self._reducer.state)
+        for path in sorted(self._reducer.state_files):  # memory-mapped: pages are read when used
             out.update(torch.load(path, mmap=True, weights_only=True))
         return out
 
@@ -267,8 +252,9 @@ class Run:
 
         if os.fspath(path).endswith(".safetensors"):
             return save_state([named(self._trained())], path)
-        parts = ([named(torch.load(f, mmap=True, weights_only=True)) for f in sorted(self._state_files)]
-                 if self._state_files else [named(self._trained())])
+        files = sorted(self._reducer.state_files)
+        parts = ([named(torch.load(f, mmap=True, weights_only=True)) for f in files] if files
+                 else [named(self._trained())])
         written = save_state(parts, path)
         model = self.plan.graph.model
         for attr in ("config", "generation_config"):  # an HF model: from_pretrained(path) reads the folder as is
@@ -372,7 +358,8 @@ class Run:
             self.status = "running"
             self._notify()
             if streamed:
-                threading.Thread(target=self._feed, args=(feeds,), daemon=True, name="pipeviz-data").start()
+                self._feeder = Feeder(self.spec, lambda: self._stop.is_set() or self.done)
+                threading.Thread(target=self._feeder.run, args=(feeds,), daemon=True, name="pipeviz-data").start()
             self._watch(q)
         except BaseException as exc:
             import traceback
@@ -402,62 +389,6 @@ class Run:
         except BaseException as exc:
             self._start_error = exc
 
-    def _feed(self, feeds: list[Any]) -> None:
-        """Stream ``data=`` batches to the ranks as the run goes: the first stage's rank gets the inputs, the
-        last stage's the target, every other rank a bare "go"; then "end" (after ``steps`` batches, when the
-        iterable runs out, or at a bad batch, which fails the run naming it)."""
-        from pipeviz.runtime.spec import data_batch
-
-        spec, lay = self.spec, self.layout
-        first_rank, last_rank = lay.stage_ranks[0], lay.stage_ranks[-1]
-        batch: tuple[Any, Any, Any] | None = (spec.args, spec.kwargs, spec.target)
-        kept: list[tuple[Any, Any, Any]] | None = []
-        size = 0
-        step = 0
-        while (self.steps is None or step < self.steps) and not self._stop.is_set() and not self.done:
-            if batch is None:
-                try:
-                    item = next(spec.data)
-                except StopIteration:
-                    break
-                except Exception as exc:  # the user's iterable failed: the run fails, naming the batch
-                    self._data_error = f"data= raised at batch {step}: {type(exc).__name__}: {exc}"
-                    break
-                try:
-                    batch = _like_first(data_batch(item, step, spec.training), spec, step)
-                except LaunchError as exc:
-                    self._data_error = str(exc)
-                    break
-            size_of = _batch_size(batch[0], batch[1]) or 1
-            for rank, feed in enumerate(feeds):
-                c = self.mesh.coords(rank)  # each replica its share of the batch
-                pp, replica = c.pp, c.dp
-                args, kwargs, target = share(batch, replica, self.mesh.dp, size_of)
-                msg = ("batch", args if pp == first_rank else (), kwargs if pp == first_rank else {},
-                       target if pp == last_rank else None)
-                if not self._put(feed, msg):
-                    return
-            if kept is not None:
-                size += sum(t.numel() * t.element_size() for t in _tensors(batch))
-                if size <= _KEEP_BATCHES:  # for check_numerics, while they are small
-                    kept.append(batch)
-                else:
-                    kept = None
-            self.batches = kept
-            step += 1
-            batch = None
-        for feed in feeds:
-            self._put(feed, ("end", None, None, None))
-
-    def _put(self, feed: Any, msg: tuple[Any, ...]) -> bool:
-        while not self._stop.is_set() and not self.done:
-            try:
-                feed.put(msg, timeout=0.2)
-                return True
-            except queue_mod.Full:
-                continue
-        return False
-
     def _reserve(self, kind: str, suffix: str) -> tuple[int, str]:
         """A new temporary file, open for writing, and its path (removed when the run ends)."""
         fd, path = tempfile.mkstemp(prefix=temp_prefix(kind), suffix=suffix)
@@ -478,12 +409,24 @@ class Run:
                 ) from exc
             raise
 
+    def _apply(self, msg: Message) -> None:
+        """Fold one message in (``runtime.reducer``) and publish what it changed."""
+        with self._lock:
+            up = self._reducer.apply(msg)
+            if self.first_event_at is None and up.events:
+                self.first_event_at = time.time()
+        if up.events:
+            self._publish(up.events)
+        if up.phase is not None:
+            self._set_phase(f"{self._who(msg)}: {up.phase}")
+        if up.step is not None:
+            self._set_phase(f"step {up.step}/{self.steps or '?'}")
+        if up.output is not None:
+            self._output(*up.output)
+
     def _watch(self, q: Any) -> None:
-        done: set[int] = set()
         last_progress = time.time()
-        world = len(self._procs)
-        finished_steps: dict[int, int] = {}
-        errors: dict[int, tuple[str, str, str]] = {}
+        red = self._reducer
         while True:
             if self._stop.is_set():
                 self._kill_all()
@@ -494,52 +437,17 @@ class Run:
                 msg = None
             if msg is not None:
                 last_progress = time.time()
-                if isinstance(msg, Events):  # workers batch them (SEND_INTERVAL, 0.1 s)
-                    self._publish([Event(*e) for e in msg.events])
-                elif isinstance(msg, Memory):
-                    self.memory.setdefault(msg.rank, []).extend((t, total) for t, total, _ in msg.samples)
-                    self.activation_memory.setdefault(msg.rank, []).extend((t, act) for t, _, act in msg.samples)
-                elif isinstance(msg, Loss):  # one per step: the global batch's, from replica 0's shard 0
-                    self.losses.append(msg.value)
-                elif isinstance(msg, Output):
-                    self._output(msg.step, msg.coords.dp, torch.load(io.BytesIO(msg.data)))
-                elif isinstance(msg, StepEnd):
-                    finished_steps[msg.rank] = msg.step + 1
-                    self._step_ends[msg.step] = max(self._step_ends.get(msg.step, 0.0), msg.time)
-                    step = min(finished_steps.get(r, 0) for r in range(world))
-                    if step != self.step:
-                        self.step = step
-                        self._set_phase(f"step {step}/{self.steps or '?'}")
-                elif isinstance(msg, Phase):
-                    self._set_phase(f"{self._who(msg)}: {msg.text}")
-                elif isinstance(msg, NonFinite):
-                    self.nonfinite.extend((msg.step, what) for what in msg.what)
-                elif isinstance(msg, State):
-                    replica = msg.coords.dp
-                    if msg.coords.tp:
-                        pass  # a tensor-parallel shard gathered the same whole tensors as shard 0
-                    elif replica and isinstance(msg.data, str):
-                        self._replica_files.setdefault(replica, []).append(msg.data)
-                    elif replica:
-                        pass  # a replica's tensors through the queue (no state folder): replica 0's stand
-                    elif isinstance(msg.data, str):
-                        self._state_files.append(msg.data)
-                    else:
-                        self._state.update(torch.load(io.BytesIO(msg.data)))
-                elif isinstance(msg, Done):
-                    done.add(msg.rank)
-                elif isinstance(msg, Failed):
-                    errors[msg.rank] = (msg.summary, msg.traceback, msg.log_tail)
+                self._apply(msg)
                 continue  # drain what is queued before checking on the processes
-            crashed = [r for r, p in enumerate(self._procs) if p.exitcode not in (None, 0) and r not in done]
-            if errors or crashed:
-                return self._fail(q, errors, finished_steps)
-            if len(done) == world:
+            crashed = [r for r, p in enumerate(self._procs) if p.exitcode not in (None, 0) and r not in red.done]
+            if red.errors or crashed:
+                return self._fail(q)
+            if red.all_done:
                 for proc in self._procs:
                     proc.join(timeout=5)
                 self._kill_all()
-                if self._data_error:
-                    self.error = (f"{self._data_error}\nThe run stopped after the steps before it; the ranks ended "
+                if self._feeder is not None and self._feeder.error:
+                    self.error = (f"{self._feeder.error}\nThe run stopped after the steps before it; the ranks ended "
                                   "cleanly.")
                     return self._finish("failed")
                 if self.nonfinite and self.on_nonfinite == "stop":
@@ -558,63 +466,31 @@ class Run:
                 self._kill_all()
                 return self._finish("failed")
 
-    def _fail(self, q: Any, errors: dict[int, tuple[str, str, str]], steps: dict[int, int]) -> None:
-        """Name the root cause: one failure makes its neighbours fail too (their connections drop), so
-        collect for a moment, then report a rank killed by a signal first, else the first real error; the
-        consequences come after."""
+    def _fail(self, q: Any) -> None:
+        """Name the root cause (``Reducer.failure``): one failure makes its neighbours fail too, so collect what
+        the others report for a moment first."""
         end = time.time() + 0.5
         while time.time() < end:
             try:
                 msg = q.get(timeout=0.05)
             except queue_mod.Empty:
                 continue
-            if isinstance(msg, Failed):
-                errors.setdefault(msg.rank, (msg.summary, msg.traceback, msg.log_tail))
-            elif isinstance(msg, Events):
-                self._publish([Event(*e) for e in msg.events])
-
-        def where(r: int) -> str:
-            """A process rank in words, with its coordinates (when the run has replicas or shards) and stages."""
-            if not 0 <= r < self.mesh.world:
-                return f"rank {r}"
-            stages = self.layout.stages_of(self.mesh.pipeline_rank(r))
-            said = [self.mesh.label(r)] if self.mesh.world > self.mesh.pp else []
-            said += [f"stage{'s' * (len(stages) > 1)} {', '.join(map(str, stages))}"] if stages else []
-            return f"rank {r}" + (f" ({', '.join(said)})" if said else "")
-
-        causes: list[tuple[int, str]] = []  # (process rank, what happened to it)
-        for r, proc in enumerate(self._procs):
-            code = proc.exitcode
-            if code is not None and code < 0:
-                causes.append((r, f"{where(r)} died (killed by signal {signal.Signals(-code).name}) without a Python "
-                                  "traceback."))
-        real = [r for r, (s, tb, _) in errors.items() if not any(c in s or c in tb for c in _PEER_GONE)]
-        consequences = [r for r in errors if r not in real]
-        for r in real:
-            summary, tb, log = errors[r]
-            text = f"{where(r)} failed in step {steps.get(r, 0)}: {summary}\n\n{tb.rstrip()}"
-            if log.strip():
-                text += f"\n\ntorch's log on rank {r} (last lines):\n{log.rstrip()}"
-            causes.append((r, text))
-        for r, proc in enumerate(self._procs):
-            if proc.exitcode is not None and proc.exitcode > 0 and r not in errors:
-                causes.append((r, f"{where(r)} died (exit code {proc.exitcode}) without a Python traceback."))
-        if not causes and consequences:  # only peers-went-away errors: the first one is all there is
-            r = consequences.pop(0)
-            causes.append((r, f"{where(r)} failed in step {steps.get(r, 0)}: {errors[r][0]}\n\n"
-                              f"{errors[r][1].rstrip()}"))
-        self.error = causes[0][1] if causes else "a rank failed without a report."
-        others = [where(r) for r, _ in causes[1:]] + [where(r) for r in consequences]
-        if others:
-            self.error += f"\n\nAs a consequence, {', '.join(others)} failed too (their peers went away)."
+            if isinstance(msg, Failed | Events):
+                self._apply(msg)
+        self.error = self._reducer.failure(self._where, [p.exitcode for p in self._procs])
         self._kill_all()
         self._finish("failed")
 
+    def _where(self, r: int) -> str:
+        """A process rank in words, with its coordinates (when the run has replicas or shards) and stages."""
+        if not 0 <= r < self.mesh.world:
+            return f"rank {r}"
+        stages = self.layout.stages_of(self.mesh.pipeline_rank(r))
+        said = [self.mesh.label(r)] if self.mesh.world > self.mesh.pp else []
+        said += [f"stage{'s' * (len(stages) > 1)} {', '.join(map(str, stages))}"] if stages else []
+        return f"rank {r}" + (f" ({', '.join(said)})" if said else "")
+
     def _publish(self, batch: list[Event]) -> None:
-        with self._lock:
-            if self.first_event_at is None and batch:
-                self.first_event_at = time.time()
-            self.events.extend(batch)
         for cb in list(self._subscribers):
             try:
                 cb(batch)
@@ -654,155 +530,9 @@ class Run:
         self._store = None  # the rendezvous port is free again once every rank is gone
 
 
-_KEEP_BATCHES = 256 * 2**20  # a data= run keeps its batches (for check_numerics) up to this many bytes
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    from torch.utils import _pytree as pytree
-
-    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
-
-
-def _like_first(batch: tuple[Any, Any, Any], spec: LaunchSpec, step: int) -> tuple[Any, Any, Any]:
-    """A data= batch as (args, kwargs, target), checked against the first batch: the pipeline's shapes are
-    fixed by it (torch's stages have static shapes)."""
-    inputs, kwargs, target = batch
-    args = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs) if isinstance(inputs, tuple | list) \
-        else None
-    if args is None:
-        raise LaunchError(f"data= batch {step}: inputs is a {type(inputs).__name__}; expected a tensor or a tuple or "
-                          "list of tensors, like the first batch.")
-    kwargs = dict(kwargs or {})
-    pairs = [(f"inputs[{i}]", a, e) for i, (a, e) in enumerate(zip(args, spec.args, strict=False))]
-    pairs += [(f"input_kwargs[{k!r}]", kwargs.get(k), v) for k, v in spec.kwargs.items()]
-    if spec.target is not None:
-        pairs.append(("target", target, spec.target))
-    if len(args) != len(spec.args) or set(kwargs) != set(spec.kwargs):
-        raise LaunchError(f"data= batch {step} has other inputs than the first batch ({len(args)} positional, "
-                          f"keywords {sorted(kwargs)}; the first: {len(spec.args)}, {sorted(spec.kwargs)}).")
-    for label, got, want in pairs:
-        if not isinstance(want, torch.Tensor):
-            continue
-        if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
-            shown = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else type(got).__name__
-            raise LaunchError(
-                f"data= batch {step}: {label} is {shown}, but the run started with {tuple(want.shape)} {want.dtype}: "
-                "a pipeline's shapes are fixed by its first batch (and the batch must split into the "
-                f"{spec.microbatches} microbatches). Fix: equal batches, e.g. DataLoader(..., drop_last=True).")
-    return args, {k: kwargs[k] for k in spec.kwargs}, target
-
-
 @atexit.register
 def _reap_all() -> None:
     for run in list(_LIVE):
         run._stop.set()
         run._kill_all()
         run._join_monitor()
-
-
-@positional_legacy("steps")
-def launch(
-    plan: SplitPlan,
-    schedule: str = UNSET,
-    microbatches: int = UNSET,
-    *,
-    steps: int | None = UNSET,
-    inputs: tuple[Any, ...] | Any = None,
-    input_kwargs: dict[str, Any] | None = None,
-    target: Any = None,
-    data: Any = None,
-    weights: str | os.PathLike[str] | None = None,
-    config: LaunchConfig | None = None,
-    **options: Unpack[LaunchOptions],
-) -> Run:
-    """Start the plan's stages as processes running torch's ``schedule``; returns a ``Run`` at once.
-
-    One process per rank, joining a rendezvous the calling process holds open (no port race). The stages
-    are built here once; each rank receives only its own. Every forward, backward, input-grad and
-    weight-grad action streams back as an ``Event``. Skip connections are relayed stage by stage and shared
-    weights' gradients are summed across the stages holding them, so the run trains like the unsplit model
-    (same microbatching, mean loss per microbatch).
-
-    How to run is one ``pv.LaunchConfig`` (``config=``), the same object ``pv.export_torchrun``, the CLI and the
-    Explorer take, or its fields as keywords (they override ``config``'s); ``schedule``, ``microbatches`` and
-    ``steps`` may also come first, by position. Defaults: ``LaunchConfig()``'s.
-
-    Example:
-        >>> run = pv.launch(plan, "1F1B", 4, 3, inputs=(x,), target=y, loss_fn=pv.cross_entropy)
-        >>> run = pv.launch(plan, config=pv.LaunchConfig(schedule="GPipe", dp=2, loss_fn=pv.cross_entropy),
-        ...                 inputs=(x,), target=y)
-
-    Args:
-        plan: the ``SplitPlan``.
-        schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV.
-        microbatches: microbatches per step; must divide the batch.
-        steps: optimizer steps (``None`` with ``data``: until it runs out).
-        inputs / input_kwargs: the full batch (defaults: the graph's example inputs): a tensor or a tuple or
-            list of them, each like the traced example (same dtype, same shape after the batch dim).
-        target: the full batch of targets, passed to ``loss_fn(output, target)`` per microbatch.
-            ``output`` is the model's output (its only tensor; for HF models the logits).
-        loss_fn: mean-reduced loss returning a scalar tensor (tried once on a sample before launching).
-            Without one the run is forward only: ``run.outputs[step]`` is the model's output for the batch.
-        data: instead of ``inputs``/``target``: any iterable (a ``DataLoader`` too) whose next batch each step
-            takes, streamed to the ranks that need it while the run goes: ``(inputs, target)`` pairs or
-            ``{"inputs": ..., "target": ..., <keyword input>: ...}`` mappings (forward only: the inputs
-            alone). Every batch has the first one's shapes. The run ends after ``steps`` or when it runs out.
-        weights: a safetensors checkpoint (a ``.safetensors`` file, or a folder of shards with
-            ``model.safetensors.index.json``, as HF ``save_pretrained`` and ``run.save`` write): each rank reads
-            only its own stage's tensors, and no process is sent the model's values. The model may be on the
-            meta device. Missing tensors and shapes that differ are named before any process starts.
-        init_seed: a meta model without ``weights``: each rank initialises its own tensors with their
-            modules' initialisers (HF ``_init_weights``, else ``reset_parameters``), seeded per module by this
-            and the module's name (``pv.materialize(model, seed=init_seed)`` builds the same whole model).
-        optimizer: ``params -> torch.optim.Optimizer`` (default ``pv.sgd(lr=0.1)``), built on every rank.
-        devices: ``"auto"``, ``"cpu"``, ``"cuda"`` or one device per rank.
-        stages_per_rank: for multi-stage schedules (default 2).
-        timeout: seconds without progress before the run is declared hung and stopped.
-        pin_cpus: on the CPU, give each rank its own cores (``run.cpus``) when there are enough and no
-            other run of this process is going: its compute and gloo's threads then never wait behind
-            another rank's (README, "What pipeviz fixes", has the measured gain).
-        on_nonfinite: a NaN or inf loss or gradient: ``"stop"`` (the run fails before that step's update,
-            naming the step, rank, stage and tensor) or ``"continue"`` (recorded in ``run.nonfinite``).
-        dp: data-parallel replicas of the pipeline (``pv.Mesh(pp, dp)``: pp × dp processes). Each replica trains
-            on its contiguous 1/dp of every batch (cut into ``microbatches``); torch's
-            ``DistributedDataParallel`` on each stage averages the gradients across replicas in the last
-            backward of a step, so the run trains like the unsplit model on the whole batch. ``run.losses`` is
-            the whole batch's loss; ``run.state_dict()`` is replica 0's, checked equal to the others'.
-        dp_shard: with ``dp`` > 1, each stage sharded across the replicas by torch's FSDP2 ``fully_shard``
-            (parameters, gradients and optimizer state: 1/dp per process) instead of replicated under DDP.
-        tp: tensor-parallel shards of every stage (pp × dp × tp processes): each stage's projections sharded with
-            DTensor (``pipeviz.runtime.tensor_parallel``), column-wise then row-wise.
-        tp_plan: ``{module name: "colwise" | "rowwise"}`` for ``nn.Linear`` modules; default: Megatron's MLP rule
-            (in each stage, a Linear feeding the next Linear's input is column-wise, that one row-wise).
-
-    Raises:
-        LaunchError, ScheduleError, PlanError: before any process starts, naming the bad value and the fix.
-    """
-    cfg = launch_config(config, schedule=schedule, microbatches=microbatches, steps=steps, **options)
-    spec = validate_launch(plan, cfg, inputs=inputs, input_kwargs=input_kwargs, target=target, data=data)
-    spec.sources, spec.init_seed = check_weights(plan, weights, cfg.init_seed), cfg.init_seed
-    world = spec.mesh.world
-    stage_devices, backend, compute = resolve_devices(cfg.devices, world)
-    on_cpu = all(d == "cpu" for d in stage_devices) and not any(compute)
-    # Two runs at once would be pinned to the same cores: the second one is left to the scheduler.
-    alone = not any(r.status in ("starting", "running") for r in list(_LIVE))
-    threads, cpus = cpu_sets(world, cfg.pin_cpus and on_cpu and alone)
-
-    run = Run(plan, spec, cfg.timeout, cfg.on_nonfinite)
-    run.weights = weights
-    run.devices = [c or d for c, d in zip(compute, stage_devices, strict=True)]
-    run.cpus = cpus
-    t0 = run.started_at
-    run._store = rendezvous(world, cfg.timeout)
-    port = run._store.port
-
-    def build() -> list[bytes]:
-        blobs, shipment = rank_payloads(plan, spec, stage_devices, compute, backend, port, t0, cfg.timeout, threads,
-                                        cpus, run._state_dir, values_prefix=temp_prefix("values"))
-        if shipment.path:  # the ranks map it; removed when the run ends (the mappings outlive the name)
-            run._files.append(shipment.path)
-        run._shipped_bytes = shipment.nbytes
-        return blobs
-
-    run._start(build, rank_boots(spec, stage_devices, compute, backend, port, t0, cfg.timeout, threads, cpus))
-    return run

@@ -40,6 +40,7 @@ from pipeviz.mesh import Coords
 from pipeviz.runtime.memory import MemoryMeter
 from pipeviz.runtime.messages import (
     Done,
+    End,
     Events,
     Failed,
     Loss,
@@ -52,8 +53,9 @@ from pipeviz.runtime.messages import (
     StepEnd,
 )
 from pipeviz.runtime.stages import StepError
+from pipeviz.timeline import Event
 
-__all__ = ["SEND_INTERVAL", "Boot", "RankPayload", "main"]
+__all__ = ["SEND_INTERVAL", "Boot", "RankPayload", "main", "run_payload"]
 
 
 SEND_INTERVAL = 0.1  # seconds: live enough to watch, rare enough not to disturb the ranks
@@ -153,7 +155,7 @@ def main(payload_path: str, queue: Any, log_path: str | None = None, data: Any =
         payload.data = data
         if boot is None:
             threading.Thread(target=_watch_parent, args=(payload.parent_pid,), daemon=True).start()
-        _run(payload, queue, connected)
+        run_payload(payload, queue, connected)
         queue.put(Done(rank, coords))
     except BaseException as exc:  # report everything, including SystemExit from user code
         summary = _summary(exc)
@@ -210,7 +212,7 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-def _run(p: RankPayload, queue: Any, connected: tuple[_Clock, torch.device, torch.device] | None = None) -> None:
+def run_payload(p: RankPayload, queue: Any, connected: tuple[_Clock, torch.device, torch.device] | None = None) -> None:
     import torch.distributed as dist
 
     from pipeviz.adapter import exact_split_backward, timed_collectives, timed_waits
@@ -476,8 +478,8 @@ def _train(p: RankPayload, schedule: Any, optimizer: torch.optim.Optimizer, para
 
 def _batches(p: RankPayload, device: torch.device) -> Any:
     """Each step's (args, kwargs, target) on ``device``: the one batch of the payload ``steps`` times, or the
-    batches the launching process streams from ``data=`` until it sends the end (ranks that need no data get
-    a bare "go" each step, so every rank runs the same number of steps)."""
+    batches the launching process streams from ``data=`` (``messages.Batch``) until it sends ``messages.End``
+    (ranks that need no data get an empty ``Batch`` each step, so every rank runs the same number of steps)."""
     def moved(x: Any) -> Any:
         return x.to(device) if isinstance(x, torch.Tensor) else x
 
@@ -489,10 +491,9 @@ def _batches(p: RankPayload, device: torch.device) -> Any:
         return
     while True:
         msg = p.data.get(timeout=p.timeout_s)
-        if msg[0] == "end":
+        if isinstance(msg, End):
             return
-        _, args, kwargs, target = msg
-        yield tuple(moved(a) for a in args), {k: moved(v) for k, v in kwargs.items()}, moved(target)
+        yield tuple(moved(a) for a in msg.args), {k: moved(v) for k, v in msg.kwargs.items()}, moved(msg.target)
 
 
 def _infer(p: RankPayload, schedule: Any, clock: _Clock, step_box: list[int], device: torch.device) -> bool:
@@ -664,7 +665,7 @@ class _Clock:
         while self.finished:
             self.buffer.append(self.finished.popleft())
         if self.buffer:
-            self.queue.put(Events(self.rank, self.coords, self.buffer))
+            self.queue.put(Events(self.rank, self.coords, [Event(*e) for e in self.buffer]))
             self.buffer = []
         if self.memory:
             self.queue.put(Memory(self.rank, self.coords, self.memory))

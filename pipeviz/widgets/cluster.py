@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import html
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import ipywidgets as W
 
 import pipeviz as pv
 from pipeviz.graph import ModelGraph
+from pipeviz.plan import SplitPlan
 from pipeviz.planner import ClusterPlan, LayoutOption
+from pipeviz.runtime.config import LaunchConfig
 from pipeviz.widgets.panels import error_html
-
-if TYPE_CHECKING:
-    from pipeviz.widgets.explorer import Explorer
 
 __all__ = ["ClusterPanel", "cluster_accordion", "load_layout"]
 
@@ -128,20 +127,45 @@ def _row_text(i: int, r: LayoutOption) -> str:
             f"{r.recompute} · {step} · MFU {r.mfu:.1%} · {r.peak_memory / 2**30:.1f} GiB")
 
 
-def load_layout(explorer: Explorer, option: LayoutOption) -> None:
-    """Load a cluster layout into the Explorer: its balanced plan, schedule, microbatches, dp and tp, and the
-    hardware and recomputation its costs are on (the Explorer's cost controls; its dtype is the preset's bfloat16)."""
+class Loads(Protocol):
+    """What a cluster layout is loaded into (the ``Explorer``): its controls, configuration, plan and graph."""
+
+    hardware: W.Dropdown
+    recompute: W.Dropdown
+    schedule: W.Dropdown
+    microbatches: W.BoundedIntText
+    dp: W.BoundedIntText
+    tp: W.BoundedIntText
+    config: LaunchConfig
+    cluster: ClusterPanel | None
+
+    @property
+    def graph(self) -> ModelGraph: ...
+
+    @property
+    def plan(self) -> SplitPlan: ...
+
+    @plan.setter
+    def plan(self, plan: SplitPlan) -> None: ...
+
+
+def load_layout(explorer: Loads, option: LayoutOption) -> None:
+    """Load a cluster layout into the Explorer: its balanced plan and its ``LaunchConfig`` (schedule,
+    microbatches, stages per rank, dp, cp, tp), and the hardware and recomputation its costs are on (the Explorer's
+    cost controls; its dtype is the preset's bfloat16)."""
     hw = option.options.hw
     if hw is not None and hw.name in [value for _, value in explorer.hardware.options]:
         explorer.hardware.value = hw.name
+    cfg = option.config
+    explorer.config = explorer.config.replace(stages_per_rank=cfg.stages_per_rank, cp=cfg.cp)
     explorer.recompute.value = option.recompute
-    explorer.schedule.value = option.schedule
-    explorer.microbatches.value = option.microbatches
-    explorer.dp.value, explorer.tp.value = option.dp, option.tp
+    explorer.schedule.value = cfg.schedule
+    explorer.microbatches.value = cfg.microbatches
+    explorer.dp.value, explorer.tp.value = cfg.dp, cfg.tp
     explorer.plan = option.plan
 
 
-def cluster_accordion(explorer: Explorer) -> W.Accordion:
+def cluster_accordion(explorer: Loads) -> W.Accordion:
     """The Explorer's collapsed "Plan for a cluster" section: a ``ClusterPanel`` whose rows load into it."""
     panel = ClusterPanel(lambda: explorer.graph, on_select=lambda option: load_layout(explorer, option))
     box = W.Accordion(children=[panel], selected_index=None)

@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import ipywidgets as W
 import plotly.graph_objects as go
@@ -30,8 +30,9 @@ import traitlets
 
 import pipeviz as pv
 from pipeviz import schedules as sched
-from pipeviz.costs import RECOMPUTE
+from pipeviz.cost.options import RECOMPUTE
 from pipeviz.graph import ModelGraph
+from pipeviz.graphview import GraphView
 from pipeviz.plan import SplitPlan
 from pipeviz.runtime.config import UNSET, launch_config
 from pipeviz.timeline import Timeline
@@ -107,7 +108,7 @@ class Explorer(W.VBox):
             raise ValueError(f"mode={mode!r} is not one of {list(MODES)}. Fix: mode='train' to train, or "
                              "mode='infer' for a forward-only run.")
         graph = model if isinstance(model, ModelGraph) else pv.trace(model, example_args, example_kwargs, depth=depth)
-        self.graph: ModelGraph = graph
+        self.graph: GraphView = graph
         self.config = launch_config(config, schedule=schedule, microbatches=microbatches, steps=steps,
                                     devices=devices)
         self.target, self.devices = target, self.config.devices
@@ -271,7 +272,7 @@ class Explorer(W.VBox):
 
     def _set_plan(self, value: SplitPlan | Iterable[str], record: bool = True) -> None:
         if not isinstance(value, SplitPlan):
-            value = self.graph.split(list(value))
+            value = cast(SplitPlan, self.graph.split(list(value)))
         if record and value != self._plan:
             self._history.append(self._plan)
             self._future.clear()
@@ -624,10 +625,18 @@ class Explorer(W.VBox):
         self.errors.value = ""
 
     # ----------------------------------------------------------------- static output
+    def _static_html(self) -> str:
+        """What a notebook shows without a widget manager (nbconvert HTML, GitHub): the preview and the figures."""
+        figs = self.figures()
+        parts = [self.preview.value]
+        for i, fig in enumerate(figs.values()):
+            parts.append(fig.to_html(full_html=False, include_plotlyjs="cdn" if i == 0 else False))
+        return "<div class='pipeviz-static'>" + "".join(parts) + "</div>"
+
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         data = super()._repr_mimebundle_(**kwargs) or {}
         try:
-            data["text/html"] = panels.static_html(self)
+            data["text/html"] = self._static_html()
         except Exception:  # the static fallback must never break the live widget
             pass
         return data

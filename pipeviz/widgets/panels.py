@@ -10,20 +10,18 @@ import asyncio
 import html
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pipeviz as pv
 from pipeviz.balance import slowest_stage
-from pipeviz.costs import CostOptions, stage_costs
+from pipeviz.cost.model import stage_costs
+from pipeviz.cost.options import CostOptions
 from pipeviz.plan import SplitPlan, human_bytes
 from pipeviz.timeline import COMPUTE, Timeline
 from pipeviz.widgets.figures import plural, stage_color
 
-if TYPE_CHECKING:
-    from pipeviz.widgets.explorer import Explorer
-
 __all__ = ["error_html", "guarded", "mesh_html", "notes_html", "numerics_html", "preview_html", "progress_html",
-           "run_notes_html", "shift_click_guard", "short", "soon", "stage_times", "static_html", "verdict_html"]
+           "run_notes_html", "shift_click_guard", "short", "soon", "stage_times", "verdict_html"]
 
 
 def guarded(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -286,12 +284,3 @@ def error_html(text: str) -> str:
 def notes_html(notes: list[str]) -> str:
     """pipeviz's notices about the model (fixes it applied to its own copies), as short notes."""
     return "".join(f"<div style='font-size:11px;color:#555'>ⓘ {html.escape(n)}</div>" for n in notes)
-
-
-def static_html(explorer: Explorer) -> str:
-    """What a notebook shows without a widget manager (nbconvert HTML, GitHub): the preview and the figures."""
-    figs = explorer.figures()
-    parts = [explorer.preview.value]
-    for i, fig in enumerate(figs.values()):
-        parts.append(fig.to_html(full_html=False, include_plotlyjs="cdn" if i == 0 else False))
-    return "<div class='pipeviz-static'>" + "".join(parts) + "</div>"

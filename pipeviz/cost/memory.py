@@ -1,0 +1,156 @@
+"""The one memory rule: what a stage and a rank hold, read off a schedule's action order.
+
+Memory per rank, for a (plan, schedule, microbatches, optimizer state):
+
+    sum over the rank's stages of  param_bytes x (1 weights + 1 gradients + optimizer_states)  +  buffer_bytes
+    + the most activation bytes the rank's schedule keeps alive at once
+
+where a stage keeps ``activation_bytes / microbatches`` alive per microbatch between its forward and its
+backward (zero-bubble: the input-grad pass frees what the ops after the stage's last weight op saved,
+``Costs.input_freed``, the weight-grad pass the rest), less
+what recomputation drops (``layer_activation_bytes``), plus, under recomputation, one layer's rebuilt activations.
+The peak is read off the schedule's action order, so it is exact for that order whatever the timings.
+
+A stage's activations are what autograd saves for its backward (``StageInfo.activation_bytes``), counted at trace
+time as a run counts them (``pipeviz.runtime.memory``): each tensor once, parameters never, a view as its base,
+nothing in a no_grad region (``Op.saved_bytes``); a copy of its own of every saved tensor it received from an
+earlier stage (``SplitPlan.received_saved_bytes``); on the last stage what the loss saves (an output-sized
+log-softmax). Not counted, as the run's meter does not count them: a stage's outputs and received inputs that no
+op saves (torch's stage holds them until the backward; on a GPU they are in ``memory_allocated``, not here).
+Measured on CPU runs (``benchmarks/memory_accuracy.py``): within 0.1 % of the simulator's peak per rank under
+GPipe, 1F1B, Interleaved1F1B and ZBVZeroBubble.
+
+Example:
+    >>> memory_per_rank(plan, "1F1B", microbatches=4)          # bytes per rank
+    >>> plan_stage_memory(plan, CostOptions(hardware="h100", dtype="bfloat16"))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from pipeviz import schedules as sched
+from pipeviz.cost.model import Costs, stage_costs
+from pipeviz.cost.options import CostOptions
+from pipeviz.cost.rule import OPTIMIZER_STATES, stage_memory
+from pipeviz.plan import register_pricer
+
+if TYPE_CHECKING:
+    from pipeviz.cost.machine import Hardware
+    from pipeviz.plan import SplitPlan, StageInfo
+
+__all__ = ["in_flight", "memory_per_rank", "peak_activations", "plan_stage_memory", "plan_table", "stage_info_memory",
+           "stage_memory", "static_memory"]
+
+
+def peak_activations(order: Sequence[Sequence[str]], activation_bytes: Sequence[int],
+                     weight_fraction: float = 0.5, input_freed: Sequence[float] = ()) -> list[int]:
+    """Per rank, the most activation bytes alive at once when each rank runs its ``order``: a forward
+    adds its stage's per-microbatch bytes, a backward frees them (an input-grad pass the stage's share
+    ``input_freed[s]``, else ``weight_fraction`` of them, a weight-grad pass the rest)."""
+    peaks = []
+    for acts in order:
+        live = peak = 0.0
+        for action in acts:
+            s, kind, _ = sched.parse(action)
+            size = activation_bytes[s]
+            if kind == "F":
+                live += size
+                peak = max(peak, live)
+            elif kind == "B":
+                live -= size
+            else:
+                at_input = input_freed[s] if input_freed else weight_fraction
+                live -= size * (at_input if kind == "I" else 1 - at_input)
+        peaks.append(round(peak))
+    return peaks
+
+
+def in_flight(schedule: str, num_stages: int, microbatches: int, stages_per_rank: int | None = None,
+              weight_fraction: float = 0.5) -> list[float]:
+    """Per stage, the most microbatches whose activations it keeps alive at once under ``schedule`` (GPipe:
+    all of them; 1F1B: ``min(m, p - stage)``), read off the schedule's order."""
+    counts = [0.0] * num_stages
+    peaks = [0.0] * num_stages
+    for acts in sched.orders(schedule, num_stages, microbatches, stages_per_rank):
+        for action in acts:
+            s, kind, _ = sched.parse(action)
+            counts[s] += {"F": 1.0, "B": -1.0, "I": -weight_fraction, "W": -(1 - weight_fraction)}[kind]
+            peaks[s] = max(peaks[s], counts[s])
+    return peaks
+
+
+def memory_per_rank(plan: SplitPlan | None, schedule: str, microbatches: int, stages_per_rank: int | None = None,
+                    optimizer_states: int | None = None, costs: Costs | None = None,
+                    order: Sequence[Sequence[str]] | None = None, forward_only: bool = False, *,
+                    hardware: Hardware | str | None = None, dtype: str | None = None, recompute: str | None = None,
+                    options: CostOptions | None = None, **link_options: Any) -> list[int]:
+    """Bytes each rank holds at its peak when ``plan`` trains under ``schedule`` (the module's formula).
+
+    ``forward_only``: an inference run keeps weights and buffers, no gradients or optimizer state, and one
+    microbatch's activations of a stage at a time. Under recomputation a backward rebuilds one layer's
+    activations for a moment: the largest such layer of the rank's stages adds to its peak.
+    ``optimizer_states`` defaults to ``options.optimizer_states`` (Adam's 2); ``link_options`` are the other
+    ``stage_costs`` keywords (``device``, ``bandwidth``, ...).
+
+    Example:
+        >>> memory_per_rank(plan, "GPipe", 8) == [s.memory_bytes for s in plan.stages]    # one stage per rank
+        True
+    """
+    if costs is None:
+        if plan is None:
+            raise ValueError("memory_per_rank() needs a plan, or costs=Costs(...).")
+        costs = stage_costs(plan, microbatches, hardware=hardware, dtype=dtype, recompute=recompute, options=options,
+                            **link_options)
+    if optimizer_states is None:
+        optimizer_states = options.optimizer_states if options is not None else OPTIMIZER_STATES
+    n = len(costs.forward)
+    lay = sched.layout(schedule, n, stages_per_rank)
+    acts = [list(a) for a in order] if order is not None else sched.orders(schedule, n, microbatches, stages_per_rank)
+    buffers = costs.buffer_bytes or (0,) * n
+    if forward_only:
+        return [max(costs.activation_bytes[s] for s in lay.stages_of(r))
+                + sum(costs.param_bytes[s] + buffers[s] for s in lay.stages_of(r)) for r in lay.ranks]
+    peaks = peak_activations(acts, costs.activation_bytes, costs.weight_fraction, costs.input_freed)
+    rebuilt = costs.recompute_bytes or (0,) * n
+    return [
+        peaks[r] + max(rebuilt[s] for s in lay.stages_of(r))
+        + sum(stage_memory(costs.param_bytes[s], buffers[s], 0, optimizer_states) for s in lay.stages_of(r))
+        for r in lay.ranks
+    ]
+
+
+def stage_info_memory(stage: StageInfo, optimizer_states: int = OPTIMIZER_STATES) -> int:
+    """``StageInfo.memory_bytes``: the stage on a rank of its own with every microbatch in flight (GPipe, the
+    most any schedule keeps), whatever the microbatch count: its whole batch's activations."""
+    return stage_memory(stage.param_bytes, stage.buffer_bytes, stage.activation_bytes, optimizer_states)
+
+
+def static_memory(costs: Costs, stages: Sequence[int], optimizer_states: int = OPTIMIZER_STATES) -> int:
+    """A rank's bytes before any activation: its stages' weights, gradients, optimizer state and buffers."""
+    buffers = costs.buffer_bytes or (0,) * len(costs.param_bytes)
+    return sum(stage_memory(costs.param_bytes[s], buffers[s], 0, optimizer_states) for s in stages)
+
+
+def plan_stage_memory(plan: SplitPlan, options: CostOptions | None = None, **cost_options: Any) -> list[int]:
+    """Each stage's training footprint on a rank of its own with the whole batch in flight (the preview's
+    ``StageInfo.memory_bytes``), in the cost model's settings: the training dtype's activations, what
+    recomputation keeps, ``optimizer_states`` (``CostOptions`` or its fields as keywords).
+
+    Example:
+        >>> plan_stage_memory(plan, CostOptions(hardware="h100", dtype="bfloat16", recompute="full"))
+    """
+    opts = CostOptions.of(options, **cost_options)
+    costs = stage_costs(plan, 1, options=opts)
+    rebuilt = costs.recompute_bytes or (0,) * plan.num_stages
+    return [stage_memory(s.param_bytes, s.buffer_bytes, a + r, opts.optimizer_states)
+            for s, a, r in zip(plan.stages, costs.activation_bytes, rebuilt, strict=True)]
+
+
+def plan_table(plan: SplitPlan, options: CostOptions | None = None, **cost_options: Any) -> str:
+    """The stage preview as a plain-text table, memory in the cost options' settings (``plan_stage_memory``)."""
+    return plan.table(memory=plan_stage_memory(plan, options, **cost_options))
+
+
+register_pricer(plan_stage_memory)  # SplitPlan.stage_memory answers with this: a plan never prices itself

@@ -1,0 +1,124 @@
+"""A ``data=`` run's batches, streamed to its ranks while the run goes (``pv.launch(..., data=loader)``).
+
+Each step the next batch is checked against the first (a pipeline's shapes are fixed by it), cut into each
+replica's share, and sent to every process as a ``messages.Batch``: the inputs to the first stage's ranks, the
+target to the last stage's, an empty one to the others (every rank runs the same number of steps); then
+``messages.End``.
+
+Example:
+    >>> feeder = Feeder(spec, stopped=lambda: run.done)
+    >>> threading.Thread(target=feeder.run, args=(queues,)).start()   # one queue per process
+    >>> feeder.error, feeder.batches
+"""
+
+from __future__ import annotations
+
+import queue as queue_mod
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pipeviz.capture import _batch_size
+from pipeviz.runtime.messages import Batch, End, Feed
+from pipeviz.runtime.spec import LaunchError, LaunchSpec, data_batch, share
+
+__all__ = ["Feeder"]
+
+_KEEP_BATCHES = 256 * 2**20  # a data= run keeps its batches (for check_numerics) up to this many bytes
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    from torch.utils import _pytree as pytree
+
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _like_first(batch: tuple[Any, Any, Any], spec: LaunchSpec, step: int) -> tuple[Any, Any, Any]:
+    """A data= batch as (args, kwargs, target), checked against the first batch: the pipeline's shapes are
+    fixed by it (torch's stages have static shapes)."""
+    inputs, kwargs, target = batch
+    args = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs) if isinstance(inputs, tuple | list) \
+        else None
+    if args is None:
+        raise LaunchError(f"data= batch {step}: inputs is a {type(inputs).__name__}; expected a tensor or a tuple or "
+                          "list of tensors, like the first batch.")
+    kwargs = dict(kwargs or {})
+    pairs = [(f"inputs[{i}]", a, e) for i, (a, e) in enumerate(zip(args, spec.args, strict=False))]
+    pairs += [(f"input_kwargs[{k!r}]", kwargs.get(k), v) for k, v in spec.kwargs.items()]
+    if spec.target is not None:
+        pairs.append(("target", target, spec.target))
+    if len(args) != len(spec.args) or set(kwargs) != set(spec.kwargs):
+        raise LaunchError(f"data= batch {step} has other inputs than the first batch ({len(args)} positional, "
+                          f"keywords {sorted(kwargs)}; the first: {len(spec.args)}, {sorted(spec.kwargs)}).")
+    for label, got, want in pairs:
+        if not isinstance(want, torch.Tensor):
+            continue
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
+            shown = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else type(got).__name__
+            raise LaunchError(
+                f"data= batch {step}: {label} is {shown}, but the run started with {tuple(want.shape)} {want.dtype}: "
+                "a pipeline's shapes are fixed by its first batch (and the batch must split into the "
+                f"{spec.microbatches} microbatches). Fix: equal batches, e.g. DataLoader(..., drop_last=True).")
+    return args, {k: kwargs[k] for k in spec.kwargs}, target
+
+
+class Feeder:
+    """Streams ``spec.data``'s batches to the ranks' queues (``run``, on a thread of its own); ``error`` names a
+    batch that failed (the run then fails), ``batches`` keeps them for ``pv.check_numerics`` while small."""
+
+    def __init__(self, spec: LaunchSpec, stopped: Callable[[], bool]) -> None:
+        self.spec, self.stopped = spec, stopped
+        self.error: str | None = None
+        self.batches: list[tuple[tuple[Any, ...], dict[str, Any], Any]] | None = None
+
+    def run(self, feeds: list[Any]) -> None:
+        spec = self.spec
+        mesh, lay = spec.mesh, spec.layout
+        first_rank, last_rank = lay.stage_ranks[0], lay.stage_ranks[-1]
+        batch: tuple[Any, Any, Any] | None = (spec.args, spec.kwargs, spec.target)
+        kept: list[tuple[Any, Any, Any]] | None = []
+        size = 0
+        step = 0
+        while (spec.steps is None or step < spec.steps) and not self.stopped():
+            if batch is None:
+                try:
+                    item = next(spec.data)
+                except StopIteration:
+                    break
+                except Exception as exc:  # the user's iterable failed: the run fails, naming the batch
+                    self.error = f"data= raised at batch {step}: {type(exc).__name__}: {exc}"
+                    break
+                try:
+                    batch = _like_first(data_batch(item, step, spec.training), spec, step)
+                except LaunchError as exc:
+                    self.error = str(exc)
+                    break
+            size_of = _batch_size(batch[0], batch[1]) or 1
+            for rank, feed in enumerate(feeds):
+                c = mesh.coords(rank)  # each replica its share of the batch
+                args, kwargs, target = share(batch, c.dp, mesh.dp, size_of)
+                msg = Batch(args if c.pp == first_rank else (), kwargs if c.pp == first_rank else {},
+                            target if c.pp == last_rank else None)
+                if not self._put(feed, msg):
+                    return
+            if kept is not None:
+                size += sum(t.numel() * t.element_size() for t in _tensors(batch))
+                if size <= _KEEP_BATCHES:  # for check_numerics, while they are small
+                    kept.append(batch)
+                else:
+                    kept = None
+            self.batches = kept
+            step += 1
+            batch = None
+        for feed in feeds:
+            self._put(feed, End())
+
+    def _put(self, feed: Any, msg: Feed) -> bool:
+        while not self.stopped():
+            try:
+                feed.put(msg, timeout=0.2)
+                return True
+            except queue_mod.Full:
+                continue
+        return False

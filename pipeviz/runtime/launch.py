@@ -1,0 +1,130 @@
+"""``launch()`` a plan as real processes running torch's schedule; returns the ``Run`` that watches them.
+
+Example:
+    >>> run = pv.launch(plan, schedule="1F1B", microbatches=8, steps=5, inputs=(x,), target=y,
+    ...                 loss_fn=pv.cross_entropy, optimizer=pv.sgd(lr=0.1))      # returns at once
+    >>> run.wait(timeout=60); run.losses; run.timeline(); run.state_dict()
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Unpack
+
+from pipeviz._compat import positional_legacy
+from pipeviz.plan import SplitPlan
+from pipeviz.runtime.config import UNSET, LaunchConfig, LaunchOptions, launch_config
+from pipeviz.runtime.payloads import rank_boots, rank_payloads
+from pipeviz.runtime.procs import rendezvous, temp_prefix
+from pipeviz.runtime.run import _LIVE, Run
+from pipeviz.runtime.spec import check_weights, cpu_sets, resolve_devices, validate_launch
+
+__all__ = ["launch"]
+
+
+@positional_legacy("steps")
+def launch(
+    plan: SplitPlan,
+    schedule: str = UNSET,
+    microbatches: int = UNSET,
+    *,
+    steps: int | None = UNSET,
+    inputs: tuple[Any, ...] | Any = None,
+    input_kwargs: dict[str, Any] | None = None,
+    target: Any = None,
+    data: Any = None,
+    weights: str | os.PathLike[str] | None = None,
+    config: LaunchConfig | None = None,
+    **options: Unpack[LaunchOptions],
+) -> Run:
+    """Start the plan's stages as processes running torch's ``schedule``; returns a ``Run`` at once.
+
+    One process per rank, joining a rendezvous the calling process holds open (no port race). The stages
+    are built here once; each rank receives only its own. Every forward, backward, input-grad and
+    weight-grad action streams back as an ``Event``. Skip connections are relayed stage by stage and shared
+    weights' gradients are summed across the stages holding them, so the run trains like the unsplit model
+    (same microbatching, mean loss per microbatch).
+
+    How to run is one ``pv.LaunchConfig`` (``config=``), the same object ``pv.export_torchrun``, the CLI and the
+    Explorer take, or its fields as keywords (they override ``config``'s); ``schedule``, ``microbatches`` and
+    ``steps`` may also come first, by position. Defaults: ``LaunchConfig()``'s.
+
+    Example:
+        >>> run = pv.launch(plan, "1F1B", 4, 3, inputs=(x,), target=y, loss_fn=pv.cross_entropy)
+        >>> run = pv.launch(plan, config=pv.LaunchConfig(schedule="GPipe", dp=2, loss_fn=pv.cross_entropy),
+        ...                 inputs=(x,), target=y)
+
+    Args:
+        plan: the ``SplitPlan``.
+        schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV.
+        microbatches: microbatches per step; must divide the batch.
+        steps: optimizer steps (``None`` with ``data``: until it runs out).
+        inputs / input_kwargs: the full batch (defaults: the graph's example inputs): a tensor or a tuple or
+            list of them, each like the traced example (same dtype, same shape after the batch dim).
+        target: the full batch of targets, passed to ``loss_fn(output, target)`` per microbatch.
+            ``output`` is the model's output (its only tensor; for HF models the logits).
+        loss_fn: mean-reduced loss returning a scalar tensor (tried once on a sample before launching).
+            Without one the run is forward only: ``run.outputs[step]`` is the model's output for the batch.
+        data: instead of ``inputs``/``target``: any iterable (a ``DataLoader`` too) whose next batch each step
+            takes, streamed to the ranks that need it while the run goes: ``(inputs, target)`` pairs or
+            ``{"inputs": ..., "target": ..., <keyword input>: ...}`` mappings (forward only: the inputs
+            alone). Every batch has the first one's shapes. The run ends after ``steps`` or when it runs out.
+        weights: a safetensors checkpoint (a ``.safetensors`` file, or a folder of shards with
+            ``model.safetensors.index.json``, as HF ``save_pretrained`` and ``run.save`` write): each rank reads
+            only its own stage's tensors, and no process is sent the model's values. The model may be on the
+            meta device. Missing tensors and shapes that differ are named before any process starts.
+        init_seed: a meta model without ``weights``: each rank initialises its own tensors with their
+            modules' initialisers (HF ``_init_weights``, else ``reset_parameters``), seeded per module by this
+            and the module's name (``pv.materialize(model, seed=init_seed)`` builds the same whole model).
+        optimizer: ``params -> torch.optim.Optimizer`` (default ``pv.sgd(lr=0.1)``), built on every rank.
+        devices: ``"auto"``, ``"cpu"``, ``"cuda"`` or one device per rank.
+        stages_per_rank: for multi-stage schedules (default 2).
+        timeout: seconds without progress before the run is declared hung and stopped.
+        pin_cpus: on the CPU, give each rank its own cores (``run.cpus``) when there are enough and no
+            other run of this process is going: its compute and gloo's threads then never wait behind
+            another rank's (README, "What pipeviz fixes", has the measured gain).
+        on_nonfinite: a NaN or inf loss or gradient: ``"stop"`` (the run fails before that step's update,
+            naming the step, rank, stage and tensor) or ``"continue"`` (recorded in ``run.nonfinite``).
+        dp: data-parallel replicas of the pipeline (``pv.Mesh(pp, dp)``: pp × dp processes). Each replica trains
+            on its contiguous 1/dp of every batch (cut into ``microbatches``); torch's
+            ``DistributedDataParallel`` on each stage averages the gradients across replicas in the last
+            backward of a step, so the run trains like the unsplit model on the whole batch. ``run.losses`` is
+            the whole batch's loss; ``run.state_dict()`` is replica 0's, checked equal to the others'.
+        dp_shard: with ``dp`` > 1, each stage sharded across the replicas by torch's FSDP2 ``fully_shard``
+            (parameters, gradients and optimizer state: 1/dp per process) instead of replicated under DDP.
+        tp: tensor-parallel shards of every stage (pp × dp × tp processes): each stage's projections sharded with
+            DTensor (``pipeviz.runtime.tensor_parallel``), column-wise then row-wise.
+        tp_plan: ``{module name: "colwise" | "rowwise"}`` for ``nn.Linear`` modules; default: Megatron's MLP rule
+            (in each stage, a Linear feeding the next Linear's input is column-wise, that one row-wise).
+
+    Raises:
+        LaunchError, ScheduleError, PlanError: before any process starts, naming the bad value and the fix.
+    """
+    cfg = launch_config(config, schedule=schedule, microbatches=microbatches, steps=steps, **options)
+    spec = validate_launch(plan, cfg, inputs=inputs, input_kwargs=input_kwargs, target=target, data=data)
+    spec.sources, spec.init_seed = check_weights(plan, weights, cfg.init_seed), cfg.init_seed
+    world = spec.mesh.world
+    stage_devices, backend, compute = resolve_devices(cfg.devices, world)
+    on_cpu = all(d == "cpu" for d in stage_devices) and not any(compute)
+    # Two runs at once would be pinned to the same cores: the second one is left to the scheduler.
+    alone = not any(r.status in ("starting", "running") for r in list(_LIVE))
+    threads, cpus = cpu_sets(world, cfg.pin_cpus and on_cpu and alone)
+
+    run = Run(plan, spec, cfg.timeout, cfg.on_nonfinite)
+    run.weights = weights
+    run.devices = [c or d for c, d in zip(compute, stage_devices, strict=True)]
+    run.cpus = cpus
+    t0 = run.started_at
+    run._store = rendezvous(world, cfg.timeout)
+    port = run._store.port
+
+    def build() -> list[bytes]:
+        blobs, shipment = rank_payloads(plan, spec, stage_devices, compute, backend, port, t0, cfg.timeout, threads,
+                                        cpus, run._state_dir, values_prefix=temp_prefix("values"))
+        if shipment.path:  # the ranks map it; removed when the run ends (the mappings outlive the name)
+            run._files.append(shipment.path)
+        run._shipped_bytes = shipment.nbytes
+        return blobs
+
+    run._start(build, rank_boots(spec, stage_devices, compute, backend, port, t0, cfg.timeout, threads, cpus))
+    return run
