@@ -28,7 +28,7 @@ from pipeviz.regions import REGION_META, inline_regions, leave_region
 from pipeviz.support import model_notes
 
 __all__ = ["TRACE_LOCK", "Capture", "Op", "SavedTensors", "TraceError", "apply_fixups", "buffer_names", "capture",
-           "elementwise_modules", "op_saved_bytes"]
+           "elementwise_modules", "loss_input_bytes", "op_saved_bytes"]
 
 
 # torch.export keeps global tracing state: traces from two threads (a run starting in the background while a
@@ -661,3 +661,19 @@ def _cpu_flash_attention_flops(query: torch.Tensor, key: torch.Tensor, value: to
 # without this an HF model's attention counted 0 FLOPs on the CPU (and its full count on the meta device).
 _cpu_flash_attention_flops._get_raw = True  # type: ignore[attr-defined]  # called with tensors, not shapes
 _CPU_ATTENTION = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_attention_flops}
+
+
+def loss_input_bytes(cap: Capture) -> int:
+    """Bytes the loss saves for backward on the last stage, for the example batch: one tensor the size of the
+    model's (floating) output, the ``logits`` of an HF output. Cross-entropy saves its log-softmax, MSE its input:
+    either is the output's size (the target, saved too, is not known before a launch and is usually small)."""
+    import torch
+
+    total = 0
+    for shape, dtype in cap.loss_outputs:
+        if dtype.is_floating_point:
+            n = 1
+            for d in shape:
+                n *= d
+            total += n * torch.empty((), dtype=dtype).element_size()
+    return total

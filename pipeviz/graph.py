@@ -11,7 +11,6 @@ Example:
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -19,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from torch.distributed.pipelining import SplitPoint
 
-from pipeviz.capture import Capture, capture, op_saved_bytes
+from pipeviz.capture import Capture, capture, loss_input_bytes, op_saved_bytes
 from pipeviz.graphview import GraphIndex, Layer
+from pipeviz.names import listed, suggest
 from pipeviz.plan import PlanError, SplitPlan
 from pipeviz.units import ROOT, CallTree, Unit
 
@@ -136,7 +136,7 @@ class ModelGraph:
             return (name,)
         if name in self._tree.by_fqn:
             return self._tree.by_fqn[name]
-        hint = self._suggest(name, [n for n in self._tree.units if n])
+        hint = suggest(name, [n for n in self._tree.units if n])
         raise PlanError(f"Unknown module {name!r}. {hint + ' ' if hint else ''}{self.valid_splits_text()}")
 
     # ----------------------------------------------------------------- build
@@ -259,7 +259,7 @@ class ModelGraph:
     def _loss_saved(self) -> tuple[int, int]:
         """(op, bytes): the loss's saved bytes and the output op ``_op_saved`` counts them at ((-1, 0): none)."""
         outputs = self._graph_outputs()
-        return (max(outputs), _loss_input_bytes(self._cap)) if outputs else (-1, 0)
+        return (max(outputs), loss_input_bytes(self._cap)) if outputs else (-1, 0)
 
     def _graph_outputs(self) -> set[int]:
         # Ops nobody reads inside the graph are the model's outputs.
@@ -436,7 +436,7 @@ class ModelGraph:
         layers = [n for n in self._names if n in self._split_after]
         inner = " (and the modules inside them: graph.split_candidates)" if len(self.split_candidates) > len(layers) \
             else ""
-        return f"Valid split points: {self._listed(layers) or 'none (one layer)'}{inner}."
+        return f"Valid split points: {listed(layers) or 'none (one layer)'}{inner}."
 
     @cached_property
     def _split_after(self) -> frozenset[str]:
@@ -474,37 +474,12 @@ class ModelGraph:
         raise ValueError(self._not_a_layer(name))
 
     def _not_a_layer(self, name: str) -> str:
-        listed = self._listed(list(self._names))
+        layers = listed(list(self._names))
         if name in self._tree.units and name:
             outer = next((n for n in self._names if n in self._tree.ancestors(name)), None)
             if outer is not None:
                 return (f"{name!r} is inside layer {outer!r}, not a layer at this granularity. Fix: "
-                        f"graph.expand({outer!r}) to see it, or split at it directly. Layers: {listed}.")
-            return f"{name!r} holds several layers, not one. Fix: graph.collapse({name!r}). Layers: {listed}."
-        hint = self._suggest(name, list(self._names))
-        return f"Unknown layer {name!r}. {hint + ' ' if hint else ''}Layers: {listed}."
-
-    @staticmethod
-    def _listed(names: Sequence[str]) -> str:
-        return ", ".join(names[:20]) + (f", … ({len(names)} in all)" if len(names) > 20 else "")
-
-    @staticmethod
-    def _suggest(name: str, pool: list[str]) -> str:
-        close = difflib.get_close_matches(name, pool, n=3, cutoff=0.8)
-        return f"Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-
-
-def _loss_input_bytes(cap: Capture) -> int:
-    """Bytes the loss saves for backward on the last stage, for the example batch: one tensor the size of the
-    model's (floating) output, the ``logits`` of an HF output. Cross-entropy saves its log-softmax, MSE its input:
-    either is the output's size (the target, saved too, is not known before a launch and is usually small)."""
-    import torch
-
-    total = 0
-    for shape, dtype in cap.loss_outputs:
-        if dtype.is_floating_point:
-            n = 1
-            for d in shape:
-                n *= d
-            total += n * torch.empty((), dtype=dtype).element_size()
-    return total
+                        f"graph.expand({outer!r}) to see it, or split at it directly. Layers: {layers}.")
+            return f"{name!r} holds several layers, not one. Fix: graph.collapse({name!r}). Layers: {layers}."
+        hint = suggest(name, list(self._names))
+        return f"Unknown layer {name!r}. {hint + ' ' if hint else ''}Layers: {layers}."

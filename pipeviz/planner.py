@@ -1,7 +1,7 @@
 """``plan_cluster()``: the whole training layout for a GPU count, a global batch and a memory budget, ranked.
 
-A layout is pipeline x data x tensor parallel degrees (``pp x dp x tp = gpus``, tensor parallelism within a
-node), a schedule with its stages per rank, a microbatch size (hence the microbatch count) and a recomputation
+A layout is pipeline x data x context x tensor parallel degrees (``pp x dp x cp x tp = gpus``, tensor parallelism
+within a node), a schedule with its stages per rank, a microbatch size (hence the microbatch count) and a recomputation
 mode. Every option is priced by the one cost model (``pipeviz.costs`` on a ``pv.Hardware``) and simulated by
 ``pv.simulate``; only options that fit the memory are kept.
 
@@ -9,184 +9,33 @@ Example:
     >>> cp = pv.plan_cluster(graph, gpus=64, hardware="h100", global_batch=512)
     >>> print(cp.table())
     >>> best = cp.rows[0]; best.pp, best.dp, best.tp, best.schedule, best.microbatches
-    >>> pv.simulate(best.plan, best.schedule, best.microbatches, best.stages_per_rank, **best.simulate_options)
+    >>> pv.simulate(best.plan, best.config, options=best.options, collectives=best.collectives)
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from pipeviz import schedules as sched
-from pipeviz._compat import deprecated, positional_legacy
+from pipeviz._compat import positional_legacy
 from pipeviz.balance import balance
+from pipeviz.cluster_plan import ClusterPlan, LayoutOption
 from pipeviz.cost.comm import cp_collectives, tp_collectives
 from pipeviz.cost.machine import Hardware
 from pipeviz.cost.machine import hardware as find_hardware
-from pipeviz.cost.memory import memory_per_rank
+from pipeviz.cost.memory import memory_per_rank, static_memory
 from pipeviz.cost.model import Costs, parallel_costs, stage_costs
 from pipeviz.cost.options import RECOMPUTE, CostOptions
 from pipeviz.cost.roofline import op_table
 from pipeviz.graphview import GraphView
-from pipeviz.mesh import DIMS, Mesh, check_degree
-from pipeviz.plan import PlanError, SplitPlan, human_bytes
-from pipeviz.runtime.config import LaunchConfig
+from pipeviz.mesh import Mesh, check_degree
+from pipeviz.plan import PlanError, SplitPlan
 from pipeviz.simulate import Collectives, simulate
-from pipeviz.training import cross_entropy
 
-__all__ = ["ClusterPlan", "LayoutOption", "plan_cluster"]
-
-@dataclass(frozen=True)
-class LayoutOption:
-    """One way to train on the cluster, with what the simulator predicts for it.
-
-    Attributes:
-        pp, dp, tp, cp: pipeline ranks, data-parallel replicas, tensor-parallel shards, context-parallel shares of
-            every sequence (``pp x dp x cp x tp`` GPUs; ``mesh``).
-        schedule, stages_per_rank: the pipeline schedule (torch's name) and stages each pipeline rank holds.
-        microbatch_size, microbatches: sequences per microbatch (per replica) and microbatches per step.
-        recompute: ``"none"``, ``"selective"`` or ``"full"``.
-        plan: the balanced ``SplitPlan`` (``pp x stages_per_rank`` stages).
-        step_time: seconds per training step; tokens_per_s: the cluster's throughput.
-        tflops_per_gpu, mfu: model FLOPs (6 x params x tokens style: 3 x the forward, recomputation not counted)
-            per second per GPU, and as a fraction of the hardware's dense peak in the dtype.
-        bubble: idle fraction of the pipeline ranks.
-        peak_memory: the most bytes any device holds.
-        extrapolated: the step and memory come from two shorter simulations (see ``plan_cluster``).
-        options, collectives: how it was costed (``CostOptions``: hardware, dtype, recomputation, batch scale).
-
-    A row launches as it is: ``config`` is the ``LaunchConfig`` it simulated (a training run with
-    ``pv.cross_entropy``), so ``pv.simulate(row.plan, row.config, options=row.options,
-    collectives=row.collectives)`` reproduces it and ``pv.launch(row.plan, config=row.config, ...)`` runs it.
-    """
-
-    pp: int
-    dp: int
-    tp: int
-    schedule: str
-    stages_per_rank: int
-    microbatch_size: int
-    microbatches: int
-    recompute: str
-    plan: SplitPlan = field(repr=False, compare=False)
-    step_time: float
-    tokens_per_s: float
-    tflops_per_gpu: float
-    mfu: float
-    bubble: float
-    peak_memory: int
-    extrapolated: bool = False
-    options: CostOptions = field(default_factory=CostOptions, repr=False, compare=False)
-    collectives: Collectives | None = field(default=None, repr=False, compare=False)
-    cp: int = 1
-
-    @property
-    def mesh(self) -> Mesh:
-        return Mesh(self.pp, self.dp, self.tp, self.cp)
-
-    @property
-    def gpus(self) -> int:
-        return self.mesh.world
-
-    @property
-    def config(self) -> LaunchConfig:
-        """The ``LaunchConfig`` of this row (schedule, microbatches, stages per rank, layout, a training loss)."""
-        return LaunchConfig(schedule=self.schedule, microbatches=self.microbatches, loss_fn=cross_entropy,
-                            stages_per_rank=self.stages_per_rank if self.stages_per_rank > 1 else None,
-                            dp=self.dp, tp=self.tp, cp=self.cp)
-
-    @property
-    def simulate_options(self) -> dict[str, Any]:
-        """Deprecated since 0.3: ``pv.simulate(row.plan, row.config, options=row.options,
-        collectives=row.collectives)`` reproduces the row."""
-        deprecated("LayoutOption.simulate_options is deprecated since pipeviz 0.3: pv.simulate(row.plan, row.config, "
-                   "options=row.options, collectives=row.collectives) reproduces the row.")
-        return {"dp": self.dp, "tp": self.tp, "cp": self.cp, "options": self.options,
-                "collectives": self.collectives}
-
-    def label(self) -> str:
-        """``"pp4 dp8 tp2 1F1B mb=2x64 selective"`` (``cp4`` after ``dp`` when the sequence is split)."""
-        v = f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
-        dims = " ".join(f"{d}{getattr(self, d)}" for d in DIMS if d != "cp" or self.cp > 1)
-        return f"{dims} {self.schedule}{v} mb={self.microbatch_size}x{self.microbatches} {self.recompute}"
-
-
-@dataclass(frozen=True)
-class ClusterPlan:
-    """``plan_cluster``'s answer: ``rows`` best first (only options that fit), and how the search went.
-
-    Attributes:
-        rows: ``LayoutOption``s, fastest step first.
-        hardware, gpus, global_batch, seq_len, dtype, memory_limit: the question asked.
-        considered: layouts enumerated; simulated: those simulated; pruned: those dropped by a bound (memory or
-            step time) without simulating; too_big: those found over the memory limit; too_long: those left out
-            because simulating them would take more than ``max_actions`` actions.
-        notes: what the search assumed (sequence-length scaling, selective recomputation with fused attention).
-    """
-
-    rows: tuple[LayoutOption, ...]
-    hardware: Hardware
-    gpus: int
-    global_batch: int
-    seq_len: int
-    dtype: str
-    memory_limit: int
-    considered: int = 0
-    simulated: int = 0
-    pruned: int = 0
-    too_big: int = 0
-    too_long: int = 0
-    notes: tuple[str, ...] = ()
-
-    @property
-    def best(self) -> LayoutOption:
-        """The fastest option that fits.
-
-        Raises:
-            PlanError: no option fits (the message says what to change).
-        """
-        if not self.rows:
-            raise PlanError(self._none_fit())
-        return self.rows[0]
-
-    def _none_fit(self) -> str:
-        return (f"No layout of {self.gpus} x {self.hardware.name} fits {human_bytes(self.memory_limit)} per device "
-                f"for a global batch of {self.global_batch} x {self.seq_len} tokens. Fix: more GPUs, recompute="
-                "'full', a smaller global batch or sequence, or a larger memory_limit.")
-
-    def table(self, top: int = 10) -> str:
-        """The ``top`` rows as text: layout, step, tokens/s, TFLOP/s per GPU, MFU, bubble, peak memory."""
-        head = (f"{self.gpus} x {self.hardware.name} ({self.dtype}, efficiency {self.hardware.efficiency:g}), global "
-                f"batch {self.global_batch} x {self.seq_len} tokens, memory limit {human_bytes(self.memory_limit)}")
-        if not self.rows:
-            return head + "\n" + self._none_fit()
-        cps = any(r.cp > 1 for r in self.rows[:top])  # a cp column only where the sequence is split
-        rows = [("#", "pp", "dp", *(("cp",) if cps else ()), "tp", "schedule", "v", "mb size", "mbs", "recompute",
-                 "step", "tokens/s", "TFLOP/s/GPU", "MFU", "bubble", "peak memory")]
-        for i, r in enumerate(self.rows[:top], 1):
-            rows.append((str(i), str(r.pp), str(r.dp), *((str(r.cp),) if cps else ()), str(r.tp), r.schedule,
-                         str(r.stages_per_rank), str(r.microbatch_size), str(r.microbatches), r.recompute,
-                         _seconds(r.step_time) + ("*" if r.extrapolated else ""), f"{r.tokens_per_s:,.0f}",
-                         f"{r.tflops_per_gpu:.0f}", f"{r.mfu:.1%}", f"{r.bubble:.0%}", human_bytes(r.peak_memory)))
-        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-        left = {rows[0].index("schedule"), rows[0].index("recompute")}
-        lines = ["  ".join(c.rjust(w) if j not in left else c.ljust(w) for j, (c, w) in
-                           enumerate(zip(r, widths, strict=True))).rstrip() for r in rows]
-        tail = [f"{len(self.rows)} options fit; {self.considered} considered, {self.simulated} simulated, "
-                f"{self.pruned} pruned by a bound, {self.too_big} over the memory limit"
-                + (f", {self.too_long} left out as too long to simulate (max_actions)." if self.too_long else ".")]
-        if any(r.extrapolated for r in self.rows[:top]):
-            tail.append("* extrapolated from two shorter simulations (the step grows linearly in microbatches).")
-        return "\n".join([head, *lines, *tail, *self.notes])
-
-    def __str__(self) -> str:
-        return self.table()
-
-
-def _seconds(t: float) -> str:
-    return f"{t:.3f} s" if t >= 1 else f"{t * 1e3:.3f} ms" if t >= 1e-3 else f"{t * 1e6:.1f} us"
+__all__ = ["ClusterPlan", "LayoutOption", "plan_cluster"]  # the first two: pipeviz.cluster_plan
 
 
 @positional_legacy("global_batch", "seq_len", "memory_limit", "schedules", "recompute", "dtype")
@@ -378,7 +227,7 @@ def plan_cluster(
                             rc = rank_costs(n, b, mode, t, c)
                             lay = sched.layout(name, n, v if v > 1 else None)
                             work = _step_bound(rc, lay, m)
-                            mem_lb = max(_static_memory(rc, lay.stages_of(r), optimizer_states)
+                            mem_lb = max(static_memory(rc, lay.stages_of(r), optimizer_states)
                                          + max(rc.activation_bytes[s] for s in lay.stages_of(r))
                                          for r in lay.ranks)
                             if mem_lb > limit:
@@ -501,11 +350,6 @@ def _step_bound(c: Costs, lay: sched.Layout, m: int) -> float:
 def _orders(name: str, n: int, m: int, spr: int | None) -> tuple[tuple[str, ...], ...]:
     """``sched.orders``, cached: torch's own schedule code builds the multi-stage ones, slowly."""
     return tuple(tuple(a) for a in sched.orders(name, n, m, spr))
-
-
-def _static_memory(c: Costs, stages: list[int], optimizer_states: int) -> int:
-    buffers = c.buffer_bytes or (0,) * len(c.param_bytes)
-    return sum(c.param_bytes[s] * (2 + optimizer_states) + buffers[s] for s in stages)
 
 
 def _split_blocks(graph: GraphView) -> list[int]:

@@ -12,18 +12,87 @@ from __future__ import annotations
 import collections
 import os
 import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 from pipeviz.capture import TRACE_LOCK, _batch_size
+from pipeviz.mesh import Coords
 from pipeviz.plan import SplitPlan
 from pipeviz.runtime.ship import Shipment
 from pipeviz.runtime.spec import LaunchError, LaunchSpec, share
 
-__all__ = ["SHIP_VALUES", "launch_stages", "rank_boots", "rank_payload", "rank_payloads",
-           "spec_stages", "stage_sources"]
+__all__ = ["PAYLOAD_WAIT", "SHIP_VALUES", "Boot", "RankPayload", "launch_stages", "rank_boots", "rank_payload",
+           "rank_payloads", "spec_stages", "stage_sources"]
+
+
+@dataclass
+class Boot:
+    """What a rank needs to join the run before its stages arrive: ``pv.launch`` starts the processes with it, so
+    they join the process group while the launching process builds and writes their payloads."""
+
+    rank: int
+    world: int
+    port: int
+    backend: str
+    device: str
+    compute_device: str | None
+    t0: float
+    parent_pid: int
+    timeout_s: float
+    threads: int
+    cpus: tuple[int, ...] | None = None
+    init_method: str | None = None
+    mesh: Any = None
+
+    @property
+    def coords(self) -> Coords:
+        return self.mesh.coords(self.rank) if self.mesh is not None else Coords(self.rank)
+
+
+PAYLOAD_WAIT = 3600.0  # seconds a started rank waits for its payload (the launching process may trace a big model)
+
+
+@dataclass
+class RankPayload:
+    """Everything one rank needs (pickled by the parent, read once by the worker)."""
+
+    rank: int
+    world: int
+    port: int
+    backend: str
+    device: str  # where torch's PipelineStage lives (and communicates)
+    compute_device: str | None  # set when the stage computes elsewhere (a shared GPU, over host memory)
+    schedule: str
+    stage_ranks: tuple[int, ...]  # rank of every stage
+    microbatches: int
+    steps: int | None  # None: a data= run, fed until "end"
+    stages: list[Any]  # this rank's pipeviz.runtime.stages.RankStage list
+    tied: dict[str, list[int]]  # shared parameter -> ranks holding a copy
+    loss_fn: Any
+    optimizer: Any
+    args: tuple[Any, ...] = ()  # the first stage's inputs (full batch)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    target: Any = None  # only for the rank holding the last stage
+    t0: float = 0.0
+    parent_pid: int = 0
+    timeout_s: float = 120.0
+    threads: int = 1
+    cpus: tuple[int, ...] | None = None  # cores of this rank's threads (pv.launch on CPU; see spec.cpu_sets)
+    init_method: str | None = None  # default: the launching process's TCPStore on port; "env://" under torchrun
+    on_nonfinite: str = "stop"  # a NaN or inf loss or gradient: "stop" the run, or "continue" and report it
+    data: Any = None  # set by main(): the queue the launching process streams data= batches on
+    state_path: str | None = None  # where this rank writes its trained tensors (else: sent on the queue)
+    mesh: Any = None  # pipeviz.mesh.Mesh with replicas or shards (dp or tp > 1); None: one pipeline, rank = pp rank
+    tp_placements: dict[str, str] = field(default_factory=dict)  # tp > 1: canonical name -> "shard0"/"shard1"
+    dp_shard: bool = False  # replicas shard each stage with FSDP2 (fully_shard over the dp mesh dim)
+
+    @property
+    def coords(self) -> Coords:
+        """This process's place in the mesh (pipeline rank, replica, shard)."""
+        return self.mesh.coords(self.rank) if self.mesh is not None else Coords(self.rank)
 
 
 def rank_payloads(plan: SplitPlan, spec: LaunchSpec, devices: list[str], compute: list[str | None], backend: str,
@@ -74,8 +143,6 @@ def rank_payloads(plan: SplitPlan, spec: LaunchSpec, devices: list[str], compute
 def rank_boots(spec: LaunchSpec, devices: list[str], compute: list[str | None], backend: str, port: int, t0: float,
                timeout: float, threads: int, cpus: list[tuple[int, ...]] | None) -> list[Any]:
     """Each rank's ``worker.Boot``: what it needs to join the process group before its payload is written."""
-    from pipeviz.runtime.worker import Boot
-
     mesh = spec.mesh
     return [Boot(rank=rank, world=mesh.world, port=port, backend=backend, device=devices[rank],
                  compute_device=compute[rank], t0=t0, parent_pid=os.getpid(), timeout_s=max(timeout, 30.0),
@@ -215,8 +282,6 @@ def rank_payload(spec: LaunchSpec, stages: Any, tied: dict[str, list[int]], rank
     exported script's ranks use: its coordinates' stages, its replica's share of the batch (the inputs on the
     first pipeline rank, the target on the last), and the layout."""
     from pipeviz.runtime.stages import rank_stages
-    from pipeviz.runtime.worker import RankPayload
-
     lay, mesh = spec.layout, spec.mesh
     c = mesh.coords(rank)
     pp, replica = c.pp, c.dp

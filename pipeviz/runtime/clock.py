@@ -1,0 +1,139 @@
+"""A rank's clock and outbox: every action timed (on a GPU by CUDA events, read once per step), memory sampled as
+each action starts and ends, and events, losses and step ends sent together at most every ``SEND_INTERVAL``
+seconds (each message wakes the launching process, a notebook kernel sharing the ranks' cores).
+
+Example:
+    >>> clock = Clock(t0, None)
+    >>> with clock.span(rank, stage, "F", mb, step): ...      # one Event when the action ends
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+import torch
+
+from pipeviz.mesh import Coords
+from pipeviz.runtime.memory import MemoryMeter
+from pipeviz.runtime.messages import (
+    Events,
+    Memory,
+    Message,
+)
+from pipeviz.timeline import Event
+
+__all__ = ["SEND_INTERVAL", "Clock", "Span"]
+
+SEND_INTERVAL = 0.1  # seconds: live enough to watch, rare enough not to disturb the ranks
+
+
+class Clock:
+    """Timestamps on one clock across ranks (wall time minus the run's start), and the rank's outbox.
+
+    On a GPU, spans are timed with CUDA events, so they mark when the work ran, not when it was queued;
+    they are read at step end. Events and posted messages leave together, at most every ``SEND_INTERVAL``.
+    """
+
+    def __init__(self, t0: float, cuda: torch.device | None) -> None:
+        self.t0, self.cuda = t0, cuda
+        self.pending: list[tuple[Any, ...]] = []
+        self.buffer: list[tuple[Any, ...]] = []
+        self.outbox: list[Message] = []
+        self.finished: collections.deque[tuple[Any, ...]] = collections.deque()  # from other threads
+        self.meter = MemoryMeter(cuda)
+        self.stage = -1  # the stage of the action running now (what a tensor-parallel collective belongs to)
+        self.memory: list[tuple[float, int, int]] = []  # (time, total bytes, saved-activation bytes)
+        self.sent_at = 0.0
+        self.queue: Any = None
+        self.rank, self.coords = -1, Coords(-1)  # the sender named in every message
+        self.anchor: tuple[float, Any] | None = None
+
+    def span(self, rank: int, stage: int, kind: str, mb: int, step: int) -> Span:
+        return Span(self, (rank, stage, kind, mb, step))
+
+    def record(self, event: tuple[Any, ...]) -> None:
+        """A host-timed event (communication waits), sent with the others."""
+        self.buffer.append(event)
+        if event[5] - self.sent_at > SEND_INTERVAL:
+            self.send()
+
+    def sample(self) -> None:
+        """A memory sample now (``pipeviz.runtime.memory``): taken as each action starts and ends."""
+        activations, total = self.meter.sample()
+        self.memory.append((time.time() - self.t0, total, activations))
+
+    def record_async(self, event: tuple[Any, ...]) -> None:
+        """An event timed on another thread (a communication future's callback): queued, and moved into the
+        next batch by the rank's own thread, which alone touches ``buffer``."""
+        self.finished.append(event)
+
+    def post(self, msg: Message) -> None:
+        """A message (loss, step end) to send with the next batch of events."""
+        self.outbox.append(msg)
+
+    def send(self) -> None:
+        while self.finished:
+            self.buffer.append(self.finished.popleft())
+        if self.buffer:
+            self.queue.put(Events(self.rank, self.coords, [Event(*e) for e in self.buffer]))
+            self.buffer = []
+        if self.memory:
+            self.queue.put(Memory(self.rank, self.coords, self.memory))
+            self.memory = []
+        for msg in self.outbox:
+            self.queue.put(msg)
+        self.outbox.clear()
+        self.sent_at = time.time() - self.t0
+
+    def flush(self, force: bool = False) -> None:
+        """At step end: read GPU timings, and send if the last send is ``SEND_INTERVAL`` old (or ``force``)."""
+        if self.cuda is not None and self.pending:
+            self._read_gpu_events()
+        if force or time.time() - self.t0 - self.sent_at > SEND_INTERVAL:
+            self.send()
+
+    def _read_gpu_events(self) -> None:
+        torch.cuda.synchronize(self.cuda)
+        host, ev0 = self.anchor  # type: ignore[misc]
+        for (rank, stage, kind, mb, step), a, b in self.pending:
+            start = host + ev0.elapsed_time(a) / 1e3
+            self.buffer.append((rank, stage, kind, mb, start, host + ev0.elapsed_time(b) / 1e3, step))
+        self.pending.clear()
+        self.anchor = None
+
+
+class Span:
+    def __init__(self, clock: Clock, key: tuple[Any, ...]) -> None:
+        self.clock, self.key = clock, key
+
+    def __enter__(self) -> None:
+        c = self.clock
+        c.stage = self.key[1]
+        c.sample()
+        if c.cuda is not None:
+            if c.anchor is None:
+                torch.cuda.synchronize(c.cuda)
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                c.anchor = (time.time() - c.t0, ev)
+            self.a = torch.cuda.Event(enable_timing=True)
+            self.a.record()
+        else:
+            self.start = time.time() - c.t0
+
+    def __exit__(self, *exc: Any) -> None:
+        c = self.clock
+        if c.cuda is not None:
+            b = torch.cuda.Event(enable_timing=True)
+            b.record()
+            c.pending.append((self.key, self.a, b))
+            c.sample()
+        else:
+            rank, stage, kind, mb, step = self.key
+            now = time.time() - c.t0
+            c.buffer.append((rank, stage, kind, mb, self.start, now, step))
+            c.sample()
+            if now - c.sent_at > SEND_INTERVAL:  # batched: live, without a queue put per action
+                c.send()

@@ -1,0 +1,230 @@
+"""A rank's steps: torch's schedule built around its stages, the training loop (losses, shared gradients summed,
+replicas averaged, NaN/inf found before the update, the optimizer) and the forward-only loop, the batches of each
+step, and the trained tensors under the original model's names.
+
+Example:
+    >>> schedule = build_schedule(payload, stages)
+    >>> finished = train(payload, schedule, optimizer, params, local, groups, clock, step_box, device, dp_group)
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from typing import Any
+
+import torch
+
+from pipeviz import schedules as sched
+from pipeviz.runtime.clock import Clock
+from pipeviz.runtime.messages import (
+    End,
+    Loss,
+    NonFinite,
+    Output,
+    StepEnd,
+)
+from pipeviz.runtime.payloads import RankPayload
+from pipeviz.runtime.stages import StepError
+
+__all__ = ["average_replicas", "averaged_after_step", "build_schedule", "infer", "local_tensor", "rank_state", "train"]
+
+
+def build_schedule(p: RankPayload, stages: list[Any]) -> Any:
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    cls = torch_schedules.get_schedule_class(p.schedule)
+    loss_fn = _named_loss(p.loss_fn, p) if p.loss_fn is not None else None
+    if not sched.info(p.schedule).multi:
+        return cls(stages[0], n_microbatches=p.microbatches, loss_fn=loss_fn)  # one stage per rank
+    return cls(stages, n_microbatches=p.microbatches, loss_fn=loss_fn)
+
+
+def _named_loss(loss_fn: Any, p: RankPayload) -> Any:
+    """``loss_fn``, whose failures say where they happened and on what (the last stage, shapes)."""
+    from pipeviz.adapter import describe
+
+    def loss(output: Any, target: Any) -> Any:
+        try:
+            return loss_fn(output, target)
+        except Exception as exc:
+            raise StepError(
+                f"loss_fn failed on rank {p.rank} (the last stage, {len(p.stage_ranks) - 1}) on its output "
+                f"{describe(output)} and target {describe(target)}: {type(exc).__name__}: {exc}. Fix: loss_fn was "
+                "checked on an output like this before the launch, so look at what differs in this batch."
+            ) from exc
+
+    return loss
+
+
+def train(p: RankPayload, schedule: Any, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
+           local: dict[str, list[torch.Tensor]], groups: dict[str, Any], clock: Clock, step_box: list[int],
+           device: torch.device, dp_group: Any = None) -> bool:
+    """Run the steps; False when a NaN or inf stopped the run (every rank stops at the same step)."""
+    import torch.distributed as dist
+
+    first = any(st.index == 0 for st in p.stages)
+    last = any(st.index == len(p.stage_ranks) - 1 for st in p.stages)
+    # One process reports the loss: replica 0's shard 0 (the other replicas averaged into it, the shards agree).
+    reports = p.coords.dp == p.coords.tp == p.coords.cp == 0  # replica 0, shard 0, share 0 speaks for all
+    names = {id(t): canon for st in p.stages for canon, inner in st.params.items()
+             for n, t in st.runner.stage.named_parameters(remove_duplicate=False) if n == inner}
+    for step, (args, kwargs, target) in enumerate(_batches(p, device)):
+        step_box[0] = step
+        losses: list[torch.Tensor] = []
+        call_kwargs: dict[str, Any] = dict(kwargs) if first else {}
+        if last:
+            call_kwargs.update(target=target, losses=losses)
+        schedule.step(*(args if first else ()), **call_kwargs)
+        if dp_group is not None and averaged_after_step(p):
+            average_replicas(params, dp_group, p.mesh.dp, clock, p.rank, step)
+        _sync_tied(local, p.tied, groups)
+        loss = float(torch.stack([x.detach().float() for x in losses]).mean()) if last else 0.0
+        if last and dp_group is not None:  # the global batch's loss: the replicas' mean (shards agree)
+            total = torch.tensor([loss], dtype=torch.float64)
+            dist.all_reduce(total, group=dp_group)
+            loss = float(total.item()) / p.mesh.dp
+        bad = _nonfinite(loss, params, names, p, step)
+        flag = torch.tensor([1.0 if bad else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank learns of it and stops at the same step
+        if bad:
+            clock.post(NonFinite(p.rank, p.coords, step, bad))
+        if flag.item() and p.on_nonfinite == "stop":
+            clock.flush(force=True)
+            return False
+        optimizer.step()
+        clock.meter.count_static(params, optimizer)  # gradients and optimizer state as they stand at step end
+        optimizer.zero_grad(set_to_none=True)
+        if last and reports:
+            clock.post(Loss(p.rank, p.coords, step, loss))
+        clock.post(StepEnd(p.rank, p.coords, step, time.time() - p.t0))
+        clock.flush()
+    clock.flush(force=True)
+    return True
+
+
+def _batches(p: RankPayload, device: torch.device) -> Any:
+    """Each step's (args, kwargs, target) on ``device``: the one batch of the payload ``steps`` times, or the
+    batches the launching process streams from ``data=`` (``messages.Batch``) until it sends ``messages.End``
+    (ranks that need no data get an empty ``Batch`` each step, so every rank runs the same number of steps)."""
+    def moved(x: Any) -> Any:
+        return x.to(device) if isinstance(x, torch.Tensor) else x
+
+    if p.data is None:
+        args, kwargs, target = tuple(moved(a) for a in p.args), {k: moved(v) for k, v in p.kwargs.items()}, \
+            moved(p.target)
+        for _ in range(p.steps or 0):
+            yield args, kwargs, target
+        return
+    while True:
+        msg = p.data.get(timeout=p.timeout_s)
+        if isinstance(msg, End):
+            return
+        yield tuple(moved(a) for a in msg.args), {k: moved(v) for k, v in msg.kwargs.items()}, moved(msg.target)
+
+
+def infer(p: RankPayload, schedule: Any, clock: Clock, step_box: list[int], device: torch.device) -> bool:
+    """Forward-only steps (no loss_fn): the last stage's rank sends the whole batch's output each step."""
+    first = any(st.index == 0 for st in p.stages)
+    last = any(st.index == len(p.stage_ranks) - 1 for st in p.stages)
+    for step, (args, kwargs, _) in enumerate(_batches(p, device)):
+        step_box[0] = step
+        with torch.no_grad():
+            out = schedule.step(*(args if first else ()), **(kwargs if first else {}))
+        if last:
+            leaves = out if isinstance(out, tuple | list) else (out,)
+            buf = io.BytesIO()
+            torch.save([t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in leaves], buf)
+            if p.coords.tp == 0:  # the shards' outputs are the same full tensors
+                clock.post(Output(p.rank, p.coords, step, buf.getvalue()))
+        clock.post(StepEnd(p.rank, p.coords, step, time.time() - p.t0))
+        clock.flush()
+    clock.flush(force=True)
+    return True
+
+
+def _nonfinite(loss: float, params: list[torch.nn.Parameter], names: dict[int, str], p: RankPayload,
+               step: int) -> list[str]:
+    """What is NaN or inf on this rank after a step's backward: the loss, and each gradient (by name)."""
+    import math
+
+    stages = ", ".join(str(s.index) for s in p.stages)
+    found = []
+    if not math.isfinite(loss):
+        found.append(f"the loss is {loss} (step {step}, rank {p.rank}, stage {stages})")
+    grads = [local_tensor(t.grad) for t in params if t.grad is not None]
+    if grads and not bool(torch.isfinite(torch.stack([g.detach().float().sum() for g in grads])).all()):
+        for t in params:
+            if t.grad is not None and not bool(torch.isfinite(local_tensor(t.grad)).all()):
+                kind = "nan" if bool(torch.isnan(local_tensor(t.grad)).any()) else "inf"
+                found.append(f"the gradient of {names.get(id(t), '?')!r} holds {kind} (step {step}, rank {p.rank}, "
+                             f"stage {stages})")
+    return found
+
+
+def rank_state(p: RankPayload, copy: bool = True) -> dict[str, torch.Tensor]:
+    """The tensors this rank's stages own, on the CPU, under the original model's canonical names (copies
+    unless ``copy=False``: written to a file at once, they need none)."""
+    state: dict[str, torch.Tensor] = {}
+    for st in p.stages:
+        mod = st.runner.stage
+        named = {**dict(mod.named_parameters(remove_duplicate=False)),
+                 **dict(mod.named_buffers(remove_duplicate=False))}
+        inner = {**st.params, **st.buffers}
+        for canon in st.reports:
+            value = named[inner[canon]].detach()
+            full = getattr(value, "full_tensor", None)
+            t = (full() if callable(full) else value).cpu()  # a shard gathers its stage's whole tensor
+            state[canon] = t.clone() if copy else t
+    return state
+
+
+def averaged_after_step(p: RankPayload) -> bool:
+    """Whether replicas average their gradients after the step (``average_replicas``) rather than by DDP: the
+    split-backward schedules, and tensor-parallel stages (DDP does not take DTensor parameters)."""
+    return not p.dp_shard and (sched.info(p.schedule).split_backward or (p.mesh is not None and p.mesh.tp > 1))
+
+
+def average_replicas(params: list[torch.nn.Parameter], group: Any, replicas: int, clock: Clock, rank: int,
+                      step: int) -> None:
+    """Average this rank's gradients across its replicas in one all-reduce (timed as a ``DP`` action): for
+    the schedules whose split backward DDP's reducer cannot follow (see ``_stages``)."""
+    import torch.distributed as dist
+
+    grads = [local_tensor(t.grad) for t in params if t.grad is not None]
+    if not grads:
+        return
+    with clock.span(rank, -1, "DP", -1, step), torch.no_grad():
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=group)
+        flat /= replicas
+        for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+            g.copy_(reduced)
+
+
+def local_tensor(t: Any) -> Any:
+    """A DTensor's local shard (a tensor-parallel gradient), else the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _sync_tied(local: dict[str, list[torch.Tensor]], tied: dict[str, list[int]], groups: dict[str, Any]) -> None:
+    """Sum the gradients of every copy of a shared parameter (on this rank, then across the ranks holding
+    one), then give each copy the sum (as DeepSpeed does for tied weights): copies stay identical and take
+    one update, like the unsplit model's one tensor."""
+    import torch.distributed as dist
+
+    for canon in sorted(tied):
+        copies = local.get(canon, [])
+        if not copies:
+            continue
+        for c in copies:
+            if c.grad is None:
+                c.grad = torch.zeros_like(c)
+        grads = [local_tensor(c.grad) for c in copies]  # a tensor-parallel copy's local part (tied: replicated)
+        total = torch.stack(grads).sum(0) if len(grads) > 1 else grads[0].clone()
+        if groups.get(canon) is not None:
+            dist.all_reduce(total, group=groups[canon])
+        with torch.no_grad():
+            for g in grads:
+                g.copy_(total)
