@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # On a machine without an NVIDIA GPU pin the local CPU build: an unpinned torch pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test compat grid wheel lint bench render screenshots clean
+.PHONY: setup demo test compat grid wheel lint bench calibrate render screenshots clean
 
 setup: $(VENV)/.installed
 
@@ -55,7 +55,12 @@ screenshots: setup
 	PIPEVIZ_README_IMAGES=docs/images $(PY) -m pytest -q "tests/test_browser.py::test_explorer_as_a_user_meets_it[jupyterlab]"
 
 bench: setup
-	$(PY) benchmarks/preview_latency.py
+	$(PY) benchmarks/speed/preview_latency.py
+
+# Re-measure the constants in pipeviz/cost/calibration.json on this machine (per-action overhead, gloo's all-reduce
+# efficiency, core contention) and print them beside the recorded ones; `--write` records them. Run it idle.
+calibrate: setup
+	$(PY) benchmarks/calibration/cpu_constants.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info build

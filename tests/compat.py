@@ -16,15 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from pipeviz.training import cross_entropy
 
 SIZE = {"vocab_size": 96}
 MULTI = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
-def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy over the last dim (tokens or classes)."""
-    return F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), target.reshape(-1))
+lm_loss = cross_entropy  # the one language-model loss: pv.cross_entropy over the last dim
 
 
 @dataclass

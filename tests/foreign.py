@@ -13,11 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeviz.training import cross_entropy
+
 Case = tuple[nn.Module, tuple[Any, ...], dict[str, Any], torch.Tensor, Callable[..., torch.Tensor], list[str]]
 
 
-def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out.flatten(0, -2), target.flatten())
+lm_loss = cross_entropy  # the one language-model loss: pv.cross_entropy over the last dim
 
 
 def sum_of_ce(out: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:

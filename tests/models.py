@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from pipeviz.training import cross_entropy
 
 
 class Skip4(nn.Module):
@@ -40,8 +41,7 @@ class Tied4(nn.Module):
         return self.head(x)
 
 
-def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out.flatten(0, 1), target.flatten())
+lm_loss = cross_entropy  # the one language-model loss: pv.cross_entropy over the last dim
 
 
 class Rotary(nn.Module):

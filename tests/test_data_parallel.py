@@ -10,12 +10,11 @@ import torch
 
 import pipeviz as pv
 from pipeviz.mesh import Coords, Mesh, MeshError
+from pipeviz.training import cross_entropy
 from tests.models import TiedSkipBN
 from tests.schedule_sets import SCHEDULES, train_exactly
 
-
-def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+lm_loss = cross_entropy  # the one language-model loss: pv.cross_entropy over the last dim
 
 
 def _setup() -> tuple[TiedSkipBN, torch.Tensor, torch.Tensor, pv.ModelGraph]:

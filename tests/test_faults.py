@@ -1,6 +1,6 @@
 """Failures end visibly, name their real cause, and leave nothing behind (README, "Fault matrix").
 
-How long each takes is measured in benchmarks/soak.py, not asserted here; the waits below only keep a broken
+How long each takes is measured in benchmarks/speed/soak.py, not asserted here; the waits below only keep a broken
 run from hanging the suite.
 """
 

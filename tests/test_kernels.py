@@ -1,5 +1,5 @@
 """hardware="cpu" times each traced op on this machine (``pipeviz.kernels``): what the trace records for a replay,
-how the microbatch scales it, and the fallbacks. Speed itself is judged in benchmarks/simulator_accuracy.py."""
+how the microbatch scales it, and the fallbacks. Speed itself is judged in benchmarks/accuracy/simulator_accuracy.py."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import pipeviz as pv
-from pipeviz.costs import CostOptions, layer_times
 from pipeviz.cost.replay import MAX_FLOPS, TensorSpec, op_seconds, scaled_shape
+from pipeviz.costs import CostOptions, layer_times
 from pipeviz.zoo import TinyTransformer
 
 

@@ -109,7 +109,7 @@ def test_an_input_grad_pass_frees_what_the_ops_after_the_last_weight_saved() -> 
 
 def test_simulated_peak_matches_the_measured_one_under_interleaved_zero_bubble() -> None:
     """Where W is deferred the I/W split of the memory shows: freeing half a stage at I made the second rank's
-    peak 6.7 % low on this model (benchmarks/memory_accuracy.py)."""
+    peak 6.7 % low on this model (benchmarks/accuracy/memory_accuracy.py)."""
     torch.manual_seed(0)
     model = MyNetwork(256, [512, 256, 512, 256, 512, 256, 512])
     x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))

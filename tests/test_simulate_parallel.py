@@ -288,7 +288,8 @@ def test_on_shared_cores_the_all_reduce_holds_a_core() -> None:
 
 
 def test_the_cpu_preset_all_reduces_slower_than_it_hands_off() -> None:
-    """Gloo's all-reduce moves 0.55 of a send's bytes per second here (benchmarks/gloo_links.py); GPU presets 1."""
+    """Gloo's all-reduce moves 0.55 of a send's bytes per second here (benchmarks/calibration/gloo_links.py);
+    GPU presets 1."""
     cpu, h100 = pv.hardware("cpu"), pv.hardware("h100")
     assert cpu.allreduce_efficiency == 0.55 and h100.allreduce_efficiency == 1.0
     with pytest.raises(pv.HardwareError, match="allreduce_efficiency"):

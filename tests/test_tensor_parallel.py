@@ -82,10 +82,7 @@ def test_tensor_parallel_keeps_tied_weights_skips_and_batchnorm_exact() -> None:
     ids, target = torch.randint(0, 16, (16, 4)), torch.randint(0, 16, (16, 4))
     plan = pv.trace(model, example_args=(ids,)).split(["l1", "bn", "l2"])
 
-    def lm_loss(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), tgt.reshape(-1))
-
-    run = pv.launch(plan, "Interleaved1F1B", 4, steps=2, inputs=(ids,), target=target, loss_fn=lm_loss,
+    run = pv.launch(plan, "Interleaved1F1B", 4, steps=2, inputs=(ids,), target=target, loss_fn=pv.cross_entropy,
                     optimizer=pv.sgd(lr=0.1), tp=2, tp_plan={"l2": "colwise", "l3": "rowwise"})
     assert run.wait(240) == "done", run.error
     assert pv.check_numerics(run).ok

@@ -341,7 +341,7 @@ def synthetic(n: int, ranks: int = 4, microbatches: int = 8) -> list[Event]:
 
 
 def test_timeline_view_draws_10000_events_as_webgl_segments() -> None:
-    # How long a redraw takes is measured in benchmarks/timeline_redraw.py, not asserted here.
+    # How long a redraw takes is measured in benchmarks/speed/timeline_redraw.py, not asserted here.
     tl = Timeline(synthetic(10_000), 4, 4, 8, "1F1B")
     view = pv.TimelineView(tl)
     assert view.event_count == 10_000

@@ -18,7 +18,7 @@ as much as all blocks together, and vanishes when the head alone outweighs the r
 vocab 50257, 6 blocks: 1.07x; the head's stage is the head alone either way). The default model, 8 blocks
 of width 128 with a 16384 vocabulary, sits in between.
 
-    python benchmarks/balance_quality.py [--stages 2] [--rounds 3] [--steps 10] [--vocab 16384] [--layers 8]
+    python benchmarks/accuracy/balance_quality.py [--stages 2] [--rounds 3] [--steps 10] [--vocab 16384] [--layers 8]
 """
 
 from __future__ import annotations
@@ -29,15 +29,13 @@ import statistics
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 import pipeviz as pv
 from pipeviz.balance import layer_costs, partition
+from pipeviz.training import cross_entropy
 from pipeviz.zoo import gpt2
 
-
-def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out.flatten(0, 1), target.flatten())
+lm_loss = cross_entropy  # the one language-model loss: pv.cross_entropy over the last dim
 
 
 def _ends_from_bounds(bounds: list[int]) -> list[int]:

@@ -6,9 +6,9 @@ Goals (issue 14): Llama-3-8B traced in under 30 s on a 2-core machine, an 80-lay
 practical, the Explorer usable on 80 layers; each rank's peak about its stage plus gradients and optimizer
 state (never the whole model).
 
-    python benchmarks/big_models.py                    # all three parts
-    python benchmarks/big_models.py --part trace --layers 8 16 32 80
-    python benchmarks/big_models.py --part checkpoint --hidden 1024 --blocks 8
+    python benchmarks/speed/big_models.py                    # all three parts
+    python benchmarks/speed/big_models.py --part trace --layers 8 16 32 80
+    python benchmarks/speed/big_models.py --part checkpoint --hidden 1024 --blocks 8
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Gloo between two processes on this machine: a send against an all-reduce of the same bytes, side by side.
 
-What the ``"cpu"`` preset's links come from: ``pipeviz.costs.LINKS["gloo"]`` (1 GB/s, 0.2 ms: what a pipeline's
+What the ``"cpu"`` preset's links come from: ``pipeviz.cost.machine.LINKS["gloo"]`` (1 GB/s, 0.2 ms: what a pipeline's
 hand-off moves) and ``Hardware.allreduce_efficiency`` (the all-reduce's bus bandwidth as a share of the send's:
 0.55 here, the reduction and the extra copies run on the same cores). Each figure is the median of 10 calls after
 2 warm-up calls, one thread per process.
 
-    python benchmarks/gloo_links.py
+    python benchmarks/calibration/gloo_links.py   (cpu_constants.py --only gloo measures and records the ratio)
 """
 
 from __future__ import annotations

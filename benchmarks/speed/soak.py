@@ -8,7 +8,7 @@ cores are all busy still ends correctly, and how long each fault takes to surfac
 2. Load: a run while ``stress`` processes (one per core) spin, checked against the unsplit model.
 3. Faults: for each fault, what the run reports and how long it took.
 
-    python benchmarks/soak.py [--launches 200]
+    python benchmarks/speed/soak.py [--launches 200]
 """
 
 from __future__ import annotations

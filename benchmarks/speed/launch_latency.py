@@ -13,7 +13,7 @@ Each (model, mode) runs in a fresh process, so each has a first launch. The firs
 server's start: it imports torch, torch.distributed and pipeviz's worker (measured alone, in a fresh interpreter).
 Goal: from the second launch of a session on, tiny < 1 s and small < 2 s.
 
-    python benchmarks/launch_latency.py [--repeats 3]
+    python benchmarks/speed/launch_latency.py [--repeats 3]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ each rank's threads on its own cores, ``pipeviz.runtime.spec.cpu_sets``). The se
 pipeviz's instrumentation, relays and event streaming cost. Prints the median step
 wall time of each, the ratios (goal <= 1.02), and launch -> first event (goal < 5 s on CPU).
 
-    python benchmarks/instrumentation_overhead.py [--rounds 6] [--steps 30] [--schedule 1F1B]
+    python benchmarks/speed/instrumentation_overhead.py [--rounds 6] [--steps 30] [--schedule 1F1B]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ apart (it is done once per model and sequence length: two blocks traced and the 
 ``pipeviz.zoo.planning_graph``; ``--full-trace`` traces every block); each plan is timed cold (a fresh process's
 caches) and warm (torch's multi-stage schedule orders already built).
 
-    python benchmarks/planner_speed.py [--model llama-3-8b] [--hardware h100] [--seq-len 8192] [--full-trace]
+    python benchmarks/speed/planner_speed.py [--model llama-3-8b] [--hardware h100] [--seq-len 8192] [--full-trace]
 """
 
 from __future__ import annotations

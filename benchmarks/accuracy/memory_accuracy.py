@@ -9,7 +9,7 @@ measured one: the peak of ``run.activation_memory[rank]``, the bytes autograd ho
 timing (the peak follows the schedule's order), so one run per case is enough and the machine's load does not
 matter.
 
-    python benchmarks/memory_accuracy.py [--microbatches 4]
+    python benchmarks/accuracy/memory_accuracy.py [--microbatches 4]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How long ``pv.TimelineView`` takes to redraw a long run in Python (what the kernel spends per live redraw),
 by event count, side by side. The browser's own drawing time is not included.
 
-    python benchmarks/timeline_redraw.py
+    python benchmarks/speed/timeline_redraw.py
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ Predictions:
 Run on an idle machine when possible: the script records ``os.getloadavg()`` before every round, because
 other processes on the cores move the measured step more than the model's error does.
 
-    python benchmarks/simulator_accuracy.py [--rounds 5] [--steps 10]
+    python benchmarks/accuracy/simulator_accuracy.py [--rounds 5] [--steps 10]
 """
 
 from __future__ import annotations
@@ -53,11 +53,10 @@ import torch.nn.functional as F
 
 import pipeviz as pv
 from pipeviz.timeline import COMPUTE
+from pipeviz.training import cross_entropy
 from pipeviz.zoo import MyNetwork, TinyTransformer
 
-
-def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out.flatten(0, 1), target.flatten())
+lm_loss = cross_entropy  # the one language-model loss: pv.cross_entropy over the last dim
 
 
 @dataclass

@@ -4,12 +4,12 @@ What the ``"cpu"`` preset's ``Hardware.contention`` comes from (1.10 here): pipe
 cores still share the processor's last-level cache and memory bandwidth (on a virtual machine, possibly a
 physical core's other half), so an op runs longer while another rank computes. The op is a 64 x 1024 by
 1024 x 2048 matmul whose 8 MiB weight is flushed from the caches before each call, as the replay
-(``pipeviz.kernels``) times a layer whose weights a run streams from memory once a microbatch. One thread runs
+(``pipeviz.cost.replay``) times a layer whose weights a run streams from memory once a microbatch. One thread runs
 it on the first core; a second thread, pinned to the second core, runs the same op (with its own flush) or
 sleeps. Each alternation takes the median of 15 calls alone and 15 contended; each repeat prints the median
 ratio of 7 alternations, so the machine's drift (10-20 % within a second here) falls on both sides alike.
 
-    python benchmarks/cpu_contention.py [--repeats 4]
+    python benchmarks/calibration/cpu_contention.py [--repeats 4]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 import torch
 
 from pipeviz._malloc import keep_heap
-from pipeviz.hardware import _CPU_CONTENTION
+from pipeviz.cost.calibration import constant
 
 
 def _op() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -84,7 +84,8 @@ def main() -> None:
         go.set()
         thread.join(1)
     print(f"contention over {a.repeats} repeats: {min(medians):.3f}-{max(medians):.3f} "
-          f"(median {statistics.median(medians):.3f}); the cpu preset uses {_CPU_CONTENTION}")
+          f"(median {statistics.median(medians):.3f}); the cpu preset uses {constant('cpu_contention')} "
+          "(pipeviz/cost/calibration.json; cpu_constants.py --only contention --write updates it)")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Published large training runs: model shape, layout and the throughput their authors measured.
 
 Every row was read in the source it cites (the line or table cell is quoted beside it); nothing here is
-estimated. Where a source leaves a setting out, the row says what ``benchmarks/published_runs.py`` assumes, in
+estimated. Where a source leaves a setting out, the row says what ``benchmarks/accuracy/published_runs.py`` assumes, in
 ``assumed``. Sources:
 
 - ``narayanan2021``: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using

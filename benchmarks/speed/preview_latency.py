@@ -6,7 +6,7 @@ every change. Both are timed here, side by side, in one run.
 
 Goal: ratio >= 100 and preview < 30 ms on a 2-core machine.
 
-    python benchmarks/preview_latency.py [--layers 12] [--width 768] [--repeats 3]
+    python benchmarks/speed/preview_latency.py [--layers 12] [--width 768] [--repeats 3]
 """
 
 from __future__ import annotations

@@ -34,7 +34,9 @@ beside the published ones.
 (pickled) between runs: tracing is the benchmark's main cost (6 minutes here; 20 s from the cache). Measured:
 README, "Checked against published training runs".
 
-    python benchmarks/published_runs.py [--only N21] [--cache /tmp/pv_graphs]   # --only: rows whose key has this text
+    python benchmarks/accuracy/published_runs.py [--only N21] [--cache /tmp/pv_graphs]
+
+--only keeps the rows whose key has this text.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ import pipeviz as pv
 from pipeviz.costs import CostOptions
 from pipeviz.simulate import Collectives
 
-try:  # run as a script (python benchmarks/published_runs.py) or as a module
+try:  # run as a script (python benchmarks/accuracy/published_runs.py) or as a module
     from published_runs_data import CALIBRATION, GPU_TYPES, RUNS, PublishedRun
 except ImportError:  # pragma: no cover
     from benchmarks.published_runs_data import CALIBRATION, GPU_TYPES, RUNS, PublishedRun
