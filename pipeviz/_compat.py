@@ -12,7 +12,7 @@ import functools
 import inspect
 import warnings
 from collections.abc import Callable
-from typing import Any, ParamSpec, TypeVar, cast
+from typing import ParamSpec, TypeVar, cast
 
 __all__ = ["deprecated", "positional_legacy"]
 
@@ -37,8 +37,10 @@ def positional_legacy(*names: str) -> Callable[[Callable[P, R]], Callable[P, R]]
         if missing and not any(p.kind == p.VAR_KEYWORD for p in sig.values()):
             raise TypeError(f"{fn.__qualname__} has no parameter {missing[0]!r}")
 
+        call = cast("Callable[..., R]", fn)  # called with the arguments moved to keywords
+
         @functools.wraps(fn)
-        def inner(*args: Any, **kwargs: Any) -> R:
+        def inner(*args: object, **kwargs: object) -> R:
             if len(args) > npos:
                 extra = args[npos:]
                 if len(extra) > len(names):
@@ -52,7 +54,7 @@ def positional_legacy(*names: str) -> Callable[[Callable[P, R]], Callable[P, R]]
                            "are deprecated since pipeviz 0.3 and will be refused.")
                 kwargs.update(zip(given, extra, strict=True))
                 args = args[:npos]
-            return fn(*args, **kwargs)
+            return call(*args, **kwargs)
 
         return cast("Callable[P, R]", inner)
 

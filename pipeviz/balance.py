@@ -16,15 +16,15 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Unpack
 
 from pipeviz import schedules as sched
 from pipeviz._compat import positional_legacy
 from pipeviz.cost.machine import Hardware
 from pipeviz.cost.memory import in_flight
 from pipeviz.cost.model import layer_activation_bytes, layer_times
-from pipeviz.cost.options import CostOptions
-from pipeviz.cost.rule import stage_memory
+from pipeviz.cost.options import CostOptions, LinkOptions
+from pipeviz.cost.rule import stage_bytes
 from pipeviz.graphview import GraphView
 from pipeviz.plan import PlanError, SplitPlan
 from pipeviz.runtime.config import LaunchConfig
@@ -32,7 +32,38 @@ from pipeviz.schedules import ScheduleError
 from pipeviz.simulate import Comparison, ComparisonRow, simulate
 from pipeviz.training import cross_entropy
 
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    import torch
+
+    from pipeviz.collectives import Collectives
+    from pipeviz.cost.model import Costs
+
+
 __all__ = ["BY", "balance", "compare", "layer_costs", "optimal_partitions", "partition", "slowest_stage"]
+
+
+class CompareOptions(LinkOptions, total=False):
+    """``pv.compare``'s other keywords: the rest of ``pv.simulate``'s (``dp``, ``tp``, ``forward_only``, ``cores``,
+    ...)."""
+
+    loss_fn: Callable[..., torch.Tensor] | None
+    dp: int
+    cp: int
+    tp: int
+    dp_shard: bool
+    tp_plan: Mapping[str, str] | None
+    costs: Costs | None
+    collectives: Collectives | None
+    order: Sequence[Sequence[str]] | None
+    num_stages: int | None
+    forward_only: bool | None
+    cores: int | None
+    optimizer_states: int | None
+    dp_bandwidth: float | None
+    tp_bandwidth: float | None
+    cp_bandwidth: float | None
 
 
 BY = ("time", "flops", "params")
@@ -241,7 +272,7 @@ def balance(
         flying = in_flight(schedule or "GPipe", num_stages, microbatches, stages_per_rank if schedule else None)
         kept = layer_activation_bytes(graph, opts)
         memory = [
-            _summed([stage_memory(layer.param_bytes, layer.buffer_bytes,
+            _summed([stage_bytes(layer.param_bytes, layer.buffer_bytes,
                                   act * opts.batch_scale / microbatches * flying[j], opts.optimizer_states)
                      for layer, act in zip(layers, kept, strict=True)], blocks)
             for j in range(num_stages)
@@ -350,7 +381,7 @@ def _groups(graph: GraphView, ends: list[int]) -> list[list[str]]:
 def compare(plan: SplitPlan, schedules: Sequence[str] | None = None, microbatches: int = 8, *,
             stages_per_rank: int | None = None, by: str = "time", config: LaunchConfig | None = None,
             hardware: Hardware | str | None = None, dtype: str | None = None, recompute: str | None = None,
-            options: CostOptions | None = None, **simulate_options: Any) -> Comparison:
+            options: CostOptions | None = None, **simulate_options: Unpack[CompareOptions]) -> Comparison:
     """Simulate ``plan`` under several schedules (default: all 7) on the same number of devices, and tabulate
     step time, bubble and memory.
 
@@ -384,6 +415,7 @@ def compare(plan: SplitPlan, schedules: Sequence[str] | None = None, microbatche
     ranks = plan.num_stages
     base = config or LaunchConfig(loss_fn=cross_entropy)  # a training run unless the config says otherwise
     forward_only = simulate_options.pop("forward_only", base.loss_fn is None)
+    simulate_options["forward_only"] = forward_only  # each row's simulation: training or forward only
     rows, tls, skipped, why = [], {}, {}, {}
     splits: dict[int, SplitPlan | PlanError] = {}
     for name in schedules or sched.ALL:
@@ -411,7 +443,7 @@ def compare(plan: SplitPlan, schedules: Sequence[str] | None = None, microbatche
                 continue
         cfg = base.replace(schedule=canon, microbatches=microbatches, stages_per_rank=None if v == 1 else v)
         try:
-            tl = simulate(run_plan, cfg, options=opts, forward_only=forward_only, **simulate_options)
+            tl = simulate(run_plan, cfg, options=opts, **simulate_options)
         except ScheduleError as exc:
             skipped[canon] = str(exc)
             why[canon] = str(exc)

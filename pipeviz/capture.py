@@ -13,8 +13,9 @@ import copy
 import logging
 import re
 import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -27,6 +28,9 @@ from pipeviz.hf_moe import exportable_moe
 from pipeviz.regions import REGION_META, inline_regions, leave_region
 from pipeviz.support import model_notes
 
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
 __all__ = ["TRACE_LOCK", "Capture", "Op", "SavedTensors", "TraceError", "apply_fixups", "buffer_names", "capture",
            "elementwise_modules", "loss_input_bytes", "op_saved_bytes"]
 
@@ -34,6 +38,8 @@ __all__ = ["TRACE_LOCK", "Capture", "Op", "SavedTensors", "TraceError", "apply_f
 # torch.export keeps global tracing state: traces from two threads (a run starting in the background while a
 # notebook traces or builds a Pipe) take turns.
 TRACE_LOCK = threading.RLock()
+
+_T = TypeVar("_T")
 
 
 class TraceError(ValueError):
@@ -110,7 +116,7 @@ class Capture:
         return model
 
 
-def apply_fixups(model: nn.Module, fixups: dict[str, Any]) -> None:
+def apply_fixups(model: nn.Module, fixups: Mapping[str, object]) -> None:
     """Set config attributes (e.g. HF ``use_cache=False``) on a model copy."""
     if not fixups:
         return
@@ -127,7 +133,7 @@ def _needs_cache_fix(model: nn.Module) -> bool:
     return bool(getattr(cfg, "use_cache", False))
 
 
-def _tensor_bytes(value: Any) -> int:
+def _tensor_bytes(value: object) -> int:
     """Bytes of the tensors in ``value``; a size the trace left symbolic (tokens routed to one expert) counts
     at its hint when torch has one, else as 0 (the measured size replaces it when the graph ran for real)."""
     total = 0
@@ -140,7 +146,7 @@ def _tensor_bytes(value: Any) -> int:
     return total
 
 
-def _concrete(d: Any) -> int:
+def _concrete(d: int | torch.SymInt) -> int:
     if isinstance(d, int):
         return d
     try:
@@ -152,7 +158,7 @@ def _concrete(d: Any) -> int:
         return 0
 
 
-def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+def _batch_size(args: tuple[object, ...], kwargs: Mapping[str, object]) -> int | None:
     for leaf in pytree.tree_leaves((args, kwargs)):
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             return int(leaf.shape[0])
@@ -160,7 +166,7 @@ def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
 
 
 @contextlib.contextmanager
-def quiet_torch_logs() -> Any:
+def quiet_torch_logs() -> Iterator[None]:
     """Keep torch's internal error logs (fake-tensor tracebacks printed while export fails) off the user's
     stderr: pipeviz's own error says what went wrong and how to fix it."""
     previous = logging.root.manager.disable
@@ -172,7 +178,7 @@ def quiet_torch_logs() -> Any:
 
 
 @contextlib.contextmanager
-def _inference_mode_seen(seen: list[str]) -> Any:
+def _inference_mode_seen(seen: list[str]) -> Iterator[None]:
     """Inside the block, every ``torch.inference_mode()`` a forward enters is recorded (where it is written):
     ``torch.export`` drops that region silently, and the graph would then compute with autograd where the
     model does not (the pipelined run would train differently)."""
@@ -181,7 +187,7 @@ def _inference_mode_seen(seen: list[str]) -> Any:
     cls = torch.autograd.grad_mode.inference_mode
     original = cls.__enter__
 
-    def enter(self: Any) -> None:
+    def enter(self: torch.autograd.grad_mode.inference_mode) -> None:
         if getattr(self, "mode", True):
             frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
             seen.append(f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "the forward")
@@ -194,7 +200,7 @@ def _inference_mode_seen(seen: list[str]) -> Any:
         cls.__enter__ = original  # type: ignore[method-assign]
 
 
-def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.export.ExportedProgram:
+def _export(model: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> torch.export.ExportedProgram:
     seen: list[str] = []
     try:
         with TRACE_LOCK, quiet_torch_logs(), _inference_mode_seen(seen), exportable_moe(), decided_layerdrop():
@@ -231,7 +237,7 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     return ep
 
 
-def _inputs_do_not_fit(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TraceError | None:
+def _inputs_do_not_fit(model: nn.Module, args: tuple[object, ...], kwargs: Mapping[str, object]) -> TraceError | None:
     """A ``TraceError`` when the model fails on the example inputs even without tracing (a shape or dtype
     that does not fit), else None (then it is torch.export that cannot capture the forward)."""
     try:
@@ -277,7 +283,8 @@ _CALL_SUFFIX = re.compile(r"@(\d+)$")
 
 
 def capture(
-    model: nn.Module, example_args: tuple[Any, ...] = (), example_kwargs: dict[str, Any] | None = None
+    model: nn.Module, example_args: tuple[object, ...] | torch.Tensor = (),
+    example_kwargs: Mapping[str, object] | None = None,
 ) -> Capture:
     """Export a deep copy of ``model`` and measure every op (see ``pipeviz.trace`` for the public entry)."""
     if not isinstance(model, nn.Module):
@@ -285,7 +292,7 @@ def capture(
     if not isinstance(example_args, tuple):
         example_args = (example_args,)
     kwargs = dict(example_kwargs or {})
-    fixups: dict[str, Any] = {}
+    fixups: dict[str, object] = {}
     notes: list[str] = []
     if _needs_cache_fix(model) and "use_cache" not in kwargs:
         fixups["use_cache"] = False
@@ -444,7 +451,7 @@ def _needs_grad(gm: torch.fx.GraphModule, buffers: frozenset[str]) -> set[str]:
 
 
 def _spec(node: torch.fx.Node, grads: set[str], batched: set[str]
-          ) -> tuple[tuple[Any, ...], tuple[tuple[str, Any], ...]] | None:
+          ) -> tuple[tuple[object, ...], tuple[tuple[str, object], ...]] | None:
     """The op's arguments with each tensor as a ``TensorSpec`` (shape, dtype, activation or not, gradient or not):
     what ``pipeviz.kernels`` replays to time the op on this machine. None if an argument is neither a tensor nor a
     plain value (a symbolic size, a tensor list's element missing its metadata)."""
@@ -452,7 +459,7 @@ def _spec(node: torch.fx.Node, grads: set[str], batched: set[str]
 
     bad = False
 
-    def one(arg: Any) -> Any:
+    def one(arg: object) -> object:
         nonlocal bad
         if not isinstance(arg, torch.fx.Node):
             return arg if isinstance(arg, int | float | bool | str | torch.dtype | torch.layout | torch.memory_format
@@ -470,7 +477,7 @@ def _spec(node: torch.fx.Node, grads: set[str], batched: set[str]
         grad = val.dtype.is_floating_point and arg.name in grads
         return TensorSpec(shape, val.dtype, arg.name in batched, grad, _layout(shape, tuple(val.stride())))
 
-    def _device_or_bad(arg: Any) -> Any:
+    def _device_or_bad(arg: object) -> torch.device | None:
         nonlocal bad
         if isinstance(arg, torch.device):
             return torch.device("cpu")  # replayed on this machine whatever device the trace saw
@@ -478,12 +485,12 @@ def _spec(node: torch.fx.Node, grads: set[str], batched: set[str]
         return None
 
     # Lists as tuples, keyword arguments as (name, value) pairs: an Op (a frozen dataclass) stays hashable.
-    args = _frozen(pytree.tree_map(one, list(node.args)))
+    args = tuple(_frozen(x) for x in pytree.tree_map(one, list(node.args)))
     kwargs = tuple((k, _frozen(pytree.tree_map(one, v))) for k, v in node.kwargs.items())
     return None if bad else (args, kwargs)
 
 
-def _frozen(tree: Any) -> Any:
+def _frozen(tree: object) -> object:
     return tuple(_frozen(x) for x in tree) if isinstance(tree, list | tuple) else tree
 
 
@@ -515,7 +522,7 @@ def _is_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
 
-def _faked(mode: Any, tree: Any) -> Any:
+def _faked(mode: FakeTensorMode | contextlib.nullcontext[None], tree: _T) -> _T:
     """``tree``'s tensors as ``mode``'s fakes (a ``fake_cpu`` trace), or as they are."""
     if isinstance(mode, contextlib.nullcontext):
         return tree
@@ -547,7 +554,7 @@ def elementwise_modules(model: nn.Module) -> frozenset[str]:
     return frozenset(out)
 
 
-def _logits_index(spec: Any) -> int | None:
+def _logits_index(spec: pytree.TreeSpec | None) -> int | None:
     """Leaf index of ``logits`` in an HF ModelOutput's flattened output, else None."""
     keys = getattr(spec, "context", None)
     if spec is None or not isinstance(keys, list | tuple) or "logits" not in keys:
@@ -580,11 +587,11 @@ class SavedTensors:
         self._skip: set[int] = set()  # storages of parameters and buffers
         self._held: list[torch.Tensor] = []  # saved tensors kept alive: a freed storage's id could be reused
 
-    def skip(self, tensors: Any) -> None:
+    def skip(self, tensors: Iterable[torch.Tensor]) -> None:
         """Storages never counted (the module's parameters and buffers)."""
         self._skip |= {t.untyped_storage()._cdata for t in tensors}
 
-    def pack(self, t: Any) -> Any:
+    def pack(self, t: _T) -> _T:
         if not isinstance(t, torch.Tensor) or not self.node:
             return t
         try:
@@ -607,7 +614,7 @@ class SavedTensors:
         return t
 
 
-def _count_flops(gm: torch.fx.GraphModule, flat_inputs: list[Any], sizes: dict[str, int] | None = None,
+def _count_flops(gm: torch.fx.GraphModule, flat_inputs: Sequence[object], sizes: dict[str, int] | None = None,
                  saved: SavedTensors | None = None) -> dict[str, int]:
     """Forward FLOPs of every node, counted by torch.utils.flop_counter while the graph runs once; with
     ``sizes``, each node's output bytes as it ran (data-dependent shapes get their real size); with ``saved``,
@@ -616,7 +623,7 @@ def _count_flops(gm: torch.fx.GraphModule, flat_inputs: list[Any], sizes: dict[s
     counts: dict[str, int] = {}
 
     class _Counter(torch.fx.Interpreter):
-        def run_node(self, n: torch.fx.Node) -> Any:
+        def run_node(self, n: torch.fx.Node) -> object:
             if saved is not None:
                 saved.node = n.name
             before = mode.get_total_flops()
@@ -646,12 +653,12 @@ def _count_flops(gm: torch.fx.GraphModule, flat_inputs: list[Any], sizes: dict[s
     return counts
 
 
-def _unpack(t: Any) -> Any:
+def _unpack(t: _T) -> _T:
     return t
 
 
-def _cpu_flash_attention_flops(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
-                               out_val: Any = None, **kwargs: Any) -> int:
+def _cpu_flash_attention_flops(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: object,
+                               out_val: object = None, **kwargs: object) -> int:
     from torch.utils.flop_counter import sdpa_flop_count
 
     return int(sdpa_flop_count(query.shape, key.shape, value.shape))

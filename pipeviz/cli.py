@@ -23,9 +23,9 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +33,14 @@ import torch.nn.functional as F
 import pipeviz as pv
 from pipeviz import zoo
 
+if TYPE_CHECKING:
+    from pipeviz.widgets.report import Section
+
 __all__ = ["main"]
 
 
-def _model(name: str) -> tuple[str, torch.nn.Module, tuple[torch.Tensor, ...], torch.Tensor, Any, int]:
+def _model(name: str) -> tuple[str, torch.nn.Module, tuple[torch.Tensor, ...], torch.Tensor,
+                             Callable[..., torch.Tensor], int]:
     """(title, model, inputs, target, loss, default stages)."""
     torch.manual_seed(0)
     if name == "classic":
@@ -83,7 +87,7 @@ def _progress(run: pv.Run, label: str) -> None:
         print()
 
 
-def _section(name: str, a: argparse.Namespace) -> Any:
+def _section(name: str, a: argparse.Namespace) -> Section:
     from pipeviz.widgets.report import Section
 
     title, model, inputs, target, loss, default_stages = _model(name)
@@ -115,9 +119,9 @@ def _section(name: str, a: argparse.Namespace) -> Any:
         cluster = pv.plan_cluster(graph, a.cluster_gpus, a.cluster_hardware, global_batch=batch, top=5)
         print(f"  planned for {a.cluster_gpus} x {cluster.hardware.name}, global batch {batch}:\n"
               + "\n".join("    " + line for line in cluster.table(3).splitlines()))
-    simulated = pv.simulate(run_plan, a.schedule, a.microbatches, stages_per_rank=spr)
     config = pv.LaunchConfig(schedule=a.schedule, microbatches=a.microbatches, steps=a.steps, devices=a.devices,
                              stages_per_rank=spr, loss_fn=loss, optimizer=pv.sgd(lr=0.05))
+    simulated = pv.simulate(run_plan, config)  # the run's own description: what is simulated is what launches
     run = pv.launch(run_plan, config=config, inputs=inputs, target=target)
     _progress(run, f"{a.schedule} on {run.layout.num_ranks} processes")
     if run.status != "done":

@@ -9,7 +9,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
 from pipeviz._compat import deprecated
 from pipeviz.collectives import Collectives
@@ -21,6 +21,16 @@ from pipeviz.runtime.config import LaunchConfig
 from pipeviz.training import cross_entropy
 
 __all__ = ["ClusterPlan", "LayoutOption"]
+
+
+class _RowOptions(TypedDict):
+    """``LayoutOption.simulate_options``: the ``pv.simulate`` keywords that reproduced a row before 0.3."""
+
+    dp: int
+    tp: int
+    cp: int
+    options: CostOptions
+    collectives: Collectives | None
 
 @dataclass(frozen=True)
 class LayoutOption:
@@ -82,7 +92,7 @@ class LayoutOption:
                             dp=self.dp, tp=self.tp, cp=self.cp)
 
     @property
-    def simulate_options(self) -> dict[str, Any]:
+    def simulate_options(self) -> _RowOptions:
         """Deprecated since 0.3: ``pv.simulate(row.plan, row.config, options=row.options,
         collectives=row.collectives)`` reproduces the row."""
         deprecated("LayoutOption.simulate_options is deprecated since pipeviz 0.3: pv.simulate(row.plan, row.config, "

@@ -9,9 +9,9 @@ from pipeviz.cost.comm import (
     DDP_BUCKET_BYTES,
     all_reduce_time,
     attention_kv_bytes,
+    backend_link,
     cp_collectives,
     ddp_buckets,
-    link,
     tp_all_reduces,
     tp_collectives,
 )
@@ -21,8 +21,8 @@ from pipeviz.cost.memory import (
     memory_per_rank,
     peak_activations,
     plan_stage_memory,
+    stage_bytes,
     stage_info_memory,
-    stage_memory,
     static_memory,
 )
 from pipeviz.cost.model import (
@@ -36,6 +36,11 @@ from pipeviz.cost.model import (
     time_source,
 )
 from pipeviz.cost.options import OPTIMIZER_STATES, RECOMPUTE, CostOptions
+
+# 0.2's names for what 0.3 calls by one meaning each (SplitPlan.stage_memory is a plan's memory per stage;
+# CostOptions.link and Hardware.link a link across a span of devices).
+link = backend_link
+stage_memory = stage_bytes
 
 __all__ = ["BACKWARD_PER_FORWARD", "DDP_BUCKET_BYTES", "FLOPS_PER_S", "LINKS", "OPTIMIZER_STATES", "RECOMPUTE",
            "CostOptions", "Costs", "all_reduce_time", "attention_kv_bytes", "cp_collectives", "ddp_buckets",

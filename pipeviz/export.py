@@ -14,8 +14,9 @@ numerics); every host needs pipeviz installed and the ``.payload.pkl`` file writ
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Unpack
+from typing import Unpack
 
 import torch
 
@@ -53,8 +54,8 @@ if __name__ == "__main__":
 @positional_legacy("microbatches", "steps")
 def export_torchrun(
     plan: SplitPlan, path: str | os.PathLike[str], schedule: str = UNSET, *, microbatches: int = UNSET,
-    steps: int = UNSET, inputs: tuple[Any, ...] | None = None, target: torch.Tensor | None = None,
-    input_kwargs: dict[str, Any] | None = None, events_dir: str | None = None, config: LaunchConfig | None = None,
+    steps: int = UNSET, inputs: tuple[object, ...] | None = None, target: torch.Tensor | None = None,
+    input_kwargs: Mapping[str, object] | None = None, events_dir: str | None = None, config: LaunchConfig | None = None,
     **options: Unpack[LaunchOptions],
 ) -> Path:
     """Write a torchrun script that trains ``plan`` as ``pv.launch`` would (and its payload beside it).
@@ -86,7 +87,8 @@ def export_torchrun(
     if cfg.devices != "auto":
         raise LaunchError(f"devices={cfg.devices!r} cannot be exported: under torchrun each process takes its "
                           "LOCAL_RANK GPU (or the CPU without GPUs). Fix: devices='auto' (the default).")
-    spec = validate_launch(plan, cfg, inputs=inputs, input_kwargs=input_kwargs, target=target)
+    spec = validate_launch(plan, cfg, inputs=inputs, input_kwargs=None if input_kwargs is None else dict(input_kwargs),
+                           target=target)
     script = Path(path)
     payload = script.with_suffix(".payload.pkl")
     events = events_dir or f"{script.stem}_events"

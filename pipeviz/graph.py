@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 from torch.distributed.pipelining import SplitPoint
 
@@ -32,8 +33,8 @@ __all__ = ["Layer", "ModelGraph", "trace"]
 
 def trace(
     model: nn.Module,
-    example_args: tuple[Any, ...] | Any = (),
-    example_kwargs: dict[str, Any] | None = None,
+    example_args: tuple[object, ...] | torch.Tensor = (),
+    example_kwargs: Mapping[str, object] | None = None,
     *,
     depth: int | None = None,
 ) -> ModelGraph:
@@ -160,7 +161,7 @@ class ModelGraph:
         self._last = [tree.units[n].last for n in order]
         n = len(order)
         flops, out_bytes, acts, saved, in_bytes = [0] * n, [0] * n, [0] * n, [0] * n, [0] * n
-        read: set[tuple[int, Any]] = set()
+        read: set[tuple[int, int | str]] = set()
         readers: dict[int, set[int]] = {}
         for op in cap.ops:
             for src in op.inputs:
@@ -377,11 +378,11 @@ class ModelGraph:
         return self._cap.model
 
     @property
-    def example_args(self) -> tuple[Any, ...]:
+    def example_args(self) -> tuple[object, ...]:
         return self._cap.example_args
 
     @property
-    def example_kwargs(self) -> dict[str, Any]:
+    def example_kwargs(self) -> dict[str, object]:
         return self._cap.example_kwargs
 
     @property
@@ -443,7 +444,7 @@ class ModelGraph:
         candidates = set(self.split_candidates)
         return frozenset(n for n in self._names[:-1] if n in candidates)
 
-    def split(self, spec: Iterable[str] | Mapping[str, Any]) -> SplitPlan:
+    def split(self, spec: Iterable[str] | Mapping[str, object]) -> SplitPlan:
         """Split after each named module (or as a ``{name: SplitPoint}`` map) and return the ``SplitPlan``.
 
         Any name in ``split_candidates`` works, at any depth, whatever this view's granularity: the plan's
@@ -466,7 +467,7 @@ class ModelGraph:
         return f"ModelGraph({type(self.model).__name__}, {len(self.layers)} layers, {len(self.edges)} edges)"
 
     # ----------------------------------------------------------------- errors
-    def _require_layer(self, name: Any) -> None:
+    def _require_layer(self, name: object) -> None:
         if not isinstance(name, str):
             raise TypeError(f"Layer names are strings, got {name!r} ({type(name).__name__}).")
         if name in self._pos:

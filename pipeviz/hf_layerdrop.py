@@ -40,7 +40,7 @@ class LayerDropDraw:
     def __init__(self, where: str) -> None:
         self.where = where
 
-    def _decide(self, p: Any, op: str) -> bool:
+    def _decide(self, p: object, op: str) -> bool:
         if isinstance(p, int | float) and not isinstance(p, bool):
             # The draw lies in [0, 1): against a probability outside (0, 1) every comparison has one answer.
             certain = {"<": (p <= 0, p >= 1), "<=": (p < 0, p >= 1), ">": (p >= 1, p < 0), ">=": (p >= 1, p <= 0)}
@@ -53,16 +53,16 @@ class LayerDropDraw:
             "to 0 (encoder_layerdrop=0.0, decoder_layerdrop=0.0 or layerdrop=0.0, HF's defaults), or trace the "
             "model in eval mode to run it forward only.")
 
-    def __lt__(self, p: Any) -> bool:
+    def __lt__(self, p: object) -> bool:
         return self._decide(p, "<")
 
-    def __le__(self, p: Any) -> bool:
+    def __le__(self, p: object) -> bool:
         return self._decide(p, "<=")
 
-    def __gt__(self, p: Any) -> bool:
+    def __gt__(self, p: object) -> bool:
         return self._decide(p, ">")
 
-    def __ge__(self, p: Any) -> bool:
+    def __ge__(self, p: object) -> bool:
         return self._decide(p, ">=")
 
 

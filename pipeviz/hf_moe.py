@@ -15,11 +15,12 @@ runs the original forward everywhere else (the numerics reference included).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 __all__ = ["exportable_moe"]
 
@@ -28,7 +29,27 @@ _BLOCKS = (("transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlo
            ("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeSparseMoeBlock"))
 
 
-def _routed(block: Any, hidden_states: torch.Tensor, routing_weights: torch.Tensor,
+class _SparseMoeBlock(Protocol):
+    """What the patched forwards read of a transformers 4.x sparse MoE block (its attributes and submodules)."""
+
+    num_experts: int
+    top_k: int
+    gate: Callable[[torch.Tensor], torch.Tensor]
+    experts: nn.ModuleList
+
+
+class _MixtralBlock(_SparseMoeBlock, Protocol):
+    training: bool
+    jitter_noise: float
+
+
+class _Qwen2MoeBlock(_SparseMoeBlock, Protocol):
+    norm_topk_prob: bool
+    shared_expert: Callable[[torch.Tensor], torch.Tensor]
+    shared_expert_gate: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _routed(block: _SparseMoeBlock, hidden_states: torch.Tensor, routing_weights: torch.Tensor,
             selected_experts: torch.Tensor) -> torch.Tensor:
     """The experts' weighted outputs, summed per token: transformers 4.57's loop, over every expert."""
     hidden_dim = hidden_states.shape[-1]
@@ -42,7 +63,7 @@ def _routed(block: Any, hidden_states: torch.Tensor, routing_weights: torch.Tens
     return final
 
 
-def _route(block: Any, hidden_states: torch.Tensor, normalize: bool) -> tuple[torch.Tensor, ...]:
+def _route(block: _SparseMoeBlock, hidden_states: torch.Tensor, normalize: bool) -> tuple[torch.Tensor, ...]:
     router_logits = block.gate(hidden_states)
     routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
     routing_weights, selected_experts = torch.topk(routing_weights, block.top_k, dim=-1)
@@ -51,7 +72,7 @@ def _route(block: Any, hidden_states: torch.Tensor, normalize: bool) -> tuple[to
     return router_logits, routing_weights.to(hidden_states.dtype), selected_experts
 
 
-def _mixtral_forward(self: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _mixtral_forward(self: _MixtralBlock, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     batch_size, sequence_length, hidden_dim = hidden_states.shape
     if self.training and self.jitter_noise > 0:
         hidden_states *= torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
@@ -61,7 +82,7 @@ def _mixtral_forward(self: Any, hidden_states: torch.Tensor) -> tuple[torch.Tens
     return final.reshape(batch_size, sequence_length, hidden_dim), router_logits
 
 
-def _qwen2_moe_forward(self: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _qwen2_moe_forward(self: _Qwen2MoeBlock, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     batch_size, sequence_length, hidden_dim = hidden_states.shape
     hidden_states = hidden_states.view(-1, hidden_dim)
     router_logits, routing_weights, selected = _route(self, hidden_states, normalize=self.norm_topk_prob)

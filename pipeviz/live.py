@@ -9,7 +9,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from pipeviz.timeline import Event, Timeline
 
@@ -36,6 +36,6 @@ class Live(Protocol):
 
     def wait(self, timeout: float | None = None) -> str: ...
 
-    def stop(self) -> Any: ...
+    def stop(self) -> str: ...
 
     def timeline(self) -> Timeline: ...

@@ -13,8 +13,7 @@ Example:
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -43,9 +42,9 @@ __all__ = ["SequenceStage", "manual_plan"]
 def manual_plan(
     model: nn.Module,
     stages: Sequence[Sequence[str]],
-    example_args: tuple[Any, ...] | Any = (),
+    example_args: tuple[object, ...] | torch.Tensor = (),
     *,
-    example_kwargs: dict[str, Any] | None = None,
+    example_kwargs: Mapping[str, object] | None = None,
 ) -> SplitPlan:
     """A plan given as per-stage lists of module names, for models torch.export cannot trace.
 
@@ -84,14 +83,15 @@ def manual_plan(
     return SplitPlan.from_stages(graph, lists)
 
 
-def _capture_sequence(model: nn.Module, names: list[str], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Capture:
+def _capture_sequence(model: nn.Module, names: list[str], args: tuple[object, ...], kwargs: dict[str, object]
+                      ) -> Capture:
     runner = SequenceStage(model, names)
     runner.train(model.training)
     canonical, groups = _alias_groups(model)
     ops: list[Op] = []
     with torch.no_grad():
         expected = copy.deepcopy(model)(*args, **kwargs)
-        x: Any = None
+        x: object = None
         for i, name in enumerate(names):
             mod = runner.get_submodule(name)
             with FlopCounterMode(display=False) as mode:

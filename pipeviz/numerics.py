@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from pipeviz.runtime.feed import FedBatch
     from pipeviz.runtime.run import Run
 
 __all__ = ["TOLERANCE", "NumericsCheck", "check_numerics"]
@@ -99,10 +100,10 @@ def check_numerics(run: Run, tolerance: float = TOLERANCE, device: str | torch.d
         microbatches=spec.microbatches * spec.dp,
         steps=spec.steps or len(run.losses), input_kwargs=spec.kwargs or None, fixups=graph.capture.fixups,
         device=device, batches=batches, replicas=spec.dp)
-    return compare(run.losses, run.state_dict(), ref_losses, ref_state, tolerance)
+    return compare_to_reference(run.losses, run.state_dict(), ref_losses, ref_state, tolerance)
 
 
-def _check_outputs(run: Run, model: torch.nn.Module, batches: Any, tolerance: float,
+def _check_outputs(run: Run, model: torch.nn.Module, batches: list[FedBatch] | None, tolerance: float,
                    device: str | torch.device) -> NumericsCheck:
     """A forward-only run against the unsplit model run forward the same way."""
     from torch.utils import _pytree as pytree
@@ -123,13 +124,13 @@ def _check_outputs(run: Run, model: torch.nn.Module, batches: Any, tolerance: fl
         for a, b in zip(leaves, ref, strict=True):
             if b.numel():
                 d_out = max(d_out, float((a.double() - b.double()).abs().max()))
-    check = compare([], run.state_dict(), [], ref_state, tolerance)
+    check = compare_to_reference([], run.state_dict(), [], ref_state, tolerance)
     ok = len(run.outputs) == len(want) and d_out <= tolerance and check.param_diff <= tolerance
     return NumericsCheck(ok, float("nan"), check.param_diff, check.worst, len(want), check.tensors, tolerance,
                          output_diff=d_out)
 
 
-def compare(losses: list[float], state: dict[str, torch.Tensor], ref_losses: list[float],
+def compare_to_reference(losses: list[float], state: dict[str, torch.Tensor], ref_losses: list[float],
             ref_state: dict[str, torch.Tensor], tolerance: float = TOLERANCE) -> NumericsCheck:
     """Compare a run's losses and state with the reference's (what ``check_numerics`` returns)."""
     d_loss = max((abs(a - b) for a, b in zip(losses, ref_losses, strict=False)), default=float("nan"))

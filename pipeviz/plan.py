@@ -28,15 +28,20 @@ import torch
 from torch.distributed.pipelining import SplitPoint
 from torch.utils import _pytree as pytree
 
+from pipeviz._compat import deprecated
 from pipeviz.adapter import defake, fake_cpu, regions_inlined
 from pipeviz.capture import TRACE_LOCK
-from pipeviz.cost.rule import stage_memory
+from pipeviz.cost.rule import stage_bytes
 from pipeviz.graphview import GraphIndex
 
 if TYPE_CHECKING:
+    from torch import nn
+    from torch.distributed.pipelining import Pipe
+
     from pipeviz.graphview import GraphView as ModelGraph  # the graph module makes plans: named by its protocol
 
-__all__ = ["GraphIndex", "PlanError", "SplitPlan", "StageInfo", "check_microbatches", "human_bytes"]
+__all__ = ["GraphIndex", "PlanError", "SplitPlan", "StageInfo", "check_batch_split", "check_microbatches",
+           "human_bytes"]
 
 
 # Who prices a plan (stage_memory, table with cost options): the cost model registers itself here when imported
@@ -94,13 +99,13 @@ class StageInfo:
     @property
     def memory_bytes(self) -> int:
         # on a rank of its own with every microbatch in flight (GPipe, the most any schedule keeps)
-        return stage_memory(self.param_bytes, self.buffer_bytes, self.activation_bytes)
+        return stage_bytes(self.param_bytes, self.buffer_bytes, self.activation_bytes)
 
 
 _POINTS = {"end": SplitPoint.END, "beginning": SplitPoint.BEGINNING}
 
 
-def _point(value: Any, name: str) -> SplitPoint:
+def _point(value: object, name: str) -> SplitPoint:
     if isinstance(value, SplitPoint):
         return value
     if isinstance(value, str) and value.lower() in _POINTS:
@@ -131,7 +136,7 @@ class SplitPlan:
 
     # ----------------------------------------------------------------- construction
     @classmethod
-    def from_spec(cls, graph: ModelGraph, spec: Iterable[str] | Mapping[str, Any]) -> SplitPlan:
+    def from_spec(cls, graph: ModelGraph, spec: Iterable[str] | Mapping[str, object]) -> SplitPlan:
         """Validate ``spec`` (names split at END, or ``{name: SplitPoint}``) and build the plan.
 
         Raises:
@@ -355,7 +360,7 @@ class SplitPlan:
         self.graph._require_layer(layer)
         return next(s.index for s in self.stages if layer in s.layers)
 
-    def stage_memory(self, options: Any = None, **cost_options: Any) -> list[int]:
+    def stage_memory(self, options: object = None, **cost_options: object) -> list[int]:
         """Each stage's training footprint on a rank of its own with the whole batch in flight (the preview's
         ``StageInfo.memory_bytes``), in the cost model's settings (a ``pv.CostOptions`` or its fields as keywords):
         ``pipeviz.cost.memory.plan_stage_memory`` (a plan never prices itself; the cost model answers for it).
@@ -368,7 +373,7 @@ class SplitPlan:
                                "pipeviz.cost.memory).")
         return list(_PRICERS[-1](self, options, **cost_options))
 
-    def table(self, options: Any = None, *, memory: list[int] | None = None, **cost_options: Any) -> str:
+    def table(self, options: object = None, *, memory: list[int] | None = None, **cost_options: object) -> str:
         """The stage preview as a plain-text table: ``memory`` per stage, else ``StageInfo.memory_bytes``, or, with
         cost options, in their settings (``stage_memory``)."""
         rows = [("stage", "layers", "params", "GFLOPs", "sends", "memory")]
@@ -427,15 +432,15 @@ class SplitPlan:
                     held[s].add(name)
         return [frozenset(h) for h in held]
 
-    def microbatch_inputs(self, microbatches: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def microbatch_inputs(self, microbatches: int) -> tuple[tuple[object, ...], dict[str, object]]:
         """The example inputs cut into ``microbatches`` chunks along dim 0; returns the first chunk."""
         from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
-        check_microbatches(self.graph.batch_size, microbatches)
+        check_batch_split(self.graph.batch_size, microbatches)
         args, kwargs = split_args_kwargs_into_chunks(self.graph.example_args, self.graph.example_kwargs, microbatches)
         return args[0], kwargs[0]
 
-    def pipe(self, microbatches: int = 1) -> Any:
+    def pipe(self, microbatches: int = 1) -> Pipe:
         """Build torch's ``Pipe`` for this plan from a fresh deep copy of the model.
 
         The user's model is never patched (torch's ``pipeline()`` patches ``forward`` in place, so calling
@@ -505,7 +510,7 @@ class SplitPlan:
                 per_call.append((unit.fqn, call, point))
         return spec, per_call
 
-    def stage_modules(self, microbatches: int = 1) -> list[Any]:
+    def stage_modules(self, microbatches: int = 1) -> list[nn.Module]:
         """One ``nn.Module`` per stage, built from fresh copies: the Pipe's submodules for a traced plan (run as
         generated code rather than torch's default ``fx.Interpreter``: ``pipeviz.adapter.compiled_submodules``),
         ``SequenceStage`` modules (original module names kept) for a manual plan."""
@@ -519,8 +524,9 @@ class SplitPlan:
         return [SequenceStage(self.graph.model, s.layers) for s in self.stages]
 
 
-def check_microbatches(batch_size: int | None, microbatches: Any) -> None:
-    """Raise ``PlanError`` unless ``microbatches`` is a positive divisor of ``batch_size``."""
+def check_batch_split(batch_size: int | None, microbatches: object) -> None:
+    """Raise ``PlanError`` unless ``microbatches`` is a positive divisor of ``batch_size`` (the schedule's own rule
+    on microbatches is ``pipeviz.schedules.check_microbatches``)."""
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise PlanError(f"microbatches must be a positive int, got {microbatches!r}.")
     if batch_size is not None and batch_size % microbatches:
@@ -529,6 +535,14 @@ def check_microbatches(batch_size: int | None, microbatches: Any) -> None:
             f"microbatches={microbatches} does not divide the batch of {batch_size}. "
             f"Valid: {', '.join(map(str, divisors))}; or change the batch size."
         )
+
+
+def check_microbatches(batch_size: int | None, microbatches: object) -> None:
+    """0.2's name of ``check_batch_split`` (deprecated: ``pipeviz.schedules.check_microbatches`` is the schedule's
+    rule, a different check)."""
+    deprecated("pipeviz.plan.check_microbatches is deprecated since pipeviz 0.3: call check_batch_split (the same "
+               "check); pipeviz.schedules.check_microbatches is the schedule's rule.")
+    check_batch_split(batch_size, microbatches)
 
 
 def human_bytes(n: float) -> str:

@@ -26,16 +26,17 @@ import functools
 import pickle
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import fx
+from torch.fx.node import Argument
 
 __all__ = ["REGION_META", "REGION_OPS", "describe_region", "enter_autocast", "enter_grad", "hold_constants",
            "inline_regions", "leave_region", "load_constant", "region_bodies"]
 
 
-def _hop(name: str) -> Any:
+def _hop(name: str) -> torch._ops.HigherOrderOperator | None:
     return getattr(torch.ops.higher_order, name, None)
 
 
@@ -47,7 +48,7 @@ REGION_OPS = {"wrap_with_set_grad_enabled": "torch.no_grad() / torch.set_grad_en
 class _Region:
     """What ``enter_*`` hands to ``leave_region``: how to restore the state before the region."""
 
-    def __init__(self, grad: bool | None = None, autocast: Any = None) -> None:
+    def __init__(self, grad: bool | None = None, autocast: torch.autocast | None = None) -> None:
         self.grad = grad
         self.autocast = autocast
 
@@ -61,7 +62,7 @@ def enter_grad(enabled: bool) -> _Region:
 
 
 @torch.fx.node.has_side_effect
-def enter_autocast(device_type: str, dtype: Any, enabled: bool, cache_enabled: Any) -> _Region:
+def enter_autocast(device_type: str, dtype: torch.dtype | None, enabled: bool, cache_enabled: bool | None) -> _Region:
     """Enter ``torch.autocast(device_type, dtype, enabled, cache_enabled)`` (an autocast region starts)."""
     ctx = torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
     ctx.__enter__()
@@ -69,7 +70,7 @@ def enter_autocast(device_type: str, dtype: Any, enabled: bool, cache_enabled: A
 
 
 @torch.fx.node.has_side_effect
-def leave_region(region: _Region, *values: Any) -> tuple[Any, ...]:
+def leave_region(region: _Region, *values: object) -> tuple[object, ...]:
     """Leave the region ``region`` entered (restore grad mode / autocast) and pass its results on."""
     if region.autocast is not None:
         region.autocast.__exit__(None, None, None)
@@ -88,10 +89,11 @@ def _is_region(node: fx.Node) -> str | None:
     return None
 
 
-def _split_args(name: str, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any, tuple[Any, ...]]:
+def _split_args(name: str, args: tuple[Argument, ...]
+                ) -> tuple[tuple[Argument, ...], fx.Node, tuple[Argument, ...]]:
     """(the region's own arguments, the body's get_attr node, the body's inputs)."""
     n = 1 if name == "wrap_with_set_grad_enabled" else 4
-    return tuple(args[:n]), args[n], tuple(args[n + 1:])
+    return tuple(args[:n]), cast(fx.Node, args[n]), tuple(args[n + 1:])
 
 
 def region_bodies(gm: fx.GraphModule) -> Iterator[tuple[str, fx.Node, fx.GraphModule]]:
@@ -101,16 +103,21 @@ def region_bodies(gm: fx.GraphModule) -> Iterator[tuple[str, fx.Node, fx.GraphMo
         if name is None:
             continue
         _, body_node, _ = _split_args(name, node.args)
-        body = _attr(gm, str(body_node.target))
+        body = _body(gm, body_node)
         yield name, node, body
         yield from region_bodies(body)
 
 
-def _attr(gm: fx.GraphModule, target: str) -> Any:
-    value: Any = gm
+def _attr(gm: fx.GraphModule, target: str) -> object:
+    value: object = gm
     for atom in target.split("."):
         value = getattr(value, atom)
     return value
+
+
+def _body(gm: fx.GraphModule, body_node: fx.Node) -> fx.GraphModule:
+    """The body graph a region's ``get_attr`` node reads."""
+    return cast(fx.GraphModule, _attr(gm, str(body_node.target)))
 
 
 REGION_META = "pipeviz_region"  # node.meta key: the outermost region a node runs in, as ``describe_region`` says
@@ -145,7 +152,7 @@ def inline_regions(gm: fx.GraphModule, _label: str | None = None) -> int:
         if name is None:
             continue
         own, body_node, inputs = _split_args(name, node.args)
-        body = _attr(gm, str(body_node.target))
+        body = _body(gm, body_node)
         label = _label or f"{_next_id()}: {describe_region(node)}"
         count += inline_regions(body, label)
         enter = enter_grad if name == "wrap_with_set_grad_enabled" else enter_autocast
@@ -191,7 +198,7 @@ def _between(first: fx.Node, last: fx.Node) -> Iterator[fx.Node]:
         n = n.next
 
 
-def _copy_body(gm: fx.GraphModule, body: fx.GraphModule, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+def _copy_body(gm: fx.GraphModule, body: fx.GraphModule, inputs: tuple[Argument, ...]) -> tuple[Argument, ...]:
     """Copy ``body``'s nodes into ``gm``'s graph at its insertion point, its placeholders bound to ``inputs``;
     returns the nodes of its results."""
     graph = gm.graph
@@ -223,7 +230,7 @@ def _free_name(gm: fx.GraphModule, base: str) -> str:
     return name
 
 
-def _set_attr(gm: fx.GraphModule, name: str, value: Any) -> None:
+def _set_attr(gm: fx.GraphModule, name: str, value: object) -> None:
     if isinstance(value, torch.nn.Module):
         gm.add_module(name, value)
     elif isinstance(value, torch.Tensor):
@@ -242,7 +249,7 @@ def _del_attr(gm: fx.GraphModule, target: str) -> None:
 
 
 @functools.lru_cache(maxsize=256)
-def load_constant(blob: str) -> Any:
+def load_constant(blob: str) -> object:
     """The constant ``hold_constants`` wrote into the graph as ``blob`` (base64 of its pickle)."""
     with warnings.catch_warnings():  # torch's own pytree deprecation notice while a TreeSpec unpickles
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)

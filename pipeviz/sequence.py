@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Any
 
 from torch import nn
 
@@ -33,8 +32,8 @@ class SequenceStage(nn.Module):
                 parent = parent._modules[atom]  # type: ignore[assignment]
             parent.add_module(leaf, mod)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        x: Any = None
+    def forward(self, *args: object, **kwargs: object) -> object:
+        x: object = None
         for i, name in enumerate(self.order):
             mod = self.get_submodule(name)
             if i == 0:

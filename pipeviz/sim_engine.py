@@ -5,7 +5,7 @@ arrived (``play``), optionally on fewer cores than ranks (``play_on_cores``) or 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TypeVar
 
@@ -14,9 +14,31 @@ from pipeviz.collectives import Reduction
 from pipeviz.cost.model import Costs
 from pipeviz.timeline import COMPUTE, Event
 
-__all__ = ["contended", "play", "play_on_cores", "runtime_actions"]
+__all__ = ["check_order", "contended", "play", "play_on_cores", "runtime_actions"]
 
 T = TypeVar("T")
+
+
+def check_order(order: Sequence[Sequence[str]], lay: sched.Layout, microbatches: int) -> list[list[str]]:
+    """A custom order's per-rank action lists, checked: one list per pipeline rank of ``lay``, every stage's
+    forward and backward of every microbatch once on the rank holding the stage (``schedules.validate``), and
+    an order that can run (played once with unit costs: a rank waiting on an action another rank has not reached
+    is a deadlock, which a launch would only show as a hang).
+
+    Raises:
+        ScheduleError: naming the rank and action that break it.
+    """
+    acts = [list(rank_acts) for rank_acts in order]
+    if len(acts) != lay.num_ranks:
+        raise sched.ScheduleError(
+            f"order has {len(acts)} rank lists; {lay.schedule} puts {lay.num_stages} stages on {lay.num_ranks} "
+            f"pipeline ranks ({lay.stage_ranks}). Fix: one list of actions per pipeline rank.")
+    sched.validate(acts, lay.num_stages, microbatches, lay.stage_ranks)
+    n = lay.num_stages
+    unit = Costs(forward=(1.0,) * n, backward=(2.0,) * n, comm=(0.0,) * max(n - 1, 0), activation_bytes=(0,) * n,
+                 param_bytes=(0,) * n)
+    play(acts, lay, unit, n)
+    return acts
 
 
 def contended(run: Callable[[Costs], tuple[list[Event], T]], costs: Costs, lay: sched.Layout, factor: float,

@@ -36,20 +36,31 @@ from pipeviz.cost.comm import cp_collectives, tp_collectives
 from pipeviz.cost.machine import DTYPE_BYTES, Hardware
 from pipeviz.cost.memory import memory_per_rank, peak_activations
 from pipeviz.cost.model import Costs, parallel_costs, stage_costs
-from pipeviz.cost.options import CostOptions
+from pipeviz.cost.options import CostOptions, LinkOptions
 from pipeviz.mesh import Mesh
 from pipeviz.plan import SplitPlan
 from pipeviz.runtime.config import LaunchConfig, launch_config
-from pipeviz.sim_engine import contended, play, play_on_cores, runtime_actions
+from pipeviz.sim_engine import check_order, contended, play, play_on_cores, runtime_actions
 from pipeviz.timeline import Event, Timeline
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
+    import torch
+
 __all__ = ["DP_REDUCE", "Collectives", "Comparison", "ComparisonRow", "Costs", "estimate_costs", "simulate"]
 
 
-def estimate_costs(plan: SplitPlan, microbatches: int, **options: Any) -> Costs:
+class EstimateOptions(LinkOptions, total=False):
+    """``estimate_costs``' keywords: ``stage_costs``' (the link and FLOP-rate settings, the cost options)."""
+
+    hardware: Hardware | str | None
+    dtype: str | None
+    recompute: str | None
+    options: CostOptions | None
+
+
+def estimate_costs(plan: SplitPlan, microbatches: int, **options: Unpack[EstimateOptions]) -> Costs:
     """Per-stage costs of ``plan`` for one microbatch: ``pipeviz.costs.stage_costs`` (kept under this name)."""
     return stage_costs(plan, microbatches, **options)
 
@@ -60,7 +71,7 @@ class SimulateOptions(TypedDict, total=False):
 
     schedule: str
     stages_per_rank: int | None
-    loss_fn: Callable[..., Any] | None
+    loss_fn: Callable[..., torch.Tensor] | None
     dp: int
     cp: int
     tp: int
@@ -125,7 +136,8 @@ def simulate(
             ``dp_shard`` (FSDP2) the distributed optimizer's reduce-scatter and all-gather (its per-layer gathers
             are not modelled).
         order: per-rank action lists in torch's notation (``"2F0"``): a custom schedule instead of the
-            config's; ``num_stages``: the stage count of a what-if without a plan.
+            schedule's own (default: ``config.order``, which ``pv.launch`` runs as it is); ``num_stages``: the
+            stage count of a what-if without a plan.
         forward_only: an inference run: the schedule's forwards only, memory without gradients or optimizer
             state. Default: ``config.loss_fn is None`` for a ``LaunchConfig``, a training step for a name.
         cores: simulate the run on this many CPU cores ("as run here" on a machine with fewer cores than
@@ -208,12 +220,13 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
     lay = sched.layout(cfg.schedule, n, spr)
     mesh = Mesh(lay.num_ranks, cfg.dp, cfg.tp, cfg.cp)
     dp, cp, tp = mesh.dp, mesh.cp, mesh.tp
-    acts = ([[str(sched.parse(a)) for a in rank_acts] for rank_acts in x.order] if x.order is not None
+    order = x.order if x.order is not None else cfg.order
+    acts = ([[str(sched.parse(a)) for a in rank_acts] for rank_acts in order] if order is not None
             else sched.orders(lay.schedule, n, microbatches, spr))
     if forward_only:
         acts = [[a for a in rank_acts if sched.parse(a).kind == "F"] for rank_acts in acts]
-    else:
-        sched.validate(acts, n, microbatches, lay.stage_ranks)
+    elif order is not None:
+        acts = check_order(acts, lay, microbatches)  # as pv.launch checks it: rank count, rules, no deadlock
     hw = opts.hw
     costs = x.costs
     per_replica = hw is not None and costs is None  # a roofline: cost one process's microbatch at its own size
@@ -356,14 +369,14 @@ class ComparisonRow:
     plan: SplitPlan
     config: LaunchConfig  # the LaunchConfig simulated: pv.launch(row.plan, config=row.config, ...) runs it
 
-    def __getitem__(self, key: str) -> Any:
+    def __getitem__(self, key: str) -> str | int | float | list[int] | SplitPlan | LaunchConfig:
         deprecated(f"Comparison rows are ComparisonRow objects: row.{key}, not row[{key!r}] (deprecated since "
                    "pipeviz 0.3).")
         if key not in {f.name for f in fields(self)}:
             raise KeyError(key)
         return getattr(self, key)
 
-    def get(self, key: str, default: Any = None) -> Any:
+    def get(self, key: str, default: object = None) -> object:
         return getattr(self, key, default)
 
 

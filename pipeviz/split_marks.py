@@ -11,8 +11,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipe_split
@@ -37,15 +36,16 @@ def mark_calls(model: nn.Module, marks: Sequence[tuple[str, int, SplitPoint]]) -
         mod.forward = _counted(mod.forward, fqn, points, counts)
     root = model.forward
 
-    def restart(*args: Any, **kwargs: Any) -> Any:
+    def restart(*args: object, **kwargs: object) -> object:
         counts.clear()
         return root(*args, **kwargs)
 
     model.forward = restart
 
 
-def _counted(forward: Any, fqn: str, points: set[tuple[int, SplitPoint]], counts: dict[str, int]) -> Any:
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
+def _counted(forward: Callable[..., object], fqn: str, points: set[tuple[int, SplitPoint]], counts: dict[str, int]
+             ) -> Callable[..., object]:
+    def wrapped(*args: object, **kwargs: object) -> object:
         call = counts.get(fqn, 0)
         counts[fqn] = call + 1
         if (call, SplitPoint.BEGINNING) in points:

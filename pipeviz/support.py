@@ -16,7 +16,10 @@ Example:
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = ["TESTED", "model_notes", "version_note"]
 
@@ -48,7 +51,7 @@ def version_note(library: str, version: str) -> str | None:
             "fails, please report it with the model's config.")
 
 
-def model_notes(model: Any) -> list[str]:
+def model_notes(model: nn.Module) -> list[str]:
     """Notes about the libraries ``model``'s modules come from (a transformers release newer than CI has seen)."""
     if not any(type(m).__module__.startswith("transformers.") for m in model.modules()):
         return []

@@ -172,7 +172,7 @@ class Timeline:
         return [e.label for e in self.events if e.rank == rank and e.step == step and e.kind in COMPUTE]
 
     # ----------------------------------------------------------------- export
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {"num_ranks": self.num_ranks, "num_stages": self.num_stages, "microbatches": self.microbatches,
                 "schedule": self.schedule, "source": self.source, "meta": self.meta, "ranks": self.ranks,
                 "mesh": None if self.mesh is None else dict(zip(DIMS, self.mesh.degrees, strict=True)),

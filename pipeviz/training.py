@@ -11,7 +11,7 @@ Example:
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,7 @@ def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), target.reshape(-1))
 
 
-def sgd(lr: float = 0.1, momentum: float = 0.0) -> Any:
+def sgd(lr: float = 0.1, momentum: float = 0.0) -> functools.partial[torch.optim.SGD]:
     """An optimizer factory for ``pv.launch(optimizer=...)``: ``params -> torch.optim.SGD(params, ...)``
     (built again on every rank for the parameters it holds)."""
     return functools.partial(torch.optim.SGD, lr=lr, momentum=momentum)

@@ -16,11 +16,17 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pipeviz.capture import Capture
 
 __all__ = ["CallTree", "Unit"]
 
 ROOT = ""
+
+# A unit's key: ("m", fqn, call) for a called module, ("c", fqn, parent key) for a container.
+_Key = tuple[str, str, object]
 
 
 @dataclass(frozen=True)
@@ -54,9 +60,9 @@ class Unit:
 class CallTree:
     """Units of a ``Capture`` and, for every op, the chain of units it ran in (outermost first)."""
 
-    def __init__(self, cap: Any) -> None:
+    def __init__(self, cap: Capture) -> None:
         self.ops = cap.ops
-        keys_of: dict[tuple[tuple[str, ...], tuple[int, ...]], tuple[tuple[Any, ...], ...]] = {}
+        keys_of: dict[tuple[tuple[str, ...], tuple[int, ...]], tuple[_Key, ...]] = {}
         op_keys: list[tuple[tuple[Any, ...], ...]] = []
         span: dict[tuple[Any, ...], list[int]] = {}
         kids: dict[tuple[Any, ...], dict[tuple[Any, ...], None]] = {("root",): {}}
@@ -197,11 +203,11 @@ class CallTree:
         return shown or kids
 
 
-def _key_path(stack: tuple[str, ...], calls: tuple[int, ...]) -> tuple[tuple[Any, ...], ...]:
+def _key_path(stack: tuple[str, ...], calls: tuple[int, ...]) -> tuple[_Key, ...]:
     """Unit keys of one op, outermost first: ("m", fqn, call) for a called module, ("c", fqn, parent key)
     for a container between two called modules (never in torch's module stack, as it is never called)."""
-    path: list[tuple[Any, ...]] = []
-    parent: tuple[Any, ...] = ("root",)
+    path: list[_Key] = []
+    parent: tuple[object, ...] = ("root",)
     parent_fqn = ""
     for fqn, call in zip(stack, calls, strict=True):
         if not parent_fqn or fqn.startswith(parent_fqn + "."):
@@ -209,13 +215,13 @@ def _key_path(stack: tuple[str, ...], calls: tuple[int, ...]) -> tuple[tuple[Any
             start = len(parent_fqn.split(".")) if parent_fqn else 0
             for k in range(start + 1, len(atoms)):
                 path.append(("c", ".".join(atoms[:k]), parent))
-        key = ("m", fqn, call)
+        key: _Key = ("m", fqn, call)
         path.append(key)
         parent, parent_fqn = key, fqn
     return tuple(path)
 
 
-def _replace(unit: Unit, **changes: Any) -> Unit:
+def _replace(unit: Unit, *, parent: str) -> Unit:
     from dataclasses import replace
 
-    return replace(unit, **changes)
+    return replace(unit, parent=parent)

@@ -27,7 +27,7 @@ import os
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -74,7 +74,7 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _safetensors() -> Any:
+def _safetensors() -> ModuleType:
     try:
         import safetensors
         import safetensors.torch

@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -367,7 +368,7 @@ def repeat_layers(graph: ModelGraph, container: str, total: int) -> ModelGraph:
         new_ops.append(dataclasses.replace(op, index=op.index + shift, inputs=tuple(shifted(j) for j in op.inputs),
                                            resaved=tuple((shifted(f), slot, nb) for f, slot, nb in op.resaved)))
 
-    def copies(names: Any) -> list[str]:
+    def copies(names: Iterable[str]) -> list[str]:
         return [rename(x, i) for x in names if inside(x, k - 1) for i in range(k, total)]
 
     modules = dict(cap.modules)

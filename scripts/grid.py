@@ -106,8 +106,9 @@ TOOLS = ("pytest==9.2.0", "pytest-timeout==2.4.0", "psutil==7.2.2", "cloudpickle
 #   and the MoE: TRAIN_ROWS), and the meta-device build (each rank runs HF's own initialisers, whose handling of
 #   buffers changed between releases) for a wider set (META_ROWS). Rows not in tests/compat.py are not selected.
 # - tests/test_hf_moe.py: transformers 4.x's MoE blocks traced through pipeviz.hf_moe (nothing patched on 5.x).
+# - tests/test_custom_order.py: a custom order run by torch's private _PipelineScheduleRuntime (5 s).
 TESTS = ("tests/test_adapter.py", "tests/test_regions.py", "tests/test_runtime.py", "tests/test_families.py",
-         "tests/test_compat.py", "tests/test_hf_moe.py")
+         "tests/test_compat.py", "tests/test_hf_moe.py", "tests/test_custom_order.py")
 TRAIN_ROWS = ("Llama", "GPT-NeoX", "Qwen2-MoE", "mBART")
 META_ROWS = ("GPT-2", "Llama", "GPT-NeoX", "Qwen2-MoE", "Mixtral", "BERT", "T5")
 

@@ -35,8 +35,9 @@ while not run.done:      # the kernel keeps running cells while the stages train
     ticks += 1
     time.sleep(0.01)
 assert run.status == "done", run.error
-ref_losses, ref_state = pv.train_reference(model, (x,), y, notebook_loss,
-                                           lambda ps: torch.optim.Adam(ps, lr=1e-2), 4, 20)
+ref_losses, ref_state = pv.train_reference(model, (x,), y, loss_fn=notebook_loss,
+                                           optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2), microbatches=4,
+                                           steps=20)
 assert max(abs(a - b) for a, b in zip(run.losses, ref_losses)) < 1e-5
 assert all((run.state_dict()[k] - v).abs().max() < 1e-5 for k, v in ref_state.items())
 second = pv.launch(plan, schedule="GPipe", microbatches=2, steps=1, inputs=(x,), target=y, loss_fn=notebook_loss)

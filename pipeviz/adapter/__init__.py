@@ -15,6 +15,7 @@
   inputs' path (OPT's and BART's learned positions, a stage computing only position embeddings), and its W
   pass frees graph parts that another weight group still needs (T5's relative attention bias).
 - ``schedule_actions``: the action order torch's multi-stage schedules build in their constructor.
+- ``runtime_schedule``: a custom order (``LaunchConfig.order``) run by torch's ``_PipelineScheduleRuntime``.
 - ``regions_inlined``: torch's ``pipeline()`` over a graph whose grad-mode / autocast regions are inlined.
 - ``timed_collectives``: times DTensor's functional collectives (tensor parallelism) from launch to wait.
 - ``timed_stage_class``: torch's ``PipelineStage`` with its three action methods timed (``check_stage_methods``
@@ -31,9 +32,10 @@ from pipeviz.adapter.backward import exact_split_backward
 from pipeviz.adapter.collectives import COLLECTIVES, timed_collectives
 from pipeviz.adapter.fake import defake, fake_cpu, fake_tensors
 from pipeviz.adapter.flat import FlatStage, canonical_name, compiled_submodules, describe, flatten_stage
-from pipeviz.adapter.schedules import regions_inlined, schedule_actions, split_graph, timed_waits
+from pipeviz.adapter.schedules import regions_inlined, runtime_schedule, schedule_actions, split_graph, timed_waits
 from pipeviz.adapter.stage import OVERRIDDEN, check_stage_methods, timed_stage_class
 
 __all__ = ["COLLECTIVES", "OVERRIDDEN", "FlatStage", "canonical_name", "check_stage_methods", "compiled_submodules",
            "defake", "describe", "exact_split_backward", "fake_cpu", "fake_tensors", "flatten_stage", "regions_inlined",
-           "schedule_actions", "split_graph", "timed_collectives", "timed_stage_class", "timed_waits"]
+           "runtime_schedule", "schedule_actions", "split_graph", "timed_collectives", "timed_stage_class",
+           "timed_waits"]

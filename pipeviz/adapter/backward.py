@@ -4,11 +4,15 @@ and a split backward frees the saved activations when its weight-grad pass is do
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 from torch.utils import _pytree as pytree
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.stage import _PipelineStageBase
 
 
 @contextlib.contextmanager
@@ -23,9 +27,10 @@ def exact_split_backward() -> Iterator[None]:
     original_input, original_weight = torch_stage.stage_backward_input, torch_stage.stage_backward_weight
     stage_cls = torch_stage._PipelineStageBase
     original_forward = stage_cls.forward_one_chunk
+    call_forward: Callable[..., object] = original_forward  # what the wrapper passes its arguments on to
 
-    def forward_one_chunk(self: Any, *args: Any, **kwargs: Any) -> Any:
-        output = original_forward(self, *args, **kwargs)
+    def forward_one_chunk(self: _PipelineStageBase, *args: object, **kwargs: object) -> object:
+        output = call_forward(self, *args, **kwargs)
         # The last stage keeps each microbatch's output until the step returns them (output_chunks). torch
         # detaches it in place after the input-grad pass, except a view (a Linear's output on a 3-d input is
         # one), which cannot be: its grad_fn then kept the graph alive, and since both zero-bubble passes run
@@ -36,7 +41,9 @@ def exact_split_backward() -> Iterator[None]:
             self.output_chunks[-1] = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), output)
         return output
 
-    def backward_input(outputs: list[Any], output_grads: Any, input_values: list[Any], weights: Any) -> Any:
+    def backward_input(outputs: list[torch.Tensor], output_grads: list[torch.Tensor] | None, input_values: list[object],
+                       weights: Iterable[nn.Parameter],
+                       ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, object]]]:
         weights = list(weights)
         _grads_off_the_input_path(outputs, output_grads, input_values, weights)
         dinputs, groups = original_input(outputs, output_grads, input_values, iter(weights))
@@ -46,7 +53,8 @@ def exact_split_backward() -> Iterator[None]:
         dinputs = tuple(d.contiguous() if isinstance(d, torch.Tensor) else d for d in dinputs)
         return dinputs, groups
 
-    def backward_weight(weights: Any, param_groups: Any, retain_graph: bool = False) -> Any:
+    def backward_weight(weights: Iterator[nn.Parameter], param_groups: list[dict[str, object]],
+                        retain_graph: bool = False) -> tuple[torch.Tensor | None, ...]:
         return original_weight(weights, param_groups, retain_graph=True)
 
     # Patched where PipelineStage looks them up (torch's own module globals), for the block only.
@@ -60,8 +68,8 @@ def exact_split_backward() -> Iterator[None]:
         stage_cls.forward_one_chunk = original_forward  # type: ignore[method-assign]
 
 
-def _grads_off_the_input_path(outputs: list[Any], output_grads: Any, input_values: list[Any],
-                              weights: list[torch.Tensor]) -> None:
+def _grads_off_the_input_path(outputs: list[torch.Tensor], output_grads: list[torch.Tensor] | None,
+                              input_values: list[object], weights: list[nn.Parameter]) -> None:
     from torch.distributed.pipelining._backward import (
         _get_grad_fn_or_grad_acc,
         construct_reverse_graph,

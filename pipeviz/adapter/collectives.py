@@ -7,7 +7,10 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["COLLECTIVES", "timed_collectives"]
 
@@ -24,11 +27,12 @@ def timed_collectives(record: Callable[[str, float, float], None]) -> Iterator[N
     from torch.distributed import _functional_collectives as funcol
 
     pending: dict[int, tuple[str, float]] = {}
-    originals: dict[str, Any] = {n: getattr(funcol, n) for n in COLLECTIVES if hasattr(funcol, n)}
+    originals: dict[str, Callable[..., torch.Tensor]] = {n: getattr(funcol, n) for n in COLLECTIVES
+                                                         if hasattr(funcol, n)}
     original_wait = funcol.wait_tensor
 
-    def timed(name: str, fn: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
+    def timed(name: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def call(*args: object, **kwargs: object) -> torch.Tensor:
             start = time.time()
             out = fn(*args, **kwargs)
             inner = getattr(out, "elem", None)
@@ -39,7 +43,7 @@ def timed_collectives(record: Callable[[str, float, float], None]) -> Iterator[N
             return out
         return call
 
-    def wait(tensor: Any) -> Any:
+    def wait(tensor: torch.Tensor) -> torch.Tensor:
         out = original_wait(tensor)
         launched = pending.pop(id(tensor), None)
         if launched is not None:

@@ -3,30 +3,41 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+T = TypeVar("T")
+
+
+class Faker(Protocol):
+    """What ``fake_tensors`` yields: ``fake(tree)`` is ``tree`` with each tensor a fake one."""
+
+    def __call__(self, tree: T) -> T: ...
+
 
 @contextlib.contextmanager
-def fake_tensors() -> Iterator[Callable[[Any], Any]]:
+def fake_tensors() -> Iterator[Faker]:
     """Inside the block, run code on fake tensors: ``fake(tree)`` turns the tensors of ``tree`` into fake
     ones; real parameters and buffers met along the way are used as fakes too, so nothing real changes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
 
-    def fake(tree: Any) -> Any:
+    def fake(tree: T) -> T:
         return pytree.tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, tree)
 
     with torch.no_grad(), mode:
         yield fake
 
 
-def fake_cpu(model: nn.Module) -> Any:
+def fake_cpu(model: nn.Module) -> FakeTensorMode:
     """Turn ``model``'s meta tensors into fake CPU tensors (no memory) and return their ``FakeTensorMode``:
     traced inside it (``with mode: torch.export.export(model, fake_inputs)``), a meta model takes the code
     paths it takes on the CPU, where it will run (HF Mixtral dispatches experts by the device type; on the

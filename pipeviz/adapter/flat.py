@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import operator
 import re
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ class FlatStage(fx.GraphModule):
 
     node_modules: dict[str, str]
 
-    def __reduce__(self) -> Any:
+    def __reduce__(self) -> tuple[Callable[..., FlatStage], tuple[object, ...]]:
         attrs: dict[str, Any] = {}
         for node in self.graph.nodes:
             if node.op in ("get_attr", "call_module"):
@@ -46,7 +47,7 @@ class FlatStage(fx.GraphModule):
         the stage runs elsewhere than it was traced."""
         changed = 0
 
-        def swap(x: Any) -> Any:
+        def swap(x: object) -> object:
             return device if isinstance(x, torch.device) and x != device else x
 
         for node in self.graph.nodes:
@@ -58,12 +59,12 @@ class FlatStage(fx.GraphModule):
             self.recompile()
         return changed
 
-    def failing_op(self, *args: Any) -> tuple[str, str, str] | None:
+    def failing_op(self, *args: object) -> tuple[str, str, str] | None:
         """Run the graph node by node on ``args`` and describe the op that raises: (module, op, inputs)."""
         where: list[fx.Node] = []
 
         class Finder(fx.Interpreter):
-            def run_node(self, n: fx.Node) -> Any:
+            def run_node(self, n: fx.Node) -> object:
                 where[:] = [n]
                 return super().run_node(n)
 
@@ -85,7 +86,7 @@ class _Ref:
         self.name = name
 
 
-def _target_record(target: Any) -> Any:
+def _target_record(target: object) -> tuple[object, ...]:
     if isinstance(target, torch._ops.OpOverload):
         # A custom op (transformers' grouped_mm_fallback in Mixtral) exists only once the module defining it
         # is imported: remember which, so a rank imports just that module.
@@ -100,7 +101,7 @@ def _target_record(target: Any) -> Any:
     return ("py", target)
 
 
-def _node_record(node: fx.Node) -> tuple[Any, ...]:
+def _node_record(node: fx.Node) -> tuple[object, ...]:
     return (node.op, node.name, _target_record(node.target), fx.node.map_aggregate(node.args, _ref_of),
             fx.node.map_aggregate(node.kwargs, _ref_of))
 
@@ -124,7 +125,7 @@ def _resolve_target(record: Any) -> Any:
     return record[1]
 
 
-def describe(x: Any) -> str:
+def describe(x: object) -> str:
     """A tensor as ``[8, 512] float32`` (a tuple of them joined); anything else by its repr."""
     if isinstance(x, tuple | list):
         return "(" + ", ".join(describe(v) for v in x) + ")"
@@ -133,12 +134,12 @@ def describe(x: Any) -> str:
     return repr(x)[:40]
 
 
-def _inputs_of(node: fx.Node, gm: fx.GraphModule, args: tuple[Any, ...]) -> str:
+def _inputs_of(node: fx.Node, gm: fx.GraphModule, args: tuple[object, ...]) -> str:
     """Shapes of a node's tensor inputs, recomputed up to that node on fake tensors."""
-    values: dict[fx.Node, Any] = {}
+    values: dict[fx.Node, object] = {}
 
     class Upto(fx.Interpreter):
-        def run_node(self, n: fx.Node) -> Any:
+        def run_node(self, n: fx.Node) -> object:
             if n is node:
                 raise _Stop
             values[n] = out = super().run_node(n)
@@ -159,7 +160,8 @@ class _Stop(Exception):
     pass
 
 
-def _rebuild(attrs: dict[str, Any], records: list[tuple[Any, ...]], node_modules: dict[str, str]) -> FlatStage:
+def _rebuild(attrs: dict[str, torch.Tensor | nn.Module], records: list[tuple[Any, ...]],
+             node_modules: dict[str, str]) -> FlatStage:
     root = nn.Module()
     _register(root, attrs)
     graph = fx.Graph()
@@ -177,7 +179,7 @@ def _rebuild(attrs: dict[str, Any], records: list[tuple[Any, ...]], node_modules
     return flat
 
 
-def _register(root: nn.Module, attrs: dict[str, Any]) -> None:
+def _register(root: nn.Module, attrs: dict[str, torch.Tensor | nn.Module]) -> None:
     for name, value in attrs.items():
         *path, leaf = name.split(".")
         parent = root
@@ -201,13 +203,13 @@ def flatten_stage(stage: nn.Module, aliases: dict[str, str]) -> FlatStage:
     placeholders in order.
     """
     new = fx.Graph()
-    attrs: dict[str, Any] = {}
+    attrs: dict[str, torch.Tensor | nn.Module] = {}
     nodes: dict[str, fx.Node] = {}
     node_modules: dict[str, str] = {}
 
     model_names = set(aliases.values())
 
-    def attribute(path: str, value: Any) -> fx.Node:
+    def attribute(path: str, value: torch.Tensor | nn.Module) -> fx.Node:
         name = canonical_name(path, aliases)
         # torch copies a module's tensors for each of its calls (ALBERT's one layer, called 12 times): one
         # model tensor is one parameter again. Other attributes (lifted constants) stay apart.
@@ -218,7 +220,7 @@ def flatten_stage(stage: nn.Module, aliases: dict[str, str]) -> FlatStage:
             nodes[name] = new.get_attr(name)
         return nodes[name]
 
-    def inline(mod: nn.Module, prefix: str, args: list[Any]) -> Any:
+    def inline(mod: nn.Module, prefix: str, args: Sequence[object]) -> fx.node.Argument:
         env: dict[fx.Node, Any] = {}
         graph = _graph_of(mod)
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
+import torch
 from torch import fx, nn
 
+if TYPE_CHECKING:
+    from torch import distributed as dist
+    from torch.distributed.pipelining import Pipe, PipelineStage
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+    from torch.export import ExportedProgram
 
-def split_graph(pipe: Any) -> fx.Graph:
+
+def split_graph(pipe: Pipe) -> fx.Graph:
     """The top-level graph of torch's ``Pipe``: placeholders, one ``call_module`` per stage, the output."""
     graph = getattr(getattr(pipe, "split_gm", None), "graph", None)
     if not isinstance(graph, fx.Graph):
@@ -27,7 +34,7 @@ def timed_waits(record: Callable[[float, float], None], threshold: float = 1e-4)
 
     original = schedules._wait_batch_p2p
 
-    def timed(work: Any) -> Any:
+    def timed(work: list[dist.Work]) -> object:
         if not work:  # torch waits on empty lists too: nothing to time
             return original(work)
         start = time.time()
@@ -71,6 +78,20 @@ def schedule_actions(schedule: str, num_ranks: int, num_stages: int, microbatche
     return out
 
 
+def runtime_schedule(stages: list[PipelineStage], order: Sequence[Sequence[str]], microbatches: int,
+                     loss_fn: Callable[[object, object], torch.Tensor] | None) -> _PipelineScheduleRuntime:
+    """torch's own multi-stage runtime (``_PipelineScheduleRuntime``) running a custom compute order: one list of
+    actions (``"1F0"``, ``"0I2"``) per pipeline rank, every rank's; torch adds the sends, receives and gradient
+    reductions (``_prepare_schedule_with_comms``, as it does for the schedules it builds itself) and places the
+    stages where the order runs them."""
+    from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRuntime
+
+    schedule = _PipelineScheduleRuntime(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+    schedule._prepare_schedule_with_comms(
+        {rank: [_Action.from_str(a) for a in acts] for rank, acts in enumerate(order)})
+    return schedule
+
+
 @contextlib.contextmanager
 def regions_inlined() -> Iterator[None]:
     """Inside the block, torch's ``pipeline()`` splits a graph whose grad-mode / autocast regions are inlined and
@@ -84,7 +105,8 @@ def regions_inlined() -> Iterator[None]:
 
     original = Pipe.__dict__["_trace_with_export"]
 
-    def trace(mod: nn.Module, example_args: tuple[Any, ...], example_kwargs: dict[str, Any] | None = None) -> Any:
+    def trace(mod: nn.Module, example_args: tuple[object, ...],
+              example_kwargs: dict[str, object] | None = None) -> ExportedProgram:
         # transformers 4.x's MoE loops (pipeviz.hf_moe) and LayerDrop checks (pipeviz.hf_layerdrop)
         with exportable_moe(), decided_layerdrop():
             ep = original.__func__(mod, example_args, example_kwargs)

@@ -6,7 +6,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
 
 # The PipelineStage methods a timed stage overrides, with the parameters torch 2.13–2.15 give them.
 OVERRIDDEN = {
@@ -15,7 +18,7 @@ OVERRIDDEN = {
     "backward_weight_one_chunk": ("self", "bwd_chunk_id", "last_backward"),
 }
 
-Span = Callable[[int, str, int], contextlib.AbstractContextManager[Any]]
+Span = Callable[[int, str, int], contextlib.AbstractContextManager[object]]
 
 
 def check_stage_methods() -> None:
@@ -32,7 +35,7 @@ def check_stage_methods() -> None:
                                "timed stage needs updating for this torch.")
 
 
-def timed_stage_class(span: Span) -> type[Any]:
+def timed_stage_class(span: Span) -> type[PipelineStage]:
     """A ``PipelineStage`` subclass that times each action: ``span(stage_index, kind, microbatch)`` is entered
     around every forward (``"F"``), full backward (``"B"``), input-grad (``"I"``) and weight-grad (``"W"``) pass
     of a stage that computes one (a forward-only stage's no-op backward calls are not timed).
@@ -50,8 +53,8 @@ def timed_stage_class(span: Span) -> type[Any]:
             with span(self.stage_index, "F", fwd_chunk_id):
                 return super().forward_one_chunk(fwd_chunk_id, *a, **k)
 
-        def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
-                               last_backward: bool = False) -> Any:
+        def backward_one_chunk(self, bwd_chunk_id: int, loss: object = None, full_backward: bool = True,
+                               last_backward: bool = False) -> object:
             if not self.has_backward:  # a forward-only run: torch calls it, and it does nothing
                 return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                                   last_backward=last_backward)
@@ -59,7 +62,7 @@ def timed_stage_class(span: Span) -> type[Any]:
                 return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                                   last_backward=last_backward)
 
-        def backward_weight_one_chunk(self, bwd_chunk_id: int, *a: Any, **k: Any) -> Any:
+        def backward_weight_one_chunk(self, bwd_chunk_id: int, *a: object, **k: object) -> object:
             if not self.has_backward:
                 return super().backward_weight_one_chunk(bwd_chunk_id, *a, **k)
             with span(self.stage_index, "W", bwd_chunk_id):

@@ -13,20 +13,30 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
-__all__ = ["PATH", "constant", "entries", "entry"]
+__all__ = ["PATH", "Entry", "constant", "entries", "entry"]
+
+
+class Entry(TypedDict):
+    """One calibrated constant as ``calibration.json`` holds it."""
+
+    value: float
+    unit: str
+    what: str
+    measured_by: str
+    measured: str
 
 PATH = Path(__file__).with_name("calibration.json")
 
 
 @functools.lru_cache(maxsize=1)
-def entries() -> dict[str, dict[str, Any]]:
+def entries() -> dict[str, Entry]:
     """Every calibrated constant: name -> ``{"value", "unit", "what", "measured_by", "measured"}``."""
     return dict(json.loads(PATH.read_text()))
 
 
-def entry(name: str) -> dict[str, Any]:
+def entry(name: str) -> Entry:
     """One constant's entry.
 
     Raises:

@@ -12,27 +12,36 @@ replicated in truth: an approximation). Tensor parallelism pays all-reduces of l
 the rank's parameter bytes; ``pv.simulate`` places it).
 
 Example:
-    >>> all_reduce_time(2**20, 4, link("cpu"))          # seconds: a ring all-reduce of 1 MiB over 4 processes
+    >>> all_reduce_time(2**20, 4, backend_link("cpu"))          # seconds: a ring all-reduce of 1 MiB over 4 processes
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pipeviz.cost.machine import LINKS
 from pipeviz.mesh import Mesh
 
 if TYPE_CHECKING:
+    from pipeviz.graphview import Layer
     from pipeviz.plan import SplitPlan
 
-__all__ = ["DDP_BUCKET_BYTES", "all_reduce_time", "attention_kv_bytes", "cp_collectives", "ddp_buckets", "link",
-           "tp_all_reduces", "tp_collectives"]
+__all__ = [
+    "DDP_BUCKET_BYTES",
+    "all_reduce_time",
+    "attention_kv_bytes",
+    "backend_link",
+    "cp_collectives",
+    "ddp_buckets",
+    "tp_all_reduces",
+    "tp_collectives",
+]
 
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb=25
 
 
-def link(device: str | None = "cpu", backend: str | None = None, bandwidth: float | None = None,
+def backend_link(device: str | None = "cpu", backend: str | None = None, bandwidth: float | None = None,
          latency: float | None = None) -> tuple[float, float]:
     """``(bandwidth bytes/s, latency s)`` of a link: ``LINKS[backend]`` (default gloo on CPU, NCCL on GPUs),
     either figure overridden."""
@@ -62,7 +71,7 @@ def ddp_buckets(nbytes: int, bucket: int = DDP_BUCKET_BYTES) -> list[int]:
     return [bucket] * full + ([rest] if rest else [])
 
 
-def tp_all_reduces(layer: Any) -> int:
+def tp_all_reduces(layer: Layer) -> int:
     """All-reduces of a layer's output per forward (and as many of its input grad per backward) under tensor
     parallelism, from what the graph knows of the layer (Megatron-LM, Shoeybi et al. 2019):
 
@@ -82,7 +91,7 @@ def tp_collectives(plan: SplitPlan, microbatches: float, dp: int = 1, tp: int = 
     """Per stage, seconds of tensor-parallel all-reduces in one forward of one microbatch (as many again in
     its backward): ``sum over layers of tp_all_reduces(layer) x all_reduce_time(out_bytes / (m x dp), tp)``
     (``scale``: the bytes' dtype and batch relative to the traced ones, ``CostOptions``)."""
-    via = via or link()
+    via = via or backend_link()
     layers = {layer.name: layer for layer in plan.graph.layers}
     return tuple(
         sum(tp_all_reduces(layers[n]) * all_reduce_time(layers[n].out_bytes * scale / (microbatches * dp), tp, via)

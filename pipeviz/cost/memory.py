@@ -17,7 +17,7 @@ nothing in a no_grad region (``Op.saved_bytes``); a copy of its own of every sav
 earlier stage (``SplitPlan.received_saved_bytes``); on the last stage what the loss saves (an output-sized
 log-softmax). Not counted, as the run's meter does not count them: a stage's outputs and received inputs that no
 op saves (torch's stage holds them until the backward; on a GPU they are in ``memory_allocated``, not here).
-Measured on CPU runs (``benchmarks/memory_accuracy.py``): within 0.1 % of the simulator's peak per rank under
+Measured on CPU runs (``benchmarks/accuracy/memory_accuracy.py``): within 0.1 % of the simulator's peak per rank under
 GPipe, 1F1B, Interleaved1F1B and ZBVZeroBubble.
 
 Example:
@@ -28,20 +28,28 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Unpack
 
 from pipeviz import schedules as sched
 from pipeviz.cost.model import Costs, stage_costs
-from pipeviz.cost.options import CostOptions
-from pipeviz.cost.rule import OPTIMIZER_STATES, stage_memory
+from pipeviz.cost.options import CostChanges, CostOptions, LinkOptions
+from pipeviz.cost.rule import OPTIMIZER_STATES, stage_bytes
 from pipeviz.plan import register_pricer
 
 if TYPE_CHECKING:
     from pipeviz.cost.machine import Hardware
     from pipeviz.plan import SplitPlan, StageInfo
 
-__all__ = ["in_flight", "memory_per_rank", "peak_activations", "plan_stage_memory", "plan_table", "stage_info_memory",
-           "stage_memory", "static_memory"]
+__all__ = [
+    "in_flight",
+    "memory_per_rank",
+    "peak_activations",
+    "plan_stage_memory",
+    "plan_table",
+    "stage_bytes",
+    "stage_info_memory",
+    "static_memory",
+]
 
 
 def peak_activations(order: Sequence[Sequence[str]], activation_bytes: Sequence[int],
@@ -85,7 +93,7 @@ def memory_per_rank(plan: SplitPlan | None, schedule: str, microbatches: int, st
                     optimizer_states: int | None = None, costs: Costs | None = None,
                     order: Sequence[Sequence[str]] | None = None, forward_only: bool = False, *,
                     hardware: Hardware | str | None = None, dtype: str | None = None, recompute: str | None = None,
-                    options: CostOptions | None = None, **link_options: Any) -> list[int]:
+                    options: CostOptions | None = None, **link_options: Unpack[LinkOptions]) -> list[int]:
     """Bytes each rank holds at its peak when ``plan`` trains under ``schedule`` (the module's formula).
 
     ``forward_only``: an inference run keeps weights and buffers, no gradients or optimizer state, and one
@@ -116,7 +124,7 @@ def memory_per_rank(plan: SplitPlan | None, schedule: str, microbatches: int, st
     rebuilt = costs.recompute_bytes or (0,) * n
     return [
         peaks[r] + max(rebuilt[s] for s in lay.stages_of(r))
-        + sum(stage_memory(costs.param_bytes[s], buffers[s], 0, optimizer_states) for s in lay.stages_of(r))
+        + sum(stage_bytes(costs.param_bytes[s], buffers[s], 0, optimizer_states) for s in lay.stages_of(r))
         for r in lay.ranks
     ]
 
@@ -124,16 +132,17 @@ def memory_per_rank(plan: SplitPlan | None, schedule: str, microbatches: int, st
 def stage_info_memory(stage: StageInfo, optimizer_states: int = OPTIMIZER_STATES) -> int:
     """``StageInfo.memory_bytes``: the stage on a rank of its own with every microbatch in flight (GPipe, the
     most any schedule keeps), whatever the microbatch count: its whole batch's activations."""
-    return stage_memory(stage.param_bytes, stage.buffer_bytes, stage.activation_bytes, optimizer_states)
+    return stage_bytes(stage.param_bytes, stage.buffer_bytes, stage.activation_bytes, optimizer_states)
 
 
 def static_memory(costs: Costs, stages: Sequence[int], optimizer_states: int = OPTIMIZER_STATES) -> int:
     """A rank's bytes before any activation: its stages' weights, gradients, optimizer state and buffers."""
     buffers = costs.buffer_bytes or (0,) * len(costs.param_bytes)
-    return sum(stage_memory(costs.param_bytes[s], buffers[s], 0, optimizer_states) for s in stages)
+    return sum(stage_bytes(costs.param_bytes[s], buffers[s], 0, optimizer_states) for s in stages)
 
 
-def plan_stage_memory(plan: SplitPlan, options: CostOptions | None = None, **cost_options: Any) -> list[int]:
+def plan_stage_memory(plan: SplitPlan, options: CostOptions | None = None,
+                      **cost_options: Unpack[CostChanges]) -> list[int]:
     """Each stage's training footprint on a rank of its own with the whole batch in flight (the preview's
     ``StageInfo.memory_bytes``), in the cost model's settings: the training dtype's activations, what
     recomputation keeps, ``optimizer_states`` (``CostOptions`` or its fields as keywords).
@@ -144,11 +153,11 @@ def plan_stage_memory(plan: SplitPlan, options: CostOptions | None = None, **cos
     opts = CostOptions.of(options, **cost_options)
     costs = stage_costs(plan, 1, options=opts)
     rebuilt = costs.recompute_bytes or (0,) * plan.num_stages
-    return [stage_memory(s.param_bytes, s.buffer_bytes, a + r, opts.optimizer_states)
+    return [stage_bytes(s.param_bytes, s.buffer_bytes, a + r, opts.optimizer_states)
             for s, a, r in zip(plan.stages, costs.activation_bytes, rebuilt, strict=True)]
 
 
-def plan_table(plan: SplitPlan, options: CostOptions | None = None, **cost_options: Any) -> str:
+def plan_table(plan: SplitPlan, options: CostOptions | None = None, **cost_options: Unpack[CostChanges]) -> str:
     """The stage preview as a plain-text table, memory in the cost options' settings (``plan_stage_memory``)."""
     return plan.table(memory=plan_stage_memory(plan, options, **cost_options))
 

@@ -9,16 +9,36 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
-from pipeviz.cost.comm import link
+from pipeviz.cost.comm import backend_link
 from pipeviz.cost.machine import DTYPE_BYTES, Hardware, dtype_name, hardware
 from pipeviz.cost.rule import OPTIMIZER_STATES
 
 if TYPE_CHECKING:
     from pipeviz.graphview import GraphView
 
-__all__ = ["OPTIMIZER_STATES", "RECOMPUTE", "CostOptions"]
+__all__ = ["OPTIMIZER_STATES", "RECOMPUTE", "CostChanges", "CostOptions", "LinkOptions"]
+
+
+class LinkOptions(TypedDict, total=False):
+    """The FLOP-rate and link keywords of ``stage_costs`` (``CostOptions``' fields of the same names)."""
+
+    device: str | None
+    flops_per_s: float | None
+    bandwidth: float | None
+    latency: float | None
+    backend: str | None
+
+
+class CostChanges(LinkOptions, total=False):
+    """``CostOptions``' fields as keywords (``CostOptions.of``): None keeps the value of the options given."""
+
+    hardware: Hardware | str | None
+    dtype: str | None
+    recompute: str | None
+    optimizer_states: int | None
+    batch_scale: float | None
 
 
 
@@ -83,10 +103,10 @@ class CostOptions:
             raise ValueError(f"batch_scale must be positive, got {self.batch_scale!r}.")
 
     @classmethod
-    def of(cls, options: CostOptions | None = None, **changes: Any) -> CostOptions:
+    def of(cls, options: CostOptions | None = None, **changes: Unpack[CostChanges]) -> CostOptions:
         """``options`` (default: all defaults) with every keyword that is not ``None`` replaced: how the
         functions that take both ``options=`` and today's keywords merge them."""
-        given = {k: v for k, v in changes.items() if v is not None}
+        given: dict[str, Any] = {k: v for k, v in changes.items() if v is not None}
         base = options if options is not None else cls()
         return replace(base, **given) if given else base
 
@@ -101,7 +121,7 @@ class CostOptions:
         backend's; ``bandwidth`` / ``latency`` override."""
         hw = self.hw
         if hw is None:
-            return link(self.device, self.backend, self.bandwidth, self.latency)
+            return backend_link(self.device, self.backend, self.bandwidth, self.latency)
         bw, lat = hw.link(span, allreduce=allreduce)
         return self.bandwidth or bw, lat if self.latency is None else self.latency
 

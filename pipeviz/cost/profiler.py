@@ -14,7 +14,6 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -22,7 +21,7 @@ from torch.utils import _pytree as pytree
 from pipeviz._compat import positional_legacy
 from pipeviz.cost.measured import CPU_ACTION_OVERHEAD, Profile
 from pipeviz.graph import ModelGraph
-from pipeviz.plan import check_microbatches
+from pipeviz.plan import check_batch_split
 
 __all__ = ["CPU_ACTION_OVERHEAD", "Profile", "profile"]
 
@@ -35,7 +34,7 @@ def _sync(device: torch.device) -> Callable[[], None]:
 
 @positional_legacy("device", "microbatches", "repeats", "warmup", "loss_fn", "threads", "busy_cores", "clock")
 def profile(graph: ModelGraph, *, device: str = "cpu", microbatches: int = 1, repeats: int = 7,
-            warmup: int = 2, loss_fn: Callable[[Any], torch.Tensor] | None = None, threads: int | None = None,
+            warmup: int = 2, loss_fn: Callable[..., torch.Tensor] | None = None, threads: int | None = None,
             busy_cores: bool = True, clock: Callable[[], float] = time.perf_counter) -> Profile:
     """Time every layer's forward and backward for one microbatch on ``device`` and calibrate ``graph``.
 
@@ -63,7 +62,7 @@ def profile(graph: ModelGraph, *, device: str = "cpu", microbatches: int = 1, re
 
     keep_heap()  # time what pipeviz's workers will do (they keep large buffers in the heap)
     dev = torch.device(device)
-    check_microbatches(graph.batch_size, microbatches)
+    check_batch_split(graph.batch_size, microbatches)
     args, kwargs = graph.capture.example_args, graph.example_kwargs
     from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
@@ -83,12 +82,12 @@ def profile(graph: ModelGraph, *, device: str = "cpu", microbatches: int = 1, re
     handles = []
 
     def pre(name: str) -> Callable[..., None]:
-        def hook(*_: Any) -> None:
+        def hook(*_: object) -> None:
             marks[name] = now()
         return hook
 
     def post(name: str) -> Callable[..., None]:
-        def hook(_mod: Any, _inp: Any, out: Any) -> None:
+        def hook(_mod: torch.nn.Module, _inp: tuple[object, ...], out: object) -> None:
             fwd[name].append(now() - marks.pop(name))
             tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
@@ -153,7 +152,8 @@ class _Load:
             t.join(5)
 
 
-def _passes(model: torch.nn.Module, args: Any, kwargs: Any, loss_of: Callable[[Any], torch.Tensor],
+def _passes(model: torch.nn.Module, args: tuple[object, ...], kwargs: dict[str, object],
+            loss_of: Callable[..., torch.Tensor],
             now: Callable[[], float], warmup: int, repeats: int, fwd: dict[str, list[float]],
             bwd: dict[str, list[float]], grad_ready: dict[str, float],
             accumulate: bool) -> tuple[list[float], list[float], list[float]]:
@@ -192,7 +192,7 @@ def _passes(model: torch.nn.Module, args: Any, kwargs: Any, loss_of: Callable[[A
     return total_f, total_l, total_b
 
 
-def _default_loss(out: Any) -> torch.Tensor:
+def _default_loss(out: object) -> torch.Tensor:
     from pipeviz.runtime.reference import model_output
 
     out = model_output(out)

@@ -22,12 +22,13 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Protocol
 
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["MAX_BYTES", "MAX_FLOPS", "TensorSpec", "loss_seconds", "op_seconds", "replayable", "scaled_shape"]
+__all__ = ["MAX_BYTES", "MAX_FLOPS", "OpArgs", "ReplayOp", "TensorSpec", "loss_seconds", "op_seconds", "replayable",
+           "scaled_shape"]
 
 MAX_BYTES = 256 * 2**20  # an op whose tensors are larger is estimated, not replayed (a meta-device big model)
 MAX_FLOPS = 2e9  # nor one with more work (~30 ms a run here): a matmul that large runs at the measured peak rate
@@ -56,22 +57,42 @@ class TensorSpec:
     order: tuple[int, ...] | None = None
 
 
-def replayable(op: Any) -> bool:
+# A traced op's arguments (``pipeviz.capture.Op.spec``): positional ones, and keyword ones as (name, value) pairs;
+# tensors as ``TensorSpec``, lists as tuples (hashable).
+OpArgs = tuple[tuple[object, ...], tuple[tuple[str, object], ...]]
+# A tensor argument to replay: (shape, dtype, needs a gradient, is an activation, layout: ``TensorSpec.order``).
+_Shaped = tuple[tuple[int, ...], torch.dtype, bool, bool, tuple[int, ...] | None]
+
+
+class ReplayOp(Protocol):
+    """What a replay reads of a traced op (a ``pipeviz.capture.Op``)."""
+
+    @property
+    def target(self) -> str: ...
+
+    @property
+    def flops(self) -> int: ...
+
+    @property
+    def spec(self) -> OpArgs | None: ...
+
+
+def replayable(op: ReplayOp) -> bool:
     """Whether ``op`` (a ``pipeviz.capture.Op``) carries the arguments a replay needs."""
     return op.spec is not None and op.target.startswith("aten.")
 
 
-def op_seconds(op: Any, scale: float, dtype: torch.dtype | None = None, batch: int | None = None
+def op_seconds(op: ReplayOp, scale: float, dtype: torch.dtype | None = None, batch: int | None = None
                ) -> tuple[float, float] | None:
     """Forward and backward seconds of ``op`` at ``scale`` x the traced batch of ``batch`` examples (each
     activation's batch dim scaled: ``scaled_shape``), in ``dtype`` (default: as traced), on one thread; None when it
     cannot be replayed."""
-    if not replayable(op) or op.flops * scale > MAX_FLOPS:
+    if not replayable(op) or op.flops * scale > MAX_FLOPS or op.spec is None:
         return None
     args, kwargs = op.spec
     leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, TensorSpec)]
 
-    def shapes(constants: bool) -> tuple[tuple[tuple[int, ...], torch.dtype, bool, bool, Any], ...]:
+    def shapes(constants: bool) -> tuple[_Shaped, ...]:
         # constants: also scale a tensor that is neither an activation nor trained but carries the batch's dim
         # (an attention mask built from positions alone, expanded to the batch), else it keeps its traced shape
         # and disagrees with the scaled activations it meets: GPT-2's and Llama's attention did not replay.
@@ -123,12 +144,12 @@ def scaled_shape(t: TensorSpec, scale: float, batch: int | None = None) -> tuple
     return tuple(dims)
 
 
-def _thaw(tree: Any, tensors: list[torch.Tensor]) -> Any:
+def _thaw(tree: OpArgs, tensors: list[torch.Tensor]) -> tuple[tuple[object, ...], dict[str, object]]:
     """The recorded arguments (tuples for lists, keyword arguments as pairs: ``Op.spec``) with each ``TensorSpec``
     replaced by the next of ``tensors``, lists restored."""
     it = iter(tensors)
 
-    def go(x: Any) -> Any:
+    def go(x: object) -> object:
         if isinstance(x, TensorSpec):
             return next(it)
         if isinstance(x, tuple):
@@ -139,14 +160,13 @@ def _thaw(tree: Any, tensors: list[torch.Tensor]) -> Any:
     return tuple(go(a) for a in args), {k: go(v) for k, v in kwargs}
 
 
-def _resolve(target: str) -> Callable[..., Any]:
+def _resolve(target: str) -> Callable[..., object]:
     ns, name, overload = target.split(".")
     return getattr(getattr(getattr(torch.ops, ns), name), overload)
 
 
 @functools.lru_cache(maxsize=4096)
-def _measure(target: str, frozen: Any, shapes: tuple[tuple[tuple[int, ...], torch.dtype, bool, bool, Any], ...]
-             ) -> tuple[float, float]:
+def _measure(target: str, frozen: OpArgs, shapes: tuple[_Shaped, ...]) -> tuple[float, float]:
     """(forward, backward) seconds; ``shapes``: each tensor argument's (shape, dtype, needs a gradient, is an
     activation, layout: ``TensorSpec.order``)."""
     if sum(_numel(s) * _itemsize(dt) for s, dt, _, _, _ in shapes) > MAX_BYTES:
@@ -224,7 +244,7 @@ def _random(shape: tuple[int, ...], dtype: torch.dtype, grad: bool, order: tuple
     return torch.zeros(shape, dtype=dtype)  # indices: 0 is valid for any table
 
 
-def _timed(fn: Callable[[], Any], warm: list[torch.Tensor], flush: bool = True) -> float:
+def _timed(fn: Callable[[], object], warm: list[torch.Tensor], flush: bool = True) -> float:
     """Seconds of one ``fn()``, as a run meets it: each call after the caches were flushed (a run streams a
     layer's weights from memory once a microbatch: a loop over one op would find them in cache) and the
     activations ``warm`` read again (the op before just wrote them; ``flush=False``: an op whose tensors fit in

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 from pipeviz.cost.machine import DTYPE_BYTES, Hardware
 
 if TYPE_CHECKING:
+    import torch
+
     from pipeviz.capture import Capture
     from pipeviz.graphview import GraphView
 
@@ -236,7 +238,7 @@ def layer_roofline(graph: GraphView, hw: Hardware, dtype: str | None, k: float,
 _TORCH_DTYPES = {"float32": "float32", "tf32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
-def _torch_dtype(dtype: str | None) -> Any:
+def _torch_dtype(dtype: str | None) -> torch.dtype | None:
     """The torch dtype a replay runs ``dtype`` in (tf32 as float32); None: as traced (or not replayable)."""
     import torch
 

@@ -3,18 +3,18 @@ weights, their gradients and the optimizer's state per parameter, its buffers, a
 that prices memory (``pipeviz.cost.memory``, a ``StageInfo``'s figure) calls it.
 
 Example:
-    >>> stage_memory(param_bytes=4_000, buffer_bytes=0, activation_bytes_in_flight=1_000)   # Adam: 2 states
+    >>> stage_bytes(param_bytes=4_000, buffer_bytes=0, activation_bytes_in_flight=1_000)   # Adam: 2 states
     17000
 """
 
 from __future__ import annotations
 
-__all__ = ["OPTIMIZER_STATES", "stage_memory"]
+__all__ = ["OPTIMIZER_STATES", "stage_bytes"]
 
 OPTIMIZER_STATES = 2  # tensors of optimizer state per parameter by default: Adam's two moments
 
 
-def stage_memory(param_bytes: int, buffer_bytes: int, activation_bytes_in_flight: float,
+def stage_bytes(param_bytes: int, buffer_bytes: int, activation_bytes_in_flight: float,
                  optimizer_states: int = OPTIMIZER_STATES) -> int:
     """One stage's bytes: weights, gradients and optimizer state per parameter, buffers, live activations."""
     return round(param_bytes * (2 + optimizer_states) + buffer_bytes + activation_bytes_in_flight)

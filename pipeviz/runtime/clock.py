@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -24,7 +24,18 @@ from pipeviz.runtime.messages import (
 )
 from pipeviz.timeline import Event
 
-__all__ = ["SEND_INTERVAL", "Clock", "Span"]
+__all__ = ["SEND_INTERVAL", "Clock", "EventRecord", "Sink", "Span", "SpanKey"]
+
+# An event as a tuple (rank, stage, kind, mb, start, end, step): ``timeline.Event``'s fields, built when sent.
+EventRecord = tuple[int, int, str, int, float, float, int]
+# What a span is known by: (rank, stage, kind, mb, step).
+SpanKey = tuple[int, int, str, int, int]
+
+
+class Sink(Protocol):
+    """Where a rank's messages go: the launching process's queue, or an exported run's event files."""
+
+    def put(self, msg: Message, /) -> None: ...
 
 SEND_INTERVAL = 0.1  # seconds: live enough to watch, rare enough not to disturb the ranks
 
@@ -38,10 +49,10 @@ class Clock:
 
     def __init__(self, t0: float, cuda: torch.device | None) -> None:
         self.t0, self.cuda = t0, cuda
-        self.pending: list[tuple[Any, ...]] = []
-        self.buffer: list[tuple[Any, ...]] = []
+        self.pending: list[tuple[SpanKey, torch.cuda.Event, torch.cuda.Event]] = []
+        self.buffer: list[EventRecord] = []
         self.outbox: list[Message] = []
-        self.finished: collections.deque[tuple[Any, ...]] = collections.deque()  # from other threads
+        self.finished: collections.deque[EventRecord] = collections.deque()  # from other threads
         self.meter = MemoryMeter(cuda)
         self.stage = -1  # the stage of the action running now (what a tensor-parallel collective belongs to)
         self.memory: list[tuple[float, int, int]] = []  # (time, total bytes, saved-activation bytes)
@@ -53,7 +64,7 @@ class Clock:
     def span(self, rank: int, stage: int, kind: str, mb: int, step: int) -> Span:
         return Span(self, (rank, stage, kind, mb, step))
 
-    def record(self, event: tuple[Any, ...]) -> None:
+    def record(self, event: EventRecord) -> None:
         """A host-timed event (communication waits), sent with the others."""
         self.buffer.append(event)
         if event[5] - self.sent_at > SEND_INTERVAL:
@@ -64,7 +75,7 @@ class Clock:
         activations, total = self.meter.sample()
         self.memory.append((time.time() - self.t0, total, activations))
 
-    def record_async(self, event: tuple[Any, ...]) -> None:
+    def record_async(self, event: EventRecord) -> None:
         """An event timed on another thread (a communication future's callback): queued, and moved into the
         next batch by the rank's own thread, which alone touches ``buffer``."""
         self.finished.append(event)
@@ -105,7 +116,7 @@ class Clock:
 
 
 class Span:
-    def __init__(self, clock: Clock, key: tuple[Any, ...]) -> None:
+    def __init__(self, clock: Clock, key: SpanKey) -> None:
         self.clock, self.key = clock, key
 
     def __enter__(self) -> None:
@@ -123,7 +134,7 @@ class Span:
         else:
             self.start = time.time() - c.t0
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         c = self.clock
         if c.cuda is not None:
             b = torch.cuda.Event(enable_timing=True)

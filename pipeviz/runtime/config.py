@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 import torch
 
@@ -61,6 +61,12 @@ class LaunchConfig:
         tp_plan: ``{module name: "colwise" | "rowwise"}`` for tensor parallelism; default: Megatron's MLP rule.
         cp: context-parallel shares of every sequence (``pv.simulate`` and ``pv.plan_cluster``; ``pv.launch``
             refuses cp > 1, naming why).
+        order: a custom schedule: one list of actions per pipeline rank in torch's notation (``"1F0"``: stage 1's
+            forward of microbatch 0; kinds ``F``, ``B``, or ``I`` and ``W`` for a split backward). The stages stay
+            where ``schedule`` and ``stages_per_rank`` place them; the order replaces the schedule's own.
+            ``pv.simulate`` plays it and ``pv.launch`` runs it through torch's own runtime
+            (``_PipelineScheduleRuntime``, which adds the sends and receives); every stage's forward and
+            backward of every microbatch must appear once, in an order that can run.
 
     Raises:
         MeshError: ``dp``, ``cp`` or ``tp`` not a positive int (a ``LaunchError``).
@@ -82,10 +88,18 @@ class LaunchConfig:
     tp: int = 1
     tp_plan: Mapping[str, str] | None = None
     cp: int = 1
+    order: Sequence[Sequence[str]] | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "cp", "tp"):  # one check for every front door (pipeviz.mesh)
             check_degree(name, getattr(self, name))
+        if self.order is not None:  # its text form, every action parsed now (an unknown kind raises)
+            if isinstance(self.order, str) or not all(isinstance(r, Sequence) and not isinstance(r, str)
+                                                      for r in self.order):
+                raise sched.ScheduleError(
+                    f"order must be one list of actions per pipeline rank, got {self.order!r}. Fix: "
+                    "order=[['0F0', '0F1', '0B0', '0B1'], ['1F0', '1B0', '1F1', '1B1']].")
+            object.__setattr__(self, "order", tuple(tuple(str(sched.parse(a)) for a in r) for r in self.order))
 
     def layout(self, num_stages: int) -> Layout:
         """Where ``num_stages`` stages run under this schedule and stages per rank (``pipeviz.schedules.layout``)."""
@@ -95,10 +109,11 @@ class LaunchConfig:
         """The run's layout for a plan of ``num_stages`` stages: its pipeline ranks × ``dp`` × ``cp`` × ``tp``."""
         return Mesh(self.layout(num_stages).num_ranks, self.dp, self.tp, self.cp)
 
-    def replace(self, **changes: Any) -> LaunchConfig:
+    def replace(self, **changes: object) -> LaunchConfig:
         """A copy with ``changes``; an unknown option is named with the valid ones."""
         _check_names(changes)
-        return dataclasses.replace(self, **changes)
+        # the names are checked above, the values by __post_init__ and the launch's validation
+        return dataclasses.replace(self, **cast("dict[str, Any]", changes))
 
 
 class LaunchOptions(TypedDict, total=False):
@@ -118,9 +133,10 @@ class LaunchOptions(TypedDict, total=False):
     tp: int
     tp_plan: Mapping[str, str] | None
     cp: int
+    order: Sequence[Sequence[str]] | None
 
 
-def _check_names(changes: Mapping[str, Any]) -> None:
+def _check_names(changes: Mapping[str, object]) -> None:
     valid = [f.name for f in fields(LaunchConfig)]
     unknown = sorted(set(changes) - set(valid))
     if unknown:
@@ -128,7 +144,7 @@ def _check_names(changes: Mapping[str, Any]) -> None:
                         "those, or pass data as inputs=, input_kwargs=, target=, data= or weights=.")
 
 
-def launch_config(config: LaunchConfig | None, **given: Any) -> LaunchConfig:
+def launch_config(config: LaunchConfig | None, **given: object) -> LaunchConfig:
     """``config`` (default ``LaunchConfig()``) with the options given at the call (``UNSET`` ones left out)."""
     if config is not None and not isinstance(config, LaunchConfig):
         raise TypeError(f"config must be a pv.LaunchConfig, got {type(config).__name__}. Fix: "

@@ -14,8 +14,8 @@ Example:
 from __future__ import annotations
 
 import queue as queue_mod
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,18 +23,25 @@ from pipeviz.capture import _batch_size
 from pipeviz.runtime.messages import Batch, End, Feed
 from pipeviz.runtime.spec import LaunchError, LaunchSpec, data_batch, share
 
-__all__ = ["Feeder"]
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
+
+__all__ = ["FedBatch", "Feeder"]
+
+# One step's (args, kwargs, target), as checked against the first batch.
+FedBatch = tuple[tuple[object, ...], dict[str, object], object]
 
 _KEEP_BATCHES = 256 * 2**20  # a data= run keeps its batches (for check_numerics) up to this many bytes
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
+def _tensors(tree: object) -> list[torch.Tensor]:
     from torch.utils import _pytree as pytree
 
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
-def _like_first(batch: tuple[Any, Any, Any], spec: LaunchSpec, step: int) -> tuple[Any, Any, Any]:
+def _like_first(batch: tuple[object, Mapping[str, object] | None, object], spec: LaunchSpec,
+                step: int) -> FedBatch:
     """A data= batch as (args, kwargs, target), checked against the first batch: the pipeline's shapes are
     fixed by it (torch's stages have static shapes)."""
     inputs, kwargs, target = batch
@@ -70,9 +77,9 @@ class Feeder:
     def __init__(self, spec: LaunchSpec, stopped: Callable[[], bool]) -> None:
         self.spec, self.stopped = spec, stopped
         self.error: str | None = None
-        self.batches: list[tuple[tuple[Any, ...], dict[str, Any], Any]] | None = None
+        self.batches: list[FedBatch] | None = None
 
-    def run(self, feeds: list[Any]) -> None:
+    def run(self, feeds: Sequence[Queue[Feed]]) -> None:
         spec = self.spec
         mesh, lay = spec.mesh, spec.layout
         first_rank, last_rank = lay.stage_ranks[0], lay.stage_ranks[-1]
@@ -114,7 +121,7 @@ class Feeder:
         for feed in feeds:
             self._put(feed, End())
 
-    def _put(self, feed: Any, msg: Feed) -> bool:
+    def _put(self, feed: Queue[Feed], msg: Feed) -> bool:
         while not self.stopped():
             try:
                 feed.put(msg, timeout=0.2)

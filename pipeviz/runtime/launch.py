@@ -9,7 +9,10 @@ Example:
 from __future__ import annotations
 
 import os
-from typing import Any, Unpack
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Unpack
+
+import torch
 
 from pipeviz._compat import positional_legacy
 from pipeviz.plan import SplitPlan
@@ -29,10 +32,10 @@ def launch(
     microbatches: int = UNSET,
     *,
     steps: int | None = UNSET,
-    inputs: tuple[Any, ...] | Any = None,
-    input_kwargs: dict[str, Any] | None = None,
-    target: Any = None,
-    data: Any = None,
+    inputs: torch.Tensor | Sequence[object] | None = None,
+    input_kwargs: Mapping[str, object] | None = None,
+    target: torch.Tensor | None = None,
+    data: Iterable[object] | None = None,
     weights: str | os.PathLike[str] | None = None,
     config: LaunchConfig | None = None,
     **options: Unpack[LaunchOptions],
@@ -101,7 +104,8 @@ def launch(
         LaunchError, ScheduleError, PlanError: before any process starts, naming the bad value and the fix.
     """
     cfg = launch_config(config, schedule=schedule, microbatches=microbatches, steps=steps, **options)
-    spec = validate_launch(plan, cfg, inputs=inputs, input_kwargs=input_kwargs, target=target, data=data)
+    spec = validate_launch(plan, cfg, inputs=inputs, input_kwargs=None if input_kwargs is None else dict(input_kwargs),
+                           target=target, data=data)
     spec.sources, spec.init_seed = check_weights(plan, weights, cfg.init_seed), cfg.init_seed
     world = spec.mesh.world
     stage_devices, backend, compute = resolve_devices(cfg.devices, world)

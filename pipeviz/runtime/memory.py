@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import torch
 
@@ -55,7 +54,7 @@ class MemoryMeter:
         """The rank's parameters (their storages are never counted as activations)."""
         self.params = {_local(p).untyped_storage().data_ptr() for p in params}
 
-    def count_static(self, params: Iterable[torch.Tensor], optimizer: Any = None) -> None:
+    def count_static(self, params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer | None = None) -> None:
         """Parameters, gradients and optimizer state held now (call after a step: Adam's state exists then)."""
         total = 0
         for p in params:
@@ -84,7 +83,7 @@ class MemoryMeter:
             return self.activations, int(torch.cuda.memory_allocated(self.cuda))
         return self.activations, self.activations + self.static
 
-    def _pack(self, t: torch.Tensor) -> Any:
+    def _pack(self, t: torch.Tensor) -> torch.Tensor | _Saved:
         if not isinstance(t, torch.Tensor) or t.is_meta:
             return t
         local = _local(t)
@@ -117,10 +116,10 @@ class MemoryMeter:
             self.activations -= entry[1]
 
 
-def _unpack(saved: Any) -> Any:
+def _unpack(saved: torch.Tensor | _Saved) -> torch.Tensor:
     return saved.tensor if isinstance(saved, _Saved) else saved
 
 
-def _local(t: Any) -> Any:
+def _local(t: torch.Tensor) -> torch.Tensor:
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t

@@ -30,13 +30,13 @@ class Message:
     coords: Coords
     kinds: ClassVar[dict[str, type[Message]]] = {}
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         Message.kinds[cls.__name__] = cls
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         """A JSON-ready dict (bytes as base64, events as lists); ``Message.from_json`` reads it back."""
-        out: dict[str, Any] = {"type": type(self).__name__}
+        out: dict[str, object] = {"type": type(self).__name__}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, bytes):

@@ -12,17 +12,24 @@ from __future__ import annotations
 import collections
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils import _pytree as pytree
 
+from pipeviz import schedules as sched
 from pipeviz.capture import TRACE_LOCK, _batch_size
 from pipeviz.mesh import Coords
 from pipeviz.plan import SplitPlan
 from pipeviz.runtime.ship import Shipment
 from pipeviz.runtime.spec import LaunchError, LaunchSpec, share
+
+if TYPE_CHECKING:
+    from pipeviz.runtime.ship import Shipped
+    from pipeviz.runtime.stages import StageSet
+    from pipeviz.weights import StageSource
 
 __all__ = ["PAYLOAD_WAIT", "SHIP_VALUES", "Boot", "RankPayload", "launch_stages", "rank_boots", "rank_payload",
            "rank_payloads", "spec_stages", "stage_sources"]
@@ -88,6 +95,14 @@ class RankPayload:
     mesh: Any = None  # pipeviz.mesh.Mesh with replicas or shards (dp or tp > 1); None: one pipeline, rank = pp rank
     tp_placements: dict[str, str] = field(default_factory=dict)  # tp > 1: canonical name -> "shard0"/"shard1"
     dp_shard: bool = False  # replicas shard each stage with FSDP2 (fully_shard over the dp mesh dim)
+    order: tuple[tuple[str, ...], ...] | None = None  # a custom order: every pipeline rank's actions (torch's text)
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether backwards run as separate input-grad and weight-grad passes (``I`` and ``W`` actions)."""
+        if self.order is not None:
+            return any(sched.parse(a).kind in ("I", "W") for acts in self.order for a in acts)
+        return sched.info(self.schedule).split_backward
 
     @property
     def coords(self) -> Coords:
@@ -109,7 +124,7 @@ def rank_payloads(plan: SplitPlan, spec: LaunchSpec, devices: list[str], compute
 
     if not SHIP_VALUES:  # as before 2026-12-02: traced at every launch, every value pickled into its rank's payload
         stages, tied = spec_stages(plan, spec)
-        shipped: dict[int, Any] = {}
+        shipped: dict[int, tuple[torch.Tensor, Shipped]] = {}
         values: dict[str, torch.Tensor] = {}
     else:
         stages, tied = launch_stages(plan, spec)
@@ -141,7 +156,7 @@ def rank_payloads(plan: SplitPlan, spec: LaunchSpec, devices: list[str], compute
 
 
 def rank_boots(spec: LaunchSpec, devices: list[str], compute: list[str | None], backend: str, port: int, t0: float,
-               timeout: float, threads: int, cpus: list[tuple[int, ...]] | None) -> list[Any]:
+               timeout: float, threads: int, cpus: list[tuple[int, ...]] | None) -> list[Boot]:
     """Each rank's ``worker.Boot``: what it needs to join the process group before its payload is written."""
     mesh = spec.mesh
     return [Boot(rank=rank, world=mesh.world, port=port, backend=backend, device=devices[rank],
@@ -150,7 +165,7 @@ def rank_boots(spec: LaunchSpec, devices: list[str], compute: list[str | None], 
             for rank in range(mesh.world)]
 
 
-def spec_stages(plan: SplitPlan, spec: LaunchSpec) -> tuple[Any, dict[str, list[int]]]:
+def spec_stages(plan: SplitPlan, spec: LaunchSpec) -> tuple[StageSet, dict[str, list[int]]]:
     """The launch's stages (``pipeviz.runtime.stages.build_stages``), traced with one replica's microbatch, and
     the pipeline ranks holding each shared parameter. Built anew, holding the model's values (what an exported run
     pickles); ``launch_stages`` is the cached structure ``pv.launch`` ships values into."""
@@ -163,21 +178,21 @@ def spec_stages(plan: SplitPlan, spec: LaunchSpec) -> tuple[Any, dict[str, list[
     return stages, tied_ranks(stages, spec.layout.stage_ranks)
 
 
-def _replica_inputs(spec: LaunchSpec) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _replica_inputs(spec: LaunchSpec) -> tuple[tuple[object, ...], dict[str, object]]:
     # Traced with one replica's share of the batch: its microbatches have the shape every stage will see.
     batch = _batch_size(spec.args, spec.kwargs) or 1
     return share((spec.args, spec.kwargs), 0, spec.dp, batch)
 
 
 # False: the stages are traced at every launch and pickled with their values into each rank's payload, as pv.launch
-# did before 2026-12-02 (benchmarks/launch_latency.py sets it to measure both side by side).
+# did before 2026-12-02 (benchmarks/speed/launch_latency.py sets it to measure both side by side).
 SHIP_VALUES = True
 _STAGE_CACHE: collections.OrderedDict[tuple[Any, ...], tuple[Any, Any]] = collections.OrderedDict()
 _CACHE_LOCK = threading.Lock()
 _CACHE_SIZE = 8  # structures only (the model's tensors are meta in them): small
 
 
-def launch_stages(plan: SplitPlan, spec: LaunchSpec) -> tuple[Any, dict[str, list[int]]]:
+def launch_stages(plan: SplitPlan, spec: LaunchSpec) -> tuple[StageSet, dict[str, list[int]]]:
     """``spec_stages`` with the model's parameters and buffers on the meta device (their values are shipped from
     the model at each launch), cached per traced plan, microbatch shapes and output mode: torch's ``pipeline()``
     traces the model (2-3 s for GPT-2 small), and a second launch of the same plan needs none of it."""
@@ -206,7 +221,7 @@ def launch_stages(plan: SplitPlan, spec: LaunchSpec) -> tuple[Any, dict[str, lis
     return stages, tied
 
 
-def _signature(tree: Any) -> tuple[Any, ...]:
+def _signature(tree: object) -> tuple[str, tuple[object, ...]]:
     """What a traced Pipe depends on in its example inputs: their structure, and each tensor's shape, dtype and
     device (other values as they are)."""
     leaves, treespec = pytree.tree_flatten(tree)
@@ -214,7 +229,7 @@ def _signature(tree: Any) -> tuple[Any, ...]:
                                  for t in leaves))
 
 
-def _stage_tensors(stages: Any, s: int) -> list[tuple[str, bool, torch.Tensor]]:
+def _stage_tensors(stages: StageSet, s: int) -> list[tuple[str, bool, torch.Tensor]]:
     """Stage ``s``'s model tensors: (canonical name, is a parameter, the tensor), each object once."""
     mod = stages.runners[s].stage
     named = {**dict(mod.named_parameters(remove_duplicate=False)), **dict(mod.named_buffers(remove_duplicate=False))}
@@ -222,7 +237,7 @@ def _stage_tensors(stages: Any, s: int) -> list[tuple[str, bool, torch.Tensor]]:
     return out + [(c, False, named[i]) for c, i in stages.buffers[s].items()]
 
 
-def _to_meta(stages: Any) -> None:
+def _to_meta(stages: StageSet) -> None:
     """Replace the stages' model tensors by meta tensors of the same shape, dtype and kind, keeping which names
     share one object (a tensor used twice in a stage stays one)."""
     ids = {id(t) for s in range(len(stages.runners)) for _, _, t in _stage_tensors(stages, s)}
@@ -237,10 +252,11 @@ def _to_meta(stages: Any) -> None:
                         empty = torch.empty_like(t, device="meta")
                         memo[id(t)] = (torch.nn.Parameter(empty, requires_grad=t.requires_grad)
                                        if isinstance(t, torch.nn.Parameter) else empty)
-                    table[k] = memo[id(t)]
+                    table[k] = memo[id(t)]  # type: ignore[assignment]
 
 
-def _shipped(plan: SplitPlan, stages: Any, sources: list[Any] | None) -> tuple[dict[int, Any], dict[str, Any]]:
+def _shipped(plan: SplitPlan, stages: StageSet, sources: Sequence[StageSource] | None,
+             ) -> tuple[dict[int, tuple[torch.Tensor, Shipped]], dict[str, torch.Tensor]]:
     """The stage tensors to ship (``id -> (tensor, Shipped)``) and their values, the model's tensors now by
     canonical name; the ones a rank loads or initialises itself (``sources``) stay as they are.
 
@@ -251,7 +267,7 @@ def _shipped(plan: SplitPlan, stages: Any, sources: list[Any] | None) -> tuple[d
     from pipeviz.weights import _lookup
 
     model = plan.graph.capture.model
-    shipped: dict[int, Any] = {}
+    shipped: dict[int, tuple[torch.Tensor, Shipped]] = {}
     values: dict[str, torch.Tensor] = {}
     for s in range(len(stages.runners)):
         own = {*sources[s].load, *(c for u in sources[s].init for c in u.names.values())} if sources else set()
@@ -273,11 +289,12 @@ def _shipped(plan: SplitPlan, stages: Any, sources: list[Any] | None) -> tuple[d
     return shipped, values
 
 
-def rank_payload(spec: LaunchSpec, stages: Any, tied: dict[str, list[int]], rank: int, *, sources: Any = None,
+def rank_payload(spec: LaunchSpec, stages: StageSet, tied: dict[str, list[int]], rank: int, *,
+                 sources: Sequence[StageSource] | None = None,
                  port: int = 0, backend: str = "gloo", device: str = "cpu", compute: str | None = None,
                  t0: float = -1.0, parent_pid: int = 0, timeout: float = 120.0, threads: int = 1,
                  cpus: tuple[int, ...] | None = None, init_method: str | None = None,
-                 state_path: str | None = None) -> Any:
+                 state_path: str | None = None) -> RankPayload:
     """Process ``rank``'s share of a launch (a ``worker.RankPayload``), the one builder ``pv.launch`` and an
     exported script's ranks use: its coordinates' stages, its replica's share of the batch (the inputs on the
     first pipeline rank, the target on the last), and the layout."""
@@ -297,10 +314,11 @@ def rank_payload(spec: LaunchSpec, stages: Any, tied: dict[str, list[int]], rank
         target=target if pp == last else None, t0=t0, parent_pid=parent_pid, timeout_s=timeout, threads=threads,
         cpus=cpus, init_method=init_method, on_nonfinite=spec.config.on_nonfinite, state_path=state_path,
         mesh=mesh if mesh.world > mesh.pp else None, tp_placements=spec.tp_placements, dp_shard=spec.dp_shard,
+        order=None if spec.config.order is None else tuple(tuple(acts) for acts in spec.config.order),
     )
 
 
-def stage_sources(plan: SplitPlan, stages: Any, spec: LaunchSpec) -> list[Any]:
+def stage_sources(plan: SplitPlan, stages: StageSet, spec: LaunchSpec) -> list[StageSource]:
     """Per stage, a ``StageSource`` (what its rank loads or initialises), with those tensors stripped to meta
     in the stage that is shipped."""
     from pipeviz.weights import StageSource, init_units, strip
@@ -318,7 +336,7 @@ def stage_sources(plan: SplitPlan, stages: Any, spec: LaunchSpec) -> list[Any]:
     return out
 
 
-def _with_inputs(plan: SplitPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SplitPlan:
+def _with_inputs(plan: SplitPlan, args: tuple[object, ...], kwargs: dict[str, object]) -> SplitPlan:
     """The same plan over a capture whose example inputs are the launch's batch (shapes are baked into the
     traced Pipe, so it is traced with a microbatch of what will really run)."""
     import copy

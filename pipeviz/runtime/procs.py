@@ -12,7 +12,15 @@ import socket
 import sys
 import tempfile
 import threading
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from multiprocessing.context import ForkServerContext
+    from multiprocessing.process import BaseProcess
+
+    import torch.distributed as dist
+    from torch import nn
 
 __all__ = ["context", "free_port", "preload_modules", "rendezvous", "server_running", "start_without_main",
            "sweep_stale", "temp_prefix"]
@@ -25,7 +33,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def rendezvous(world_size: int, timeout: float) -> Any:
+def rendezvous(world_size: int, timeout: float) -> dist.TCPStore:
     """A ``TCPStore`` this process owns, on a port the OS picked and this process keeps: the ranks join it,
     so no other process can take the port between choosing it and the ranks connecting."""
     from datetime import timedelta
@@ -41,7 +49,7 @@ _SERVER_LOCK = threading.Lock()
 _PRELOAD: set[str] = set()
 
 
-def context(model: Any = None) -> Any:
+def context(model: nn.Module | None = None) -> ForkServerContext:
     """Where rank processes come from: a fork server that has imported torch and pipeviz's worker once per
     session, so each launch forks ready processes instead of spawning fresh interpreters (each of which
     would import torch and torch.distributed again: seconds per rank). Started in the background on the
@@ -80,7 +88,7 @@ def server_running() -> bool:
     return done == 0
 
 
-def preload_modules(model: Any) -> list[str]:
+def preload_modules(model: nn.Module | None) -> list[str]:
     """The transformers modules ``model``'s classes come from (``transformers.models.llama.modeling_llama``,
     ...), if the caller has imported them. Only these: importing a user's own module in the fork server could
     run its top-level code there."""
@@ -141,7 +149,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def start_without_main(proc: Any) -> None:
+def start_without_main(proc: BaseProcess) -> None:
     """Start a rank process without re-running the caller's ``__main__`` in it.
 
     multiprocessing normally re-imports the parent's main script in each child, so a script without an
@@ -153,12 +161,12 @@ def start_without_main(proc: Any) -> None:
 
 
 @contextlib.contextmanager
-def _without_main() -> Any:
+def _without_main() -> Iterator[None]:
     import multiprocessing.spawn as mp_spawn
 
     original = mp_spawn.get_preparation_data
 
-    def prep(name: str) -> dict[str, Any]:
+    def prep(name: str) -> dict[str, object]:
         data = original(name)
         data.pop("init_main_from_path", None)
         data.pop("init_main_from_name", None)

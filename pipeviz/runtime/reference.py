@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,10 +23,11 @@ from pipeviz._compat import positional_legacy
 __all__ = ["forward_reference", "model_output", "train_reference"]
 
 
-def model_output(out: Any) -> Any:
+def model_output(out: object) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """The output a loss sees: an HF ModelOutput's ``logits``; else the only tensor, or a tuple of tensors."""
-    if getattr(out, "logits", None) is not None:
-        return out.logits
+    logits = getattr(out, "logits", None)
+    if logits is not None:
+        return logits
     leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
     return leaves[0] if len(leaves) == 1 else tuple(leaves)
 
@@ -35,17 +36,17 @@ def model_output(out: Any) -> Any:
                    "replicas")
 def train_reference(
     model: torch.nn.Module,
-    inputs: tuple[Any, ...],
+    inputs: tuple[object, ...],
     target: torch.Tensor,
     *,
     loss_fn: Callable[..., torch.Tensor],
     optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
     microbatches: int = 1,
     steps: int = 1,
-    input_kwargs: dict[str, Any] | None = None,
-    fixups: dict[str, Any] | None = None,
+    input_kwargs: Mapping[str, object] | None = None,
+    fixups: Mapping[str, object] | None = None,
     device: str | torch.device = "cpu",
-    batches: list[tuple[tuple[Any, ...], dict[str, Any], Any]] | None = None,
+    batches: Sequence[tuple[tuple[object, ...], Mapping[str, object], object]] | None = None,
     replicas: int = 1,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train a deep copy of ``model`` on ``device``; returns (mean loss per step, final state_dict on the CPU).
@@ -76,14 +77,14 @@ def train_reference(
 @positional_legacy("microbatches", "steps", "input_kwargs", "fixups", "device", "batches", "replicas")
 def forward_reference(
     model: torch.nn.Module,
-    inputs: tuple[Any, ...],
+    inputs: tuple[object, ...],
     *,
     microbatches: int = 1,
     steps: int = 1,
-    input_kwargs: dict[str, Any] | None = None,
-    fixups: dict[str, Any] | None = None,
+    input_kwargs: Mapping[str, object] | None = None,
+    fixups: Mapping[str, object] | None = None,
     device: str | torch.device = "cpu",
-    batches: list[tuple[tuple[Any, ...], dict[str, Any], Any]] | None = None,
+    batches: Sequence[tuple[tuple[object, ...], Mapping[str, object], object]] | None = None,
     replicas: int = 1,
 ) -> tuple[list[list[torch.Tensor]], dict[str, torch.Tensor]]:
     """Run a deep copy of ``model`` forward only, as a forward-only pipelined run does: per step, the output's
@@ -121,7 +122,8 @@ def _buffers_of_replica_0(model: torch.nn.Module, replica: int) -> Iterator[None
                 b.copy_(saved[name])
 
 
-def _copy(model: torch.nn.Module, fixups: dict[str, Any] | None, device: str | torch.device) -> torch.nn.Module:
+def _copy(model: torch.nn.Module, fixups: Mapping[str, object] | None, device: str | torch.device,
+          ) -> torch.nn.Module:
     """A deep copy on ``device`` with the fixes the trace applied to its own copy (as the stages have them)."""
     from pipeviz.capture import apply_fixups
 
@@ -130,8 +132,9 @@ def _copy(model: torch.nn.Module, fixups: dict[str, Any] | None, device: str | t
     return model
 
 
-def _microbatched(batches: list[tuple[tuple[Any, ...], dict[str, Any], Any]], microbatches: int,
-                  device: str | torch.device) -> Iterator[tuple[list[Any], list[Any], Any]]:
+def _microbatched(batches: Sequence[tuple[tuple[object, ...], Mapping[str, object], object]], microbatches: int,
+                  device: str | torch.device,
+                  ) -> Iterator[tuple[list[tuple[object, ...]], list[dict[str, object]], Any]]:
     """Each step's (args chunks, kwargs chunks, target) on ``device``, split as torch's schedules split them."""
     from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 

@@ -9,7 +9,8 @@ Example:
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -29,7 +30,7 @@ class RunResults:
     status: str
     outputs: list[Any]
     _reducer: Reducer
-    _replica_outputs: dict[int, dict[int, list[Any]]]
+    _replica_outputs: dict[int, dict[int, Sequence[object]]]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Trained parameters and buffers gathered from all stages, keyed by the original model's names
@@ -106,7 +107,7 @@ class RunResults:
                 written.append(os.path.join(os.fspath(path), f"{attr}.json"))
         return written
 
-    def _output(self, step: int, replica: int, leaves: list[Any]) -> None:
+    def _output(self, step: int, replica: int, leaves: Sequence[object]) -> None:
         """A forward-only step's output from one replica's last stage; the step's output is the replicas'
         outputs joined along the batch dim, replica 0's share first."""
         parts = self._replica_outputs.setdefault(step, {})
@@ -114,11 +115,12 @@ class RunResults:
         if len(parts) < self.mesh.dp:
             return
         del self._replica_outputs[step]
-        joined = [torch.cat(ls) if isinstance(ls[0], torch.Tensor) and ls[0].dim() else ls[0]
+        joined = [torch.cat(cast("tuple[torch.Tensor, ...]", ls))
+                  if isinstance(ls[0], torch.Tensor) and ls[0].dim() else ls[0]
                   for ls in zip(*(parts[r] for r in range(self.mesh.dp)), strict=True)]
         self.outputs.append(self._structured(joined))
 
-    def _structured(self, leaves: list[Any]) -> Any:
+    def _structured(self, leaves: list[object]) -> object:
         """A forward-only step's output leaves back in the model's output structure (an HF ModelOutput, a
         tuple, a tensor), on the CPU."""
         from torch.utils import _pytree as pytree

@@ -19,14 +19,15 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from pipeviz.plan import SplitPlan
-from pipeviz.runtime.feed import Feeder
+from pipeviz.runtime.feed import FedBatch, Feeder
 from pipeviz.runtime.messages import (
     Events,
     Failed,
+    Feed,
     Message,
 )
 from pipeviz.runtime.procs import context, server_running, start_without_main, sweep_stale, temp_prefix
@@ -37,6 +38,13 @@ from pipeviz.runtime.spec import (
     LaunchSpec,
 )
 from pipeviz.timeline import Event, Timeline
+
+if TYPE_CHECKING:
+    from multiprocessing.context import ForkServerContext
+    from multiprocessing.queues import Queue
+    from multiprocessing.synchronize import Event as MpEvent
+
+    from pipeviz.runtime.payloads import Boot
 
 __all__ = ["Run"]
 
@@ -89,7 +97,7 @@ class Run(RunResults):
         self.started_at = time.time()
         self.first_event_at: float | None = None
         self.weights: str | os.PathLike[str] | None = None  # the launch's weights=
-        self._replica_outputs: dict[int, dict[int, list[Any]]] = {}  # step -> replica -> output leaves
+        self._replica_outputs: dict[int, dict[int, Sequence[object]]] = {}  # step -> replica -> output leaves
         sweep_stale()  # what gone processes (a shut-down kernel) left
         self._state_dir = tempfile.mkdtemp(prefix=temp_prefix("state"))
         weakref.finalize(self, shutil.rmtree, self._state_dir, True)
@@ -165,7 +173,7 @@ class Run(RunResults):
         return [b - a for a, b in itertools.pairwise(ends)]
 
     @property
-    def batches(self) -> list[tuple[tuple[Any, ...], dict[str, Any], Any]] | None:
+    def batches(self) -> list[FedBatch] | None:
         """A ``data=`` run's batches so far (for ``pv.check_numerics``), while they are small; else None."""
         return self._feeder.batches if self._feeder is not None else None
 
@@ -193,7 +201,7 @@ class Run(RunResults):
                 f"status={self.status!r}, step {self.step}/{self.steps}, {len(self.events)} events)")
 
     # ----------------------------------------------------------------- monitor
-    def _start(self, build: Callable[[], list[bytes]], boots: list[Any]) -> None:
+    def _start(self, build: Callable[[], list[bytes]], boots: list[Boot]) -> None:
         self._thread = threading.Thread(target=self._monitor, args=(build, boots), daemon=True, name="pipeviz-run")
         self._thread.start()
 
@@ -217,7 +225,7 @@ class Run(RunResults):
 
                 traceback.print_exc()
 
-    def _monitor(self, build: Callable[[], list[bytes]], boots: list[Any]) -> None:
+    def _monitor(self, build: Callable[[], list[bytes]], boots: list[Boot]) -> None:
         procs_started: threading.Thread | None = None
         try:
             # Ranks that build their own stage (weights=, a meta model) unpickle its modules: the server imports
@@ -274,8 +282,8 @@ class Run(RunResults):
             self._kill_all()
             self._finish("failed" if not isinstance(exc, KeyboardInterrupt) else "stopped")
 
-    def _start_procs(self, ctx: Any, boots: list[Any], paths: list[str], q: Any, feeds: list[Any],
-                     ready: Any) -> None:
+    def _start_procs(self, ctx: ForkServerContext, boots: list[Boot], paths: list[str], q: Queue[Message],
+                     feeds: list[Queue[Feed]] | list[None], ready: MpEvent) -> None:
         from pipeviz.runtime import worker
 
         try:
@@ -286,7 +294,8 @@ class Run(RunResults):
                 proc = ctx.Process(target=worker.main, args=(paths[rank], q, log, feeds[rank], boot, ready),
                                    daemon=True)
                 start_without_main(proc)
-                proc._args = ()  # sent to the child at start; kept, it would keep the queue's semaphores alive
+                # Sent to the child at start; kept, it would keep the queue's semaphores alive (private: untyped).
+                proc._args = ()  # type: ignore[attr-defined]
                 self._procs.append(proc)
         except BaseException as exc:
             self._start_error = exc
@@ -326,7 +335,7 @@ class Run(RunResults):
         if up.output is not None:
             self._output(*up.output)
 
-    def _watch(self, q: Any) -> None:
+    def _watch(self, q: Queue[Message]) -> None:
         last_progress = time.time()
         red = self._reducer
         while True:
@@ -368,7 +377,7 @@ class Run(RunResults):
                 self._kill_all()
                 return self._finish("failed")
 
-    def _fail(self, q: Any) -> None:
+    def _fail(self, q: Queue[Message]) -> None:
         """Name the root cause (``Reducer.failure``): one failure makes its neighbours fail too, so collect what
         the others report for a moment first."""
         end = time.time() + 0.5

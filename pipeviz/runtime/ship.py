@@ -25,6 +25,7 @@ import os
 import pickle
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,16 +135,16 @@ def write_values(values: dict[str, torch.Tensor], prefix: str) -> Shipment:
 class _Pickler(cloudpickle.Pickler):
     """cloudpickle's pickler (objects from ``__main__`` by value), with the stage tensors left out."""
 
-    def __init__(self, file: io.BytesIO, shipped: dict[int, tuple[Any, Shipped]]) -> None:
+    def __init__(self, file: io.BytesIO, shipped: Mapping[int, tuple[object, Shipped]]) -> None:
         super().__init__(file)
         self._shipped = shipped
 
-    def persistent_id(self, obj: Any) -> Any:
+    def persistent_id(self, obj: object) -> Shipped | None:
         found = self._shipped.get(id(obj))
         return found[1] if found is not None and found[0] is obj else None
 
 
-def dumps(obj: Any, shipped: dict[int, tuple[Any, Shipped]]) -> bytes:
+def dumps(obj: object, shipped: Mapping[int, tuple[object, Shipped]]) -> bytes:
     """Pickle ``obj`` (cloudpickle), replacing each tensor in ``shipped`` (``id(tensor) -> (tensor, Shipped)``) by
     its reference."""
     buf = io.BytesIO()
@@ -151,7 +152,7 @@ def dumps(obj: Any, shipped: dict[int, tuple[Any, Shipped]]) -> bytes:
     return buf.getvalue()
 
 
-def loads(data: bytes, shipment: Shipment) -> Any:
+def loads(data: bytes, shipment: Shipment) -> object:
     """Unpickle what ``dumps`` wrote, in the rank: each reference becomes its value, mapped copy-on-write from the
     shipment's file (or inline), as an ``nn.Parameter`` where it was one. One object per ``Shipped``."""
     memo: dict[Shipped, torch.Tensor] = {}
@@ -171,7 +172,7 @@ def loads(data: bytes, shipment: Shipment) -> Any:
         return nn.Parameter(t, requires_grad=ref.requires_grad) if ref.param else t
 
     class Unpickler(pickle.Unpickler):
-        def persistent_load(self, pid: Any) -> Any:
+        def persistent_load(self, pid: object) -> torch.Tensor:
             if not isinstance(pid, Shipped):
                 raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
             if pid not in memo:
@@ -185,7 +186,7 @@ def loads(data: bytes, shipment: Shipment) -> Any:
             os.close(fd)
 
 
-def dump_payload(obj: Any, shipped: dict[int, tuple[Any, Shipped]], shipment: Shipment) -> bytes:
+def dump_payload(obj: object, shipped: Mapping[int, tuple[object, Shipped]], shipment: Shipment) -> bytes:
     """A rank's payload: its ``Shipment`` (small values inline, where the rest lie), then ``obj`` by ``dumps``."""
     return pickle.dumps(shipment) + dumps(obj, shipped)
 

@@ -11,9 +11,9 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch.utils import _pytree as pytree
@@ -25,10 +25,14 @@ from pipeviz.mesh import Mesh
 from pipeviz.plan import SplitPlan
 from pipeviz.runtime.config import LaunchConfig
 
+if TYPE_CHECKING:
+    from pipeviz.graphview import GraphView
+    from pipeviz.weights import Source
+
 __all__ = ["LaunchError", "LaunchSpec", "check_weights", "cpu_sets", "data_batch", "resolve_devices", "share",
            "validate_launch"]
 
-
+T = TypeVar("T")
 
 
 @dataclass
@@ -64,7 +68,7 @@ class LaunchSpec:
         return Mesh(pp=self.layout.num_ranks, dp=self.dp, tp=self.tp)
 
 
-def share(tree: Any, replica: int, replicas: int, batch: int) -> Any:
+def share(tree: T, replica: int, replicas: int, batch: int) -> T:
     """Replica ``replica``'s share of a batch: every tensor whose dim 0 is the batch, cut into ``replicas``
     contiguous parts along it (replica 0 the first part); other values as they are."""
     if replicas == 1:
@@ -73,8 +77,9 @@ def share(tree: Any, replica: int, replicas: int, batch: int) -> Any:
                            if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t, tree)
 
 
-def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inputs: Any = None,
-                    input_kwargs: dict[str, Any] | None = None, target: Any = None, data: Any = None) -> LaunchSpec:
+def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inputs: object = None,
+                    input_kwargs: Mapping[str, object] | None = None, target: object = None,
+                    data: Iterable[object] | None = None) -> LaunchSpec:
     """Check everything a launch needs before any process starts; raises with the value, the choices and the fix.
 
     Checked: the plan and the config's schedule (stage and microbatch rules), ``steps``, ``timeout`` and
@@ -108,9 +113,14 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
     if plan.num_stages < 2:
         raise LaunchError("The plan has 1 stage; a pipeline needs at least 2. Fix: plan.toggle(<layer>) to split.")
     lay = sched.layout(name, plan.num_stages, stages_per_rank)
-    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
-        raise LaunchError(f"dp must be a positive int (data-parallel replicas of the pipeline), got {dp!r}. Fix: "
-                          "dp=1 for one pipeline, dp=2 for two replicas each training on half of every batch.")
+    if config.order is not None:
+        if loss_fn is None:
+            raise LaunchError("order= is a training step's actions (forwards and backwards); a run without loss_fn "
+                              "only runs forwards. Fix: pass loss_fn=... to train with this order, or drop order "
+                              "for a forward-only run.")
+        from pipeviz.sim_engine import check_order
+
+        check_order(config.order, lay, microbatches)
     placements = _tensor_parallel(plan, tp, config.tp_plan)
     _check_dp_shard(config)
     if not (steps is None and data is not None) and (not isinstance(steps, int) or isinstance(steps, bool)
@@ -241,7 +251,7 @@ def _tensor_parallel(plan: SplitPlan, tp: int, tp_plan: Mapping[str, str] | None
     return {canonical.get(n, n): place for n, place in placements.items()}
 
 
-def data_batch(item: Any, step: int, training: bool) -> tuple[Any, dict[str, Any] | None, Any]:
+def data_batch(item: object, step: int, training: bool) -> tuple[object, dict[str, object] | None, object]:
     """One item of ``data=`` as (inputs, input_kwargs, target).
 
     An item is ``(inputs, target)`` (inputs: a tensor, or a tuple or list of the model's positional inputs),
@@ -263,7 +273,8 @@ def data_batch(item: Any, step: int, training: bool) -> tuple[Any, dict[str, Any
     return item, None, None
 
 
-def _inputs(graph: Any, inputs: Any, input_kwargs: dict[str, Any] | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _inputs(graph: GraphView, inputs: object, input_kwargs: Mapping[str, object] | None,
+            ) -> tuple[tuple[object, ...], dict[str, object]]:
     """The launch's inputs as (args, kwargs) in the traced order, each checked against the traced example."""
     if inputs is None:
         args = tuple(graph.example_args)
@@ -297,7 +308,7 @@ def _inputs(graph: Any, inputs: Any, input_kwargs: dict[str, Any] | None) -> tup
     return args, kwargs
 
 
-def _like_example(label: str, got: Any, want: Any) -> None:
+def _like_example(label: str, got: object, want: object) -> None:
     if not isinstance(want, torch.Tensor):
         return
     retrace = "or re-trace with it: pv.trace(model, example_args=..., example_kwargs=...)."
@@ -313,7 +324,8 @@ def _like_example(label: str, got: Any, want: Any) -> None:
                           f"the example, {retrace}")
 
 
-def _try_loss(graph: Any, loss_fn: Any, target: torch.Tensor, batch: int, microbatches: int) -> None:
+def _try_loss(graph: GraphView, loss_fn: Callable[..., object], target: torch.Tensor, batch: int,
+              microbatches: int) -> None:
     """Call ``loss_fn`` once on an output like the last stage's for one microbatch and a target microbatch."""
     cap = graph.capture
     if not cap.outputs:
@@ -347,7 +359,7 @@ def _try_loss(graph: Any, loss_fn: Any, target: torch.Tensor, batch: int, microb
                           f"the last stage's ({shapes}) it returned {got}. Fix: reduce it, e.g. .mean().")
 
 
-def _try_optimizer(optimizer: Any) -> None:
+def _try_optimizer(optimizer: object) -> None:
     if not callable(optimizer):
         raise LaunchError(f"optimizer must be a factory params -> torch.optim.Optimizer, got {optimizer!r}. "
                           "Fix: optimizer=pv.sgd(lr=0.1), or lambda ps: torch.optim.AdamW(ps, lr=1e-3).")
@@ -401,7 +413,7 @@ def resolve_devices(devices: str | Sequence[str], num_ranks: int) -> tuple[list[
     return ["cpu"] * num_ranks, "gloo", [d if d.startswith("cuda") else None for d in devices]
 
 
-def check_weights(plan: SplitPlan, weights: Any, init_seed: int) -> dict[str, Any] | None:
+def check_weights(plan: SplitPlan, weights: str | os.PathLike[str] | None, init_seed: int) -> dict[str, Source] | None:
     """Where each tensor of the plan's stages comes from (``pipeviz.weights.plan_sources``), checked now:
     a checkpoint's missing tensors and wrong shapes, and meta tensors nothing can initialise, are named."""
     from pipeviz.weights import WeightsError, plan_sources

@@ -21,8 +21,9 @@ Example:
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 from torch import fx, nn
@@ -30,6 +31,10 @@ from torch.utils import _pytree as pytree
 
 from pipeviz.adapter import canonical_name, flatten_stage, split_graph
 from pipeviz.plan import SplitPlan
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.pipelining import Pipe
 
 __all__ = ["RankStage", "StageRunner", "StageSet", "StepError", "build_stages", "rank_stages", "tied_ranks"]
 
@@ -50,7 +55,7 @@ class StageRunner(nn.Module):
 
     def __init__(
         self, index: int, num_stages: int, module: nn.Module, takes: list[Value], calls: list[Value],
-        gives: list[Value], output: Any, placeholders: list[str], kwarg_names: list[str],
+        gives: list[Value], output: object, placeholders: list[str], kwarg_names: list[str],
     ) -> None:
         super().__init__()
         self.index, self.num_stages = index, num_stages
@@ -64,13 +69,14 @@ class StageRunner(nn.Module):
         # stage_backward_input); when an output is also saved for the weight-grad pass (a ReLU's result,
         # a Linear's input) that breaks the W pass. Sending copies keeps the saved tensors intact.
         self.fresh_outputs = False
-        self.tp_mesh: Any = None  # tensor parallel: the shards' 1-D DeviceMesh (pipeviz.runtime.tensor_parallel)
+        # tensor parallel: the shards' 1-D DeviceMesh (pipeviz.runtime.tensor_parallel)
+        self.tp_mesh: DeviceMesh | None = None
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> object:
         if self.index == 0:
             # Model inputs by placeholder name, in the traced order: positional first, then kwargs.
             flat = list(args) + [kwargs[k] for k in self.kwarg_names if k in kwargs]
-            env: dict[Value, Any] = {("in", p): v for p, v in zip(self.placeholders, flat, strict=False)}
+            env: dict[Value, object] = {("in", p): v for p, v in zip(self.placeholders, flat, strict=False)}
         else:
             env = dict(zip(self.takes, args, strict=True))
         if self.compute_device is not None:
@@ -102,10 +108,10 @@ class StageRunner(nn.Module):
         inputs = set() if self.fresh_outputs else {id(a) for a in args} | {id(v) for v in kwargs.values()}
         return tuple(_fresh(self._home(env[v]), inputs, self.fresh_outputs) for v in self.gives)
 
-    def _home(self, t: Any) -> Any:
+    def _home(self, t: object) -> object:
         return t.cpu() if self.compute_device is not None and isinstance(t, torch.Tensor) else t
 
-    def _located(self, args: tuple[Any, ...], exc: Exception) -> StepError:
+    def _located(self, args: tuple[object, ...], exc: Exception) -> StepError:
         """The error, with the layer and the op that raised and their input shapes (found by running the stage
         again node by node)."""
         finder = getattr(self.stage, "failing_op", None)
@@ -119,7 +125,7 @@ class StageRunner(nn.Module):
         return StepError(f"{where}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
 
 
-def _fresh(t: Any, inputs: set[int], always: bool = False) -> Any:
+def _fresh(t: object, inputs: set[int], always: bool = False) -> object:
     if not isinstance(t, torch.Tensor):
         return t
     if always or id(t) in inputs:
@@ -127,7 +133,7 @@ def _fresh(t: Any, inputs: set[int], always: bool = False) -> Any:
     return t.contiguous()
 
 
-def _is_value(x: Any) -> bool:
+def _is_value(x: object) -> bool:
     return isinstance(x, tuple) and len(x) >= 2 and x[0] in ("in", "s")
 
 
@@ -144,7 +150,7 @@ class StageSet:
     outputs: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
 
 
-def _top_level(pipe: Any) -> tuple[list[str], list[list[Value]], Any]:
+def _top_level(pipe: Pipe) -> tuple[list[str], list[list[Value]], object]:
     """Placeholders, per-stage call arguments and the output structure of torch's split graph.
 
     Stages are numbered by their submodule's name (``submod_pp_2`` is stage 2), not by where the call sits
@@ -154,7 +160,7 @@ def _top_level(pipe: Any) -> tuple[list[str], list[list[Value]], Any]:
     ref: dict[fx.Node, Value] = {}
     placeholders: list[str] = []
     calls: dict[int, list[Value]] = {}
-    output: Any = None
+    output: object = None
     for node in split_graph(pipe).nodes:
         if node.op == "placeholder":
             placeholders.append(node.name)
@@ -287,7 +293,11 @@ def _chain(stages: StageSet, args: tuple[Any, ...], kwargs: dict[str, Any]) -> N
         stages.outputs.append(x)
 
 
-def _empty_like(t: Any) -> Any:
+@overload
+def _empty_like(t: torch.Tensor) -> torch.Tensor: ...
+@overload
+def _empty_like(t: object) -> object: ...
+def _empty_like(t: object) -> object:
     # Plain meta tensors: picklable descriptions of a shape and dtype, cheap to send.
     return torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t
 
@@ -308,7 +318,7 @@ class RankStage:
 
 
 def rank_stages(stages: StageSet, stage_ranks: tuple[int, ...], rank: int,
-                sources: list[Any] | None = None) -> list[RankStage]:
+                sources: Sequence[object] | None = None) -> list[RankStage]:
     """The stages ``rank`` holds (``stage_ranks[s]`` is the rank of stage ``s``), ready to pickle."""
     return [
         RankStage(

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import io
 import time
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,24 +28,35 @@ from pipeviz.runtime.messages import (
 from pipeviz.runtime.payloads import RankPayload
 from pipeviz.runtime.stages import StepError
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+    Schedule = PipelineScheduleSingle | PipelineScheduleMulti
+
 __all__ = ["average_replicas", "averaged_after_step", "build_schedule", "infer", "local_tensor", "rank_state", "train"]
 
 
-def build_schedule(p: RankPayload, stages: list[Any]) -> Any:
+def build_schedule(p: RankPayload, stages: list[PipelineStage]) -> Schedule:
     from torch.distributed.pipelining import schedules as torch_schedules
 
-    cls = torch_schedules.get_schedule_class(p.schedule)
     loss_fn = _named_loss(p.loss_fn, p) if p.loss_fn is not None else None
+    if p.order is not None:  # a custom order (LaunchConfig.order), run by torch's own runtime
+        from pipeviz.adapter import runtime_schedule
+
+        return runtime_schedule(stages, p.order, p.microbatches, loss_fn)
+    cls = torch_schedules.get_schedule_class(p.schedule)
     if not sched.info(p.schedule).multi:
         return cls(stages[0], n_microbatches=p.microbatches, loss_fn=loss_fn)  # one stage per rank
     return cls(stages, n_microbatches=p.microbatches, loss_fn=loss_fn)
 
 
-def _named_loss(loss_fn: Any, p: RankPayload) -> Any:
+def _named_loss(loss_fn: Callable[..., torch.Tensor], p: RankPayload) -> Callable[[object, object], torch.Tensor]:
     """``loss_fn``, whose failures say where they happened and on what (the last stage, shapes)."""
     from pipeviz.adapter import describe
 
-    def loss(output: Any, target: Any) -> Any:
+    def loss(output: object, target: object) -> torch.Tensor:
         try:
             return loss_fn(output, target)
         except Exception as exc:
@@ -57,9 +69,9 @@ def _named_loss(loss_fn: Any, p: RankPayload) -> Any:
     return loss
 
 
-def train(p: RankPayload, schedule: Any, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
-           local: dict[str, list[torch.Tensor]], groups: dict[str, Any], clock: Clock, step_box: list[int],
-           device: torch.device, dp_group: Any = None) -> bool:
+def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
+           local: dict[str, list[torch.Tensor]], groups: dict[str, ProcessGroup | None], clock: Clock,
+           step_box: list[int], device: torch.device, dp_group: ProcessGroup | None = None) -> bool:
     """Run the steps; False when a NaN or inf stopped the run (every rank stops at the same step)."""
     import torch.distributed as dist
 
@@ -103,11 +115,11 @@ def train(p: RankPayload, schedule: Any, optimizer: torch.optim.Optimizer, param
     return True
 
 
-def _batches(p: RankPayload, device: torch.device) -> Any:
+def _batches(p: RankPayload, device: torch.device) -> Iterator[tuple[tuple[object, ...], dict[str, object], object]]:
     """Each step's (args, kwargs, target) on ``device``: the one batch of the payload ``steps`` times, or the
     batches the launching process streams from ``data=`` (``messages.Batch``) until it sends ``messages.End``
     (ranks that need no data get an empty ``Batch`` each step, so every rank runs the same number of steps)."""
-    def moved(x: Any) -> Any:
+    def moved(x: object) -> object:
         return x.to(device) if isinstance(x, torch.Tensor) else x
 
     if p.data is None:
@@ -123,14 +135,15 @@ def _batches(p: RankPayload, device: torch.device) -> Any:
         yield tuple(moved(a) for a in msg.args), {k: moved(v) for k, v in msg.kwargs.items()}, moved(msg.target)
 
 
-def infer(p: RankPayload, schedule: Any, clock: Clock, step_box: list[int], device: torch.device) -> bool:
+def infer(p: RankPayload, schedule: Schedule, clock: Clock, step_box: list[int], device: torch.device) -> bool:
     """Forward-only steps (no loss_fn): the last stage's rank sends the whole batch's output each step."""
     first = any(st.index == 0 for st in p.stages)
     last = any(st.index == len(p.stage_ranks) - 1 for st in p.stages)
     for step, (args, kwargs, _) in enumerate(_batches(p, device)):
         step_box[0] = step
+        call_kwargs: dict[str, Any] = dict(kwargs) if first else {}  # the model's keyword inputs
         with torch.no_grad():
-            out = schedule.step(*(args if first else ()), **(kwargs if first else {}))
+            out = schedule.step(*(args if first else ()), **call_kwargs)
         if last:
             leaves = out if isinstance(out, tuple | list) else (out,)
             buf = io.BytesIO()
@@ -182,11 +195,11 @@ def rank_state(p: RankPayload, copy: bool = True) -> dict[str, torch.Tensor]:
 def averaged_after_step(p: RankPayload) -> bool:
     """Whether replicas average their gradients after the step (``average_replicas``) rather than by DDP: the
     split-backward schedules, and tensor-parallel stages (DDP does not take DTensor parameters)."""
-    return not p.dp_shard and (sched.info(p.schedule).split_backward or (p.mesh is not None and p.mesh.tp > 1))
+    return not p.dp_shard and (p.split_backward or (p.mesh is not None and p.mesh.tp > 1))
 
 
-def average_replicas(params: list[torch.nn.Parameter], group: Any, replicas: int, clock: Clock, rank: int,
-                      step: int) -> None:
+def average_replicas(params: list[torch.nn.Parameter], group: ProcessGroup | None, replicas: int, clock: Clock,
+                     rank: int, step: int) -> None:
     """Average this rank's gradients across its replicas in one all-reduce (timed as a ``DP`` action): for
     the schedules whose split backward DDP's reducer cannot follow (see ``_stages``)."""
     import torch.distributed as dist
@@ -202,13 +215,14 @@ def average_replicas(params: list[torch.nn.Parameter], group: Any, replicas: int
             g.copy_(reduced)
 
 
-def local_tensor(t: Any) -> Any:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (a tensor-parallel gradient), else the tensor itself."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
 
 
-def _sync_tied(local: dict[str, list[torch.Tensor]], tied: dict[str, list[int]], groups: dict[str, Any]) -> None:
+def _sync_tied(local: dict[str, list[torch.Tensor]], tied: dict[str, list[int]],
+               groups: dict[str, ProcessGroup | None]) -> None:
     """Sum the gradients of every copy of a shared parameter (on this rank, then across the ranks holding
     one), then give each copy the sum (as DeepSpeed does for tied weights): copies stay identical and take
     one update, like the unsplit model's one tensor."""
@@ -221,7 +235,8 @@ def _sync_tied(local: dict[str, list[torch.Tensor]], tied: dict[str, list[int]],
         for c in copies:
             if c.grad is None:
                 c.grad = torch.zeros_like(c)
-        grads = [local_tensor(c.grad) for c in copies]  # a tensor-parallel copy's local part (tied: replicated)
+        # A tensor-parallel copy's local part (tied: replicated); every copy has a gradient by now.
+        grads = [local_tensor(c.grad) for c in copies if c.grad is not None]
         total = torch.stack(grads).sum(0) if len(grads) > 1 else grads[0].clone()
         if groups.get(canon) is not None:
             dist.all_reduce(total, group=groups[canon])

@@ -17,10 +17,13 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["STYLES", "check_tp_plan", "default_tp_plan", "shard_stage", "tp_placements"]
 
@@ -54,12 +57,12 @@ def _linears(model: nn.Module, layer: str) -> list[tuple[str, nn.Linear]]:
     return [(f"{base}.{n}" if n else base, m) for n, m in root.named_modules() if isinstance(m, nn.Linear)]
 
 
-def check_tp_plan(model: nn.Module, plan: Mapping[str, str], tp: int) -> dict[str, Any]:
+def check_tp_plan(model: nn.Module, plan: Mapping[str, str], tp: int) -> dict[str, str]:
     """``plan`` checked against the model: each key an ``nn.Linear`` module, each style ``colwise`` or
     ``rowwise``, each sharded size divisible by ``tp``; returns the placements per parameter name
     (``tp_placements``). Raises ``ValueError`` naming the module, the sizes and the fix."""
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    out: dict[str, Any] = {}
+    out: dict[str, str] = {}
     for name, style in plan.items():
         if name not in linears:
             raise ValueError(f"tp_plan names {name!r}, which is not an nn.Linear of the model. Valid: "
@@ -83,7 +86,7 @@ def tp_placements(module: str, style: str, bias: bool) -> dict[str, str]:
     return {f"{module}.weight": "shard1", **({f"{module}.bias": "replicate"} if bias else {})}
 
 
-def shard_stage(stage: nn.Module, params: Mapping[str, str], placements: Mapping[str, str], mesh: Any) -> int:
+def shard_stage(stage: nn.Module, params: Mapping[str, str], placements: Mapping[str, str], mesh: DeviceMesh) -> int:
     """Turn ``stage``'s parameters and buffers into DTensors over the 1-D ``mesh``: ``params`` maps canonical
     names to the stage's own attribute paths, ``placements`` canonical names to ``"shard0"`` / ``"shard1"``;
     everything else is replicated (a DTensor op takes no plain tensor: BatchNorm's statistics too). A tensor
@@ -99,7 +102,7 @@ def shard_stage(stage: nn.Module, params: Mapping[str, str], placements: Mapping
     tensors += [(n, t, False) for n, t in stage.named_buffers(remove_duplicate=False)]
     for path, value, is_param in tensors:
         *owner_path, leaf = path.split(".")
-        owner: Any = stage
+        owner: nn.Module = stage
         for atom in owner_path:
             owner = getattr(owner, atom)
         if id(value) not in done:
@@ -117,7 +120,7 @@ def shard_stage(stage: nn.Module, params: Mapping[str, str], placements: Mapping
     return sharded
 
 
-def to_replicated(mesh: Any, values: tuple[Any, ...]) -> tuple[Any, ...]:
+def to_replicated(mesh: DeviceMesh, values: tuple[object, ...]) -> tuple[object, ...]:
     """A stage's inputs as replicated DTensors (every shard got the same tensor from its neighbour)."""
     from torch.distributed.tensor import DTensor, Replicate
 
@@ -125,12 +128,12 @@ def to_replicated(mesh: Any, values: tuple[Any, ...]) -> tuple[Any, ...]:
                  for v in values)
 
 
-def to_full(value: Any) -> Any:
+def to_full(value: object) -> object:
     """A stage's DTensor outputs as full plain tensors (what the pipeline sends on)."""
     from torch.distributed.tensor import DTensor, Replicate
     from torch.utils import _pytree as pytree
 
-    def full(t: Any) -> Any:
+    def full(t: object) -> object:
         if isinstance(t, DTensor):
             return t.redistribute(placements=[Replicate()] * t.device_mesh.ndim).to_local()
         return t

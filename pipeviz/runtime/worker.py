@@ -28,17 +28,19 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipeviz import schedules as sched
 from pipeviz.mesh import Coords
-from pipeviz.runtime.clock import SEND_INTERVAL, Clock
+from pipeviz.runtime.clock import SEND_INTERVAL, Clock, Sink
 from pipeviz.runtime.messages import (
     Done,
     Failed,
+    Feed,
+    Message,
     Phase,
     State,
 )
@@ -46,12 +48,20 @@ from pipeviz.runtime.payloads import PAYLOAD_WAIT, Boot, RankPayload
 from pipeviz.runtime.stages import StepError
 from pipeviz.runtime.steps import averaged_after_step, build_schedule, infer, local_tensor, rank_state, train
 
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
+    from multiprocessing.synchronize import Event as MpEvent
+
+    from torch.distributed import GradBucket, ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.pipelining import PipelineStage
+
 # Boot and RankPayload are built by pipeviz.runtime.payloads (their names here are the ones 0.2 code imports).
 __all__ = ["SEND_INTERVAL", "Boot", "RankPayload", "main", "run_payload"]
 
 
-def main(payload_path: str, queue: Any, log_path: str | None = None, data: Any = None, boot: Boot | None = None,
-         payload_ready: Any = None) -> None:
+def main(payload_path: str, queue: Queue[Message], log_path: str | None = None, data: Queue[Feed] | None = None,
+         boot: Boot | None = None, payload_ready: MpEvent | None = None) -> None:
     """Process entry point (started by ``launch``): reads its payload from ``payload_path`` and deletes it;
     stderr goes to ``log_path`` (the launching process removes it when the run ends); ``data``: the queue
     of a ``data=`` run's batches. With ``boot`` the rank joins the process group first, then waits for
@@ -134,7 +144,7 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-def run_payload(p: RankPayload, queue: Any, connected: tuple[Clock, torch.device, torch.device] | None = None) -> None:
+def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.device, torch.device] | None = None) -> None:
     import torch.distributed as dist
 
     from pipeviz.adapter import exact_split_backward, timed_collectives, timed_waits
@@ -180,7 +190,7 @@ def run_payload(p: RankPayload, queue: Any, connected: tuple[Clock, torch.device
     dist.destroy_process_group()
 
 
-def _connect(p: Boot | RankPayload, queue: Any) -> tuple[Clock, torch.device, torch.device]:
+def _connect(p: Boot | RankPayload, queue: Sink) -> tuple[Clock, torch.device, torch.device]:
     """Join the process group, take this rank's cores, agree on one clock."""
     import torch.distributed as dist
 
@@ -210,7 +220,8 @@ def _connect(p: Boot | RankPayload, queue: Any) -> tuple[Clock, torch.device, to
     return clock, device, compute
 
 
-def _mesh_groups(p: RankPayload) -> tuple[Any, Any, Any, Any]:
+def _mesh_groups(p: RankPayload) -> tuple[ProcessGroup | None, ProcessGroup | None, DeviceMesh | None,
+                                          DeviceMesh | None]:
     """This process's pipeline group, data-parallel group, data-parallel (1-D) mesh and tensor-parallel (1-D)
     mesh from torch's ``DeviceMesh`` (named dims); Nones for a pure pipeline, whose pipeline is the world."""
     if p.mesh is None or p.mesh.world == p.mesh.pp:
@@ -221,14 +232,14 @@ def _mesh_groups(p: RankPayload) -> tuple[Any, Any, Any, Any]:
             dm["tp"] if p.mesh.tp > 1 else None)
 
 
-def _tied_groups(p: RankPayload) -> dict[str, Any]:
+def _tied_groups(p: RankPayload) -> dict[str, ProcessGroup | None]:
     """Per shared parameter, the process group of this replica's ranks holding a copy (None: one rank holds
     every copy). Every process creates every replica's groups, in one order (torch's ``new_group`` rule)."""
     import torch.distributed as dist
 
     me = p.mesh.coords(p.rank) if p.mesh is not None else None
     pipelines = [(d, t) for d in range(p.mesh.dp) for t in range(p.mesh.tp)] if p.mesh is not None else [(0, 0)]
-    out: dict[str, Any] = {}
+    out: dict[str, ProcessGroup | None] = {}
     for name, holders in sorted(p.tied.items()):
         for d, t in pipelines:
             ranks = [p.mesh.rank(h, d, t) for h in holders] if p.mesh is not None else list(holders)
@@ -239,8 +250,9 @@ def _tied_groups(p: RankPayload) -> dict[str, Any]:
 
 
 def _stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch.device,
-            compute: torch.device, pp_group: Any = None, dp_group: Any = None, tp_mesh: Any = None,
-            shard_mesh: Any = None) -> tuple[list[Any], list[torch.nn.Parameter], dict[str, list[torch.Tensor]]]:
+            compute: torch.device, pp_group: ProcessGroup | None = None, dp_group: ProcessGroup | None = None,
+            tp_mesh: DeviceMesh | None = None, shard_mesh: DeviceMesh | None = None,
+            ) -> tuple[list[PipelineStage], list[torch.nn.Parameter], dict[str, list[torch.Tensor]]]:
     """torch's ``PipelineStage`` around each of this rank's runners (timed; in this replica's pipeline group),
     the parameters to optimize and, per shared parameter, this rank's copies. With replicas, each runner is
     wrapped in torch's ``DistributedDataParallel`` over its data-parallel group: torch's stage then
@@ -269,7 +281,7 @@ def _stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch.dev
             retarget(compute)
         runner = st.runner.to(compute)
         runner.compute_device = compute if compute != device else None
-        runner.fresh_outputs = sched.info(p.schedule).split_backward
+        runner.fresh_outputs = p.split_backward
         # Static shapes, so torch never runs its shape inference (an extra forward/backward in step 1).
         # Activations from another stage need grads; model inputs and integer tensors (masks) do not.
         ins = tuple(_like(t, device, grad=st.index > 0 and t.is_floating_point()) for t in st.inputs)
@@ -304,17 +316,18 @@ def _stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch.dev
     return stages, params, local
 
 
-def _timed_allreduce(clock: Clock, rank: int, stage: int, step_box: list[int]) -> Any:
+def _timed_allreduce(clock: Clock, rank: int, stage: int, step_box: list[int],
+                     ) -> Callable[[ProcessGroup, GradBucket], torch.futures.Future[torch.Tensor]]:
     """DDP's own averaging of one gradient bucket (torch's ``allreduce_hook``: divide by the replicas, then an
     asynchronous all-reduce), timed from its launch inside the backward to its completion: a ``DP`` event per
     bucket, overlapping the backward that produced it on the timeline."""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    def hook(group: Any, bucket: Any) -> Any:
+    def hook(group: ProcessGroup, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         start, step = time.time() - clock.t0, step_box[0]
 
-        def done(fut: Any) -> Any:
+        def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
             clock.record_async((rank, stage, "DP", -1, start, time.time() - clock.t0, step))
             return fut.value()
 

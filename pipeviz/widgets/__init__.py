@@ -9,8 +9,6 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
-
 _LAZY = {
     "Explorer": "pipeviz.widgets.explorer",
     "TimelineView": "pipeviz.widgets.timeline_view",
@@ -23,7 +21,7 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name in _LAZY:
         import importlib
 

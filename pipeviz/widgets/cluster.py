@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import html
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import ipywidgets as W
 
@@ -24,7 +24,7 @@ from pipeviz.graph import ModelGraph
 from pipeviz.plan import SplitPlan
 from pipeviz.planner import ClusterPlan, LayoutOption
 from pipeviz.runtime.config import LaunchConfig
-from pipeviz.widgets.panels import error_html
+from pipeviz.widgets.panels import Change, error_html
 
 __all__ = ["ClusterPanel", "cluster_accordion", "load_layout"]
 
@@ -45,7 +45,7 @@ class ClusterPanel(W.VBox):
     """
 
     def __init__(self, graph: ModelGraph | Callable[[], ModelGraph],
-                 on_select: Callable[[LayoutOption], Any] | None = None, hardware: str = "h100-sxm", gpus: int = 8,
+                 on_select: Callable[[LayoutOption], object] | None = None, hardware: str = "h100-sxm", gpus: int = 8,
                  global_batch: int | None = None, top: int = 10) -> None:
         self._graph, self.on_select, self.top = graph, on_select, top
         self.result: ClusterPlan | None = None
@@ -111,7 +111,7 @@ class ClusterPanel(W.VBox):
             self.on_select(option)
         return option
 
-    def _on_row(self, change: dict[str, Any]) -> None:
+    def _on_row(self, change: Change[int | None]) -> None:
         if change["new"] is None:
             return
         try:

@@ -20,8 +20,8 @@ import html
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
-from typing import Any, cast
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, cast
 
 import ipywidgets as W
 import plotly.graph_objects as go
@@ -40,8 +40,11 @@ from pipeviz.training import cross_entropy, default_target
 from pipeviz.widgets import panels
 from pipeviz.widgets.figures import graph_figure, graph_layout, graph_traces, plural, timeline_figure
 from pipeviz.widgets.live_figure import LiveFigure
-from pipeviz.widgets.panels import guarded, soon
+from pipeviz.widgets.panels import Change, guarded, soon
 from pipeviz.widgets.timeline_view import TimelineView
+
+if TYPE_CHECKING:
+    from plotly.callbacks import InputDeviceState, Points
 
 __all__ = ["Explorer"]
 
@@ -97,10 +100,11 @@ class Explorer(W.VBox):
     plan_json = traitlets.Unicode("", help="the current plan as JSON (SplitPlan.to_json)").tag(sync=True)
 
     def __init__(
-        self, model: torch.nn.Module | ModelGraph, example_args: tuple[Any, ...] | Any = (),
-        example_kwargs: dict[str, Any] | None = None, *, splits: SplitPlan | Iterable[str] | None = None,
+        self, model: torch.nn.Module | ModelGraph, example_args: tuple[object, ...] | torch.Tensor = (),
+        example_kwargs: Mapping[str, object] | None = None, *, splits: SplitPlan | Iterable[str] | None = None,
         schedule: str = UNSET, microbatches: int = UNSET, steps: int = UNSET, target: torch.Tensor | None = None,
-        loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: Callable[..., Any] | None = None,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
         devices: str | list[str] = UNSET, depth: int | None = None, mode: str = "train",
         config: pv.LaunchConfig | None = None,
     ) -> None:
@@ -257,7 +261,7 @@ class Explorer(W.VBox):
             cluster_accordion(self),
         ]
 
-    def _layers_trace(self) -> Any:
+    def _layers_trace(self) -> go.Scatter:
         return self.graph_figure.data[-1]
 
     # ----------------------------------------------------------------- the plan (one source of truth)
@@ -444,18 +448,18 @@ class Explorer(W.VBox):
         return figs
 
     # ----------------------------------------------------------------- handlers
-    def _on_graph_click(self, trace: Any, points: Any, state: Any) -> None:
+    def _on_graph_click(self, trace: go.Scatter, points: Points, state: InputDeviceState) -> None:
         if points.point_inds:
             name = self.graph.layer_names[points.point_inds[0]]
             modifier = any(getattr(state, k, False) for k in ("shift", "alt", "ctrl", "meta"))
             soon(lambda: setattr(self, "expanded" if modifier else "clicked", name))
 
-    def _on_clicked(self, change: dict[str, Any]) -> None:
+    def _on_clicked(self, change: Change[str]) -> None:
         if change["new"]:
             self.click(change["new"])
             self.clicked = ""  # so a second click on the same layer is seen again
 
-    def _on_expanded(self, change: dict[str, Any]) -> None:
+    def _on_expanded(self, change: Change[str]) -> None:
         if change["new"]:
             name = change["new"]
             self.expanded = ""
@@ -466,20 +470,20 @@ class Explorer(W.VBox):
                                             "squares, expand)."))
 
     @guarded
-    def _on_plan_json(self, change: dict[str, Any]) -> None:
+    def _on_plan_json(self, change: Change[str]) -> None:
         if self._syncing or not change["new"] or change["new"] == self._plan.to_json():
             return
         self._clear_error()
         self.plan = SplitPlan.from_json(change["new"], self.graph)
 
     @guarded
-    def _on_controls(self, change: dict[str, Any]) -> None:
+    def _on_controls(self, change: Change[object]) -> None:
         self._clear_error()
         self._refresh_simulation()
         if self.pipe_button.value:
             self._show_pipe()
 
-    def _on_stages(self, change: dict[str, Any]) -> None:
+    def _on_stages(self, change: Change[int]) -> None:
         # A new stage count is a target for Balance, never a silent replacement of hand-placed splits.
         if self._syncing:
             return
@@ -633,7 +637,7 @@ class Explorer(W.VBox):
             parts.append(fig.to_html(full_html=False, include_plotlyjs="cdn" if i == 0 else False))
         return "<div class='pipeviz-static'>" + "".join(parts) + "</div>"
 
-    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+    def _repr_mimebundle_(self, **kwargs: object) -> dict[str, object]:
         data = super()._repr_mimebundle_(**kwargs) or {}
         try:
             data["text/html"] = self._static_html()
@@ -679,7 +683,7 @@ def _warm_up_launches(model: torch.nn.Module) -> None:
     threading.Thread(target=lambda: _quietly(lambda: context(preload)), daemon=True, name="pipeviz-warm-up").start()
 
 
-def _quietly(fn: Callable[[], Any]) -> None:
+def _quietly(fn: Callable[[], object]) -> None:
     try:
         fn()
     except Exception:  # a failure here shows again, with its message, at Launch

@@ -12,13 +12,14 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 import plotly.graph_objects as go
 
 from pipeviz.plan import human_bytes
-from pipeviz.timeline import COMPUTE, KINDS, Timeline
+from pipeviz.timeline import COMPUTE, KINDS, Event, Timeline
 
 if TYPE_CHECKING:
     from pipeviz.plan import SplitPlan
@@ -56,7 +57,7 @@ def _count(n: float) -> str:
 
 
 # --------------------------------------------------------------------------------------------- timeline
-def _columns(events: list[Any]) -> dict[str, np.ndarray]:
+def _columns(events: Sequence[Event]) -> dict[str, np.ndarray]:
     """Event fields as arrays (one pass; 10,000 events take a few ms)."""
     if not events:
         empty = np.zeros(0)
@@ -92,7 +93,7 @@ def _shifted_overlay(overlay: Timeline, measured: dict[str, np.ndarray]) -> dict
 
 
 def timeline_traces(timeline: Timeline, overlay: Timeline | None = None, *, gl: bool | None = None,
-                    labels: bool | None = None) -> list[dict[str, Any]]:
+                    labels: bool | None = None) -> list[dict[str, object]]:
     """Plotly trace dicts for a Gantt chart: one trace per event kind (and per overlay kind), built from
     arrays, never one shape per event.
 
@@ -118,7 +119,7 @@ def timeline_traces(timeline: Timeline, overlay: Timeline | None = None, *, gl: 
     sources = [(timeline.source, cols, False, 0.0 if overlay is None else 0.14, 0.62 if overlay is None else 0.44, 1.0)]
     if overlay is not None and over is not None:
         sources.append((f"{overlay.source} (overlay)", over, True, -0.27, 0.22, 0.55))
-    traces: list[dict[str, Any]] = []
+    traces: list[dict[str, object]] = []
     for name, c, is_overlay, y_shift, width, opacity in sources:
         for kind in KIND_ORDER:
             sel = c["kind"] == kind if len(c["kind"]) else np.zeros(0, dtype=bool)
@@ -155,7 +156,7 @@ def timeline_traces(timeline: Timeline, overlay: Timeline | None = None, *, gl: 
 MEMORY_COLOR = "#2F4B7C"
 
 
-def memory_traces(timeline: Timeline, overlay: Timeline | None = None, t0: float = 0.0) -> list[dict[str, Any]]:
+def memory_traces(timeline: Timeline, overlay: Timeline | None = None, t0: float = 0.0) -> list[dict[str, object]]:
     """A measured run's memory track under each rank's row: the bytes of tensors saved for backward over time
     (``run.activation_memory``), scaled to the largest peak of any rank, with the simulated peak of that rank
     (``overlay.peak_activation_bytes``) as a dotted line at its height. Nothing for a simulated timeline."""
@@ -164,7 +165,7 @@ def memory_traces(timeline: Timeline, overlay: Timeline | None = None, t0: float
         return []
     predicted = list(overlay.meta.get("peak_activation_bytes") or []) if overlay is not None else []
     top = max([b for s in samples.values() for _, b in s] + [max(predicted, default=0), 1])
-    traces: list[dict[str, Any]] = []
+    traces: list[dict[str, object]] = []
     for i, (rank, track) in enumerate(sorted((int(r), s) for r, s in samples.items())):
         times = np.array([t for t, _ in track]) - t0
         sizes = np.array([b for _, b in track], dtype=float)
@@ -193,7 +194,7 @@ def time_origin(timeline: Timeline) -> float:
 
 
 def timeline_layout(timeline: Timeline, overlay: Timeline | None = None, *, title: str | None = None,
-                    height: int | None = None) -> dict[str, Any]:
+                    height: int | None = None) -> dict[str, object]:
     """The layout for ``timeline_traces``: one row per rank (rank 0 on top), time in ms."""
     ranks = max(timeline.num_ranks, overlay.num_ranks if overlay is not None else 0, 1)
     if title is None:
@@ -298,7 +299,19 @@ def _action(plan: SplitPlan, name: str, expandable: bool) -> str:
     return what + (" · shift-click: expand its modules" if expandable else "")
 
 
-def graph_layers(plan: SplitPlan) -> dict[str, Any]:
+class GraphLayers(TypedDict):
+    """Per-layer lists the graph figure draws (``graph_layers``)."""
+
+    names: list[str]
+    labels: list[str]
+    stages: list[int]
+    y: list[int]
+    size: list[float]
+    symbol: list[str]
+    custom: list[list[object]]
+
+
+def graph_layers(plan: SplitPlan) -> GraphLayers:
     """Per-layer arrays the graph figure draws (name, stage, cost, position, glyph, what a click does)."""
     g = plan.graph
     stage_of = {name: s.index for s in plan.stages for name in s.layers}
@@ -318,7 +331,7 @@ def graph_layers(plan: SplitPlan) -> dict[str, Any]:
     }
 
 
-def graph_traces(plan: SplitPlan) -> list[dict[str, Any]]:
+def graph_traces(plan: SplitPlan) -> list[dict[str, object]]:
     """Traces of the layer graph: chain edges, skip edges (arcs to the right) and the layer markers (last)."""
     g = plan.graph
     pos = {name: i for i, name in enumerate(g.layer_names)}
@@ -356,7 +369,7 @@ def graph_traces(plan: SplitPlan) -> list[dict[str, Any]]:
     ]
 
 
-def graph_layout(plan: SplitPlan, *, height: int | None = None, width: int | None = None) -> dict[str, Any]:
+def graph_layout(plan: SplitPlan, *, height: int | None = None, width: int | None = None) -> dict[str, object]:
     """Layout with stage bands and a dashed split line between stages."""
     n = len(plan.graph.layers)
     shapes: list[dict[str, Any]] = []

@@ -9,8 +9,6 @@ plotly 7.1). pipeviz never reads those defaults back, so a delta that no longer 
 
 from __future__ import annotations
 
-from typing import Any
-
 import plotly.graph_objects as go
 from plotly.basewidget import BaseFigureWidget
 from traitlets import observe
@@ -24,7 +22,7 @@ class LiveFigure(go.FigureWidget):
     """A ``go.FigureWidget`` whose browser-to-Python trace defaults may be stale without an error."""
 
     @observe("_js2py_traceDeltas")
-    def _handler_js2py_traceDeltas(self, change: dict[str, Any]) -> None:
+    def _handler_js2py_traceDeltas(self, change: dict[str, object]) -> None:
         try:
             _RECONCILE(self, change)
         except (AssertionError, KeyError, ValueError, IndexError):

@@ -10,7 +10,7 @@ import asyncio
 import html
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Concatenate, Generic, ParamSpec, Protocol, TypedDict, TypeVar
 
 import pipeviz as pv
 from pipeviz.balance import slowest_stage
@@ -20,14 +20,43 @@ from pipeviz.plan import SplitPlan, human_bytes
 from pipeviz.timeline import COMPUTE, Timeline
 from pipeviz.widgets.figures import plural, stage_color
 
-__all__ = ["error_html", "guarded", "mesh_html", "notes_html", "numerics_html", "preview_html", "progress_html",
-           "run_notes_html", "shift_click_guard", "short", "soon", "stage_times", "verdict_html"]
+if TYPE_CHECKING:
+    import ipywidgets as W
+
+__all__ = ["Change", "error_html", "guarded", "mesh_html", "notes_html", "numerics_html", "preview_html",
+           "progress_html", "run_notes_html", "shift_click_guard", "short", "soon", "stage_times", "verdict_html"]
 
 
-def guarded(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Run a UI handler; any exception goes to the widget's error area (observers would swallow it)."""
+T = TypeVar("T")
+P = ParamSpec("P")
+R = TypeVar("R")
 
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+
+class Change(TypedDict, Generic[T]):
+    """What ``traitlets``' ``observe`` hands a handler: the trait's ``name``, its ``old`` and ``new`` values (a
+    ``T``), the widget that owns it, and the notification's ``type`` (``"change"``)."""
+
+    name: str
+    old: T
+    new: T
+    owner: object
+    type: str
+
+
+class _ShowsErrors(Protocol):
+    """A widget with an error area (``Explorer``)."""
+
+    def _show_error(self, exc: BaseException, prefix: str = ...) -> None: ...
+
+
+W_ = TypeVar("W_", bound=_ShowsErrors)
+
+
+def guarded(method: Callable[Concatenate[W_, P], R]) -> Callable[Concatenate[W_, P], R | None]:
+    """Run a UI handler; any exception goes to the widget's error area (observers would swallow it), and the
+    handler returns None."""
+
+    def wrapper(self: W_, *args: P.args, **kwargs: P.kwargs) -> R | None:
         try:
             return method(self, *args, **kwargs)
         except Exception as exc:  # shown, never swallowed
@@ -73,7 +102,7 @@ export default {
 """
 
 
-def shift_click_guard() -> Any:
+def shift_click_guard() -> W.DOMWidget | None:
     """An invisible widget to put inside the graph column: it keeps shift-clicks on the graph away from the
     notebook's cell selection (see ``SHIFT_CLICK_GUARD_ESM``). ``None`` without anywidget (plotly < 6)."""
     global _ShiftClickGuard
@@ -87,7 +116,7 @@ def shift_click_guard() -> Any:
     return _ShiftClickGuard(layout=W.Layout(display="none"))
 
 
-_ShiftClickGuard: Any = None
+_ShiftClickGuard: type[W.DOMWidget] | None = None  # an anywidget.AnyWidget subclass
 
 
 def stage_times(plan: SplitPlan, sim: Timeline | None, microbatches: int,

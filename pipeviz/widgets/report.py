@@ -12,13 +12,16 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pipeviz.numerics import NumericsCheck
 from pipeviz.plan import SplitPlan, human_bytes
 from pipeviz.planner import ClusterPlan
 from pipeviz.simulate import Comparison
 from pipeviz.timeline import Timeline
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
 
 __all__ = ["Section", "cluster_table", "comparison_table", "stage_table", "write_report"]
 
@@ -119,7 +122,7 @@ def write_report(sections: list[Section], path: str | Path, title: str = "pipevi
              f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>"]
     first = True
 
-    def fig_html(fig: Any) -> str:
+    def fig_html(fig: go.Figure) -> str:
         nonlocal first
         out = pio.to_html(fig, full_html=False, include_plotlyjs=first, config={"displaylogo": False})
         first = False

@@ -11,15 +11,18 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
 
 import ipywidgets as W
 import plotly.graph_objects as go
 
 from pipeviz.live import Live
-from pipeviz.timeline import COMPUTE, Timeline
+from pipeviz.timeline import COMPUTE, Event, Timeline
 from pipeviz.widgets.figures import GL_THRESHOLD, time_origin, timeline_layout, timeline_title, timeline_traces
 from pipeviz.widgets.live_figure import LiveFigure
+
+if TYPE_CHECKING:
+    from pipeviz.widgets.panels import Change
 
 __all__ = ["TimelineView"]
 
@@ -27,7 +30,15 @@ __all__ = ["TimelineView"]
 SECONDS_PER_EVENT = 1e-4  # live redraw spacing per event drawn: 10,000 events -> at most one redraw a second
 
 
-def _plain(value: Any) -> Any:
+@overload
+def _plain(value: dict[str, object]) -> dict[str, object]: ...
+
+
+@overload
+def _plain(value: object) -> object: ...
+
+
+def _plain(value: object) -> object:
     """``value`` with every numpy array turned into plain Python lists (``tolist`` gives Python scalars)."""
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
@@ -73,7 +84,7 @@ class TimelineView(W.VBox):
     def __init__(self, source: Live | Timeline | None = None, *, overlay: Timeline | None = None,
                  interval: float = 0.25, title: str | None = None, height: int | None = None,
                  clock: Callable[[], float] = time.perf_counter,
-                 later: Callable[[float, Callable[[], None]], Any] | None = None) -> None:
+                 later: Callable[[float, Callable[[], None]], object] | None = None) -> None:
         self.figure = LiveFigure()
         # Follow the window's width (plotly.js re-measures on resize; the layout's autosize keeps it allowed to).
         self.figure._config = {"responsive": True}
@@ -144,7 +155,7 @@ class TimelineView(W.VBox):
             self._timeline = run.timeline()
             self._draw()
 
-        def follow(batch: list[Any]) -> None:
+        def follow(batch: list[Event]) -> None:
             self._on_events(run, batch)
 
         run.subscribe(follow)
@@ -163,7 +174,7 @@ class TimelineView(W.VBox):
         """A plain plotly ``Figure`` of what is shown (renders without widgets, e.g. in nbconvert HTML)."""
         return go.Figure(self.figure)
 
-    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+    def _repr_mimebundle_(self, **kwargs: object) -> dict[str, object]:
         data = super()._repr_mimebundle_(**kwargs) or {}
         try:  # without a widget manager (nbconvert HTML) the chart still renders, statically
             data["text/html"] = (f"<div class='pipeviz-static'>{self.summary.value}"
@@ -173,7 +184,7 @@ class TimelineView(W.VBox):
         return data
 
     # ----------------------------------------------------------------- live
-    def _on_events(self, run: Live, batch: list[Any]) -> None:
+    def _on_events(self, run: Live, batch: list[Event]) -> None:
         if run is not self._run:  # a newer run was attached
             return
         if run.done:
@@ -241,7 +252,7 @@ class TimelineView(W.VBox):
             self.step_select.options = options
             self.step_select.value = value if value in [o[1] for o in options] else -1
 
-    def _on_step(self, change: dict[str, Any]) -> None:
+    def _on_step(self, change: Change[int]) -> None:
         tl = self._timeline
         if tl is None:
             return
