@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import logging
 import re
+import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +45,17 @@ _T = TypeVar("_T")
 
 
 class TraceError(ValueError):
-    """torch.export could not capture the model; the message names the cause and the manual route."""
+    """torch.export could not capture the model; the message names the cause and the manual route.
+
+    The message leads with pipeviz's diagnosis and quotes torch's first line; torch's whole report is
+    ``err.torch_error`` (its exception and traceback) and ``err.torch_output`` (the partial graph it prints), both
+    kept out of what a notebook shows (together they ran to 26.5 KB for a small model).
+    """
+
+    def __init__(self, message: str, torch_error: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.torch_error = torch_error
+        self.torch_output = ""  # what torch printed while failing (the partial graph), held back from stderr
 
 
 @dataclass(frozen=True)
@@ -202,9 +214,14 @@ def _inference_mode_seen(seen: list[str]) -> Iterator[None]:
 
 def _export(model: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> torch.export.ExportedProgram:
     seen: list[str] = []
+    # torch prints the partial graph of a failed export to stderr (twice, ~1 KB a layer of HF model): held here,
+    # re-emitted when the export succeeds, and kept on the TraceError (err.torch_output) when it fails
+    printed = io.StringIO()
     try:
-        with TRACE_LOCK, quiet_torch_logs(), _inference_mode_seen(seen), exportable_moe(), decided_layerdrop():
+        with (TRACE_LOCK, quiet_torch_logs(), _inference_mode_seen(seen), exportable_moe(), decided_layerdrop(),
+              contextlib.redirect_stderr(printed)):
             ep = torch.export.export(model, args, kwargs)
+        sys.stderr.write(printed.getvalue())
     except LayerDropError as exc:
         raise TraceError(f"Cannot trace {type(model).__name__}: {exc}") from None
     except Exception as exc:  # torch raises many types here; all mean "cannot capture"
@@ -223,9 +240,13 @@ def _export(model: nn.Module, args: tuple[object, ...], kwargs: dict[str, object
         else:
             unfit = _inputs_do_not_fit(model, args, kwargs)
             if unfit is not None:
-                raise unfit from exc
+                unfit.torch_error = exc
+                raise unfit from None
             hint = "torch.export cannot capture this forward as one graph."
-        raise TraceError(f"Cannot trace {type(model).__name__}: {hint}\n  torch said: {first}\n{manual}") from exc
+        err = TraceError(f"Cannot trace {type(model).__name__}: {hint}\n  torch said: {first} (the whole report: "
+                         f"err.torch_error, err.torch_output)\n{manual}", exc)
+        err.torch_output = printed.getvalue()
+        raise err from None
     if seen:
         raise TraceError(
             f"Cannot trace {type(model).__name__}: its forward enters torch.inference_mode() (at {seen[0]}), which "
@@ -336,7 +357,7 @@ def capture(
                 "mixture-of-experts routing (torch.where over the router's choice): on the meta device there is no "
                 "data to size it by, so its FLOPs and activations cannot be counted. Fix: build the model on the "
                 "CPU (real tensors; small configs trace in seconds), or use transformers 5.x, whose experts have "
-                "no such op.") from exc
+                "no such op.", exc) from None
         unfit = None if fake else _inputs_do_not_fit(traced, example_args, kwargs)
         if unfit is not None:
             raise unfit from exc

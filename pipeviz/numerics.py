@@ -14,10 +14,12 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from pipeviz.rng import RunDraws
 
 if TYPE_CHECKING:
     from pipeviz.runtime.feed import FedBatch
@@ -41,6 +43,7 @@ class NumericsCheck:
         output_diff: a forward-only run's (no ``loss_fn``): the largest absolute difference between
             ``run.outputs`` and the unsplit model's outputs over every step and output tensor (``loss_diff`` is
             then NaN: there is no loss); ``None`` for a training run.
+        note: what the comparison could not make alike, with the fix (random draws: dropout), or how it did.
     """
 
     ok: bool
@@ -51,16 +54,18 @@ class NumericsCheck:
     tensors: int
     tolerance: float
     output_diff: float | None = None
+    note: str = ""
 
     def __str__(self) -> str:
         verdict = "matches" if self.ok else "DIFFERS from"
+        note = f". {self.note}" if self.note else ""
         if self.output_diff is not None:
             return (f"numerics: the forward-only run {verdict} the unsplit model run the same way: max |Δoutput| "
                     f"{self.output_diff:.1e} over {self.steps} steps, max |Δbuffer| {self.param_diff:.1e} over "
-                    f"{self.tensors} tensors (worst: {self.worst or '-'}; tolerance {self.tolerance:g})")
+                    f"{self.tensors} tensors (worst: {self.worst or '-'}; tolerance {self.tolerance:g}){note}")
         return (f"numerics: the run {verdict} the unsplit model trained the same way: max |Δloss| "
                 f"{self.loss_diff:.1e} over {self.steps} steps, max |Δparam| {self.param_diff:.1e} over "
-                f"{self.tensors} tensors (worst: {self.worst or '-'}; tolerance {self.tolerance:g})")
+                f"{self.tensors} tensors (worst: {self.worst or '-'}; tolerance {self.tolerance:g}){note}")
 
 
 def check_numerics(run: Run, tolerance: float = TOLERANCE, device: str | torch.device = "cpu") -> NumericsCheck:
@@ -92,19 +97,43 @@ def check_numerics(run: Run, tolerance: float = TOLERANCE, device: str | torch.d
         from pipeviz.weights import materialize
 
         model = materialize(model, run.weights, spec.init_seed)
+    draws = RunDraws(spec.init_seed, run.random_draws) if any(run.random_draws) else None
     if spec.loss_fn is None:
-        return _check_outputs(run, model, batches, tolerance, device)
-    assert spec.target is not None  # a training run's (validate_launch)
-    ref_losses, ref_state = train_reference(
-        model, spec.args, spec.target, loss_fn=spec.loss_fn, optimizer=spec.optimizer,
-        microbatches=spec.microbatches * spec.dp,
-        steps=spec.steps or len(run.losses), input_kwargs=spec.kwargs or None, fixups=graph.capture.fixups,
-        device=device, batches=batches, replicas=spec.dp)
-    return compare_to_reference(run.losses, run.state_dict(), ref_losses, ref_state, tolerance)
+        check = _check_outputs(run, model, batches, tolerance, device, draws)
+    else:
+        assert spec.target is not None  # a training run's (validate_launch)
+        ref_losses, ref_state = train_reference(
+            model, spec.args, spec.target, loss_fn=spec.loss_fn, optimizer=spec.optimizer,
+            microbatches=spec.microbatches * spec.dp,
+            steps=spec.steps or len(run.losses), input_kwargs=spec.kwargs or None, fixups=graph.capture.fixups,
+            device=device, batches=batches, replicas=spec.dp, draws=draws)
+        check = compare_to_reference(run.losses, run.state_dict(), ref_losses, ref_state, tolerance)
+    return replace(check, note=_randomness(run, draws, device)) if draws is not None else check
+
+
+def _randomness(run: Run, draws: RunDraws, device: str | torch.device) -> str:
+    """What the check says of a model that draws random numbers (dropout in training mode)."""
+    n = sum(draws.per_stage)
+    what = f"The model draws random numbers ({n} random ops per forward: dropout or the like)"
+    fix = ("Fix: model.eval(), or dropout 0 in its config, for a check that compares computation only; "
+           "training keeps dropout")
+    if run.spec.tp > 1:
+        return (f"{what}; tensor-parallel shards draw their masks over their shards of each tensor, which the "
+                f"unsplit model cannot draw alike, so the differences include chance. {fix}")
+    if not draws.aligned:
+        return (f"{what}, but the unsplit model's forward met {draws.seen} where the stages met {n} (code the trace "
+                f"did not see?), so its draws could not be lined up and the differences include chance. {fix}")
+    on = {torch.device(d).type for d in run.devices}
+    if on != {torch.device(device).type}:
+        return (f"{what}; the run drew them on {'/'.join(sorted(on))} and the reference on "
+                f"{torch.device(device).type}, whose generators differ, so the differences include chance. Fix: "
+                f"check_numerics(run, device=...) on the run's device type")
+    return (f"{what}; each stage's forward was seeded per step and microbatch and the unsplit model drew the "
+            "same numbers (pipeviz.rng), so dropout stays on and the comparison is exact")
 
 
 def _check_outputs(run: Run, model: torch.nn.Module, batches: list[FedBatch] | None, tolerance: float,
-                   device: str | torch.device) -> NumericsCheck:
+                   device: str | torch.device, draws: RunDraws | None) -> NumericsCheck:
     """A forward-only run against the unsplit model run forward the same way."""
     from torch.utils import _pytree as pytree
 
@@ -114,7 +143,7 @@ def _check_outputs(run: Run, model: torch.nn.Module, batches: list[FedBatch] | N
     want, ref_state = forward_reference(model, spec.args, microbatches=spec.microbatches * spec.dp,
                                         steps=spec.steps or len(run.outputs), input_kwargs=spec.kwargs or None,
                                         fixups=run.plan.graph.capture.fixups, device=device, batches=batches,
-                                        replicas=spec.dp)
+                                        replicas=spec.dp, draws=draws)
     d_out = 0.0
     for got, ref in zip(run.outputs, want, strict=False):
         leaves = [t for t in pytree.tree_leaves(got) if isinstance(t, torch.Tensor)]

@@ -106,7 +106,7 @@ def test_a_checkpoint_starts_a_real_or_meta_model_and_ranks_get_no_values(tmp_pa
 
     spec = validate_launch(plan, pv.LaunchConfig(microbatches=4, loss_fn=lm_loss), inputs=(IDS,), target=IDS)
     spec.sources = check_weights(plan, tmp_path / "hf", 0)
-    payloads, shipment = rank_payloads(plan, spec, ["cpu", "cpu"], [None, None], "gloo", 0, 0.0, 60.0, 1, None)
+    payloads, shipment, _ = rank_payloads(plan, spec, ["cpu", "cpu"], [None, None], "gloo", 0, 0.0, 60.0, 1, None)
     params = set(dict(plan.graph.model.named_parameters()))
     assert shipment.path is None and not params & set(shipment.inline), shipment  # no value is shipped
     for data in payloads:

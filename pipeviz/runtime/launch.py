@@ -123,8 +123,9 @@ def launch(
     port = run._store.port
 
     def build() -> list[bytes]:
-        blobs, shipment = rank_payloads(plan, spec, stage_devices, compute, backend, port, t0, cfg.timeout, threads,
-                                        cpus, run._state_dir, values_prefix=temp_prefix("values"))
+        blobs, shipment, draws = rank_payloads(plan, spec, stage_devices, compute, backend, port, t0, cfg.timeout,
+                                               threads, cpus, run._state_dir, values_prefix=temp_prefix("values"))
+        run.random_draws = tuple(draws)
         if shipment.path:  # the ranks map it; removed when the run ends (the mappings outlive the name)
             run._files.append(shipment.path)
         run._shipped_bytes = shipment.nbytes

@@ -3,7 +3,7 @@ model's values mapped from one file (``pipeviz.runtime.ship``), and torch's Pipe
 Shared by ``pv.launch`` (``rank_payloads``) and ``pv.export_torchrun`` (``spec_stages``, ``rank_payload``).
 
 Example:
-    >>> blobs, shipment = rank_payloads(plan, spec, ["cpu"] * 2, [None] * 2, "gloo", port, t0, 120.0, 1, None)
+    >>> blobs, shipment, draws = rank_payloads(plan, spec, ["cpu"] * 2, [None] * 2, "gloo", port, t0, 120.0, 1, None)
     >>> payload = ship.load_payload(blobs[0])      # in rank 0: its stages, their tensors mapped from the file
 """
 
@@ -96,6 +96,7 @@ class RankPayload:
     tp_placements: dict[str, str] = field(default_factory=dict)  # tp > 1: canonical name -> "shard0"/"shard1"
     dp_shard: bool = False  # replicas shard each stage with FSDP2 (fully_shard over the dp mesh dim)
     order: tuple[tuple[str, ...], ...] | None = None  # a custom order: every pipeline rank's actions (torch's text)
+    seed: int = 0  # random draws (dropout): each stage forward seeds from it (pipeviz.rng.stage_seed)
 
     @property
     def split_backward(self) -> bool:
@@ -113,8 +114,9 @@ class RankPayload:
 def rank_payloads(plan: SplitPlan, spec: LaunchSpec, devices: list[str], compute: list[str | None], backend: str,
                   port: int, t0: float, timeout: float, threads: int,
                   cpus: list[tuple[int, ...]] | None, state_dir: str | None = None,
-                  values_prefix: str = "pipeviz-values-") -> tuple[list[bytes], Shipment]:
-    """Each rank's share of the run, pickled, and the ``Shipment`` of the model's tensor values.
+                  values_prefix: str = "pipeviz-values-") -> tuple[list[bytes], Shipment, list[int]]:
+    """Each rank's share of the run, pickled, the ``Shipment`` of the model's tensor values, and each stage's random
+    ops per forward (``pipeviz.rng``: what the run's reference must seed alike).
 
     The stages' structure is built once per plan and input shapes (``launch_stages``, cached); the values are the
     model's tensors at this moment, written once into a file the ranks map (``pipeviz.runtime.ship``). With
@@ -152,7 +154,7 @@ def rank_payloads(plan: SplitPlan, spec: LaunchSpec, devices: list[str], compute
         if shipment.path:
             os.unlink(shipment.path)
         raise
-    return blobs, shipment
+    return blobs, shipment, list(stages.draws)
 
 
 def rank_boots(spec: LaunchSpec, devices: list[str], compute: list[str | None], backend: str, port: int, t0: float,
@@ -315,6 +317,7 @@ def rank_payload(spec: LaunchSpec, stages: StageSet, tied: dict[str, list[int]],
         cpus=cpus, init_method=init_method, on_nonfinite=spec.config.on_nonfinite, state_path=state_path,
         mesh=mesh if mesh.world > mesh.pp else None, tp_placements=spec.tp_placements, dp_shard=spec.dp_shard,
         order=None if spec.config.order is None else tuple(tuple(acts) for acts in spec.config.order),
+        seed=spec.init_seed,
     )
 
 

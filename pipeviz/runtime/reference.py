@@ -13,12 +13,15 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 from pipeviz._compat import positional_legacy
+
+if TYPE_CHECKING:
+    from pipeviz.rng import RunDraws
 
 __all__ = ["forward_reference", "model_output", "train_reference"]
 
@@ -48,24 +51,28 @@ def train_reference(
     device: str | torch.device = "cpu",
     batches: Sequence[tuple[tuple[object, ...], Mapping[str, object], object]] | None = None,
     replicas: int = 1,
+    draws: RunDraws | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train a deep copy of ``model`` on ``device``; returns (mean loss per step, final state_dict on the CPU).
 
     ``batches``: one ``(args, kwargs, target)`` per step (a ``data=`` run's), instead of ``inputs``,
     ``input_kwargs`` and ``target`` every step. ``replicas``: a data-parallel run's (``microbatches`` counts
     them all: each replica runs ``microbatches // replicas`` of them); the gradients are the same, and the
-    buffers (running statistics) follow replica 0's microbatches only, as each replica keeps its own."""
+    buffers (running statistics) follow replica 0's microbatches only, as each replica keeps its own.
+    ``draws``: a run's random draws (``pipeviz.rng.RunDraws``): dropout draws what the run's stages drew."""
     model = _copy(model, fixups, device)
     opt = (optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.1)))(list(model.parameters()))
     if batches is None:
         batches = [(tuple(inputs), dict(input_kwargs or {}), target)] * steps
     losses = []
-    for arg_mbs, kw_mbs, tgt in _microbatched(batches, microbatches, device):
+    for n, (arg_mbs, kw_mbs, tgt) in enumerate(_microbatched(batches, microbatches, device)):
         step = []
         for i, (a, k, t) in enumerate(zip(arg_mbs, kw_mbs, torch.tensor_split(tgt, microbatches), strict=True)):
             # (the backward too: BatchNorm's saves its running statistics, which must not change before it)
             with _buffers_of_replica_0(model, i * replicas // microbatches):
-                loss = loss_fn(model_output(model(*a, **k)), t)
+                with draws.forward(n, i) if draws is not None else contextlib.nullcontext():
+                    out = model(*a, **k)
+                loss = loss_fn(model_output(out), t)
                 (loss / microbatches).backward()
             step.append(loss.detach())
         opt.step()
@@ -86,6 +93,7 @@ def forward_reference(
     device: str | torch.device = "cpu",
     batches: Sequence[tuple[tuple[object, ...], Mapping[str, object], object]] | None = None,
     replicas: int = 1,
+    draws: RunDraws | None = None,
 ) -> tuple[list[list[torch.Tensor]], dict[str, torch.Tensor]]:
     """Run a deep copy of ``model`` forward only, as a forward-only pipelined run does: per step, the output's
     tensor leaves for the whole batch (microbatches run one by one, joined along the batch dim, which is what
@@ -96,10 +104,11 @@ def forward_reference(
         batches = [(tuple(inputs), dict(input_kwargs or {}), None)] * steps
     outputs = []
     with torch.no_grad():
-        for arg_mbs, kw_mbs, _ in _microbatched(batches, microbatches, device):
+        for n, (arg_mbs, kw_mbs, _) in enumerate(_microbatched(batches, microbatches, device)):
             chunks = []
             for i, (a, k) in enumerate(zip(arg_mbs, kw_mbs, strict=True)):
-                with _buffers_of_replica_0(model, i * replicas // microbatches):
+                with (_buffers_of_replica_0(model, i * replicas // microbatches),
+                      draws.forward(n, i) if draws is not None else contextlib.nullcontext()):
                     chunks.append([t for t in pytree.tree_leaves(model(*a, **k)) if isinstance(t, torch.Tensor)])
             outputs.append([torch.cat(parts).cpu() if parts[0].dim() else parts[-1].cpu()
                             for parts in zip(*chunks, strict=True)])

@@ -113,6 +113,9 @@ class Run(RunResults):
         self._start_error: BaseException | None = None
         self._fds: list[int] = []  # payload files reserved, not yet written
         self._shipped_bytes = 0  # the model's values the ranks map (pipeviz.runtime.ship)
+        # per stage, random ops in one forward (dropout): each rank seeded them per step and microbatch, so
+        # check_numerics' reference can draw the same (pipeviz.rng)
+        self.random_draws: tuple[int, ...] = ()
         _LIVE.add(self)
 
     # ----------------------------------------------------------------- public

@@ -148,6 +148,7 @@ class StageSet:
     buffers: list[dict[str, str]] = field(default_factory=list)
     inputs: list[tuple[torch.Tensor, ...]] = field(default_factory=list)  # per-stage example inputs (one mb)
     outputs: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
+    draws: list[int] = field(default_factory=list)  # per stage: random ops in one forward (pipeviz.rng)
 
 
 def _top_level(pipe: Pipe) -> tuple[list[str], list[list[Value]], object]:
@@ -285,9 +286,14 @@ def _record_examples(stages: StageSet, plan: SplitPlan, microbatches: int) -> No
 
 
 def _chain(stages: StageSet, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    from pipeviz.rng import CountDraws
+
     x: Any = None
+    stages.draws[:] = []
     for i, runner in enumerate(stages.runners):
-        out = runner(*args, **kwargs) if i == 0 else runner(*x)
+        with CountDraws() as counted:  # dropout and the like: what pipeviz.rng seeds per stage forward
+            out = runner(*args, **kwargs) if i == 0 else runner(*x)
+        stages.draws.append(counted.count)
         stages.inputs.append(tuple(args) if i == 0 else tuple(x))
         x = out if isinstance(out, tuple) else (out,)
         stages.outputs.append(x)
@@ -315,6 +321,7 @@ class RankStage:
     inputs: tuple[torch.Tensor, ...]
     outputs: tuple[torch.Tensor, ...]
     source: Any = None  # a pipeviz.weights.StageSource: tensors the rank loads or initialises itself
+    draws: int = 0  # random ops in one forward: the rank seeds its generator before each (pipeviz.rng)
 
 
 def rank_stages(stages: StageSet, stage_ranks: tuple[int, ...], rank: int,
@@ -325,6 +332,7 @@ def rank_stages(stages: StageSet, stage_ranks: tuple[int, ...], rank: int,
             index=s, runner=stages.runners[s], params=stages.params[s], buffers=stages.buffers[s],
             reports=tuple(c for c in [*stages.params[s], *stages.buffers[s]] if stages.owner.get(c) == s),
             inputs=stages.inputs[s], outputs=stages.outputs[s], source=sources[s] if sources else None,
+            draws=stages.draws[s] if stages.draws else 0,
         )
         for s, r in enumerate(stage_ranks) if r == rank
     ]

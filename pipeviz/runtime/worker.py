@@ -29,6 +29,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -264,8 +265,17 @@ def _stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch.dev
     runner is sharded across the replicas by FSDP2's ``fully_shard`` instead (torch's stage unshards, reshards and
     reduce-scatters it)."""
     from pipeviz.adapter import timed_stage_class
+    from pipeviz.rng import seed_device, stage_seed
 
-    Stage = timed_stage_class(lambda stage, kind, mb: clock.span(p.rank, stage, kind, mb, step_box[0]))
+    drawing = {st.index for st in p.stages if st.draws}  # stages whose forward draws random numbers (dropout)
+    first_mb = p.coords.dp * p.microbatches  # this replica's microbatches, counted across replicas
+
+    def span(stage: int, kind: str, mb: int) -> AbstractContextManager[object]:
+        if kind == "F" and stage in drawing:  # the reference seeds the same before this stage's draws
+            seed_device(compute, stage_seed(p.seed, step_box[0], first_mb + mb, stage))
+        return clock.span(p.rank, stage, kind, mb, step_box[0])
+
+    Stage = timed_stage_class(span)
 
     num_stages = len(p.stage_ranks)
     stages = []

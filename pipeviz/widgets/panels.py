@@ -295,13 +295,15 @@ def numerics_html(run: pv.Run) -> str:
     check = pv.check_numerics(run)
     mark = ("<span style='color:#27ae60'>✓ matches</span>" if check.ok
             else "<span style='color:#c0392b'>✗ differs from</span>")
+    # what the comparison could or could not make alike (dropout), with the fix
+    note = f" <span class='pipeviz-numerics-note'>{html.escape(check.note)}.</span>" if check.note else ""
     if check.output_diff is not None:  # a forward-only run
         return (f"<div class='pipeviz-numerics-check'><b>Numerics check:</b> {mark} the unsplit model run forward "
                 f"the same way: max |Δoutput| = {check.output_diff:.2e} over {check.steps} steps, max |Δbuffer| = "
-                f"{check.param_diff:.2e} over {check.tensors} tensors (tolerance {check.tolerance:g}).</div>")
+                f"{check.param_diff:.2e} over {check.tensors} tensors (tolerance {check.tolerance:g}).{note}</div>")
     return (f"<div class='pipeviz-numerics-check'><b>Numerics check:</b> {mark} the unsplit model trained the same "
             f"way: max |Δloss| = {check.loss_diff:.2e} over {check.steps} steps, max |Δparam| = "
-            f"{check.param_diff:.2e} over {check.tensors} tensors (tolerance {check.tolerance:g}).</div>")
+            f"{check.param_diff:.2e} over {check.tensors} tensors (tolerance {check.tolerance:g}).{note}</div>")
 
 
 def error_html(text: str) -> str:

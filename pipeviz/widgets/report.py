@@ -109,7 +109,7 @@ def _check_html(check: NumericsCheck | None) -> str:
     verdict = '<span class="ok">match</span>' if check.ok else '<span class="bad">MISMATCH</span>'
     return (f"<p>Numerics against the unsplit model trained the same way: {verdict} — max loss difference "
             f"{check.loss_diff:.2e}, max parameter difference {check.param_diff:.2e} ({check.steps} steps, "
-            f"tolerance {check.tolerance:g}).</p>")
+            f"tolerance {check.tolerance:g}).{' ' + html.escape(check.note) + '.' if check.note else ''}</p>")
 
 
 def write_report(sections: list[Section], path: str | Path, title: str = "pipeviz demo") -> Path:
