@@ -299,11 +299,14 @@ def test_errors_from_the_run_appear_in_the_widget(explorer: pv.Explorer) -> None
                                        if out.requires_grad else out.float().mean())  # fails in the run only
     explorer.launch()
     assert explorer.wait(180) == "failed"
-    assert "The run failed" in explorer.error and "loss exploded on purpose" in explorer.errors.value
+    # under the Launch button that caused it, not in the area under the controls
+    assert "The run failed" in explorer.error and "loss exploded on purpose" in explorer.launch_error.value
+    assert explorer.errors.value == ""
     assert "failed" in explorer.progress.value and explorer.numerics.value == ""
-    # A loss that fails on any output is refused before a process starts.
+    # A loss that fails on any output is refused before a process starts, and the status beside Launch says so.
     explorer.loss_fn = lambda out, t: (_ for _ in ()).throw(ValueError("loss exploded on purpose"))
     assert explorer.launch() is None and "loss_fn(output, target) fails on an output like" in explorer.error
+    assert "refused" in explorer.progress.value and "loss_fn(output, target)" in explorer.launch_error.value
 
 
 @pytest.mark.slow
@@ -321,9 +324,39 @@ def test_stop_button_stops_the_run(explorer: pv.Explorer) -> None:
 
 def test_bad_launch_is_shown_before_any_process(explorer: pv.Explorer) -> None:
     assert explorer.launch() is None and "a pipeline needs at least 2" in explorer.error
+    assert "refused" in explorer.progress.value and "a pipeline needs at least 2" in explorer.launch_error.value
     explorer.plan = ["layer0", "layer1"]
     explorer.microbatches.value = 5
     assert explorer.launch() is None and "microbatches=5" in explorer.error and explorer.run is None
+
+
+def test_a_setting_that_cannot_launch_is_refused_at_its_control(explorer: pv.Explorer) -> None:
+    """pv.launch's own checks run at every change: nothing is simulated that Launch would refuse, the control at
+    fault is outlined and its refusal shown under the controls; putting it right brings the simulation back."""
+    explorer.plan = ["layer0", "layer1"]  # a batch of 32
+    assert explorer.refusal is None and explorer.sim is not None and not explorer.launch_button.disabled
+    explorer.microbatches.value = 5
+    assert explorer.refusal is not None and explorer.refusal.setting == "microbatches"
+    assert explorer.sim is None and explorer.launch_button.disabled
+    assert "refuse microbatches=5 does not work" in text(explorer.refused.value)
+    assert "Valid: 4, 8, 16, 32" in explorer.refused.value  # 1F1B over 3 stages: at least 3, dividing 32
+    assert "pipeviz-refused-control" in explorer.microbatches._dom_classes
+    explorer.microbatches.value = 8
+    assert explorer.refusal is None and explorer.refused.value == "" and explorer.sim is not None
+    assert "pipeviz-refused-control" not in explorer.microbatches._dom_classes and not explorer.launch_button.disabled
+    explorer.dp.value = 8  # 8 replicas of 4 rows each cannot take 8 microbatches
+    assert explorer.refusal.setting == "microbatches" and "dp=8 replicas" in str(explorer.refusal)
+    assert explorer.sim is None
+    explorer.dp.value = 1
+    explorer.mode.value = "infer"
+    explorer.schedule.value = "ZBVZeroBubble"  # needs a backward
+    assert explorer.refusal.setting == "schedule" and "cannot run forward only" in explorer.refused.value
+
+
+def test_the_explorer_takes_the_options_its_hints_name(classic_graph: pv.ModelGraph) -> None:
+    ex = pv.Explorer(classic_graph, splits=["layer0"], tp=2, tp_plan={"layer1.0": "colwise"}, timeout=30)
+    cfg = ex.launch_config()
+    assert cfg.tp == 2 and cfg.tp_plan == {"layer1.0": "colwise"} and cfg.timeout == 30
 
 
 # --------------------------------------------------------------------------------------------- TimelineView
@@ -466,10 +499,13 @@ def test_every_control_reaches_the_simulation_and_the_launch_as_one_config(class
     # rank included: the Explorer simulated 2 and launched its config's until 2026-12-02).
     explorer = pv.Explorer(classic_graph, config=pv.LaunchConfig(stages_per_rank=4))
     explorer.plan = ["layer0", "layer1", "layer2"]
-    steps = [("schedule", "Interleaved1F1B"), ("microbatches", 8), ("dp", 2), ("tp", 2), ("steps", 3),
+    steps = [("schedule", "Interleaved1F1B"), ("microbatches", 8), ("dp", 2), ("tp", 2), ("tp", 1), ("steps", 3),
              ("mode", "infer"), ("schedule", "GPipe"), ("mode", "train"), ("dp", 1)]
     for control, value in steps:
         getattr(explorer, control).value = value
+        if (control, value) == ("tp", 2):  # one Linear per stage: nothing to shard, so Launch would refuse it
+            assert explorer.sim is None and explorer.refusal is not None and explorer.refusal.setting == "tp"
+            continue
         sim = explorer.sim
         assert sim is not None, (control, value, explorer.error)
         assert sim.meta["config"] == explorer.launch_config(), (control, value)

@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -77,6 +78,18 @@ def share(tree: T, replica: int, replicas: int, batch: int) -> T:
                            if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t, tree)
 
 
+@contextlib.contextmanager
+def _setting(name: str) -> Iterator[None]:
+    """A refusal raised inside names the ``LaunchConfig`` field at fault (``err.setting``), for a view to show
+    it beside that control."""
+    try:
+        yield
+    except ValueError as exc:
+        if getattr(exc, "setting", None) is None:
+            exc.setting = name  # type: ignore[attr-defined]
+        raise
+
+
 def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inputs: object = None,
                     input_kwargs: Mapping[str, object] | None = None, target: object = None,
                     data: Iterable[object] | None = None) -> LaunchSpec:
@@ -112,7 +125,12 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
             "it. Fix: cp=1 to launch.")
     if plan.num_stages < 2:
         raise LaunchError("The plan has 1 stage; a pipeline needs at least 2. Fix: plan.toggle(<layer>) to split.")
-    lay = sched.layout(name, plan.num_stages, stages_per_rank)
+    if loss_fn is None and not sched.info(name).forward_only:  # before the stage count: the schedule is the cause
+        raise LaunchError(f"{name} cannot run forward only: torch 2.13's V-shaped schedules split every backward "
+                          "and fail without one. Fix: schedule='GPipe', '1F1B' or 'Interleaved1F1B' for a "
+                          "forward-only run, or pass loss_fn=... to train.", setting="schedule")
+    with _setting("schedule"):
+        lay = sched.layout(name, plan.num_stages, stages_per_rank)
     if config.order is not None:
         if loss_fn is None:
             raise LaunchError("order= is a training step's actions (forwards and backwards); a run without loss_fn "
@@ -120,12 +138,15 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
                               "for a forward-only run.")
         from pipeviz.sim_engine import check_order
 
-        check_order(config.order, lay, microbatches)
-    placements = _tensor_parallel(plan, tp, config.tp_plan)
+        with _setting("order"):
+            check_order(config.order, lay, microbatches)
+    with _setting("tp"):
+        placements = _tensor_parallel(plan, tp, config.tp_plan)
     _check_dp_shard(config)
     if not (steps is None and data is not None) and (not isinstance(steps, int) or isinstance(steps, bool)
                                                      or steps < 1):
-        raise LaunchError(f"steps must be a positive int, got {steps!r} (steps=None runs until data= runs out).")
+        raise LaunchError(f"steps must be a positive int, got {steps!r} (steps=None runs until data= runs out).",
+                          setting="steps")
     if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
         raise LaunchError(f"timeout must be a positive number of seconds, got {timeout!r}. Fix: timeout=120 "
                           "(seconds without progress before the run is declared hung).")
@@ -151,19 +172,16 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
     if batch % dp:
         fits = [d for d in range(1, batch + 1) if batch % d == 0 and batch // d % microbatches == 0]
         raise LaunchError(f"dp={dp} replicas cannot share a batch of {batch} equally. Valid dp for {microbatches} "
-                          f"microbatches: {', '.join(map(str, fits)) or 'none'}; or change the batch size.")
+                          f"microbatches: {', '.join(map(str, fits)) or 'none'}; or change the batch size.",
+                          setting="dp")
     try:
         sched.check_microbatches(name, plan.num_stages, microbatches, stages_per_rank, batch_size=batch // dp)
     except ValueError as exc:
-        if dp == 1:
-            raise
-        raise type(exc)(f"{exc} (each of the dp={dp} replicas takes {batch // dp} of the batch of {batch})") \
-            from None
+        if dp > 1:
+            exc = type(exc)(f"{exc} (each of the dp={dp} replicas takes {batch // dp} of the batch of {batch})")
+        exc.setting = "microbatches"  # type: ignore[attr-defined]
+        raise exc from None
     if loss_fn is None:  # a forward-only run: run.outputs
-        if not sched.info(name).forward_only:
-            raise LaunchError(f"{name} cannot run forward only: torch 2.13's V-shaped schedules split every backward "
-                              "and fail without one. Fix: schedule='GPipe', '1F1B' or 'Interleaved1F1B' for a "
-                              "forward-only run, or pass loss_fn=... to train.")
         if target is not None:
             raise LaunchError("target= was given without a loss_fn. Fix: pass loss_fn=... to train, or drop target "
                               "for a forward-only run (run.outputs holds the model's outputs).")

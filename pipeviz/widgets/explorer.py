@@ -20,8 +20,8 @@ import html
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, cast
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, TypedDict, Unpack, cast
 
 import ipywidgets as W
 import plotly.graph_objects as go
@@ -51,6 +51,23 @@ __all__ = ["Explorer"]
 HERE = "this machine"  # the hardware control's default: costs measured or estimated here, in the traced dtype
 MODES = ("train", "infer")  # the run switch: train, or forward only
 GRAPH_WIDTH = 400  # px: the graph's column; the rest of the row (or the row below, when narrow) is the preview
+
+
+class ExplorerOptions(TypedDict, total=False):
+    """``pv.LaunchConfig`` fields the Explorer takes as keywords beside its own parameters (they override
+    ``config``'s): ``pv.Explorer(model, (x,), tp=2, tp_plan={...})``."""
+
+    stages_per_rank: int | None
+    timeout: float
+    pin_cpus: bool
+    on_nonfinite: str
+    init_seed: int
+    dp: int
+    dp_shard: bool
+    tp: int
+    tp_plan: Mapping[str, str] | None
+    cp: int
+    order: Sequence[Sequence[str]] | None
 
 
 class Explorer(W.VBox):
@@ -85,6 +102,7 @@ class Explorer(W.VBox):
             classifier or a language model trains as is; ``optimizer`` is SGD with lr 0.1.
         devices: passed to ``pv.launch`` (``"auto"``, ``"cpu"``, ...); default: ``config``'s.
         depth: granularity of the trace (``None``: the model's natural blocks).
+        **options: other ``pv.LaunchConfig`` fields (``tp_plan=``, ``dp=``, ``timeout=``, ...), over ``config``'s.
 
     Attributes:
         graph: the current ``ModelGraph`` (expand / collapse replace it).
@@ -92,7 +110,9 @@ class Explorer(W.VBox):
         run: the last launched ``pv.Run``.
         sim, sim_here: the simulated timeline of the plan, and the one "as run here" (on this machine's cores).
         sim_view, run_view: the ``TimelineView``s of the simulated and the measured timeline.
-        error: text of the error area ("" when the last action worked).
+        error: text of the last error shown ("" when the last action worked).
+        refusal: why Launch would refuse the controls' settings (``pv.launch``'s checks, run at every change;
+            shown under the controls with the control at fault outlined, Launch disabled), else None.
     """
 
     clicked = traitlets.Unicode("", help="layer name the browser clicked; handled, then reset").tag(sync=True)
@@ -106,7 +126,7 @@ class Explorer(W.VBox):
         loss_fn: Callable[..., torch.Tensor] | None = None,
         optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
         devices: str | list[str] = UNSET, depth: int | None = None, mode: str = "train",
-        config: pv.LaunchConfig | None = None,
+        config: pv.LaunchConfig | None = None, **options: Unpack[ExplorerOptions],
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {list(MODES)}. Fix: mode='train' to train, or "
@@ -114,7 +134,7 @@ class Explorer(W.VBox):
         graph = model if isinstance(model, ModelGraph) else pv.trace(model, example_args, example_kwargs, depth=depth)
         self.graph: GraphView = graph
         self.config = launch_config(config, schedule=schedule, microbatches=microbatches, steps=steps,
-                                    devices=devices)
+                                    devices=devices, **options)
         self.target, self.devices = target, self.config.devices
         self.loss_fn, self.optimizer = loss_fn or self.config.loss_fn, optimizer or self.config.optimizer
         self.run: pv.Run | None = None
@@ -129,6 +149,8 @@ class Explorer(W.VBox):
         self._finished = threading.Event()
         self._finished.set()
         self._pipe_cache: dict[tuple[str, int], str] = {}
+        self._target: torch.Tensor | None = None  # the default target, made once
+        self.refusal: BaseException | None = None  # why the controls' settings cannot launch (None: they can)
         self._build_ui(sched.canonical(self.config.schedule), self.config.microbatches, self.config.steps or 1, mode)
         super().__init__(self._children, layout=W.Layout(width="100%", max_width="100%"))
         self.add_class("pipeviz-explorer")
@@ -210,6 +232,12 @@ class Explorer(W.VBox):
         self.pipe_text = W.HTML(layout=W.Layout(max_width="100%"))
         self.errors = W.HTML(layout=W.Layout(max_width="100%"))  # full width: stretched (100% + margins overflowed)
         self.errors.add_class("pipeviz-error")
+        # A setting that cannot launch, said under the controls (the one at fault outlined) the moment it is set
+        self.refused = W.HTML(layout=W.Layout(max_width="100%"))
+        self.refused.add_class("pipeviz-refused")
+        # What Launch and the run report (refused, failed), under the Launch button that caused it
+        self.launch_error = W.HTML(layout=W.Layout(max_width="100%"))
+        self.launch_error.add_class("pipeviz-launch-error")
         self.sim_view = TimelineView(None)
         self.sim_view.add_class("pipeviz-sim-timeline")
         self.launch_button = W.Button(description="Launch", icon="play", button_style="success",
@@ -242,7 +270,7 @@ class Explorer(W.VBox):
                    layout=box()),
             W.HBox([self.mode, self.schedule, self.microbatches, self.steps], layout=box()),
             W.HBox([self.dp, self.tp, self.hardware, self.recompute], layout=box()),
-            self.hint,
+            self.hint, self.refused,
         ], layout=W.Layout(max_width="100%"))
         right = W.VBox([controls, self.errors, self.preview, self.mesh_view, self.pipe_button, self.pipe_text],
                        layout=W.Layout(flex="1 1 380px", min_width="0", max_width="100%"))
@@ -257,6 +285,7 @@ class Explorer(W.VBox):
             W.HBox([left, right], layout=box(align_items="flex-start")),
             W.HTML("<b>Simulated step</b> (current plan)"), self.sim_view,
             W.HBox([self.launch_button, self.stop_button, self.progress], layout=box()),
+            self.launch_error,
             self.run_section,
             cluster_accordion(self),
         ]
@@ -357,10 +386,20 @@ class Explorer(W.VBox):
         self._clear_error()
         self.plan = self._plan.onto(self.graph.regroup(depth))
 
-    @guarded
     def launch(self) -> pv.Run | None:
-        """Start ``pv.launch`` with the current plan and controls; the phases and the timeline show live."""
+        """Start ``pv.launch`` with the current plan and controls; the phases and the timeline show live. A refusal
+        is shown under the Launch button (and the status beside it says so); returns None then."""
         self._clear_error()
+        try:
+            return self._launch()
+        except Exception as exc:  # shown where the user pressed, never swallowed
+            self._show_error(exc, area=self.launch_error)
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            self.progress.value = (f"<span class='pipeviz-run-status' style='color:#c0392b'><b>refused</b></span> · "
+                                   f"{html.escape(first[:160])}")
+            return None
+
+    def _launch(self) -> pv.Run:
         if self.run is not None and not self._finished.is_set():
             raise pv.LaunchError("A run is still going. Fix: press Stop (explorer.stop()) first.")
         args, kwargs = self.graph.example_args, dict(self.graph.example_kwargs)
@@ -368,8 +407,7 @@ class Explorer(W.VBox):
         if cfg.loss_fn is None:  # forward only: no target, loss or optimizer
             run = pv.launch(plan, config=cfg, inputs=args, input_kwargs=kwargs or None)
         else:
-            target = self.target if self.target is not None else default_target(self.graph)
-            run = pv.launch(plan, config=cfg, inputs=args, input_kwargs=kwargs or None, target=target)
+            run = pv.launch(plan, config=cfg, inputs=args, input_kwargs=kwargs or None, target=self._launch_target())
         self.run, self._run_plan = run, plan
         self._finished.clear()
         self.numerics.value = self.run_notes.value = ""
@@ -383,6 +421,13 @@ class Explorer(W.VBox):
         run.subscribe(lambda batch: self._on_run_events(run))
         self._mark_run()
         return run
+
+    def _launch_target(self) -> torch.Tensor:
+        if self.target is not None:
+            return self.target
+        if self._target is None:
+            self._target = default_target(self.graph)
+        return self._target
 
     def launch_config(self) -> pv.LaunchConfig:
         """The ``pv.LaunchConfig`` Launch runs: the Explorer's ``config`` with the controls' schedule, microbatches,
@@ -500,7 +545,7 @@ class Explorer(W.VBox):
             return
         self.progress.value = panels.progress_html(run)
         if run.done:
-            self.stop_button.disabled, self.launch_button.disabled = True, False
+            self.stop_button.disabled, self.launch_button.disabled = True, self.refusal is not None
             if not self._finished.is_set():
                 threading.Thread(target=self._finish_run, args=(run,), daemon=True, name="pipeviz-check").start()
 
@@ -510,8 +555,8 @@ class Explorer(W.VBox):
 
     def _finish_run(self, run: pv.Run) -> None:
         try:
-            if run.status == "failed":
-                self._show_error(RuntimeError(f"The run failed: {run.error}"))
+            if run.status == "failed":  # under the Launch button and its status line
+                self._show_error(RuntimeError(f"The run failed: {run.error}"), area=self.launch_error)
             self._explain_run(run)
             if run.status == "done":
                 self.numerics.value = "<i>checking numerics against the unsplit model…</i>"
@@ -579,12 +624,57 @@ class Explorer(W.VBox):
             fig.layout.shapes, fig.layout.annotations = layout.pop("shapes"), layout.pop("annotations")
             fig.layout.update(layout)
 
+    def _refused(self, cfg: pv.LaunchConfig) -> BaseException | None:
+        """Why Launch would refuse these settings (``pv.launch``'s own checks, run now: a few ms), else None."""
+        if self._plan.num_stages < 2:
+            return None  # nothing to launch yet; the preview says so
+        from pipeviz.runtime.spec import validate_launch
+
+        args, kwargs = self.graph.example_args, dict(self.graph.example_kwargs)
+        try:
+            validate_launch(self._plan, cfg, inputs=args, input_kwargs=kwargs or None,
+                            target=None if cfg.loss_fn is None else self._launch_target())
+        except ValueError as exc:  # LaunchError, ScheduleError, PlanError: each names the value and the fix
+            return exc
+        return None
+
+    def _show_refusal(self, exc: BaseException | None) -> None:
+        """The setting at fault outlined, its refusal under the controls; Launch enabled only without one."""
+        self.refusal = exc
+        setting = getattr(exc, "setting", None)
+        for name, control in self._setting_controls().items():
+            if name == setting:
+                control.add_class("pipeviz-refused-control")
+            else:
+                control.remove_class("pipeviz-refused-control")
+        if exc is None:
+            self.refused.value = ""
+        else:
+            said = str(exc).startswith(f"{setting}=")  # the message names the setting and its value already
+            where = f"{setting}={getattr(self.launch_config(), setting)!r}: " if setting and not said else ""
+            outline = ("<style>.pipeviz-refused-control input,.pipeviz-refused-control select"
+                       "{outline:2px solid #e74c3c;outline-offset:-1px}</style>")
+            self.error = f"Launch would refuse {where}{exc}"
+            self.refused.value = outline + panels.error_html(f"⚠ {self.error}")
+        self.launch_button.tooltip = ("pv.launch(plan, ...) in background processes" if exc is None else
+                                      f"refused: {str(exc).splitlines()[0][:200]}")
+        if self.run is None or self._finished.is_set():
+            self.launch_button.disabled = exc is not None
+
+    def _setting_controls(self) -> dict[str, W.Widget]:
+        return {"schedule": self.schedule, "microbatches": self.microbatches, "steps": self.steps, "dp": self.dp,
+                "tp": self.tp}
+
     def _refresh_simulation(self) -> None:
         self.sim = None
         failed = False
         schedule = self.schedule.value
         cfg = self.launch_config()  # one description: what is simulated is what Launch runs
-        if cfg.loss_fn is None and not sched.info(schedule).forward_only:
+        refusal = self._refused(cfg)
+        self._show_refusal(refusal)
+        if refusal is not None:
+            failed = True  # nothing simulated that could not run: said once, at the control
+        elif cfg.loss_fn is None and not sched.info(schedule).forward_only:
             failed = True
             able = ", ".join(n for n, i in sched.SCHEDULES.items() if i.forward_only)
             self._show_error(ValueError(f"{schedule} cannot run forward only: torch 2.13's V-shaped schedules "
@@ -620,13 +710,14 @@ class Explorer(W.VBox):
             self._show_error(exc)
 
     # ----------------------------------------------------------------- errors
-    def _show_error(self, exc: BaseException, prefix: str = "") -> None:
+    def _show_error(self, exc: BaseException, prefix: str = "", area: W.HTML | None = None) -> None:
+        """``exc`` in an error area: ``errors`` under the controls (default), or ``launch_error`` under Launch."""
         self.error = f"{prefix}{type(exc).__name__}: {exc}" if not prefix.endswith(": ") else f"{prefix}{exc}"
-        self.errors.value = panels.error_html(self.error)
+        (area or self.errors).value = panels.error_html(self.error)
 
     def _clear_error(self) -> None:
         self.error = ""
-        self.errors.value = ""
+        self.errors.value = self.launch_error.value = ""
 
     # ----------------------------------------------------------------- static output
     def _static_html(self) -> str:
