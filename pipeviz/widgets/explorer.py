@@ -623,6 +623,7 @@ class Explorer(W.VBox):
             # plotly.js rejects ("cannot set shapes.0.y1 and a parent attribute simultaneously").
             fig.layout.shapes, fig.layout.annotations = layout.pop("shapes"), layout.pop("annotations")
             fig.layout.update(layout)
+        fig.persist()  # a reloaded page draws this plan too, not the first one
 
     def _refused(self, cfg: pv.LaunchConfig) -> BaseException | None:
         """Why Launch would refuse these settings (``pv.launch``'s own checks, run now: a few ms), else None."""

@@ -5,9 +5,16 @@ handler reconciles them with the trace's properties, asserting their shapes agre
 trace in between (a live timeline updates several times a second), the two can disagree and the handler raises
 ``AssertionError`` in ``_remove_overlapping_props`` on the kernel (seen once in a clean CI run of the browser test,
 plotly 7.1). pipeviz never reads those defaults back, so a delta that no longer fits is dropped, not raised.
+
+Its browser state also survives a page reload (``persist``): plotly keeps the figure a reloaded page draws in
+``_widget_data`` / ``_widget_layout``, which it sets only when the widget is first shown; every later restyle goes to
+the open page alone, so a reload drew the first figure again (the Explorer's graph read "1 stage" beside a preview
+of 8).
 """
 
 from __future__ import annotations
+
+from copy import deepcopy
 
 import plotly.graph_objects as go
 from plotly.basewidget import BaseFigureWidget
@@ -20,6 +27,12 @@ _RECONCILE = BaseFigureWidget.__dict__["_handler_js2py_traceDeltas"].func  # plo
 
 class LiveFigure(go.FigureWidget):
     """A ``go.FigureWidget`` whose browser-to-Python trace defaults may be stale without an error."""
+
+    def persist(self) -> None:
+        """Make the figure as it is now the one a reloaded page draws (plotly.js ignores the change on an open
+        page: it already shows it). A full copy: call it after an edit, not on every live redraw."""
+        self._widget_layout = deepcopy(self._layout_obj._props)
+        self._widget_data = deepcopy(self._data)
 
     @observe("_js2py_traceDeltas")
     def _handler_js2py_traceDeltas(self, change: dict[str, object]) -> None:
