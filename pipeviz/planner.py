@@ -369,6 +369,6 @@ def _example_seq_len(graph: GraphView) -> int:
 
 
 def _no_scores(graph: GraphView, opts: CostOptions) -> bool:
-    from pipeviz.cost.model import layer_activation_bytes
+    from pipeviz.cost.model import selective_saves_nothing
 
-    return layer_activation_bytes(graph, replace(opts, recompute="selective")) == layer_activation_bytes(graph, opts)
+    return selective_saves_nothing(graph, opts)

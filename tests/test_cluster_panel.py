@@ -45,6 +45,9 @@ def test_errors_are_shown_not_swallowed(tiny: pv.ModelGraph) -> None:
     assert "callback failed" in panel.errors.value
     with pytest.raises(IndexError, match="No row 99"):
         panel.select(99)
+    panel.gpus.value = 0  # typed as is, refused by name (a bounded box turned it into 1 without a word)
+    assert panel.gpus.value == 0 and panel.plan() is None
+    assert "gpus must be a positive int, got 0" in panel.errors.value
 
 
 def test_a_row_loads_into_the_explorer(tiny: pv.ModelGraph) -> None:

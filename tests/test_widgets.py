@@ -16,6 +16,7 @@ import torch
 import pipeviz as pv
 from pipeviz.schedules import ALL
 from pipeviz.timeline import Event, Timeline
+from pipeviz.widgets import panels
 
 pytest.importorskip("ipywidgets")
 pytest.importorskip("plotly")
@@ -268,6 +269,8 @@ def test_dp_and_tp_controls_simulate_draw_the_mesh_and_launch_the_one_config(exp
     assert explorer.wait(180) == "done", explorer.error
     assert len(run.losses) == explorer.steps.value and "✓ matches" in explorer.numerics.value, explorer.numerics.value
     assert {run.timeline().process_label(r) for r in range(4)} == {"pp0 dp0", "pp0 dp1", "pp1 dp0", "pp1 dp1"}
+    # the run's notes count its processes, not its pipeline ranks (they said "2 processes" of these 4)
+    assert "4 processes share 2 CPU cores" in panels.run_notes_html(run, explorer.sim, None, cores=2, load=0.0)
 
 
 @pytest.mark.slow

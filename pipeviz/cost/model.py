@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from pipeviz.plan import SplitPlan
 
 __all__ = ["BACKWARD_PER_FORWARD", "Costs", "layer_activation_bytes", "layer_times", "measured_here", "parallel_costs",
-           "stage_costs", "time_source"]
+           "selective_saves_nothing", "stage_costs", "time_source"]
 
 
 BACKWARD_PER_FORWARD = 2.0  # a backward computes two matmuls per forward matmul (input and weight grads)
@@ -308,3 +308,11 @@ def parallel_costs(costs: Costs, mesh: Mesh | int = 1, tp: int | None = None,
         recompute_bytes=tuple(round(a / k) for a in costs.recompute_bytes),
         send_bytes=tuple(b / rows for b in costs.send_bytes),
     )
+
+
+def selective_saves_nothing(graph: GraphView, options: CostOptions | None = None) -> bool:
+    """Whether selective recomputation stores exactly what no recomputation stores on this graph: its attention is
+    fused (SDPA, flash), which keeps no scores to drop (what ``pv.plan_cluster`` and the Explorer say)."""
+    opts = options or CostOptions()
+    return (layer_activation_bytes(graph, replace(opts, recompute="selective"))
+            == layer_activation_bytes(graph, replace(opts, recompute="none")))

@@ -53,11 +53,10 @@ class ClusterPanel(W.VBox):
         wide = {"description_width": "initial"}
         self.hardware = W.Dropdown(options=list(pv.HARDWARE), value=pv.hardware(hardware).name,
                                    description="hardware", style=wide, layout=W.Layout(width="210px"))
-        self.gpus = W.BoundedIntText(value=gpus, min=1, max=1_000_000, description="GPUs", style=wide,
-                                     layout=W.Layout(width="130px"))
-        self.global_batch = W.BoundedIntText(value=global_batch or 8 * (self.graph.batch_size or 1), min=1,
-                                             max=10_000_000, description="global batch", style=wide,
-                                             layout=W.Layout(width="170px"))
+        # Plain int boxes: a bounded one turned a typed 0 into 1 without a word; pv.plan_cluster refuses it by name
+        self.gpus = W.IntText(value=gpus, description="GPUs", style=wide, layout=W.Layout(width="130px"))
+        self.global_batch = W.IntText(value=global_batch or 8 * (self.graph.batch_size or 1),
+                                      description="global batch", style=wide, layout=W.Layout(width="170px"))
         self.plan_button = W.Button(description="Plan", icon="sitemap", tooltip="pv.plan_cluster(...)")
         self.plan_button.on_click(lambda _: self.plan())
         self.summary = W.HTML()

@@ -225,6 +225,8 @@ class Explorer(W.VBox):
             w.observe(self._on_controls, "value")
         self.hint = W.HTML()
         self.hint.add_class("pipeviz-hint")
+        self.cost_note = W.HTML()  # what a cost setting does (or does not do) on this model
+        self.cost_note.add_class("pipeviz-cost-note")
         self.preview = W.HTML(layout=W.Layout(max_width="100%", overflow="auto"))
         self.pipe_button = W.ToggleButton(description="Show Pipe", icon="code", value=False,
                                           tooltip="print torch's Pipe for this plan (traces it: seconds)")
@@ -270,7 +272,7 @@ class Explorer(W.VBox):
                    layout=box()),
             W.HBox([self.mode, self.schedule, self.microbatches, self.steps], layout=box()),
             W.HBox([self.dp, self.tp, self.hardware, self.recompute], layout=box()),
-            self.hint, self.refused,
+            self.hint, self.cost_note, self.refused,
         ], layout=W.Layout(max_width="100%"))
         right = W.VBox([controls, self.errors, self.preview, self.mesh_view, self.pipe_button, self.pipe_text],
                        layout=W.Layout(flex="1 1 380px", min_width="0", max_width="100%"))
@@ -575,7 +577,7 @@ class Explorer(W.VBox):
         text = panels.run_notes_html(run, self.sim, self.sim_here, _cores(), _load(), named)
         if text != self.run_notes.value:
             self.run_notes.value = text
-        crowded = run.layout.num_ranks > _cores() or _load() > _cores()
+        crowded = run.mesh.world > _cores() or _load() > _cores()
         self.here_button.layout.display = "" if crowded and self.sim_here is None else "none"
 
     def _mark_run(self) -> None:
@@ -689,6 +691,7 @@ class Explorer(W.VBox):
         self.preview.value = panels.preview_html(self._plan, self.sim, self.microbatches.value, failed,
                                                  options=self.cost_options())
         self.mesh_view.value = panels.mesh_html(self._plan, cfg)
+        self.cost_note.value = panels.cost_note_html(self.graph, self.cost_options())
         # Shown before it is drawn: the chart takes the width it has when drawn (a hidden one has none).
         self.sim_view.layout.display = "none" if self.sim is None else "flex"
         self.sim_view.update(self.sim, overlay=None)

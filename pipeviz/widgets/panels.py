@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Concatenate, Generic, ParamSpec, Protocol, Typ
 
 import pipeviz as pv
 from pipeviz.balance import slowest_stage
-from pipeviz.cost.model import stage_costs
+from pipeviz.cost.model import selective_saves_nothing, stage_costs
 from pipeviz.cost.options import CostOptions
 from pipeviz.plan import SplitPlan, human_bytes
 from pipeviz.timeline import COMPUTE, Timeline
@@ -23,8 +23,11 @@ from pipeviz.widgets.figures import plural, stage_color
 if TYPE_CHECKING:
     import ipywidgets as W
 
-__all__ = ["Change", "error_html", "guarded", "mesh_html", "notes_html", "numerics_html", "preview_html",
-           "progress_html", "run_notes_html", "shift_click_guard", "short", "soon", "stage_times", "verdict_html"]
+    from pipeviz.graphview import GraphView
+
+__all__ = ["Change", "cost_note_html", "error_html", "guarded", "mesh_html", "notes_html", "numerics_html",
+           "preview_html", "progress_html", "run_notes_html", "shift_click_guard", "short", "soon", "stage_times",
+           "verdict_html"]
 
 
 T = TypeVar("T")
@@ -261,6 +264,15 @@ def progress_html(run: pv.Run) -> str:
             f"{len(run.events):,} events · {elapsed:.1f} s")
 
 
+def cost_note_html(graph: GraphView, options: CostOptions | None) -> str:
+    """What the cost settings change on this model, when it is less than they say: selective recomputation on
+    a fused attention keeps nothing less than no recomputation (``pv.plan_cluster`` notes the same)."""
+    if options is not None and options.recompute == "selective" and selective_saves_nothing(graph, options):
+        return ("<span class='pipeviz-hint-text'>ⓘ selective recomputation = none here: the model's attention is "
+                "fused (no stored scores to drop); full recomputation saves memory.</span>")
+    return ""
+
+
 def run_notes_html(run: pv.Run, sim: Timeline | None, here: Timeline | None, cores: int, load: float,
                    hardware: str | None = None) -> str:
     """Why the measured step differs from the simulated one, next to both numbers. ``hardware``: the named
@@ -277,9 +289,9 @@ def run_notes_html(run: pv.Run, sim: Timeline | None, here: Timeline | None, cor
         parts.append(f"simulated as run here ({plural(here.meta.get('cores') or cores, 'core')}) "
                      f"{here.step_time * 1e3:.2f} ms")
     why = []
-    ranks = run.layout.num_ranks
-    if ranks > cores:
-        why.append(f"{ranks} processes share {plural(cores, 'CPU core')} here, so ranks wait for a core "
+    procs = run.mesh.world  # every process, replicas and shards included, not the pipeline ranks only
+    if procs > cores:
+        why.append(f"{procs} processes share {plural(cores, 'CPU core')} here, so ranks wait for a core "
                    "and every step is longer than the simulation (which gives each rank a core of its own)")
     if load > cores:
         why.append(f"the machine is busy (load average {load:.1f} on {plural(cores, 'core')})")
@@ -299,8 +311,9 @@ def numerics_html(run: pv.Run) -> str:
     note = f" <span class='pipeviz-numerics-note'>{html.escape(check.note)}.</span>" if check.note else ""
     if check.output_diff is not None:  # a forward-only run
         return (f"<div class='pipeviz-numerics-check'><b>Numerics check:</b> {mark} the unsplit model run forward "
-                f"the same way: max |Δoutput| = {check.output_diff:.2e} over {check.steps} steps, max |Δbuffer| = "
-                f"{check.param_diff:.2e} over {check.tensors} tensors (tolerance {check.tolerance:g}).{note}</div>")
+                f"the same way: max |Δoutput| = {check.output_diff:.2e} over {check.steps} steps, "
+                + (f"max |Δbuffer| = {check.param_diff:.2e} over {plural(check.tensors, 'buffer')}" if check.tensors
+                   else "no buffers to compare") + f" (tolerance {check.tolerance:g}).{note}</div>")
     return (f"<div class='pipeviz-numerics-check'><b>Numerics check:</b> {mark} the unsplit model trained the same "
             f"way: max |Δloss| = {check.loss_diff:.2e} over {check.steps} steps, max |Δparam| = "
             f"{check.param_diff:.2e} over {check.tensors} tensors (tolerance {check.tolerance:g}).{note}</div>")
