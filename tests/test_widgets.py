@@ -65,6 +65,12 @@ def test_click_toggles_a_split_and_the_view_follows(classic: tuple, explorer: pv
     ex.clicked = "layer1"  # again: removes the split
     assert ex.plan.num_stages == 2 and stage_rows(ex) == 2
     assert ex.plan_json == ex.plan.to_json() and ex.error == ""
+    # What a reloaded page draws is the figure plotly keeps in the widget's synced state, which plotly sets only
+    # when first shown: the graph read "1 stage" with no split lines after a reload, beside a preview of 2.
+    fig = ex.graph_figure
+    kept_lines = [sh for sh in fig._widget_layout.get("shapes", []) if sh.get("type") == "line"]
+    assert len(kept_lines) == split_lines(ex) == 1
+    assert fig._widget_data == fig._data  # every trace as drawn now (marker colours by stage included)
 
 
 def test_plotly_click_on_a_marker_calls_click(explorer: pv.Explorer) -> None:

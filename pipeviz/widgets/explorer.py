@@ -240,6 +240,7 @@ class Explorer(W.VBox):
         # What Launch and the run report (refused, failed), under the Launch button that caused it
         self.launch_error = W.HTML(layout=W.Layout(max_width="100%"))
         self.launch_error.add_class("pipeviz-launch-error")
+        self.sim_heading = W.HTML("<b>Simulated step</b> (current plan)")  # hidden with the chart (one stage)
         self.sim_view = TimelineView(None)
         self.sim_view.add_class("pipeviz-sim-timeline")
         self.launch_button = W.Button(description="Launch", icon="play", button_style="success",
@@ -274,7 +275,12 @@ class Explorer(W.VBox):
             W.HBox([self.dp, self.tp, self.hardware, self.recompute], layout=box()),
             self.hint, self.cost_note, self.refused,
         ], layout=W.Layout(max_width="100%"))
-        right = W.VBox([controls, self.errors, self.preview, self.mesh_view, self.pipe_button, self.pipe_text],
+        # Launch sits under the controls that describe the run, its refusals and failures under it: graph, controls,
+        # Launch and what it says fit one screen at 1280 px (below the stage preview it was 570-1,416 px away).
+        launch_row = W.HBox([self.launch_button, self.stop_button, self.progress], layout=box())
+        launch_row.add_class("pipeviz-launch-row")
+        right = W.VBox([controls, launch_row, self.launch_error, self.errors, self.preview, self.mesh_view,
+                        self.pipe_button, self.pipe_text],
                        layout=W.Layout(flex="1 1 380px", min_width="0", max_width="100%"))
         right.add_class("pipeviz-preview-column")
         self.run_section = W.VBox([self.run_notes, self.here_button, self.numerics, self.run_view],
@@ -285,9 +291,7 @@ class Explorer(W.VBox):
         self._children = [
             self.notes,
             W.HBox([left, right], layout=box(align_items="flex-start")),
-            W.HTML("<b>Simulated step</b> (current plan)"), self.sim_view,
-            W.HBox([self.launch_button, self.stop_button, self.progress], layout=box()),
-            self.launch_error,
+            self.sim_heading, self.sim_view,
             self.run_section,
             cluster_accordion(self),
         ]
@@ -694,6 +698,7 @@ class Explorer(W.VBox):
         self.cost_note.value = panels.cost_note_html(self.graph, self.cost_options())
         # Shown before it is drawn: the chart takes the width it has when drawn (a hidden one has none).
         self.sim_view.layout.display = "none" if self.sim is None else "flex"
+        self.sim_heading.layout.display = "none" if self.sim is None else ""
         self.sim_view.update(self.sim, overlay=None)
         self.sim_view.summary.value = "" if self.sim is None else self.sim_view.summary.value
 
