@@ -21,18 +21,15 @@ import importlib.util
 import json
 import os
 import re
-import secrets
 import shutil
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.jupyter_server import jupyter_server, wait_for
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -291,20 +288,8 @@ class KernelMessages:
         return left + [f"undecodable kernel frame: {e}" for e in self.undecodable], excused
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _wait(check: object, timeout: float, what: str, every: float = 0.2) -> Any:
-    end = time.time() + timeout
-    while time.time() < end:
-        value = check()  # type: ignore[operator]
-        if value:
-            return value
-        time.sleep(every)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+    return wait_for(check, timeout, what, every)
 
 
 # Notebook 7 runs in `make compat`: the same test in a second front end, 50 s that would push `make test` past its
@@ -320,55 +305,14 @@ def lab(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, P
         missing(f"{app} is not installed (pip install -e '.[test]')")
     if importlib.util.find_spec("transformers") is None:
         missing("transformers is not installed (pip install -e '.[test]')")
-    cls = "LabApp" if app == "jupyterlab" else "JupyterNotebookApp"
     if not os.path.exists(CHROMIUM):
         missing("chromium is not installed (apt-get install -y chromium)")
-    root = tmp_path / "nb"
-    root.mkdir()
-    nbformat = pytest.importorskip("nbformat")
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(CELL)]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(nb, root / "explorer.ipynb")
-    port, token = _free_port(), secrets.token_hex(16)
-    env = dict(os.environ)
-    for var, sub in (("JUPYTER_CONFIG_DIR", "config"), ("JUPYTER_DATA_DIR", "data"), ("JUPYTER_RUNTIME_DIR", "rt"),
-                     ("IPYTHONDIR", "ipython")):
-        env[var] = str(tmp_path / sub)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    news = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
-    news.mkdir(parents=True)
-    (news / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')  # no news toast
-    log = open(tmp_path / "lab.log", "w")  # closed below
-    proc = subprocess.Popen(
-        [sys.executable, "-m", app, "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", f"--{cls}.expose_app_in_browser=True",
-         *(["--LabApp.news_url=None"] if app == "jupyterlab" else []),
-         f"--{cls}.user_settings_dir={tmp_path / 'settings'}", f"--{cls}.workspaces_dir={tmp_path / 'workspaces'}",
-         "--ServerApp.open_browser=False", "--allow-root"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root,
-    )
-    base = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return proc.poll() is not None and pytest.fail((tmp_path / "lab.log").read_text()[-3000:])
-
+    pytest.importorskip("nbformat")
     try:
-        _wait(up, 90, "JupyterLab to start")
-        path = "lab/tree/explorer.ipynb?reset&" if app == "jupyterlab" else "notebooks/explorer.ipynb?"
-        yield f"{base}/{path}token={token}", root
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        log.close()
+        with jupyter_server(tmp_path, app, [CELL]) as served:
+            yield served
+    except RuntimeError as exc:  # the server exited while starting: its log
+        pytest.fail(str(exc))
 
 
 def test_explorer_as_a_user_meets_it(lab: tuple[str, Path], request: pytest.FixtureRequest) -> None:

@@ -237,6 +237,7 @@ def test_launch_fills_the_timeline_live_and_checks_numerics(explorer: pv.Explore
     explorer.loss_fn = lambda out, t: (1 / 0 if __import__("multiprocessing").parent_process() and {
         "ipywidgets", "plotly", "anywidget"} & set(__import__("sys").modules) else cross_entropy(out, t))
     counts: list[int] = []
+    explorer.run_view.busy_interval = explorer.run_view.interval  # live redraws even while 3 ranks share 2 cores
     explorer.launch_button.click()
     run = explorer.run
     assert run is not None and explorer.error == "" and explorer.launch_button.disabled
@@ -434,7 +435,9 @@ def test_live_updates_are_throttled() -> None:
     assert isinstance(run, pv.Live)  # the views use the Protocol only, as they use Run and Watch
     now = [0.0]
     pending: list[tuple[float, object]] = []
-    view = pv.TimelineView(run, interval=0.25, clock=lambda: now[0], later=lambda s, fn: pending.append((s, fn)))
+    view = pv.TimelineView(run, interval=0.25, cores=8, clock=lambda: now[0],
+                           later=lambda s, fn: pending.append((s, fn)))  # 4 ranks on 8 cores: not busy
+    assert not view.busy
     events = synthetic(10_000)
     first = view.redraws
     for i in range(0, 10_000, 100):  # 100 batches while the clock stands still
@@ -453,6 +456,20 @@ def test_live_updates_are_throttled() -> None:
     view.step_select.value = 3  # zoom to one step
     lo, hi = view.figure.layout.xaxis.range
     assert 2990 < lo < 3000 < hi < 3200
+
+
+def test_live_updates_wait_longer_while_the_run_takes_every_core() -> None:
+    """Each redraw (the kernel's and the browser's) is time taken from ranks that use every core: spaced by
+    busy_interval then (benchmarks/speed/explorer_overhead.py: x1.36-1.47 the script's step before, x1.08 after)."""
+    run = HandFed(steps=1000)
+    pending: list[tuple[float, object]] = []
+    view = pv.TimelineView(run, interval=0.25, busy_interval=2.0, cores=2, clock=lambda: 0.0,
+                           later=lambda s, fn: pending.append((s, fn)))  # 4 ranks on 2 cores
+    assert view.busy and view.live_redraws == 1  # drawn once on attach
+    run.publish(synthetic(100))
+    assert len(pending) == 1 and pending[0][0] == pytest.approx(2.0)
+    run.finish()  # the final redraw is never delayed
+    assert view.event_count == 100 and view.live_redraws == 2 and view.redraw_s > 0
 
 
 def test_timeline_figure_overlay_and_static() -> None:

@@ -150,6 +150,7 @@ class Explorer(W.VBox):
         self._finished.set()
         self._pipe_cache: dict[tuple[str, int], str] = {}
         self._target: torch.Tensor | None = None  # the default target, made once
+        self._explained_at = -float("inf")  # when the run notes were last rebuilt (perf_counter)
         self.refusal: BaseException | None = None  # why the controls' settings cannot launch (None: they can)
         self._build_ui(sched.canonical(self.config.schedule), self.config.microbatches, self.config.steps or 1, mode)
         super().__init__(self._children, layout=W.Layout(width="100%", max_width="100%"))
@@ -556,8 +557,15 @@ class Explorer(W.VBox):
                 threading.Thread(target=self._finish_run, args=(run,), daemon=True, name="pipeviz-check").start()
 
     def _on_run_events(self, run: pv.Run) -> None:
+        # The notes rebuild the run's timeline: as often as the chart redraws at most (every 2 s while the
+        # ranks take every core), not at every batch of events.
         if run is self.run and len(run.events) and not run.done:
-            self._explain_run(run)
+            view = self.run_view
+            spacing = view.busy_interval if view.busy else max(view.interval, 1.0)
+            now = time.perf_counter()
+            if now - self._explained_at >= spacing:
+                self._explained_at = now
+                self._explain_run(run)
 
     def _finish_run(self, run: pv.Run) -> None:
         try:
@@ -578,7 +586,9 @@ class Explorer(W.VBox):
 
     def _explain_run(self, run: pv.Run) -> None:
         named = None if self.hardware.value == HERE else self.hardware.value
-        text = panels.run_notes_html(run, self.sim, self.sim_here, _cores(), _load(), named)
+        view = self.run_view
+        text = panels.run_notes_html(run, self.sim, self.sim_here, _cores(), _load(), named) + panels.view_note_html(
+            view.live_redraws, view.redraw_s, view.busy_interval if view.busy else None, run.mesh.world, _cores())
         if text != self.run_notes.value:
             self.run_notes.value = text
         crowded = run.mesh.world > _cores() or _load() > _cores()

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Change", "cost_note_html", "error_html", "guarded", "mesh_html", "notes_html", "numerics_html",
            "preview_html", "progress_html", "run_notes_html", "shift_click_guard", "short", "soon", "stage_times",
-           "verdict_html"]
+           "verdict_html", "view_note_html"]
 
 
 T = TypeVar("T")
@@ -299,6 +299,19 @@ def run_notes_html(run: pv.Run, sim: Timeline | None, here: Timeline | None, cor
     if why:
         text += "<br><span class='pipeviz-why'>Why they differ: " + "; ".join(why) + ".</span>"
     return f"<div style='font-size:12px'>{text}</div>"
+
+
+def view_note_html(redraws: int, seconds: float, busy_interval: float | None, processes: int, cores: int) -> str:
+    """What the live view costs the run it shows: its redraws and their time in the kernel, and, while the
+    processes take every core, that it redraws less often (the browser's drawing is not counted here: measured
+    in ``benchmarks/speed/explorer_overhead.py``)."""
+    if not redraws:
+        return ""
+    text = f"live view: {plural(redraws, 'redraw')}, {seconds * 1e3:.0f} ms of the kernel's time"
+    if busy_interval is not None:
+        text += (f"; {processes} processes take the {plural(cores, 'core')} here, so it redraws every "
+                 f"{busy_interval:g} s (each redraw, in the kernel and the browser, is time taken from the ranks)")
+    return f"<div class='pipeviz-view-note' style='font-size:11px;color:#555'>{text}.</div>"
 
 
 def numerics_html(run: pv.Run) -> str:

@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +49,17 @@ def _plain(value: object) -> object:
     return value
 
 
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _processes(run: Live) -> int:
+    """The run's processes (every replica and shard), or its ranks when it has no mesh (a watched job)."""
+    mesh = getattr(run, "mesh", None)
+    world = getattr(mesh, "world", None)
+    return world if isinstance(world, int) else run.timeline().num_ranks
+
+
 def _timer(seconds: float, fn: Callable[[], None]) -> threading.Timer:
     timer = threading.Timer(seconds, fn)
     timer.daemon = True
@@ -70,6 +82,11 @@ class TimelineView(W.VBox):
             ``None`` (empty until ``update``/``attach``).
         overlay: a simulated ``Timeline`` drawn thinly under each measured step.
         interval: minimum seconds between live redraws.
+        busy_interval: minimum seconds between live redraws while the run's processes take every core of this
+            machine: then each redraw (the kernel's work and the browser's) is taken from the ranks, which measured
+            their steps up to 4-10x the simulated ones under a redraw every 0.25 s (benchmarks/speed/
+            explorer_overhead.py measures it). The final redraw when the run ends is never delayed.
+        cores: the cores the run's processes share (default: this machine's, as ``pv.launch`` runs here).
         title: a fixed title; default describes the timeline (schedule, step time, bubble).
         height: pixels; default grows with the number of ranks.
         clock, later: the throttle's time source and how it schedules the pending redraw (``later(seconds,
@@ -78,11 +95,14 @@ class TimelineView(W.VBox):
     Attributes:
         figure: the ``plotly.graph_objects.FigureWidget``.
         redraws: how many times the chart was redrawn.
-        last_redraw_s: seconds the last redraw took in Python.
+        last_redraw_s: seconds the last redraw took in Python; redraw_s and live_redraws: the time and the count
+            of the redraws since the last ``attach``.
+        busy: the attached run's processes take every core here (redraws spaced by ``busy_interval``).
     """
 
     def __init__(self, source: Live | Timeline | None = None, *, overlay: Timeline | None = None,
-                 interval: float = 0.25, title: str | None = None, height: int | None = None,
+                 interval: float = 0.25, busy_interval: float = 2.0, cores: int | None = None,
+                 title: str | None = None, height: int | None = None,
                  clock: Callable[[], float] = time.perf_counter,
                  later: Callable[[float, Callable[[], None]], object] | None = None) -> None:
         self.figure = LiveFigure()
@@ -96,7 +116,9 @@ class TimelineView(W.VBox):
                                  layout=W.Layout(justify_content="space-between", align_items="center")),
                           self.figure])
         self.add_class("pipeviz-timeline")
-        self.interval, self.redraws, self.last_redraw_s = interval, 0, 0.0
+        self.interval, self.busy_interval, self.redraws, self.last_redraw_s = interval, busy_interval, 0, 0.0
+        self.redraw_s, self.live_redraws, self.busy = 0.0, 0, False
+        self._cores = cores
         self._title, self._height = title, height
         self._overlay = overlay
         self._timeline: Timeline | None = None
@@ -152,6 +174,8 @@ class TimelineView(W.VBox):
             if overlay is not False:
                 self._overlay = overlay  # type: ignore[assignment]
             self._run = run
+            self.busy = _processes(run) >= (self._cores or _cores())
+            self.redraw_s, self.live_redraws = 0.0, 0
             self._timeline = run.timeline()
             self._draw()
 
@@ -192,7 +216,7 @@ class TimelineView(W.VBox):
             return
         with self._lock:
             # A browser needs ~0.4 s to draw 10,000 events without a GPU: space redraws out as the run grows.
-            interval = max(self.interval, len(run.events) * SECONDS_PER_EVENT)
+            interval = max(self.busy_interval if self.busy else self.interval, len(run.events) * SECONDS_PER_EVENT)
             wait = interval - (self._clock() - self._last)
             if wait <= 0:
                 self.redraw()
@@ -241,8 +265,10 @@ class TimelineView(W.VBox):
         self._update_steps(tl)
         self.summary.value = f"<b>{timeline_title(tl)}</b>" if self._title is None else self._title
         self.redraws += 1
+        self.live_redraws += 1
         self._last = self._clock()
         self.last_redraw_s = time.perf_counter() - t0
+        self.redraw_s += self.last_redraw_s
 
     def _update_steps(self, tl: Timeline) -> None:
         steps = tl.steps if tl.source == "measured" else []
