@@ -20,7 +20,7 @@ from pipeviz.plan import PlanError, SplitPlan, human_bytes
 from pipeviz.runtime.config import LaunchConfig
 from pipeviz.training import cross_entropy
 
-__all__ = ["ClusterPlan", "LayoutOption"]
+__all__ = ["ClusterPlan", "LayoutOption", "row_summary"]
 
 
 class _RowOptions(TypedDict):
@@ -163,7 +163,7 @@ class ClusterPlan:
             rows.append((str(i), str(r.pp), str(r.dp), *((str(r.cp),) if cps else ()), str(r.tp), r.schedule,
                          str(r.stages_per_rank), str(r.microbatch_size), str(r.microbatches), r.recompute,
                          _seconds(r.step_time) + ("*" if r.extrapolated else ""), f"{r.tokens_per_s:,.0f}",
-                         f"{r.tflops_per_gpu:.0f}", f"{r.mfu:.1%}", f"{r.bubble:.0%}", human_bytes(r.peak_memory)))
+                         f"{r.tflops_per_gpu:.0f}", _share(r.mfu), f"{r.bubble:.0%}", human_bytes(r.peak_memory)))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         left = {rows[0].index("schedule"), rows[0].index("recompute")}
         lines = ["  ".join(c.rjust(w) if j not in left else c.ljust(w) for j, (c, w) in
@@ -181,3 +181,18 @@ class ClusterPlan:
 
 def _seconds(t: float) -> str:
     return f"{t:.3f} s" if t >= 1 else f"{t * 1e3:.3f} ms" if t >= 1e-3 else f"{t * 1e6:.1f} us"
+
+
+def _share(x: float) -> str:
+    """A share as a percentage that never reads 0.0 % when it is not zero (a small model's MFU)."""
+    return f"{x:.1%}" if x >= 1e-3 or x == 0 else f"{x * 100:.2g}%"
+
+
+def row_summary(i: int, r: LayoutOption) -> str:
+    """One planner row on a line, in ``table``'s units and order (microbatch size, then microbatches): what the
+    cluster panel lists."""
+    v = f" v{r.stages_per_rank}" if r.stages_per_rank > 1 else ""
+    cp = f" cp{r.cp}" if r.cp > 1 else ""
+    return (f"{i + 1}. pp{r.pp} dp{r.dp}{cp} tp{r.tp} {r.schedule}{v} · mb size {r.microbatch_size} × "
+            f"{r.microbatches} · {r.recompute} · {_seconds(r.step_time)} · MFU {_share(r.mfu)} · "
+            f"{human_bytes(r.peak_memory)}")

@@ -3,6 +3,8 @@ and loads into the Explorer."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -24,6 +26,7 @@ def tiny() -> pv.ModelGraph:
 def test_plan_then_pick_a_row(tiny: pv.ModelGraph) -> None:
     chosen: list[pv.LayoutOption] = []
     panel = ClusterPanel(tiny, on_select=chosen.append, top=5)
+    assert panel.rows.layout.display == "none"  # no empty box before the first Plan
     assert list(panel.hardware.options) == list(pv.HARDWARE) and panel.global_batch.value == 64
     panel.hardware.value, panel.gpus.value, panel.global_batch.value = "a100-80gb", 4, 16
     result = panel.plan()
@@ -33,6 +36,23 @@ def test_plan_then_pick_a_row(tiny: pv.ModelGraph) -> None:
     assert "4 x a100-80gb" in panel.summary.value and panel.errors.value == ""
     panel.rows.value = 1  # what a click on the second row does
     assert chosen == [result.rows[1]] and panel.selected == result.rows[1]
+    assert panel.rows.layout.display == ""
+
+
+def test_the_panel_lists_rows_in_the_planners_units(tiny: pv.ModelGraph) -> None:
+    """One set of figures: the panel's row and `pipeviz plan`'s table (ClusterPlan.table) give the same step,
+    peak memory, MFU and microbatch size and count, in that order; a small model's MFU is not '0.0%'."""
+    panel = ClusterPanel(tiny, gpus=4, hardware="a100-80gb", global_batch=16, top=3)
+    result = panel.plan()
+    assert result is not None and result.rows
+    table = result.table(3).splitlines()
+    columns = re.split(r"\s{2,}", table[1].strip())  # columns are 2+ spaces apart; "mb size", "32.3 us" hold one
+    for i in range(min(3, len(result.rows))):
+        text = panel.rows.options[i][0]
+        cells = dict(zip(columns, re.split(r"\s{2,}", table[2 + i].strip()), strict=True))
+        assert f"mb size {cells['mb size']} × {cells['mbs']}" in text, (text, table[2 + i])
+        assert f"MFU {cells['MFU']}" in text and cells["MFU"] != "0.0%"
+        assert f"· {cells['step'].rstrip('*')} ·" in text and text.endswith(f"· {cells['peak memory']}")
 
 
 def test_errors_are_shown_not_swallowed(tiny: pv.ModelGraph) -> None:

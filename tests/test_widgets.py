@@ -226,6 +226,37 @@ def test_skip_edges_are_drawn(skip_graph: pv.ModelGraph) -> None:
     assert all(k in hover for k in ("kind", "params", "FLOPs", "output"))
 
 
+class DenseSkips(torch.nn.Module):
+    """A residual MLP whose every layer also reads the output two and three layers back: overlapping skips."""
+
+    def __init__(self, n: int = 12) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [x]
+        for k, layer in enumerate(self.layers):
+            h = layer(outs[-1])
+            outs.append(h + (outs[k - 1] if k >= 1 else 0) + (outs[k - 2] if k >= 2 else 0))
+        return outs[-1]
+
+
+def test_many_skip_arcs_stay_inside_the_graph_and_off_the_stage_labels() -> None:
+    """21 arcs of a residual MLP ran off the graph's right edge and over the stage labels: their lanes are
+    squeezed, in order, into the room left of the labels."""
+    from pipeviz.widgets.figures import ARC_ROOM, graph_figure
+
+    graph = pv.trace(DenseSkips(), (torch.randn(4, 8),))
+    assert len(graph.skip_edges) >= 20
+    fig = graph_figure(graph.split([graph.layer_names[5]]))
+    skips = next(t for t in fig.data if t.name == "skip edges")
+    right = max(v for v in skips.x if v is not None)
+    assert right <= ARC_ROOM + 1e-9 < fig.layout.xaxis.range[1]  # inside the plot, left of the labels' strip
+    # still in lanes: the arcs reach different widths
+    assert len({round(max(v for v in skips.x[k:k + 16] if v is not None), 3)
+                for k in range(0, len(skips.x), 17)}) > 5
+
+
 @pytest.mark.slow
 @needs_sim
 def test_launch_fills_the_timeline_live_and_checks_numerics(explorer: pv.Explorer) -> None:

@@ -20,6 +20,7 @@ from typing import Protocol
 import ipywidgets as W
 
 import pipeviz as pv
+from pipeviz.cluster_plan import row_summary
 from pipeviz.graph import ModelGraph
 from pipeviz.plan import SplitPlan
 from pipeviz.planner import ClusterPlan, LayoutOption
@@ -62,7 +63,8 @@ class ClusterPanel(W.VBox):
         self.summary = W.HTML()
         self.errors = W.HTML()
         self.errors.add_class("pipeviz-error")
-        self.rows = W.Select(options=[], rows=min(top, 10), layout=W.Layout(width="100%"))
+        # hidden until a Plan lists rows (it was an empty box before the first one)
+        self.rows = W.Select(options=[], rows=min(top, 10), layout=W.Layout(width="100%", display="none"))
         self.rows.add_class("pipeviz-cluster-rows")
         self.rows.observe(self._on_row, "value")
         super().__init__([W.HBox([self.hardware, self.gpus, self.global_batch, self.plan_button]), self.errors,
@@ -95,6 +97,7 @@ class ClusterPanel(W.VBox):
             self.rows.value = None
         finally:
             self.rows.observe(self._on_row, "value")
+        self.rows.layout.display = "" if result.rows else "none"
         if not result.rows:
             self.errors.value = error_html(result.table().splitlines()[-1])
         return result
@@ -120,10 +123,7 @@ class ClusterPanel(W.VBox):
 
 
 def _row_text(i: int, r: LayoutOption) -> str:
-    step = f"{r.step_time:.3f} s" if r.step_time >= 1 else f"{r.step_time * 1e3:.2f} ms"
-    v = f" v{r.stages_per_rank}" if r.stages_per_rank > 1 else ""
-    return (f"{i + 1}. pp{r.pp} dp{r.dp} tp{r.tp} {r.schedule}{v} · {r.microbatches} x {r.microbatch_size} · "
-            f"{r.recompute} · {step} · MFU {r.mfu:.1%} · {r.peak_memory / 2**30:.1f} GiB")
+    return row_summary(i, r)  # the planner's table's units and order (`pipeviz plan` prints the same)
 
 
 class Loads(Protocol):

@@ -268,6 +268,7 @@ def _arc(y0: float, y1: float, bulge: float, points: int = 16) -> tuple[list[flo
     return [*xs.tolist(), None], [*ys.tolist(), None]
 
 
+ARC_ROOM = 1.0  # the widest a skip arc bulges right of the markers (x data units; the stage labels sit past it)
 LABEL_CHARS = 26  # longer layer names are shortened in the middle on the graph (the hover has them whole)
 
 
@@ -340,6 +341,7 @@ def graph_traces(plan: SplitPlan) -> list[dict[str, object]]:
     skip_x: list[float | None] = []
     skip_y: list[float | None] = []
     lanes: list[tuple[int, int]] = []
+    arcs: list[tuple[int, int, float]] = []
     for a, b in g.edges:
         i, j = pos[a], pos[b]
         if j - i == 1:
@@ -349,7 +351,12 @@ def graph_traces(plan: SplitPlan) -> list[dict[str, object]]:
         # Nested / overlapping skips get their own lane so arcs do not sit on top of each other.
         lane = sum(1 for (p, q) in lanes if p < j and i < q)
         lanes.append((i, j))
-        xs, ys = _arc(i, j, 0.35 + 0.2 * lane + 0.02 * (j - i))
+        arcs.append((i, j, 0.35 + 0.2 * lane + 0.02 * (j - i)))
+    # Many overlapping skips (a residual MLP's 21) would bulge past the plot's right edge and over the stage
+    # labels: their lanes are squeezed, in order, into the room left of the labels.
+    squeeze = min(1.0, ARC_ROOM / max((b for _, _, b in arcs), default=1.0))
+    for i, j, bulge in arcs:
+        xs, ys = _arc(i, j, bulge * squeeze)
         skip_x += xs
         skip_y += ys
     d = graph_layers(plan)
