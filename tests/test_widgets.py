@@ -394,6 +394,24 @@ def test_a_setting_that_cannot_launch_is_refused_at_its_control(explorer: pv.Exp
     assert explorer.refusal.setting == "schedule" and "cannot run forward only" in explorer.refused.value
 
 
+def test_the_memory_column_is_the_simulated_peak_and_sends_are_per_microbatch(explorer: pv.Explorer) -> None:
+    """The stage table's memory followed neither the schedule nor dp while "memory per rank" under it did, and its
+    sends were a whole batch's beside a time per microbatch."""
+    from pipeviz.plan import human_bytes
+
+    explorer.plan = ["layer1"]  # 2 stages on 2 ranks
+    for control, value in (("schedule", "1F1B"), ("schedule", "GPipe"), ("dp", 2)):
+        getattr(explorer, control).value = value
+        peaks = explorer.sim.meta["memory_bytes"]
+        cells = re.findall(r"<tr class='pipeviz-stage-row'.*?</tr>", explorer.preview.value)
+        assert [re.findall(r"<td[^>]*>([^<]*)</td>", c)[-1] for c in cells] == [human_bytes(m) for m in peaks]
+        assert "peak, simulated" in explorer.preview.value, (control, value)
+    sends = [re.findall(r"<td[^>]*>([^<]*)</td>", c)[-3] for c in cells]
+    mb = explorer.microbatches.value
+    assert sends == [human_bytes(s.send_bytes / mb) for s in explorer.plan.stages]
+    assert "sends/mb" in explorer.preview.value
+
+
 def test_the_explorer_takes_the_options_its_hints_name(classic_graph: pv.ModelGraph) -> None:
     ex = pv.Explorer(classic_graph, splits=["layer0"], tp=2, tp_plan={"layer1.0": "colwise"}, timeout=30)
     cfg = ex.launch_config()

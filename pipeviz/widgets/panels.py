@@ -180,6 +180,13 @@ def preview_html(plan: SplitPlan, sim: Timeline | None, microbatches: int, faile
     times, source = stage_times(plan, sim, microbatches, options)
     custom = options is not None and options != CostOptions()
     memory = plan.stage_memory(options) if custom else [s.memory_bytes for s in stages]
+    peaks = sim.meta.get("memory_bytes") if sim is not None else None
+    # One stage per rank: the column is the simulated peak of the stage's rank, which follows the schedule's
+    # microbatches in flight, dp and tp (it stayed the one-microbatch estimate while "memory per rank" moved)
+    stage_is_rank = peaks is not None and sim is not None and sim.num_ranks == len(stages) == len(peaks)
+    if stage_is_rank and peaks is not None:
+        memory = [int(peaks[r]) for r in range(len(stages))]
+    mem_label = "peak, simulated" if stage_is_rank else "1 mb in flight"
     slowest = max(range(len(times)), key=times.__getitem__) if times else -1
     splits = ", ".join(n if p is pv.SplitPoint.END else f"before {n}" for n, p in plan.splits) or "none"
     head = (f"<div class='pipeviz-preview-head'><b>{plural(plan.num_stages, 'stage')}</b>"
@@ -187,9 +194,9 @@ def preview_html(plan: SplitPlan, sim: Timeline | None, microbatches: int, faile
     cell = "padding:2px 6px;text-align:right;white-space:nowrap"
     label = source if not failed else "estimated: no simulation"
     rows = [f"<tr><th style='{cell}'>stage</th><th style='padding:2px 6px;text-align:left'>layers</th>"
-            f"<th style='{cell}'>params</th><th style='{cell}'>GFLOPs</th><th style='{cell}'>sends</th>"
+            f"<th style='{cell}'>params</th><th style='{cell}'>GFLOPs</th><th style='{cell}'>sends/mb</th>"
             f"<th style='{cell}'>time/mb<br><small>({html.escape(label)})</small></th>"
-            f"<th style='{cell}'>memory</th></tr>"]
+            f"<th style='{cell}'>memory<br><small>({mem_label})</small></th></tr>"]
     for s, t, mem in zip(stages, times, memory, strict=True):
         hot = len(stages) > 1 and s.index == slowest
         style = " style='background:#fdf2e9'" if hot else ""
@@ -198,7 +205,8 @@ def preview_html(plan: SplitPlan, sim: Timeline | None, microbatches: int, faile
             f"<tr class='pipeviz-stage-row'{style}><td style='{cell}'>{swatch} {s.index}</td>"
             f"<td style='padding:2px 6px;min-width:8em'>{_names_cell(s.layers)}</td>"
             f"<td style='{cell}'>{s.params:,}</td>"
-            f"<td style='{cell}'>{s.flops / 1e9:.3f}</td><td style='{cell}'>{human_bytes(s.send_bytes)}</td>"
+            f"<td style='{cell}'>{s.flops / 1e9:.3f}</td>"
+            f"<td style='{cell}'>{human_bytes(s.send_bytes / max(microbatches, 1))}</td>"
             f"<td style='{cell}'>{_ms(t)}</td><td style='{cell}'>{human_bytes(mem)}</td></tr>")
     # contain:inline-size: the table's width does not widen the preview; the table scrolls in its own box.
     table = ("<div class='pipeviz-table-box' style='max-width:100%;overflow-x:auto;contain:inline-size'>"
