@@ -99,8 +99,10 @@ def test_the_explorer_costs_on_the_hardware_chosen(tiny: pv.ModelGraph) -> None:
     from pipeviz.costs import stage_costs
     from pipeviz.plan import human_bytes
 
-    for mem in ex.plan.stage_memory(options):  # the memory column is the hardware's dtype, recomputation's keep
+    # the memory column is the simulated peak per rank: in the hardware's dtype, with what recomputation keeps
+    for mem in ex.sim.meta["memory_bytes"]:
         assert human_bytes(mem) in ex.preview.value
+    assert ex.sim.meta["memory_bytes"] != pv.simulate(ex.plan, ex.schedule.value, ex.microbatches.value).memory_bytes
     assert ex.auto_balance(2) == pv.balance(tiny, 2, schedule=ex.schedule.value, microbatches=ex.microbatches.value,
                                             options=options)
     assert stage_costs(ex.plan, 1, options=options).source != stage_costs(ex.plan, 1).source
