@@ -382,6 +382,7 @@ def test_a_setting_that_cannot_launch_is_refused_at_its_control(explorer: pv.Exp
     assert "refuse microbatches=5 does not work" in text(explorer.refused.value)
     assert "Valid: 4, 8, 16, 32" in explorer.refused.value  # 1F1B over 3 stages: at least 3, dividing 32
     assert "pipeviz-refused-control" in explorer.microbatches._dom_classes
+    assert "these settings cannot run it" in explorer.preview.value  # not a bare "✓ balanced" beside a refusal
     explorer.microbatches.value = 8
     assert explorer.refusal is None and explorer.refused.value == "" and explorer.sim is not None
     assert "pipeviz-refused-control" not in explorer.microbatches._dom_classes and not explorer.launch_button.disabled
@@ -501,7 +502,8 @@ def test_live_updates_are_throttled() -> None:
     run.publish(events[:1])  # at 10,000 events the interval grows to 1 s (SECONDS_PER_EVENT)
     assert view.redraws == first + 1 and len(pending) == 1 and pending[0][0] == pytest.approx(1.0001)
     run.finish()
-    assert view.event_count == 10_001 and view.step_select.options[-1] == (f"step {events[-1].step}", events[-1].step)
+    assert view.event_count == 10_001
+    assert view.step_select.options[-1] == (f"step {events[-1].step + 1}", events[-1].step)  # counted from 1
     view.step_select.value = 3  # zoom to one step
     lo, hi = view.figure.layout.xaxis.range
     assert 2990 < lo < 3000 < hi < 3200

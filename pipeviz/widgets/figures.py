@@ -125,7 +125,8 @@ def timeline_traces(timeline: Timeline, overlay: Timeline | None = None, *, gl: 
             sel = c["kind"] == kind if len(c["kind"]) else np.zeros(0, dtype=bool)
             start, end = c["start"][sel] * 1e3, c["end"][sel] * 1e3
             rank, stage, mb, step = c["rank"][sel], c["stage"][sel], c["mb"][sel], c["step"][sel]
-            custom = np.stack([stage, mb, step, end - start], axis=1) if len(start) else np.zeros((0, 4))
+            # steps counted from 1 in the hover, as the status line and the zoom count them
+            custom = np.stack([stage, mb, step + 1, end - start], axis=1) if len(start) else np.zeros((0, 4))
             legend = f"{kind} · {KINDS.get(kind, kind)}" + (" (overlay)" if is_overlay else "")
             common = {"name": legend, "legendgroup": f"{name}-{kind}", "opacity": opacity,
                       "showlegend": bool(len(start)), "meta": [name, kind]}

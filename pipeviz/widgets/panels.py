@@ -211,6 +211,9 @@ def preview_html(plan: SplitPlan, sim: Timeline | None, microbatches: int, faile
     # contain:inline-size: the table's width does not widen the preview; the table scrolls in its own box.
     table = ("<div class='pipeviz-table-box' style='max-width:100%;overflow-x:auto;contain:inline-size'>"
              "<table style='border-collapse:collapse;font-size:12px'>" + "".join(rows) + "</table></div>")
+    # a balanced split is still no run when the settings cannot launch it: said beside the verdict
+    refused = (" <span class='pipeviz-verdict-refused' style='color:#c0392b'>— but these settings cannot run it "
+               "(see above)</span>" if failed else "")
     extra = ""
     if sim is not None:
         ranks = sim.meta.get("memory_bytes")
@@ -219,7 +222,7 @@ def preview_html(plan: SplitPlan, sim: Timeline | None, microbatches: int, faile
         extra = (f"<div>simulated step {_ms(sim.step_time)} · bubble {sim.bubble_fraction:.0%}"
                  f"{per_rank}</div>")
     return (f"<div class='pipeviz-preview' style='font-size:12px;max-width:100%'>{head}{table}"
-            f"<div>{verdict_html(plan, options)}</div>{extra}</div>")
+            f"<div>{verdict_html(plan, options)}{refused}</div>{extra}</div>")
 
 
 def mesh_html(plan: SplitPlan, config: pv.LaunchConfig) -> str:

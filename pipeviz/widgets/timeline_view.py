@@ -272,7 +272,8 @@ class TimelineView(W.VBox):
 
     def _update_steps(self, tl: Timeline) -> None:
         steps = tl.steps if tl.source == "measured" else []
-        options = [("all steps", -1)] + [(f"step {s}", s) for s in steps]
+        # counted from 1, as the status line's "step k/n" counts them (events carry 0-based step numbers)
+        options = [("all steps", -1)] + [(f"step {s + 1}", s) for s in steps]
         if list(self.step_select.options) != options:
             value = self.step_select.value
             self.step_select.options = options
