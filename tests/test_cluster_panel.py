@@ -82,6 +82,12 @@ def test_a_row_loads_into_the_explorer(tiny: pv.ModelGraph) -> None:
     # the Explorer's preview and simulation now cost the plan on the row's hardware, with its recomputation
     assert ex.hardware.value == "h100-sxm" and ex.recompute.value == option.recompute
     assert ex.cost_options().hw == pv.hardware("h100") and ex.cost_options().recompute == option.recompute
+    # one set of figures: the Explorer simulates the step the panel lists for the row (with the row's own costs:
+    # its dtype, batch scale and collectives), until the cost controls leave the row's hardware
+    assert ex.cost_options() == option.options and ex.sim.step_time == pytest.approx(option.step_time, rel=1e-9)
+    assert f"{option.step_time * 1e3:.2f}" in ex.preview.value or f"{option.step_time * 1e6:.2f}" in ex.preview.value
+    ex.hardware.value = "a100-80gb"
+    assert ex.cost_options() != option.options
 
 
 def test_the_explorer_costs_on_the_hardware_chosen(tiny: pv.ModelGraph) -> None:

@@ -46,6 +46,8 @@ from pipeviz.widgets.timeline_view import TimelineView
 if TYPE_CHECKING:
     from plotly.callbacks import InputDeviceState, Points
 
+    from pipeviz.cluster_plan import LayoutOption
+
 __all__ = ["Explorer"]
 
 HERE = "this machine"  # the hardware control's default: costs measured or estimated here, in the traced dtype
@@ -151,6 +153,7 @@ class Explorer(W.VBox):
         self._pipe_cache: dict[tuple[str, int], str] = {}
         self._target: torch.Tensor | None = None  # the default target, made once
         self._explained_at = -float("inf")  # when the run notes were last rebuilt (perf_counter)
+        self.loaded: LayoutOption | None = None  # the cluster row last loaded (its costs, while the controls match)
         self.refusal: BaseException | None = None  # why the controls' settings cannot launch (None: they can)
         self._build_ui(sched.canonical(self.config.schedule), self.config.microbatches, self.config.steps or 1, mode)
         super().__init__(self._children, layout=W.Layout(width="100%", max_width="100%"))
@@ -458,9 +461,20 @@ class Explorer(W.VBox):
             >>> ex.hardware.value, ex.recompute.value = "h100-sxm", "full"
             >>> ex.cost_options()        # CostOptions(hardware=Hardware('h100-sxm', ...), dtype='bfloat16', ...)
         """
+        row = self._loaded_row()
+        if row is not None:  # a cluster row's own costs: its dtype, batch scale, sequence length
+            return row.options
         if self.hardware.value == HERE:
             return pv.CostOptions(recompute=self.recompute.value)
         return pv.CostOptions(hardware=self.hardware.value, dtype="bfloat16", recompute=self.recompute.value)
+
+    def _loaded_row(self) -> LayoutOption | None:
+        """The loaded cluster row, while the cost controls are still on its hardware and recomputation."""
+        row = self.loaded
+        hw = row.options.hw if row is not None else None
+        if row is None or hw is None or hw.name != self.hardware.value or row.recompute != self.recompute.value:
+            return None
+        return row
 
     def stop(self) -> None:
         """Stop the running launch (``run.stop()``)."""
@@ -698,7 +712,9 @@ class Explorer(W.VBox):
                                         f"need a backward. Fix: pick {able}, or switch to train."))
         elif self._plan.num_stages > 1:
             try:
-                self.sim = pv.simulate(self._plan, cfg, options=self.cost_options())
+                row = self._loaded_row()
+                self.sim = pv.simulate(self._plan, cfg, options=self.cost_options(),
+                                       collectives=row.collectives if row is not None else None)
             except (pv.ScheduleError, ValueError) as exc:  # the schedule does not fit the plan: said once, above
                 failed = True
                 self._show_error(exc, prefix=f"{schedule} cannot run {plural(self._plan.num_stages, 'stage')}: ")
