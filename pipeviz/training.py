@@ -41,13 +41,20 @@ def random_classes(output: torch.Tensor, seed: int = 0) -> torch.Tensor:
 
 
 def default_target(graph: GraphView, seed: int = 0) -> torch.Tensor:
-    """``random_classes`` for the model's output on the example batch (one forward of a fresh copy).
+    """``random_classes`` for the model's output on the example batch: sized by the output the trace recorded
+    (a meta-device model too: no forward runs), else by one forward of a fresh copy (the manual route).
 
     Raises:
         ValueError: the model has several outputs, so no single target fits; pass ``target=`` and ``loss_fn=``.
     """
     from pipeviz.runtime.reference import model_output
 
+    leaves = graph.capture.loss_outputs  # the logits of an HF output, else every output leaf
+    if len(leaves) == 1:
+        return random_classes(torch.empty(leaves[0][0], device="meta"), seed)
+    if leaves:
+        raise ValueError("The model has several outputs, so no single target fits. Fix: pass target=y and "
+                         "loss_fn=fn.")
     model = graph.capture.fresh_copy()  # a copy: a forward in train mode would update BatchNorm statistics
     with torch.no_grad():
         out = model_output(model(*graph.example_args, **graph.example_kwargs))

@@ -45,6 +45,14 @@ def test_a_meta_model_is_explored_without_memory() -> None:
         plan = pv.balance(graph, 4, by=by)
         assert plan.num_stages == 4 and pv.simulate(plan, "1F1B", 4).step_time > 0
         assert all(s.memory_bytes > 0 for s in plan.stages)
+    # the default target is sized by the traced output (a forward of a meta model cannot run: HF's mask calls
+    # .item()), so the Explorer opens on it and checks its settings as Launch would
+    from pipeviz.training import default_target
+
+    assert default_target(graph).shape == IDS.shape
+    pytest.importorskip("ipywidgets")
+    ex = pv.Explorer(graph, splits=pv.balance(graph, 2))
+    assert ex.refusal is None and ex.sim is not None, ex.refusal
 
 
 def launch(plan: pv.SplitPlan, schedule: str = "1F1B", **kw: Any) -> pv.Run:

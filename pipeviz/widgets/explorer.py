@@ -662,11 +662,11 @@ class Explorer(W.VBox):
         from pipeviz.runtime.spec import validate_launch
 
         args, kwargs = self.graph.example_args, dict(self.graph.example_kwargs)
-        try:
+        try:  # (the default target inside too: a model with several outputs has none)
             validate_launch(self._plan, cfg, inputs=args, input_kwargs=kwargs or None,
                             target=None if cfg.loss_fn is None else self._launch_target())
-        except ValueError as exc:  # LaunchError, ScheduleError, PlanError: each names the value and the fix
-            return exc
+        except Exception as exc:  # LaunchError, ScheduleError, PlanError (each names the value and the fix), or
+            return exc  # whatever else Launch would meet first: shown at the controls, never raised from a handler
         return None
 
     def _show_refusal(self, exc: BaseException | None) -> None:
