@@ -150,20 +150,27 @@ class ClusterPlan:
                 f"for a global batch of {self.global_batch} x {self.seq_len} tokens. Fix: more GPUs, recompute="
                 "'full', a smaller global batch or sequence, or a larger memory_limit.")
 
+    def cells(self, top: int = 10) -> list[tuple[str, ...]]:
+        """The ``top`` rows as strings, a header row first: what ``table`` prints and the report's table shows
+        (one set of figures in one set of units)."""
+        cps = any(r.cp > 1 for r in self.rows[:top])  # a cp column only where the sequence is split
+        rows: list[tuple[str, ...]] = [
+            ("#", "pp", "dp", *(("cp",) if cps else ()), "tp", "schedule", "v", "mb size", "mbs", "recompute",
+             "step", "tokens/s", "TFLOP/s/GPU", "MFU", "bubble", "peak memory")]
+        for i, r in enumerate(self.rows[:top], 1):
+            rows.append((str(i), str(r.pp), str(r.dp), *((str(r.cp),) if cps else ()), str(r.tp), r.schedule,
+                         str(r.stages_per_rank), str(r.microbatch_size), str(r.microbatches), r.recompute,
+                         _seconds(r.step_time) + ("*" if r.extrapolated else ""), f"{r.tokens_per_s:,.0f}",
+                         f"{r.tflops_per_gpu:.0f}", _share(r.mfu), f"{r.bubble:.0%}", human_bytes(r.peak_memory)))
+        return rows
+
     def table(self, top: int = 10) -> str:
         """The ``top`` rows as text: layout, step, tokens/s, TFLOP/s per GPU, MFU, bubble, peak memory."""
         head = (f"{self.gpus} x {self.hardware.name} ({self.dtype}, efficiency {self.hardware.efficiency:g}), global "
                 f"batch {self.global_batch} x {self.seq_len} tokens, memory limit {human_bytes(self.memory_limit)}")
         if not self.rows:
             return head + "\n" + self._none_fit()
-        cps = any(r.cp > 1 for r in self.rows[:top])  # a cp column only where the sequence is split
-        rows = [("#", "pp", "dp", *(("cp",) if cps else ()), "tp", "schedule", "v", "mb size", "mbs", "recompute",
-                 "step", "tokens/s", "TFLOP/s/GPU", "MFU", "bubble", "peak memory")]
-        for i, r in enumerate(self.rows[:top], 1):
-            rows.append((str(i), str(r.pp), str(r.dp), *((str(r.cp),) if cps else ()), str(r.tp), r.schedule,
-                         str(r.stages_per_rank), str(r.microbatch_size), str(r.microbatches), r.recompute,
-                         _seconds(r.step_time) + ("*" if r.extrapolated else ""), f"{r.tokens_per_s:,.0f}",
-                         f"{r.tflops_per_gpu:.0f}", _share(r.mfu), f"{r.bubble:.0%}", human_bytes(r.peak_memory)))
+        rows = self.cells(top)
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         left = {rows[0].index("schedule"), rows[0].index("recompute")}
         lines = ["  ".join(c.rjust(w) if j not in left else c.ljust(w) for j, (c, w) in

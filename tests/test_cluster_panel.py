@@ -53,6 +53,36 @@ def test_the_panel_lists_rows_in_the_planners_units(tiny: pv.ModelGraph) -> None
         assert f"mb size {cells['mb size']} × {cells['mbs']}" in text, (text, table[2 + i])
         assert f"MFU {cells['MFU']}" in text and cells["MFU"] != "0.0%"
         assert f"· {cells['step'].rstrip('*')} ·" in text and text.endswith(f"· {cells['peak memory']}")
+    # the demo's report shows the same cells (its HTML table, parsed back)
+    from html.parser import HTMLParser
+
+    from pipeviz.widgets.report import cluster_table
+
+    class Cells(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: list[list[str]] = []
+            self.cell = False
+
+        def handle_starttag(self, tag: str, attrs: object) -> None:
+            if tag == "tr":
+                self.rows.append([])
+            elif tag in ("td", "th"):
+                self.rows[-1].append("")
+                self.cell = True
+
+        def handle_endtag(self, tag: str) -> None:
+            self.cell = self.cell and tag not in ("td", "th")
+
+        def handle_data(self, data: str) -> None:
+            if self.cell:
+                self.rows[-1][-1] += data
+
+    parsed = Cells()
+    parsed.feed(cluster_table(result, top=3))
+    assert parsed.rows[0] == columns
+    for i in range(min(3, len(result.rows))):
+        assert parsed.rows[1 + i] == re.split(r"\s{2,}", table[2 + i].strip())
 
 
 def test_errors_are_shown_not_swallowed(tiny: pv.ModelGraph) -> None:
@@ -88,6 +118,31 @@ def test_a_row_loads_into_the_explorer(tiny: pv.ModelGraph) -> None:
     assert f"{option.step_time * 1e3:.2f}" in ex.preview.value or f"{option.step_time * 1e6:.2f}" in ex.preview.value
     ex.hardware.value = "a100-80gb"
     assert ex.cost_options() != option.options
+
+
+def test_every_listed_row_simulates_in_the_explorer_as_listed(tiny: pv.ModelGraph) -> None:
+    """One set of figures, every row: loaded into the Explorer a row simulates at the step and peak memory the
+    panel lists, with its microbatches -- also a row whose microbatches do not divide this notebook's example
+    batch (16 of size 1 against a traced batch of 8): the cluster's step is shown, Launch is refused and says why."""
+    from pipeviz.plan import human_bytes
+
+    ex = pv.Explorer(tiny)
+    panel = ClusterPanel(ex.graph, on_select=lambda option: load_layout(ex, option), gpus=4, global_batch=16,
+                         top=8)
+    result = panel.plan()
+    assert result is not None
+    assert any(r.microbatches > 8 and r.pp > 1 for r in result.rows)  # the case a local batch of 8 cannot launch
+    for i, row in enumerate(result.rows):
+        panel.select(i)
+        if row.pp == 1:
+            continue  # no pipeline: the Explorer's preview asks for a split
+        assert ex.sim is not None, (row, ex.refused.value)
+        assert ex.microbatches.value == row.microbatches
+        assert ex.sim.step_time == pytest.approx(row.step_time, rel=1e-9)
+        assert max(ex.sim.meta["memory_bytes"]) == row.peak_memory
+        assert panel.rows.options[i][0].endswith(human_bytes(max(ex.sim.meta["memory_bytes"])))
+        if row.microbatches > 8:
+            assert ex.launch_button.disabled and "Launch runs this notebook's example batch" in ex.error
 
 
 def test_the_explorer_costs_on_the_hardware_chosen(tiny: pv.ModelGraph) -> None:

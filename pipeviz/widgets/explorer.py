@@ -686,6 +686,11 @@ class Explorer(W.VBox):
             outline = ("<style>.pipeviz-refused-control input,.pipeviz-refused-control select"
                        "{outline:2px solid #e74c3c;outline-offset:-1px}</style>")
             self.error = f"Launch would refuse {where}{exc}"
+            row = self._loaded_row()
+            if row is not None:  # the simulation above is the cluster's; Launch runs this notebook's batch here
+                own = row.microbatch_size * row.microbatches
+                self.error += (f" (the cluster row is simulated on its own batch of {own} per replica; Launch runs "
+                               "this notebook's example batch on this machine)")
             self.refused.value = outline + panels.error_html(f"⚠ {self.error}")
         self.launch_button.tooltip = ("pv.launch(plan, ...) in background processes" if exc is None else
                                       f"refused: {str(exc).splitlines()[0][:200]}")
@@ -703,7 +708,8 @@ class Explorer(W.VBox):
         cfg = self.launch_config()  # one description: what is simulated is what Launch runs
         refusal = self._refused(cfg)
         self._show_refusal(refusal)
-        if refusal is not None:
+        row = self._loaded_row()
+        if refusal is not None and row is None:
             failed = True  # nothing simulated that could not run: said once, at the control
         elif cfg.loss_fn is None and not sched.info(schedule).forward_only:
             failed = True
@@ -711,8 +717,7 @@ class Explorer(W.VBox):
             self._show_error(ValueError(f"{schedule} cannot run forward only: torch 2.13's V-shaped schedules "
                                         f"need a backward. Fix: pick {able}, or switch to train."))
         elif self._plan.num_stages > 1:
-            try:
-                row = self._loaded_row()
+            try:  # (a loaded cluster row is simulated on its own batch even where this notebook's cannot run it)
                 self.sim = pv.simulate(self._plan, cfg, options=self.cost_options(),
                                        collectives=row.collectives if row is not None else None)
             except (pv.ScheduleError, ValueError) as exc:  # the schedule does not fit the plan: said once, above

@@ -91,15 +91,14 @@ def cluster_table(cp: ClusterPlan, top: int = 5) -> str:
             f"{len(cp.rows)} best of {cp.considered} layouts.</p>")
     if not cp.rows:
         return head + "<p class=note>No layout fits the memory limit.</p>"
-    rows = "".join(
-        f"<tr><td>{i}</td><td>{r.pp}</td><td>{r.dp}</td><td>{r.tp}</td><td class=l>{r.schedule}</td>"
-        f"<td>{r.stages_per_rank}</td><td>{r.microbatch_size} x {r.microbatches}</td><td class=l>{r.recompute}</td>"
-        f"<td>{r.step_time * 1e3:.3g} ms</td><td>{r.mfu:.1%}</td><td>{r.bubble:.0%}</td>"
-        f"<td>{human_bytes(r.peak_memory)}</td></tr>"
-        for i, r in enumerate(cp.rows[:top], 1))
-    return (head + "<table><tr><th>#</th><th>pp</th><th>dp</th><th>tp</th><th class=l>schedule</th><th>v</th>"
-            "<th>microbatches</th><th class=l>recompute</th><th>step</th><th>MFU</th><th>bubble</th>"
-            "<th>peak memory</th></tr>" + rows + "</table>"
+    cells = cp.cells(top)  # the planner's own strings: `pipeviz plan` prints the same figures in the same units
+    left = {cells[0].index("schedule"), cells[0].index("recompute")}
+
+    def row(r: tuple[str, ...], tag: str) -> str:
+        return "<tr>" + "".join(f"<{tag}{' class=l' if j in left else ''}>{html.escape(c)}</{tag}>"
+                                for j, c in enumerate(r)) + "</tr>"
+
+    return (head + "<table>" + row(cells[0], "th") + "".join(row(r, "td") for r in cells[1:]) + "</table>"
             + "".join(f"<p class=note>{html.escape(n)}</p>" for n in cp.notes))
 
 
