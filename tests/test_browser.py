@@ -188,6 +188,16 @@ LAYOUT = """() => {
   return {width: Math.round(box.width), out, scrolls};
 }"""
 
+# What must fit at 1280 px: the stage table and the mesh table show every column (their boxes do not scroll) and
+# the simulated timeline's chart is as wide as its box.
+FITS = """() => {
+  const q = s => document.querySelector('.pipeviz-explorer ' + s);
+  const fits = el => el && el.scrollWidth <= el.clientWidth + 1;
+  const box = q('.pipeviz-sim-timeline'), svg = box && box.querySelector('.js-plotly-plot .main-svg');
+  return fits(q('.pipeviz-table-box')) && fits(q('.pipeviz-mesh-box')) && svg
+    && Math.abs(svg.getBoundingClientRect().width - box.clientWidth) <= 2;
+}"""
+
 # The progress line as it changes: [ms, status, phase, whole text] at every change (a MutationObserver), and
 # when its status first read "stopped".
 WATCH_PROGRESS = """() => {
@@ -503,6 +513,17 @@ def test_explorer_as_a_user_meets_it(lab: tuple[str, Path], request: pytest.Fixt
                     const r = document.querySelector('.pipeviz-explorer ' + sel).getBoundingClientRect();
                     return [k, [Math.round(r.top), Math.round(r.bottom)]]; }))""")
             assert all(0 <= top and bottom <= HEIGHT for top, bottom in tops.values()), tops
+            # At 1280 px beside the open file browser every column of the stage table shows (time/mb and memory
+            # were scrolled out of view), and so does a dp x tp mesh table (cut at "repli…"); the simulated
+            # timeline is as wide as its box (drawn at plotly's default 700 px in an 848 px box, until a resize).
+            dp = page.get_by_label("dp", exact=True)
+            dp.fill("2")
+            dp.press("Enter")
+            expect(page.locator(".pipeviz-explorer .pipeviz-mesh-box")).to_contain_text("replica 1", timeout=30_000)
+            page.wait_for_function(FITS, timeout=30_000, polling=250)
+            dp.fill("1")
+            dp.press("Enter")
+            expect(page.locator(".pipeviz-explorer .pipeviz-mesh-box")).not_to_contain_text("replica", timeout=30_000)
             page.set_viewport_size({"width": WIDE, "height": HEIGHT})
 
 
@@ -591,6 +612,20 @@ def test_explorer_as_a_user_meets_it(lab: tuple[str, Path], request: pytest.Fixt
                         "widget error area": errors_txt.splitlines(),
                         "stderr outputs in cells": stderr_outputs.count()}
             assert not any(problems.values()), json.dumps(problems, indent=1, ensure_ascii=False)
+
+            # A reload of the saved notebook shows the graph in step with the preview: the 3 stages Balance made,
+            # 2 split lines, 3 colours (the graph read "1 stage" beside a preview of 8 after a reload).
+            if front_end == "jupyterlab":
+                page.evaluate("window.jupyterapp.commands.execute('docmanager:save')")
+                page.wait_for_function("() => !document.querySelector('.jp-mod-dirty')", timeout=30_000)
+                reloaded = time.time()
+                page.reload(timeout=90_000)
+                expect(preview_head).to_contain_text("3 stages", timeout=90_000)
+                page.wait_for_function(f"(() => {{ try {{ const s = ({GRAPH_STATE})(); return s.splits === 2 "
+                                       "&& s.colors === 3; } catch (e) { return false; } })", timeout=60_000,
+                                       polling=250)
+                after = [e for t, e in page_errors if t > reloaded]
+                assert not after, after
         except Exception:
             shot("failure")
             print("\n".join(console[-60:]))

@@ -143,3 +143,23 @@ def _children() -> set[int]:
             if p.status() != psutil.STATUS_ZOMBIE:
                 kids.add(p.pid)
     return kids
+
+
+def test_an_unchanged_loss_question_is_asked_once(plan: pv.SplitPlan) -> None:
+    """The Explorer validates its settings at every control change; loss_fn runs on sampled logits (hundreds of MB
+    for a 128k vocabulary) only when the question changed: another loss_fn, target, or microbatch size."""
+    calls: list[tuple[int, ...]] = []
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(out.shape))
+        return F.cross_entropy(out, target)
+
+    for schedule in ("1F1B", "GPipe", "1F1B"):  # a control that does not change the question
+        validate_launch(plan, pv.LaunchConfig(schedule=schedule, microbatches=4, loss_fn=loss), inputs=(X,), target=Y)
+    assert calls == [(8, 10)]
+    validate_launch(plan, pv.LaunchConfig(microbatches=8, loss_fn=loss), inputs=(X,), target=Y)
+    assert calls == [(8, 10), (4, 10)]
+    validate_launch(plan, pv.LaunchConfig(microbatches=4, loss_fn=loss), inputs=(X,), target=Y.clone())
+    assert len(calls) == 3  # another target: asked again
+    with pytest.raises(pv.LaunchError, match="scalar float tensor"):  # a failing loss is never remembered as good
+        validate_launch(plan, pv.LaunchConfig(microbatches=4, loss_fn=lambda out, t: out), inputs=(X,), target=Y)

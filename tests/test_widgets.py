@@ -113,7 +113,12 @@ def test_controls_simulate_and_balance(explorer: pv.Explorer) -> None:
     sim = explorer.sim
     assert sim is not None and sim.source == "simulated" and sim.schedule == "1F1B" and sim.num_stages == 3
     assert explorer.sim_view.timeline is sim and explorer.sim_view.event_count == len(sim.events) > 0
-    assert "time/mb<br><small>(simulated)" in explorer.preview.value
+    assert "time/mb: a stage's forward + backward of one microbatch (in the simulated step" in explorer.preview.value
+
+    def header(preview: str) -> str:
+        return preview[preview.index("<tr>"):preview.index("</tr>")]
+
+    simulated_header = header(explorer.preview.value)
     # layer1 is twice as heavy as layer0 and layer2: alone in its stage it is the best 3 stages can do.
     assert "✓ balanced: the slowest stage is at the optimum, the best any split into 3 stages" in explorer.preview.value
     explorer.plan = ["layer2"]
@@ -127,7 +132,11 @@ def test_controls_simulate_and_balance(explorer: pv.Explorer) -> None:
     assert explorer.sim.schedule == "GPipe" and explorer.error == ""
     explorer.schedule.value = "ZBVZeroBubble"  # 3 stages cannot be V-shaped: said once, in the error area
     assert explorer.sim is None and "needs a stage count divisible by 2" in explorer.error
-    assert "divisible" not in explorer.preview.value and "estimated: no simulation" in explorer.preview.value
+    assert "divisible" not in explorer.preview.value
+    assert "(estimated, no simulation; layer times" in explorer.preview.value
+    # the header is the same with and without a simulation (it flipped between "estimated from flops" and
+    # "simulated"): what the figures are is said under the table
+    assert header(explorer.preview.value) == simulated_header
     hand_made = explorer.plan
     explorer.stages.value = 4  # a new stage count is a target: the hand-placed splits stay
     assert explorer.plan is hand_made and explorer.balance_button.description == "Balance into 4"
@@ -269,6 +278,12 @@ def test_launch_fills_the_timeline_live_and_checks_numerics(explorer: pv.Explore
         "ipywidgets", "plotly", "anywidget"} & set(__import__("sys").modules) else cross_entropy(out, t))
     counts: list[int] = []
     explorer.run_view.busy_interval = explorer.run_view.interval  # live redraws even while 3 ranks share 2 cores
+    # after every live redraw: the measured step in the chart's title and in the run notes beside it
+    pairs: list[tuple[list[str], list[str]]] = []
+    # (while the run goes: the last redraw, at its end, is explained once the numerics are checked)
+    explorer.run_view.drawn.append(lambda tl: explorer.run is None or explorer.run.done or pairs.append((
+        re.findall(r"step ([\d.]+) ms", explorer.run_view.summary.value),
+        re.findall(r"measured step ([\d.]+) ms", explorer.run_notes.value))))
     explorer.launch_button.click()
     run = explorer.run
     assert run is not None and explorer.error == "" and explorer.launch_button.disabled
@@ -280,6 +295,9 @@ def test_launch_fills_the_timeline_live_and_checks_numerics(explorer: pv.Explore
     assert explorer.run_view.event_count == len(run.events)
     assert sum(e.kind in ("F", "B") for e in run.events) == 30 * 3 * 4 * 2
     assert counts == sorted(counts) and len(set(counts)) >= 2 and explorer.run_view.redraws >= 3
+    # one snapshot, one figure: mid-run the notes said 229.54 ms beside a title of 167.61 ms
+    live = [(title, notes) for title, notes in pairs if notes]
+    assert len(live) >= 2 and all(title[:1] == notes for title, notes in live), pairs
     assert {t.meta[1] for t in explorer.run_view.figure.data if t.meta and len(t.x)} >= {"F", "B"}
     assert any(t.meta[0].endswith("(overlay)") and len(t.x) for t in explorer.run_view.figure.data)
 
@@ -294,7 +312,10 @@ def test_dp_and_tp_controls_simulate_draw_the_mesh_and_launch_the_one_config(exp
     assert explorer.error == "" and explorer.sim.meta["mesh"] == (2, 2, 2)
     mesh = text(explorer.mesh_view.value)
     assert "8 processes (2 pipeline ranks × 2 replicas × 2 shards" in mesh
-    assert mesh.count("process ") == 8 and "replica 1 · shard 1" in mesh and "pp1: stage ■1process 4" in mesh
+    # a header row per dimension ("replica 1" over "shard 0", "shard 1"), each cell a process rank
+    cells = re.findall(r"<tr class='pipeviz-mesh-row'>.*?</tr>", explorer.mesh_view.value)
+    assert [re.findall(r"<td[^>]*>(\d+)</td>", c) for c in cells] == [["0", "1", "2", "3"], ["4", "5", "6", "7"]]
+    assert "replica 1" in mesh and "shard 1" in mesh and "title='process 5: pp1 dp0 tp1'" in explorer.mesh_view.value
     explorer.tp.value = 1
     cfg = explorer.launch_config()
     assert (cfg.schedule, cfg.microbatches, cfg.steps, cfg.dp, cfg.tp) == ("1F1B", 4, explorer.steps.value, 2, 1)
@@ -406,7 +427,7 @@ def test_the_memory_column_is_the_simulated_peak_and_sends_are_per_microbatch(ex
         peaks = explorer.sim.meta["memory_bytes"]
         cells = re.findall(r"<tr class='pipeviz-stage-row'.*?</tr>", explorer.preview.value)
         assert [re.findall(r"<td[^>]*>([^<]*)</td>", c)[-1] for c in cells] == [human_bytes(m) for m in peaks]
-        assert "peak, simulated" in explorer.preview.value, (control, value)
+        assert "memory: its rank's simulated peak" in explorer.preview.value, (control, value)
     sends = [re.findall(r"<td[^>]*>([^<]*)</td>", c)[-3] for c in cells]
     mb = explorer.microbatches.value
     assert sends == [human_bytes(s.send_bytes / mb) for s in explorer.plan.stages]

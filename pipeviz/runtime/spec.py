@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -27,6 +28,7 @@ from pipeviz.plan import SplitPlan
 from pipeviz.runtime.config import LaunchConfig
 
 if TYPE_CHECKING:
+    from pipeviz.capture import Capture
     from pipeviz.graphview import GraphView
     from pipeviz.weights import Source
 
@@ -342,12 +344,30 @@ def _like_example(label: str, got: object, want: object) -> None:
                           f"the example, {retrace}")
 
 
+# The last few (capture, loss_fn, target, batch, microbatches) that passed _try_loss, with the objects themselves
+# held so that their ids stay theirs. The Explorer checks its settings at every control change; a 128k-vocabulary
+# model's sampled logits are hundreds of MB, so an unchanged question is not asked twice.
+_LOSS_CHECKED: OrderedDict[tuple[int, ...], tuple[object, ...]] = OrderedDict()
+
+
 def _try_loss(graph: GraphView, loss_fn: Callable[..., object], target: torch.Tensor, batch: int,
               microbatches: int) -> None:
     """Call ``loss_fn`` once on an output like the last stage's for one microbatch and a target microbatch."""
     cap = graph.capture
     if not cap.outputs:
         return
+    key = (id(cap), id(loss_fn), id(target), target._version, batch, microbatches)
+    if key in _LOSS_CHECKED:
+        _LOSS_CHECKED.move_to_end(key)
+        return
+    _check_loss(cap, loss_fn, target, batch, microbatches)
+    _LOSS_CHECKED[key] = (cap, loss_fn, target)
+    while len(_LOSS_CHECKED) > 8:
+        _LOSS_CHECKED.popitem(last=False)
+
+
+def _check_loss(cap: Capture, loss_fn: Callable[..., object], target: torch.Tensor, batch: int,
+                microbatches: int) -> None:
     size = batch // microbatches
     gen = torch.Generator().manual_seed(0)
 

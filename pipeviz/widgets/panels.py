@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Concatenate, Generic, ParamSpec, Protocol, Typ
 
 import pipeviz as pv
 from pipeviz.balance import slowest_stage
-from pipeviz.cost.model import selective_saves_nothing, stage_costs
+from pipeviz.cost.model import selective_saves_nothing, stage_costs, time_source
 from pipeviz.cost.options import CostOptions
 from pipeviz.plan import SplitPlan, human_bytes
 from pipeviz.timeline import COMPUTE, Timeline
@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 
     from pipeviz.graphview import GraphView
 
-__all__ = ["Change", "cost_note_html", "error_html", "guarded", "mesh_html", "notes_html", "numerics_html",
-           "preview_html", "progress_html", "run_notes_html", "shift_click_guard", "short", "soon", "stage_times",
+__all__ = ["Change", "browser_helper", "cost_note_html", "error_html", "guarded", "mesh_html", "notes_html",
+           "numerics_html", "preview_html", "progress_html", "run_notes_html", "short", "soon", "stage_times",
            "verdict_html", "view_note_html"]
 
 
@@ -84,20 +84,44 @@ def soon(fn: Callable[[], None]) -> None:
         loop.call_soon(fn)
 
 
-# JupyterLab and Notebook 7 take a shift-mousedown inside a cell as "extend the cell selection" and then swallow
-# its mouseup, so plotly never ends the click: a shift-click on a block did nothing and left plotly's invisible
-# drag cover over the page (the next click anywhere then expanded the block). Shift-mousedowns on the graph
-# column stay there: plotly's own handler (on the drag layer, inside the column) runs before this one.
-SHIFT_CLICK_GUARD_ESM = """
+# Two jobs for the page that only a script in it can do (an anywidget, invisible, inside the graph column):
+# - JupyterLab and Notebook 7 take a shift-mousedown inside a cell as "extend the cell selection" and then swallow
+#   its mouseup, so plotly never ends the click: a shift-click on a block did nothing and left plotly's invisible
+#   drag cover over the page (the next click anywhere then expanded the block). Shift-mousedowns on the graph
+#   column stay there: plotly's own handler (on the drag layer, inside the column) runs before this one.
+# - plotly.js measures a responsive chart's box when it first draws it and again only on a window resize. A new
+#   Explorer's simulated timeline was drawn before its box had its width (at plotly's default 700 px in an 848 px
+#   box at 1280 px) and stayed so until the window changed. When a timeline's box and its chart differ in width,
+#   the page gets the resize event plotly listens for (at most a few times per box).
+BROWSER_HELPER_ESM = """
 export default {
   render({ el }) {
     let tries = 0;
     const attach = () => {
       const column = el.closest('.pipeviz-graph-column');
-      if (!column) { if (tries++ < 200) setTimeout(attach, 50); return; }
+      const explorer = el.closest('.pipeviz-explorer');
+      if (!column || !explorer) { if (tries++ < 200) setTimeout(attach, 50); return; }
       if (column.dataset.pipevizShiftGuard) return;
       column.dataset.pipevizShiftGuard = '1';
       column.addEventListener('mousedown', e => { if (e.shiftKey) e.stopPropagation(); });
+      const nudged = new WeakMap();
+      let pending = false;
+      const check = () => {
+        pending = false;
+        let resize = false;
+        for (const box of explorer.querySelectorAll('.pipeviz-timeline')) {
+          const svg = box.querySelector('.js-plotly-plot .main-svg');
+          if (!svg || !box.clientWidth) continue;  // not drawn yet, or hidden
+          if (Math.abs(svg.getBoundingClientRect().width - box.clientWidth) > 2 && (nudged.get(box) || 0) < 5) {
+            nudged.set(box, (nudged.get(box) || 0) + 1);
+            resize = true;
+          }
+        }
+        if (resize) window.dispatchEvent(new Event('resize'));
+      };
+      const schedule = () => { if (!pending) { pending = true; setTimeout(check, 100); } };
+      new ResizeObserver(schedule).observe(explorer);
+      schedule();
     };
     attach();
   }
@@ -105,35 +129,38 @@ export default {
 """
 
 
-def shift_click_guard() -> W.DOMWidget | None:
+def browser_helper() -> W.DOMWidget | None:
     """An invisible widget to put inside the graph column: it keeps shift-clicks on the graph away from the
-    notebook's cell selection (see ``SHIFT_CLICK_GUARD_ESM``). ``None`` without anywidget (plotly < 6)."""
-    global _ShiftClickGuard
+    notebook's cell selection and keeps the timelines as wide as their boxes (see ``BROWSER_HELPER_ESM``).
+    ``None`` without anywidget (plotly < 6)."""
+    global _BrowserHelper
     try:
         import anywidget
         import ipywidgets as W
     except ImportError:
         return None
-    if _ShiftClickGuard is None:
-        _ShiftClickGuard = type("ShiftClickGuard", (anywidget.AnyWidget,), {"_esm": SHIFT_CLICK_GUARD_ESM})
-    return _ShiftClickGuard(layout=W.Layout(display="none"))
+    if _BrowserHelper is None:
+        _BrowserHelper = type("BrowserHelper", (anywidget.AnyWidget,), {"_esm": BROWSER_HELPER_ESM})
+    return _BrowserHelper(layout=W.Layout(display="none"))
 
 
-_ShiftClickGuard: type[W.DOMWidget] | None = None  # an anywidget.AnyWidget subclass
+_BrowserHelper: type[W.DOMWidget] | None = None  # an anywidget.AnyWidget subclass
 
 
 def stage_times(plan: SplitPlan, sim: Timeline | None, microbatches: int,
                 options: CostOptions | None = None) -> tuple[list[float], str]:
     """Seconds per microbatch (forward + backward) of each stage: from the simulated timeline, or from
-    ``pipeviz.costs`` (in ``options``' settings) when there is none. Returns (times, what they are)."""
+    ``pipeviz.costs`` (in ``options``' settings) when there is none. Returns (times, where the layer times come
+    from: ``"measured"``, ``"roofline"`` or ``"flops"``, the same word with and without a simulation)."""
+    source = time_source(plan.graph, options or CostOptions())
     if sim is not None and sim.events:
         busy = [0.0] * plan.num_stages
         for e in sim.events:
             if e.kind in COMPUTE and 0 <= e.stage < plan.num_stages:
                 busy[e.stage] += e.duration
-        return [b / max(1, sim.microbatches) for b in busy], "simulated"
+        return [b / max(1, sim.microbatches) for b in busy], source
     costs = stage_costs(plan, microbatches, options=options)
-    return [f + b for f, b in zip(costs.forward, costs.backward, strict=True)], f"estimated from {costs.source}"
+    return [f + b for f, b in zip(costs.forward, costs.backward, strict=True)], source
 
 
 def _ms(seconds: float) -> str:
@@ -147,10 +174,22 @@ def short(name: str, limit: int = 40) -> str:
 
 
 def _names_cell(layers: tuple[str, ...]) -> str:
-    words = [f"{n}," for n in layers[:-1]] + [layers[-1]] if len(layers) <= 4 else \
-        [layers[0], "…", layers[-1], f"({len(layers)})"]
-    # Each name keeps its comma: a narrow column breaks between names (or inside a long one), never before a comma.
-    shown = " ".join(f"<span style='overflow-wrap:anywhere'>{html.escape(w)}</span>" for w in words)
+    """A stage's layers in a narrow column: two names at most (first … last and the count beyond two; the last
+    without the dotted prefix it shares with the first), each breakable after a dot; every name in the tooltip."""
+    if len(layers) <= 2:
+        words = [f"{n}," for n in layers[:-1]] + [layers[-1]]
+    else:
+        first, last = layers[0], layers[-1]
+        shared = 0  # whole dotted parts only: "transformer.h.1" and "transformer.h.10" share "transformer.h."
+        for a, b in zip(first.split(".")[:-1], last.split(".")[:-1], strict=False):
+            if a != b:
+                break
+            shared += len(a) + 1
+        cut = shared
+        words = [first, "…", last[cut:], f"({len(layers)})"]
+    # A break may fall after a dot or between words, never inside a word (a column squeezed to one letter broke
+    # "transformer.wte" into "transformer.wt / e", and put commas on lines of their own).
+    shown = " ".join(html.escape(w).replace(".", ".<wbr>") for w in words)
     return f"<span title='{html.escape(', '.join(layers))}'>{shown}</span>"
 
 
@@ -167,6 +206,10 @@ def verdict_html(plan: SplitPlan, options: CostOptions | None = None) -> str:
     return (f"<span class='pipeviz-verdict pipeviz-imbalanced' style='color:#c0392b'>⚠ imbalance: the slowest stage "
             f"takes {slowest / optimum:.2f}× the best slowest stage a split into {plural(n, 'stage')} reaches; "
             "the pipeline runs at its pace. Balance evens it out.</span>")
+
+
+_SOURCES = {"measured": "profiled (pv.profile)", "roofline": "from the hardware's roofline",
+            "flops": "from FLOPs at a nominal rate"}
 
 
 def preview_html(plan: SplitPlan, sim: Timeline | None, microbatches: int, failed: bool = False,
@@ -186,28 +229,35 @@ def preview_html(plan: SplitPlan, sim: Timeline | None, microbatches: int, faile
     stage_is_rank = peaks is not None and sim is not None and sim.num_ranks == len(stages) == len(peaks)
     if stage_is_rank and peaks is not None:
         memory = [int(peaks[r]) for r in range(len(stages))]
-    mem_label = "peak, simulated" if stage_is_rank else "1 mb in flight"
+    mem_label = "its rank's simulated peak" if stage_is_rank else "with one microbatch in flight"
     slowest = max(range(len(times)), key=times.__getitem__) if times else -1
     splits = ", ".join(n if p is pv.SplitPoint.END else f"before {n}" for n, p in plan.splits) or "none"
     head = (f"<div class='pipeviz-preview-head'><b>{plural(plan.num_stages, 'stage')}</b>"
             f" · splits after: <span style='overflow-wrap:anywhere'>{html.escape(splits)}</span></div>")
-    cell = "padding:2px 6px;text-align:right;white-space:nowrap"
-    label = source if not failed else "estimated: no simulation"
-    rows = [f"<tr><th style='{cell}'>stage</th><th style='padding:2px 6px;text-align:left'>layers</th>"
-            f"<th style='{cell}'>params</th><th style='{cell}'>GFLOPs</th><th style='{cell}'>sends/mb</th>"
-            f"<th style='{cell}'>time/mb<br><small>({html.escape(label)})</small></th>"
-            f"<th style='{cell}'>memory<br><small>({mem_label})</small></th></tr>"]
+    cell = "padding:2px 3px;text-align:right;white-space:nowrap"
+    # headers in the body's weight, grey: bold ones were the widest cell of four columns (the table is ~420 px
+    # wide beside the graph at 1280 px with JupyterLab's file browser open)
+    th = f"{cell};font-weight:normal;color:#555"
+    rows = [f"<tr><th style='{th}'>stage</th><th style='{th};text-align:left'>layers</th>"
+            f"<th style='{th}'>params</th><th style='{th}'>GFLOPs</th><th style='{th}'>sends/mb</th>"
+            f"<th style='{th}'>time/mb</th><th style='{th}'>memory</th></tr>"]
     for s, t, mem in zip(stages, times, memory, strict=True):
         hot = len(stages) > 1 and s.index == slowest
         style = " style='background:#fdf2e9'" if hot else ""
         swatch = f"<span style='color:{stage_color(s.index)}'>■</span>"
         rows.append(
             f"<tr class='pipeviz-stage-row'{style}><td style='{cell}'>{swatch} {s.index}</td>"
-            f"<td style='padding:2px 6px;min-width:8em'>{_names_cell(s.layers)}</td>"
+            f"<td style='padding:2px 3px'>{_names_cell(s.layers)}</td>"
             f"<td style='{cell}'>{s.params:,}</td>"
             f"<td style='{cell}'>{s.flops / 1e9:.3f}</td>"
             f"<td style='{cell}'>{human_bytes(s.send_bytes / max(microbatches, 1))}</td>"
             f"<td style='{cell}'>{_ms(t)}</td><td style='{cell}'>{human_bytes(mem)}</td></tr>")
+    # What the time and memory columns are, under the table in the same words whatever changes (the header read
+    # "estimated from flops" or "simulated" by turns, and its width pushed the last columns out of view).
+    how = "in the simulated step" if sim is not None else "estimated, no simulation"
+    caption = (f"<div class='pipeviz-table-caption' style='color:#666;font-size:11px'>time/mb: a stage's forward + "
+               f"backward of one microbatch ({how}; layer times {_SOURCES.get(source, source)}) · memory: "
+               f"{mem_label}</div>")
     # contain:inline-size: the table's width does not widen the preview; the table scrolls in its own box.
     table = ("<div class='pipeviz-table-box' style='max-width:100%;overflow-x:auto;contain:inline-size'>"
              "<table style='border-collapse:collapse;font-size:12px'>" + "".join(rows) + "</table></div>")
@@ -221,14 +271,14 @@ def preview_html(plan: SplitPlan, sim: Timeline | None, microbatches: int, faile
             if ranks else ""
         extra = (f"<div>simulated step {_ms(sim.step_time)} · bubble {sim.bubble_fraction:.0%}"
                  f"{per_rank}</div>")
-    return (f"<div class='pipeviz-preview' style='font-size:12px;max-width:100%'>{head}{table}"
+    return (f"<div class='pipeviz-preview' style='font-size:12px;max-width:100%'>{head}{table}{caption}"
             f"<div>{verdict_html(plan, options)}{refused}</div>{extra}</div>")
 
 
 def mesh_html(plan: SplitPlan, config: pv.LaunchConfig) -> str:
     """The processes a launch of ``plan`` with ``config`` starts (``config.mesh``): a row per pipeline rank (the
-    stages it holds, in their colours), a column per replica, share and shard, each cell the process rank and its
-    coordinates. Empty for a one-stage plan or a layout that cannot run."""
+    stages it holds, in their colours), a column per replica, share and shard (a header row per dimension), each
+    cell the process rank (its coordinates in the tooltip). Empty for a one-stage plan or a layout that cannot run."""
     from pipeviz.mesh import DIMS
 
     if plan.num_stages < 2:
@@ -238,19 +288,32 @@ def mesh_html(plan: SplitPlan, config: pv.LaunchConfig) -> str:
         mesh = config.mesh(plan.num_stages)
     except ValueError:
         return ""
-    cell = "padding:2px 6px;border:1px solid #ddd;white-space:nowrap;text-align:center"
+    cell = "padding:2px 5px;border:1px solid #ddd;white-space:nowrap;text-align:center"
     inner = [d for d in mesh.dims if d != "pp"]  # the dims of the columns, outermost first
     words = {"dp": "replica", "cp": "share", "tp": "shard"}
     columns = [mesh.coords(r) for r in mesh.pipeline()] if not inner else [
         mesh.coords(r) for r in range(mesh.world) if mesh.coords(r).pp == 0]
-    heads = "".join(f"<th style='{cell}'>{' · '.join(f'{words[d]} {getattr(c, d)}' for d in inner)}</th>"
-                    for c in columns)
-    rows = [f"<tr><th style='{cell}'>pipeline rank</th>{heads}</tr>"] if inner else []
+    # One header row per dim, each label spanning the columns under it ("replica 0" over "shard 0 | shard 1"), and
+    # each cell the process rank alone: a dp x tp table fits a narrow column (one "replica 1 · shard 1" header
+    # per column was cut at "repli…" at 1280 px).
+    rows = [] if inner else [f"<tr><th style='{cell}'></th><th style='{cell}'>process rank</th></tr>"]
+    for level, d in enumerate(inner):
+        heads: list[tuple[tuple[int, ...], int]] = []  # (the coordinates so far, the columns it spans)
+        for c in columns:
+            key = tuple(getattr(c, e) for e in inner[:level + 1])
+            if heads and heads[-1][0] == key:
+                heads[-1] = (key, heads[-1][1] + 1)
+            else:
+                heads.append((key, 1))
+        corner = (f"<th style='{cell};text-align:left' rowspan={len(inner)}>process rank</th>" if level == 0 else "")
+        rows.append("<tr>" + corner + "".join(
+            f"<th style='{cell}' colspan={span}>{words[d]} {key[-1]}</th>" for key, span in heads) + "</tr>")
     for p in lay.ranks:
         held = lay.stages_of(p)
         swatches = " ".join(f"<span style='color:{stage_color(s)}'>■</span>{s}" for s in held)
         ranks = [mesh.rank(p, c.dp, c.tp, c.cp) for c in columns] if inner else [mesh.rank(p)]
-        cells = "".join(f"<td style='{cell}' title='{html.escape(mesh.label(r))}'>process {r}</td>" for r in ranks)
+        cells = "".join(f"<td style='{cell}' title='process {r}: {html.escape(mesh.label(r))}'>{r}</td>"
+                        for r in ranks)
         rows.append(f"<tr class='pipeviz-mesh-row'><th style='{cell};text-align:left'>pp{p}: stage"
                     f"{'s' * (len(held) > 1)} {swatches}</th>{cells}</tr>")
     what = " × ".join(f"{getattr(mesh, d)} {_DIM_WORDS[d]}" for d in mesh.dims)
@@ -285,10 +348,11 @@ def cost_note_html(graph: GraphView, options: CostOptions | None) -> str:
 
 
 def run_notes_html(run: pv.Run, sim: Timeline | None, here: Timeline | None, cores: int, load: float,
-                   hardware: str | None = None) -> str:
+                   hardware: str | None = None, shown: Timeline | None = None) -> str:
     """Why the measured step differs from the simulated one, next to both numbers. ``hardware``: the named
-    hardware the simulation costs the plan on (not this machine's), said beside its step."""
-    tl = run.timeline()
+    hardware the simulation costs the plan on (not this machine's), said beside its step. ``shown``: the
+    timeline the chart beside the notes drew (default: the run's now), so both give the same measured step."""
+    tl = shown if shown is not None else run.timeline()
     if not tl.events:
         return ""
     measured = tl.step_time

@@ -123,6 +123,9 @@ class TimelineView(W.VBox):
         self._overlay = overlay
         self._timeline: Timeline | None = None
         self._run: Live | None = None
+        # Called with the timeline just drawn, after every draw: what sits beside the chart (the Explorer's run
+        # notes) shows the same snapshot's figures as its title.
+        self.drawn: list[Callable[[Timeline], None]] = []
         self._lock = threading.RLock()
         self._clock, self._later = clock, later or _timer
         self._last = -float("inf")
@@ -269,6 +272,8 @@ class TimelineView(W.VBox):
         self._last = self._clock()
         self.last_redraw_s = time.perf_counter() - t0
         self.redraw_s += self.last_redraw_s
+        for callback in self.drawn:
+            callback(tl)
 
     def _update_steps(self, tl: Timeline) -> None:
         steps = tl.steps if tl.source == "measured" else []
