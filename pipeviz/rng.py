@@ -33,9 +33,24 @@ __all__ = ["CountDraws", "RunDraws", "StageSeeds", "draws_random", "seed_device"
 SEEDED = torch.Tag.nondeterministic_seeded
 
 
-def draws_random(func: torch._ops.OpOverload) -> bool:
-    """Whether an op draws from a random generator (torch tags it ``nondeterministic_seeded``)."""
-    return SEEDED in getattr(func, "tags", ())
+def draws_random(func: torch._ops.OpOverload, args: Sequence[object] = (),
+                 kwargs: Mapping[str, object] | None = None) -> bool:
+    """Whether an op draws from a random generator (torch tags it ``nondeterministic_seeded``). Given the call's
+    ``args``, an attention or dropout kernel whose dropout probability is 0 (or whose ``train`` is off) draws
+    nothing, although tagged: HF Llama's attention calls the CPU flash kernel with ``dropout_p=0.0`` in training."""
+    if SEEDED not in getattr(func, "tags", ()):
+        return False
+    schema = getattr(func, "_schema", None)
+    if schema is None or not (args or kwargs):
+        return True
+    kwargs = kwargs or {}
+    dropout = "dropout" in schema.name
+    for i, arg in enumerate(schema.arguments):
+        if arg.name == "dropout_p" or (dropout and arg.name in ("p", "train")):
+            value = args[i] if i < len(args) else kwargs.get(arg.name, arg.default_value)
+            if value is False or (arg.name != "train" and isinstance(value, int | float) and value == 0):
+                return False
+    return True
 
 
 def stage_seed(seed: int, step: int, microbatch: int, stage: int) -> int:
@@ -73,7 +88,7 @@ class CountDraws(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: torch._ops.OpOverload, types: Sequence[type],
                            args: tuple[object, ...] = (), kwargs: Mapping[str, object] | None = None) -> object:
-        if draws_random(func):
+        if draws_random(func, args, kwargs):
             self.count += 1
         return func(*args, **(kwargs or {}))
 
@@ -102,7 +117,7 @@ class StageSeeds(TorchDispatchMode):
     def __torch_dispatch__(self, func: torch._ops.OpOverload, types: Sequence[type],
                            args: tuple[object, ...] = (), kwargs: Mapping[str, object] | None = None) -> object:
         kwargs = kwargs or {}
-        if draws_random(func):
+        if draws_random(func, args, kwargs):
             reseed = self._seed_at.get(self.count)
             if reseed is not None:
                 seed_device(_device_of(args, kwargs), reseed)

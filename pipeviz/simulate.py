@@ -25,18 +25,19 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from pipeviz import schedules as sched
 from pipeviz._compat import deprecated, positional_legacy
 from pipeviz.collectives import DP_REDUCE, Collectives, Reduction
-from pipeviz.cost.comm import cp_collectives, tp_collectives
+from pipeviz.cost.comm import cp_collectives, planned_all_reduces, tp_collectives
 from pipeviz.cost.machine import DTYPE_BYTES, Hardware
 from pipeviz.cost.memory import memory_per_rank, peak_activations
 from pipeviz.cost.model import Costs, parallel_costs, stage_costs
 from pipeviz.cost.options import CostOptions, LinkOptions
+from pipeviz.cost.sharding import tp_shares
 from pipeviz.mesh import Mesh
 from pipeviz.plan import SplitPlan
 from pipeviz.runtime.config import LaunchConfig, launch_config
@@ -163,8 +164,10 @@ def simulate(
       and values across the shares in its forward and again, with a reduce-scatter of their gradients, in its
       backward (``pipeviz.costs.cp_collectives``), on the link the group spans, not overlapped.
     - ``tp`` shards per stage: compute, parameters (with gradients and optimizer state) and, roughly,
-      activations divide by tp; each forward and each backward (or input-grad pass) pays the layers' all-reduces
-      (``pipeviz.costs.tp_all_reduces``) on the critical path. Needs a plan for the collectives.
+      activations divide by tp; each forward and each backward (or input-grad pass) pays the all-reduces the
+      launch's layout issues (``config.tp_plan`` or ``default_tp_plan``: one per row-wise projection each way,
+      ``pipeviz.cost.comm.planned_all_reduces``; ``tp_all_reduces``' rule for layers the model does not hold) on
+      the critical path. Needs a plan for the collectives.
 
     Returns:
         A simulated ``Timeline`` (``ranks == "pipeline"``, ``mesh`` the run's); ``meta`` holds
@@ -192,6 +195,16 @@ def simulate(
     coll = collectives or (Collectives(dp_reduce="distributed") if cfg.dp_shard and cfg.dp > 1 else Collectives())
     return _simulate(plan, cfg, forward_only, _Extras(costs, opts, coll, order, num_stages, cores, optimizer_states,
                                                        dp_bandwidth, tp_bandwidth, cp_bandwidth))
+
+
+def _tp_layout(plan: SplitPlan, cfg: LaunchConfig) -> Mapping[str, str]:
+    """The modules ``pv.launch`` shards (module -> ``"colwise"`` / ``"rowwise"``): ``cfg.tp_plan``, or the
+    default layout (``default_tp_plan``: the model's own HF plan, attention and MLP by name, or Linear pairs)."""
+    from pipeviz.runtime.tensor_parallel import default_tp_plan
+
+    if cfg.tp_plan is not None:
+        return cfg.tp_plan
+    return default_tp_plan(plan.graph.model, [s.layers for s in plan.stages])
 
 
 @dataclass(frozen=True)
@@ -238,13 +251,17 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
     if cores is not None and (not isinstance(cores, int) or isinstance(cores, bool) or cores < 1):
         raise ValueError(f"cores must be a positive int or None, got {cores!r}.")
     links = _links(mesh, opts, x)
-    collective = None
+    collective, shares = None, None
     if (tp > 1 or cp > 1) and plan is not None:
         scale = opts.byte_scale(plan.graph) * opts.batch_scale
-        tp_s = tp_collectives(plan, microbatches, dp * cp, tp, links["tp"], scale) if tp > 1 else (0.0,) * n
+        sharded = _tp_layout(plan, cfg) if tp > 1 else {}
+        shares = tp_shares(plan, sharded, tp) if tp > 1 else None
+        tp_s = (tp_collectives(plan, microbatches, dp * cp, tp, links["tp"], scale,
+                               planned_all_reduces(plan, sharded)) if tp > 1 else (0.0,) * n)
         cp_s = cp_collectives(plan, microbatches, mesh, links["cp"], scale) if cp > 1 else (0.0,) * n
         collective = tuple(a + b for a, b in zip(tp_s, cp_s, strict=True))
-    costs = parallel_costs(costs, replace(mesh, dp=1, cp=1) if per_replica else mesh, collective=collective)
+    costs = parallel_costs(costs, replace(mesh, dp=1, cp=1) if per_replica else mesh, collective=collective,
+                           shares=shares)
     if coll.tp_overlap and costs.collective:
         # Overlapped with the matmuls they feed: only what outlasts the stage's forward compute stays exposed.
         costs = replace(costs, collective=tuple(max(0.0, c - f) for c, f in zip(costs.collective, costs.forward,

@@ -31,6 +31,7 @@ from pipeviz.cost.roofline import layer_roofline, loss_kernel_times, op_table
 from pipeviz.mesh import Mesh
 
 if TYPE_CHECKING:
+    from pipeviz.cost.sharding import TpShares
     from pipeviz.graphview import GraphView
     from pipeviz.plan import SplitPlan
 
@@ -285,27 +286,33 @@ def stage_costs(
 
 
 def parallel_costs(costs: Costs, mesh: Mesh | int = 1, tp: int | None = None,
-                   collective: Sequence[float] | None = None) -> Costs:
+                   collective: Sequence[float] | None = None, shares: TpShares | None = None) -> Costs:
     """``costs`` of one microbatch of a pipeline alone, for one process of that pipeline in ``mesh`` (its ``dp``
     replicas, ``cp`` shares of every sequence and ``tp`` shards per stage): forward and backward / (dp x cp x tp),
     activations likewise (roughly, for tp), hand-offs' bytes / (dp x cp) (``comm - latency``), parameters / tp;
     ``collective`` (``tp_collectives`` plus ``cp_collectives``) replaces ``costs.collective`` when given. A trivial
-    mesh returns ``costs`` itself. (``parallel_costs(costs, dp, tp)``, the form before the mesh, still works.)"""
+    mesh returns ``costs`` itself. (``parallel_costs(costs, dp, tp)``, the form before the mesh, still works.)
+    ``shares`` (``pipeviz.cost.sharding.tp_shares``): the fractions of each stage's parameters and saved
+    activations one shard keeps under the launch's layout, in place of a uniform 1 / tp."""
     if not isinstance(mesh, Mesh):
         mesh = Mesh(pp=1, dp=mesh, tp=tp or 1)
     dp, cp, tp = mesh.dp, mesh.cp, mesh.tp
     if dp == cp == tp == 1 and collective is None:
         return costs
     k, rows = dp * cp * tp, dp * cp
+    n = len(costs.param_bytes)
+    params = shares.params if shares is not None else (1 / tp,) * n
+    acts = shares.activations if shares is not None else (1 / tp,) * n
     return replace(
         costs,
         forward=tuple(f / k for f in costs.forward),
         backward=tuple(b / k for b in costs.backward),
         comm=tuple((c - costs.latency) / rows + costs.latency for c in costs.comm),
-        activation_bytes=tuple(round(a / k) for a in costs.activation_bytes),
-        param_bytes=tuple(round(p / tp) for p in costs.param_bytes),
+        activation_bytes=tuple(round(a / rows * f) for a, f in zip(costs.activation_bytes, acts, strict=True)),
+        param_bytes=tuple(round(p * f) for p, f in zip(costs.param_bytes, params, strict=True)),
         collective=tuple(collective) if collective is not None else costs.collective,
-        recompute_bytes=tuple(round(a / k) for a in costs.recompute_bytes),
+        recompute_bytes=tuple(round(a / rows * f) for a, f in zip(costs.recompute_bytes,
+                                                                  acts[:len(costs.recompute_bytes)], strict=True)),
         send_bytes=tuple(b / rows for b in costs.send_bytes),
     )
 

@@ -58,7 +58,8 @@ class LaunchConfig:
         dp_shard: with ``dp`` > 1, shard each stage's parameters, gradients and optimizer state across the
             replicas with torch's FSDP2 ``fully_shard`` (ZeRO-3) instead of replicating them under DDP.
         tp: tensor-parallel shards of every stage.
-        tp_plan: ``{module name: "colwise" | "rowwise"}`` for tensor parallelism; default: Megatron's MLP rule.
+        tp_plan: ``{module name: "colwise" | "rowwise"}`` for tensor parallelism; default: Megatron's layout
+            (``default_tp_plan``: the model's HF plan, attention and MLP by name, or ``nn.Linear`` pairs).
         cp: context-parallel shares of every sequence (``pv.simulate`` and ``pv.plan_cluster``; ``pv.launch``
             refuses cp > 1, naming why).
         order: a custom schedule: one list of actions per pipeline rank in torch's notation (``"1F0"``: stage 1's

@@ -247,7 +247,7 @@ def _check_dp_shard(config: LaunchConfig) -> None:
 
 def _tensor_parallel(plan: SplitPlan, tp: int, tp_plan: Mapping[str, str] | None) -> dict[str, str]:
     """The placements of a tensor-parallel launch's parameters (canonical names), checked: ``tp_plan`` (module
-    name -> ``"colwise"`` / ``"rowwise"``) or Megatron's MLP rule (``default_tp_plan``)."""
+    name -> ``"colwise"`` / ``"rowwise"``) or Megatron's layout (``default_tp_plan``)."""
     from pipeviz.runtime.tensor_parallel import check_tp_plan, default_tp_plan
 
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
@@ -264,8 +264,9 @@ def _tensor_parallel(plan: SplitPlan, tp: int, tp_plan: Mapping[str, str] | None
     except ValueError as exc:
         raise LaunchError(str(exc)) from exc
     if not placements:
-        raise LaunchError(f"tp={tp} but nothing to shard: no stage has a pair of nn.Linear layers chaining into each "
-                          "other (Megatron's column-then-row rule). Fix: pass tp_plan={'<module>': 'colwise', "
+        raise LaunchError(f"tp={tp} but nothing to shard: no stage holds a projection the default layout shards (the "
+                          "model's own config.base_model_tp_plan, attention and MLP projections by name, or a pair "
+                          "of nn.Linear layers chaining into each other). Fix: pass tp_plan={'<module>': 'colwise', "
                           "'<module>': 'rowwise', ...}, or tp=1.")
     canonical = {a: c for c, names in plan.graph.capture.aliases.items() for a in names}
     return {canonical.get(n, n): place for n, place in placements.items()}

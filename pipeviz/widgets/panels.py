@@ -316,11 +316,24 @@ def mesh_html(plan: SplitPlan, config: pv.LaunchConfig) -> str:
                         for r in ranks)
         rows.append(f"<tr class='pipeviz-mesh-row'><th style='{cell};text-align:left'>pp{p}: stage"
                     f"{'s' * (len(held) > 1)} {swatches}</th>{cells}</tr>")
+    shards = ""
+    if mesh.tp > 1:  # what each shard holds: heads, hidden units, what stays whole
+        from pipeviz.runtime.tensor_parallel import default_tp_plan, shard_summary
+
+        model = plan.graph.model
+        chosen = config.tp_plan if config.tp_plan is not None else default_tp_plan(model, [s.layers for s in
+                                                                                           plan.stages])
+        try:
+            lines = shard_summary(model, chosen, mesh.tp)
+        except Exception:  # a tp_plan Launch refuses: said at the controls
+            lines = []
+        shards = "".join(f"<div class='pipeviz-shards' style='overflow-wrap:anywhere'>{html.escape(line)}</div>"
+                         for line in lines)
     what = " × ".join(f"{getattr(mesh, d)} {_DIM_WORDS[d]}" for d in mesh.dims)
     degrees = ", ".join(f"{d}={getattr(mesh, d)}" for d in DIMS if d != "cp" or mesh.cp > 1)
     return (f"<div class='pipeviz-mesh-box' style='font-size:12px;max-width:100%;overflow-x:auto'>"
             f"<b>{mesh.world} process{'es' * (mesh.world != 1)}</b> ({what}: pv.Mesh({degrees}))"
-            f"<table style='border-collapse:collapse'>{''.join(rows)}</table></div>")
+            f"<table style='border-collapse:collapse'>{''.join(rows)}</table>{shards}</div>")
 
 
 _DIM_WORDS = {"pp": "pipeline ranks", "dp": "replicas", "cp": "sequence shares", "tp": "shards"}
