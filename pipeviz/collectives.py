@@ -20,6 +20,7 @@ from pipeviz.timeline import Event
 __all__ = ["DP_REDUCE", "MEGATRON_BUCKET_PARAMS", "Collectives", "Reduction"]
 
 DP_REDUCE = ("ddp", "after_flush", "distributed")
+TP_LAYOUTS = ("launch", "megatron")
 MEGATRON_BUCKET_PARAMS = 40_000_000  # Megatron-Core's DDP bucket: max(40M, 1M x dp) parameters
 
 
@@ -51,6 +52,14 @@ class Collectives:
             Megatron's bf16 runs, ``--accumulate-allreduce-grads-in-fp32``). Default: the traced parameters'.
         tp_overlap: tensor-parallel collectives overlap the matmuls they feed (Megatron-Core ``--tp-comm-overlap``,
             torchtitan's async TP): a stage pays only what its collectives outlast its compute by.
+        tp_layout: what tensor parallelism shards, for its collectives and each shard's memory.
+
+            - ``"launch"`` (default): what ``pv.launch`` shards (``default_tp_plan`` or the config's ``tp_plan``):
+              the all-reduces it issues (``planned_all_reduces``) and each shard's share of the parameters and
+              activations (``pipeviz.cost.sharding.tp_shares``: embeddings, norms, the LM head whole).
+            - ``"megatron"``: every block's attention and MLP and the vocabulary sharded, as Megatron-LM and
+              torchtitan run a large model: 2 all-reduces per block and a uniform 1/tp of the parameters and
+              activations (``pv.plan_cluster``'s rows).
         scatter_gather: pipeline hand-offs under tensor parallelism send 1/tp of the activation per shard, each
             over its own NIC, gathered over NVLink on arrival (Narayanan et al. 2021, sec. 4.1, the
             "scatter/gather optimization"; sequence parallelism's sharded activations hand on the same 1/tp).
@@ -63,8 +72,12 @@ class Collectives:
     grad_dtype: str | None = None
     tp_overlap: bool = False
     scatter_gather: bool = False
+    tp_layout: str = "launch"
 
     def __post_init__(self) -> None:
+        if self.tp_layout not in TP_LAYOUTS:
+            raise ValueError(f"Unknown tp_layout={self.tp_layout!r}; valid: {', '.join(TP_LAYOUTS)}. Fix: "
+                             "tp_layout='launch' (what pv.launch shards) or 'megatron' (Megatron-LM's full layout).")
         if self.dp_reduce not in DP_REDUCE:
             raise ValueError(f"Unknown dp_reduce={self.dp_reduce!r}; valid: {', '.join(DP_REDUCE)}. Fix: "
                              "dp_reduce='ddp' (torch DDP), 'after_flush' (Megatron-LM local DDP) or 'distributed' "

@@ -106,7 +106,8 @@ def plan_cluster(
         collectives: how the run does its collectives (``pipeviz.simulate.Collectives``: where the replicas'
             gradient reduction goes, its dtype, tensor-parallel overlap, scattered hand-offs), for every option;
             default torch's (DDP). E.g. ``Collectives(dp_reduce="distributed", grad_dtype="float32",
-            tp_overlap=True, scatter_gather=True)`` for Megatron-Core.
+            tp_overlap=True, scatter_gather=True)`` for Megatron-Core. Its ``tp_layout`` is set to
+            ``"megatron"``: a cluster's run shards every block's attention and MLP and the vocabulary.
 
     Returns:
         A ``ClusterPlan``; ``.rows`` best first, ``.table()`` as text.
@@ -120,6 +121,9 @@ def plan_cluster(
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}.")
     dt = hw.dtype(dtype)
+    # a cluster's run shards as Megatron-LM does (every block's attention and MLP, the vocabulary): the rows'
+    # simulations cost that layout, as the bounds below do
+    collectives = replace(collectives or Collectives(), tp_layout="megatron")
     limit = int(memory_limit if memory_limit is not None else hw.memory_bytes)
     names = [sched.canonical(s) for s in (schedules or sched.ALL)]
     modes = [recompute] if isinstance(recompute, str) else list(recompute or RECOMPUTE)

@@ -254,10 +254,11 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
     collective, shares = None, None
     if (tp > 1 or cp > 1) and plan is not None:
         scale = opts.byte_scale(plan.graph) * opts.batch_scale
-        sharded = _tp_layout(plan, cfg) if tp > 1 else {}
-        shares = tp_shares(plan, sharded, tp) if tp > 1 else None
+        launch = tp > 1 and coll.tp_layout == "launch"  # else Megatron's: 2 all-reduces per block, a uniform 1/tp
+        sharded = _tp_layout(plan, cfg) if launch else {}
+        shares = tp_shares(plan, sharded, tp) if launch else None
         tp_s = (tp_collectives(plan, microbatches, dp * cp, tp, links["tp"], scale,
-                               planned_all_reduces(plan, sharded)) if tp > 1 else (0.0,) * n)
+                               planned_all_reduces(plan, sharded) if launch else None) if tp > 1 else (0.0,) * n)
         cp_s = cp_collectives(plan, microbatches, mesh, links["cp"], scale) if cp > 1 else (0.0,) * n
         collective = tuple(a + b for a, b in zip(tp_s, cp_s, strict=True))
     costs = parallel_costs(costs, replace(mesh, dp=1, cp=1) if per_replica else mesh, collective=collective,

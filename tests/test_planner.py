@@ -10,6 +10,7 @@ import torch
 
 import pipeviz as pv
 from pipeviz import schedules as sched
+from pipeviz.collectives import Collectives
 from pipeviz.costs import CostOptions
 from pipeviz.zoo import TinyTransformer
 
@@ -58,7 +59,8 @@ def _brute_force(graph: pv.ModelGraph, gpus: int, hw: pv.Hardware, batch: int, l
                         continue
                     for mode in modes:
                         tl = pv.simulate(plan, name, m, stages_per_rank=spr, dp=dp, tp=tp,
-                                         options=CostOptions(hw, "bfloat16", mode, batch_scale=scale))
+                                         options=CostOptions(hw, "bfloat16", mode, batch_scale=scale),
+                                         collectives=Collectives(tp_layout="megatron"))  # a cluster's layout
                         step = max(e.end for e in tl.events) - min(e.start for e in tl.events)
                         if max(tl.memory_bytes) <= limit:
                             out.append((step, (pp, dp, tp, name, v, b, m, mode)))
@@ -216,7 +218,8 @@ def test_collectives_reach_every_option_and_reproduce(tiny: pv.ModelGraph) -> No
                             collectives=after)
     by_key = {_key(r): r for r in ddp.rows}
     for r in flush.rows:
-        assert r.collectives == after
+        # the planner's rows cost a cluster's layout (Megatron's tensor parallelism) with the collectives given
+        assert r.collectives == Collectives(dp_reduce="after_flush", tp_layout="megatron")
         tl = pv.simulate(r.plan, r.config, options=r.options, collectives=r.collectives)
         assert max(e.end for e in tl.events) - min(e.start for e in tl.events) == pytest.approx(r.step_time)
         if r.dp == 1:  # no replicas: nothing to reduce, the same step either way

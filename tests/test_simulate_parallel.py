@@ -10,6 +10,7 @@ import torch
 
 import pipeviz as pv
 from pipeviz import schedules as sched
+from pipeviz.cost.sharding import tp_shares
 from pipeviz.costs import (
     DDP_BUCKET_BYTES,
     CostOptions,
@@ -19,6 +20,7 @@ from pipeviz.costs import (
     parallel_costs,
     stage_costs,
 )
+from pipeviz.runtime.tensor_parallel import default_tp_plan
 from pipeviz.simulate import Collectives, Costs
 
 BW, LAT = 1e9, 1e-4  # the link in these tests: 1 GB/s, 0.1 ms per ring step
@@ -140,9 +142,13 @@ def test_tp_divides_compute_and_adds_collectives(classic_graph: pv.ModelGraph) -
         work = base.forward[e.stage] if e.kind == "F" else base.backward[e.stage]
         assert e.duration == pytest.approx(work / tp + coll[e.stage])
     assert tl.meta["mesh"] == (2, 1, tp) and tl.meta["processes"] == ["pp0 tp0", "pp1 tp0"]
-    # Memory per rank: parameters (and their gradients and optimizer state) and activations / tp.
-    sharded = parallel_costs(base, tp=tp)
-    assert sharded.param_bytes == tuple(round(b / tp) for b in base.param_bytes)
+    # Memory per rank: what one shard keeps of the parameters (and their gradients and optimizer state) and of the
+    # activations under the layout (tp_shares: the sharded weights and the sliced activations / tp, the rest
+    # whole: here the row-wise projections' biases), not a uniform / tp.
+    shares = tp_shares(plan, default_tp_plan(classic_graph.model, [s.layers for s in plan.stages]), tp)
+    sharded = parallel_costs(base, tp=tp, shares=shares)
+    assert all(1 / tp < share < 0.51 for share in shares.params), shares
+    assert sharded.param_bytes == tuple(round(b * f) for b, f in zip(base.param_bytes, shares.params, strict=True))
     assert tl.memory_bytes == memory_per_rank(None, "1F1B", m, costs=sharded)
     assert max(tl.memory_bytes) < max(pv.simulate(plan, "1F1B", m).memory_bytes)
     # Zero bubble: the input-grad pass carries the backward's all-reduces, the weight-grad pass none.
@@ -158,7 +164,9 @@ def test_dp_and_tp_compose(classic_graph: pv.ModelGraph) -> None:
     plan = classic_graph.split(["layer1"])
     tl = pv.simulate(plan, "GPipe", 4, dp=2, tp=2)
     assert tl.meta["mesh"] == (2, 2, 2) and tl.meta["processes"] == ["pp0 dp0 tp0", "pp1 dp0 tp0"]
-    assert tl.meta["dp_bytes"] == [round(s.param_bytes / 2) for s in plan.stages]  # each shard's gradients
+    shares = tp_shares(plan, default_tp_plan(classic_graph.model, [s.layers for s in plan.stages]), 2)
+    # each shard's gradients: its piece of the sharded weights, the replicated biases whole
+    assert tl.meta["dp_bytes"] == [round(s.param_bytes * f) for s, f in zip(plan.stages, shares.params, strict=True)]
     # each replica's shards take half of every microbatch: its forwards and backwards (with their all-reduces,
     # of half the bytes) are shorter than one pipeline's; the replicas' gradient all-reduce comes on top (in each
     # stage's last backward, as DDP overlaps it)

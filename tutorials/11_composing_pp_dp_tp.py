@@ -52,8 +52,9 @@ assert mesh.rank(pp=1, dp=0, tp=0) == 4 and (c.pp, c.dp, c.tp) == (0, 1, 1)
 #
 # One small model in two stages, 1F1B, 4 microbatches: `pv.simulate(..., dp=, tp=)` shows replica 0's pipeline.
 # With `dp=2` each replica computes on half the batch and adds the gradients' all-reduce; with `tp=2` each shard
-# holds half the stage and pays two all-reduces per block on the critical path. `dp_bandwidth=` / `tp_bandwidth=`
-# set those links (bytes/s).
+# holds half the stage and pays an all-reduce per row-wise projection, in the forward and again in the backward,
+# on the critical path (here one per pair of Linears; a transformer block has two: attention and MLP).
+# `dp_bandwidth=` / `tp_bandwidth=` set those links (bytes/s).
 
 # %%
 torch.manual_seed(0)

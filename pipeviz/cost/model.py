@@ -300,19 +300,22 @@ def parallel_costs(costs: Costs, mesh: Mesh | int = 1, tp: int | None = None,
     if dp == cp == tp == 1 and collective is None:
         return costs
     k, rows = dp * cp * tp, dp * cp
-    n = len(costs.param_bytes)
-    params = shares.params if shares is not None else (1 / tp,) * n
-    acts = shares.activations if shares is not None else (1 / tp,) * n
+
+    def kept(values: Sequence[int], share: Sequence[float] | None, per: int) -> tuple[int, ...]:
+        # (a uniform 1/tp in the same arithmetic as ever: the planner compares these bytes with a limit)
+        if share is None:
+            return tuple(round(v / per) for v in values)
+        return tuple(round(v / (per // tp) * f) for v, f in zip(values, share, strict=False))
+
     return replace(
         costs,
         forward=tuple(f / k for f in costs.forward),
         backward=tuple(b / k for b in costs.backward),
         comm=tuple((c - costs.latency) / rows + costs.latency for c in costs.comm),
-        activation_bytes=tuple(round(a / rows * f) for a, f in zip(costs.activation_bytes, acts, strict=True)),
-        param_bytes=tuple(round(p * f) for p, f in zip(costs.param_bytes, params, strict=True)),
+        activation_bytes=kept(costs.activation_bytes, shares.activations if shares else None, k),
+        param_bytes=kept(costs.param_bytes, shares.params if shares else None, tp),
         collective=tuple(collective) if collective is not None else costs.collective,
-        recompute_bytes=tuple(round(a / rows * f) for a, f in zip(costs.recompute_bytes,
-                                                                  acts[:len(costs.recompute_bytes)], strict=True)),
+        recompute_bytes=kept(costs.recompute_bytes, shares.activations if shares else None, k),
         send_bytes=tuple(b / rows for b in costs.send_bytes),
     )
 
