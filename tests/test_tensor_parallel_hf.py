@@ -131,8 +131,12 @@ def test_hf_models_train_exactly_under_tensor_parallelism(kind: str, schedule: s
 @pytest.mark.slow
 @pytest.mark.compat  # make compat (CI): keeps make test within 10 minutes
 @pytest.mark.parametrize(("kind", "schedule", "layers"), [
-    ("mistral", "1F1B", 2), ("qwen2moe", "GPipe", 2), ("llama", "Interleaved1F1B", 4), ("gpt2", "Interleaved1F1B", 4),
-    ("bert", "1F1B", 2)])
+    # with the three rows above: every model under GPipe, 1F1B and a multi-stage schedule (4 stages on 2 ranks)
+    ("llama", "GPipe", 2), ("llama", "Interleaved1F1B", 4),
+    ("mistral", "GPipe", 2), ("mistral", "1F1B", 2), ("mistral", "ZBVZeroBubble", 4),
+    ("bert", "1F1B", 2), ("bert", "LoopedBFS", 4),
+    ("gpt2", "GPipe", 2), ("gpt2", "Interleaved1F1B", 4),
+    ("qwen2moe", "GPipe", 2), ("qwen2moe", "1F1B", 2), ("qwen2moe", "Interleaved1F1B", 4)])
 def test_more_hf_models_and_schedules_under_tensor_parallelism(kind: str, schedule: str, layers: int) -> None:
     _train(kind, schedule, layers)
 
