@@ -25,7 +25,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
@@ -41,6 +41,7 @@ from pipeviz.cost.sharding import tp_shares
 from pipeviz.mesh import Mesh
 from pipeviz.plan import SplitPlan
 from pipeviz.runtime.config import LaunchConfig, launch_config
+from pipeviz.runtime.tensor_parallel import sharded_modules
 from pipeviz.sim_engine import check_order, contended, play, play_on_cores, runtime_actions
 from pipeviz.timeline import Event, Timeline
 
@@ -197,16 +198,6 @@ def simulate(
                                                        dp_bandwidth, tp_bandwidth, cp_bandwidth))
 
 
-def _tp_layout(plan: SplitPlan, cfg: LaunchConfig) -> Mapping[str, str]:
-    """The modules ``pv.launch`` shards (module -> ``"colwise"`` / ``"rowwise"``): ``cfg.tp_plan``, or the
-    default layout (``default_tp_plan``: the model's own HF plan, attention and MLP by name, or Linear pairs)."""
-    from pipeviz.runtime.tensor_parallel import default_tp_plan
-
-    if cfg.tp_plan is not None:
-        return cfg.tp_plan
-    return default_tp_plan(plan.graph.model, [s.layers for s in plan.stages])
-
-
 @dataclass(frozen=True)
 class _Extras:
     """What a simulation takes beside the run's description: how to cost it, and what-ifs."""
@@ -255,7 +246,7 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
     if (tp > 1 or cp > 1) and plan is not None:
         scale = opts.byte_scale(plan.graph) * opts.batch_scale
         launch = tp > 1 and coll.tp_layout == "launch"  # else Megatron's: 2 all-reduces per block, a uniform 1/tp
-        sharded = _tp_layout(plan, cfg) if launch else {}
+        sharded = sharded_modules(plan, cfg.tp_plan) if launch else {}
         shares = tp_shares(plan, sharded, tp) if launch else None
         tp_s = (tp_collectives(plan, microbatches, dp * cp, tp, links["tp"], scale,
                                planned_all_reduces(plan, sharded) if launch else None) if tp > 1 else (0.0,) * n)

@@ -248,7 +248,7 @@ def _check_dp_shard(config: LaunchConfig) -> None:
 def _tensor_parallel(plan: SplitPlan, tp: int, tp_plan: Mapping[str, str] | None) -> dict[str, str]:
     """The placements of a tensor-parallel launch's parameters (canonical names), checked: ``tp_plan`` (module
     name -> ``"colwise"`` / ``"rowwise"``) or Megatron's layout (``default_tp_plan``)."""
-    from pipeviz.runtime.tensor_parallel import check_tp_plan, default_tp_plan
+    from pipeviz.runtime.tensor_parallel import check_tp_plan, sharded_modules
 
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise LaunchError(f"tp must be a positive int (tensor-parallel shards of every stage), got {tp!r}. Fix: tp=1 "
@@ -258,7 +258,7 @@ def _tensor_parallel(plan: SplitPlan, tp: int, tp_plan: Mapping[str, str] | None
             raise LaunchError("tp_plan= was given with tp=1: nothing is sharded. Fix: tp=2 (or more), or drop tp_plan.")
         return {}
     model = plan.graph.model
-    chosen = dict(tp_plan) if tp_plan is not None else default_tp_plan(model, [s.layers for s in plan.stages])
+    chosen = sharded_modules(plan, tp_plan)
     try:
         placements = check_tp_plan(model, chosen, tp)
     except ValueError as exc:

@@ -35,7 +35,10 @@ from torch import nn
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["STYLES", "check_tp_plan", "default_tp_plan", "shard_stage", "shard_summary", "tp_placements"]
+    from pipeviz.plan import SplitPlan
+
+__all__ = ["STYLES", "check_tp_plan", "default_tp_plan", "shard_stage", "shard_summary", "sharded_modules",
+           "tp_placements"]
 
 STYLES = ("colwise", "rowwise")
 
@@ -81,6 +84,15 @@ def default_tp_plan(model: nn.Module, stages: list[tuple[str, ...]]) -> dict[str
             else:
                 i += 1
     return plan
+
+
+def sharded_modules(plan: SplitPlan, tp_plan: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The modules a tensor-parallel launch of ``plan`` shards (module -> ``"colwise"`` / ``"rowwise"``):
+    ``tp_plan`` as given, else ``default_tp_plan`` over the plan's stages. What ``pv.launch`` shards,
+    ``pv.simulate`` costs and the Explorer describes: one answer for all three."""
+    if tp_plan is not None:
+        return dict(tp_plan)
+    return default_tp_plan(plan.graph.model, [s.layers for s in plan.stages])
 
 
 def _hf_plan(model: nn.Module, names: list[str]) -> dict[str, str]:

@@ -318,13 +318,10 @@ def mesh_html(plan: SplitPlan, config: pv.LaunchConfig) -> str:
                     f"{'s' * (len(held) > 1)} {swatches}</th>{cells}</tr>")
     shards = ""
     if mesh.tp > 1:  # what each shard holds: heads, hidden units, what stays whole
-        from pipeviz.runtime.tensor_parallel import default_tp_plan, shard_summary
+        from pipeviz.runtime.tensor_parallel import shard_summary, sharded_modules
 
-        model = plan.graph.model
-        chosen = config.tp_plan if config.tp_plan is not None else default_tp_plan(model, [s.layers for s in
-                                                                                           plan.stages])
         try:
-            lines = shard_summary(model, chosen, mesh.tp)
+            lines = shard_summary(plan.graph.model, sharded_modules(plan, config.tp_plan), mesh.tp)
         except Exception:  # a tp_plan Launch refuses: said at the controls
             lines = []
         shards = "".join(f"<div class='pipeviz-shards' style='overflow-wrap:anywhere'>{html.escape(line)}</div>"
