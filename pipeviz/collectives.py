@@ -55,8 +55,9 @@ class Collectives:
         tp_layout: what tensor parallelism shards, for its collectives and each shard's memory.
 
             - ``"launch"`` (default): what ``pv.launch`` shards (``default_tp_plan`` or the config's ``tp_plan``):
-              the all-reduces it issues (``planned_all_reduces``) and each shard's share of the parameters and
-              activations (``pipeviz.cost.sharding.tp_shares``: embeddings, norms, the LM head whole).
+              the collectives it issues (``pipeviz.cost.sharding.launch_collectives``) and each shard's share of
+              the parameters and activations (``tp_shares``: norms whole; the residual stream whole unless the
+              config's ``sequence_parallel``).
             - ``"megatron"``: every block's attention and MLP and the vocabulary sharded, as Megatron-LM and
               torchtitan run a large model: 2 all-reduces per block and a uniform 1/tp of the parameters and
               activations (``pv.plan_cluster``'s rows).

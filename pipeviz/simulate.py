@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 from pipeviz import schedules as sched
 from pipeviz._compat import deprecated, positional_legacy
 from pipeviz.collectives import DP_REDUCE, Collectives, Reduction
-from pipeviz.cost.comm import cp_collectives, planned_all_reduces, tp_collectives
+from pipeviz.cost.comm import cp_collectives, tp_collectives
 from pipeviz.cost.machine import DTYPE_BYTES, Hardware
 from pipeviz.cost.memory import memory_per_rank, peak_activations
 from pipeviz.cost.model import Costs, parallel_costs, stage_costs
 from pipeviz.cost.options import CostOptions, LinkOptions
-from pipeviz.cost.sharding import tp_shares
+from pipeviz.cost.sharding import launch_tp_seconds, tp_shares
 from pipeviz.mesh import Mesh
 from pipeviz.plan import SplitPlan
 from pipeviz.runtime.config import LaunchConfig, launch_config
@@ -79,6 +79,7 @@ class SimulateOptions(TypedDict, total=False):
     tp: int
     dp_shard: bool
     tp_plan: Mapping[str, str] | None
+    sequence_parallel: bool
     hardware: Hardware | str | None
     dtype: str | None
     recompute: str | None
@@ -164,11 +165,12 @@ def simulate(
       sequences): compute, activations and hand-off bytes scale by 1/cp; every attention op all-gathers its keys
       and values across the shares in its forward and again, with a reduce-scatter of their gradients, in its
       backward (``pipeviz.costs.cp_collectives``), on the link the group spans, not overlapped.
-    - ``tp`` shards per stage: compute, parameters (with gradients and optimizer state) and, roughly,
-      activations divide by tp; each forward and each backward (or input-grad pass) pays the all-reduces the
-      launch's layout issues (``config.tp_plan`` or ``default_tp_plan``: one per row-wise projection each way,
-      ``pipeviz.cost.comm.planned_all_reduces``; ``tp_all_reduces``' rule for layers the model does not hold) on
-      the critical path. Needs a plan for the collectives.
+    - ``tp`` shards per stage: compute divides by tp, parameters (with gradients and optimizer state) and
+      activations by what the launch's layout cuts (``pipeviz.cost.sharding.tp_shares``); each forward and each
+      backward (or input-grad pass) pays the collectives that layout issues (``config.tp_plan`` or
+      ``default_tp_plan``, with ``config.sequence_parallel``: ``pipeviz.cost.sharding.launch_collectives``:
+      all-reduces, or reduce-scatters and all-gathers, of the projections' inputs and outputs, the vocabulary's
+      and the parallel loss's) on the critical path. Needs a plan for the collectives.
 
     Returns:
         A simulated ``Timeline`` (``ranks == "pipeline"``, ``mesh`` the run's); ``meta`` holds
@@ -242,22 +244,29 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
     if cores is not None and (not isinstance(cores, int) or isinstance(cores, bool) or cores < 1):
         raise ValueError(f"cores must be a positive int or None, got {cores!r}.")
     links = _links(mesh, opts, x)
-    collective, shares = None, None
+    collective, collective_back, shares = None, None, None
     if (tp > 1 or cp > 1) and plan is not None:
         scale = opts.byte_scale(plan.graph) * opts.batch_scale
         launch = tp > 1 and coll.tp_layout == "launch"  # else Megatron's: 2 all-reduces per block, a uniform 1/tp
-        sharded = sharded_modules(plan, cfg.tp_plan) if launch else {}
-        shares = tp_shares(plan, sharded, tp) if launch else None
-        tp_s = (tp_collectives(plan, microbatches, dp * cp, tp, links["tp"], scale,
-                               planned_all_reduces(plan, sharded) if launch else None) if tp > 1 else (0.0,) * n)
+        sharded = sharded_modules(plan, cfg.tp_plan, tp) if launch else {}
+        shares = tp_shares(plan, sharded, tp, cfg.sequence_parallel) if launch else None
+        if launch:  # the collectives the launch's graph issues, forward and backward apart
+            tp_s, tp_b = launch_tp_seconds(plan, sharded, microbatches, dp * cp, tp, links["tp"], scale,
+                                           cfg.sequence_parallel)
+        else:
+            tp_s = tp_collectives(plan, microbatches, dp * cp, tp, links["tp"], scale) if tp > 1 else (0.0,) * n
+            tp_b = tp_s
         cp_s = cp_collectives(plan, microbatches, mesh, links["cp"], scale) if cp > 1 else (0.0,) * n
         collective = tuple(a + b for a, b in zip(tp_s, cp_s, strict=True))
+        collective_back = tuple(a + b for a, b in zip(tp_b, cp_s, strict=True)) if launch else None
     costs = parallel_costs(costs, replace(mesh, dp=1, cp=1) if per_replica else mesh, collective=collective,
-                           shares=shares)
+                           shares=shares, collective_backward=collective_back)
     if coll.tp_overlap and costs.collective:
-        # Overlapped with the matmuls they feed: only what outlasts the stage's forward compute stays exposed.
+        # Overlapped with the matmuls they feed: only what outlasts the stage's compute stays exposed.
         costs = replace(costs, collective=tuple(max(0.0, c - f) for c, f in zip(costs.collective, costs.forward,
-                                                                                     strict=True)))
+                                                                                     strict=True)),
+                        collective_backward=tuple(max(0.0, c - b) for c, b in zip(
+                            costs.collective_backward, costs.backward, strict=True)))
     extra_backward = [c * int(opts.recompute == "full") for c in costs.collective] if costs.collective else []
     if collective is not None and cp > 1:
         # context parallelism's backward gathers the keys and values again and reduce-scatters their gradients

@@ -136,11 +136,14 @@ def test_tp_divides_compute_and_adds_collectives(classic_graph: pv.ModelGraph) -
     tl = pv.simulate(plan, "1F1B", m, tp=tp, bandwidth=BW, latency=LAT)
     layer = {lay.name: lay for lay in classic_graph.layers}
     # The all-reduces pv.launch's layout issues (default_tp_plan: layer0.lin column-wise, layer1.lin row-wise,
-    # layer2.lin column-wise, output_proj row-wise): one per row-wise projection each way, of its layer's output.
-    coll = [_ring(layer["layer1"].out_bytes / m, tp), _ring(layer["output_proj"].out_bytes / m, tp)]
+    # layer2.lin column-wise, output_proj row-wise): in the forward one per row-wise projection, of its layer's
+    # output; in the backward one per column-wise group, of its input's gradient (a block's input taken as wide as
+    # its output, a transformer block's hidden states).
+    forward = [_ring(layer["layer1"].out_bytes / m, tp), _ring(layer["output_proj"].out_bytes / m, tp)]
+    backward = [_ring(layer["layer0"].out_bytes / m, tp), _ring(layer["layer2"].out_bytes / m, tp)]
     for e in tl.events:
         work = base.forward[e.stage] if e.kind == "F" else base.backward[e.stage]
-        assert e.duration == pytest.approx(work / tp + coll[e.stage])
+        assert e.duration == pytest.approx(work / tp + (forward if e.kind == "F" else backward)[e.stage])
     assert tl.meta["mesh"] == (2, 1, tp) and tl.meta["processes"] == ["pp0 tp0", "pp1 tp0"]
     # Memory per rank: what one shard keeps of the parameters (and their gradients and optimizer state) and of the
     # activations under the layout (tp_shares: the sharded weights and the sliced activations / tp, the rest
@@ -157,7 +160,8 @@ def test_tp_divides_compute_and_adds_collectives(classic_graph: pv.ModelGraph) -
         if e.kind == "W":
             assert e.duration == pytest.approx(base.backward[e.stage] * base.weight_fraction / tp)
         elif e.kind == "I":
-            assert e.duration == pytest.approx(base.backward[e.stage] * (1 - base.weight_fraction) / tp + coll[e.stage])
+            assert e.duration == pytest.approx(
+                base.backward[e.stage] * (1 - base.weight_fraction) / tp + backward[e.stage])
 
 
 def test_dp_and_tp_compose(classic_graph: pv.ModelGraph) -> None:

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import pipeviz as pv
-from pipeviz.cost.comm import planned_all_reduces
-from pipeviz.runtime.tensor_parallel import check_tp_plan, default_tp_plan
+from pipeviz.cost.sharding import launch_collectives
+from pipeviz.runtime.tensor_parallel import check_tp_plan, default_tp_plan, sharded_modules
 
 transformers = pytest.importorskip("transformers")
 
@@ -52,19 +52,42 @@ def _blocks(graph: pv.ModelGraph) -> list[str]:
     return [n for n in graph.layer_names if re.search(r"\.(layers|layer|h)\.\d+$", n)]
 
 
-def _train(kind: str, schedule: str = "1F1B", layers: int = 2, dp: int = 1) -> pv.Run:
+def _train(kind: str, schedule: str = "1F1B", layers: int = 2, dp: int = 1, sequence_parallel: bool = False,
+           ) -> pv.Run:
     model = _model(kind, layers)
     ids = torch.randint(0, 128, (8, 16))
     graph = pv.trace(model, example_args=(ids,))
     blocks = _blocks(graph)
     plan = graph.split(blocks[:1] if schedule in ("GPipe", "1F1B") else blocks[:-1])
     run = pv.launch(plan, schedule, 4, steps=2, inputs=(ids,), target=ids, loss_fn=pv.cross_entropy,
-                    optimizer=pv.sgd(lr=0.1), tp=2, dp=dp)
+                    optimizer=pv.sgd(lr=0.1), tp=2, dp=dp, sequence_parallel=sequence_parallel)
     assert run.wait(240) == "done", f"{kind} {schedule}: {run.error}"
     check = pv.check_numerics(run)
     assert check.ok and check.loss_diff <= 1e-5 and check.param_diff <= 1e-5, f"{kind} {schedule}: {check}"
     assert check.note == "", check.note  # no random op drawn: nothing left to chance in the comparison
     return run
+
+
+def _collectives_match_the_model(run: pv.Run, kind: str, sequence_parallel: bool = False) -> None:
+    """The run issues the collectives the cost model charges (``launch_collectives``: per microbatch, Megatron's
+    all-reduces, or sequence parallelism's reduce-scatters and all-gathers, the vocabulary's and the parallel
+    loss's), counted from its own timed TP events per process and step. Left to DTensor's op-by-op choices
+    Llama's stages issued 17-26 per microbatch, not 4."""
+    plan = run.plan
+    model = launch_collectives(plan, sharded_modules(plan, None, 2), sequence_parallel)
+    per_stage = [len(cs) for cs in model]
+    assert all(c > 0 for c in per_stage), per_stage
+    # Not modelled, a few KB each: a later stage all-reduces the gradient of each floating-point tensor it
+    # receives besides the hidden states where it meets the sharded heads (Llama's rotary cos and sin: 2 a
+    # microbatch); under sequence parallelism each replicated weight that saw split tokens (the norms') has its
+    # gradient all-reduced once a step.
+    seen = Counter((e.rank, e.step) for e in run.events if e.kind == "TP")
+    for rank in range(4):
+        stage = run.mesh.coords(rank).pp
+        extra = [seen[(rank, step)] - 4 * per_stage[stage] for step in range(2)]
+        received = 4 * 2 if stage > 0 and kind == "llama" else 0
+        norms = {("llama", 0): 2, ("llama", 1): 2, ("bert", 0): 8, ("bert", 1): 8}.get((kind, stage), 0)
+        assert extra == [received + norms * sequence_parallel] * 2, (rank, seen, per_stage)
 
 
 def test_the_default_layout_is_megatrons() -> None:
@@ -108,24 +131,49 @@ def test_heads_that_tp_does_not_divide_are_refused_before_any_process() -> None:
 def test_hf_models_train_exactly_under_tensor_parallelism(kind: str, schedule: str) -> None:
     run = _train(kind, schedule)
     assert run.mesh == pv.Mesh(pp=2, tp=2)
-    # The run issues the collectives the cost model charges (Megatron's: per microbatch, one all-reduce per
-    # row-wise projection in the forward and one per column-wise group's input in the backward), counted from its
-    # own timed TP events. Left to DTensor's op-by-op choices Llama's stages issued 17-26 per microbatch, not 4.
-    plan = run.plan
-    counts = planned_all_reduces(plan, default_tp_plan(plan.graph.model, [s.layers for s in plan.stages]))
-    per_stage = [2 * sum(counts.get(n, 0) for n in s.layers) for s in plan.stages]
-    assert all(c > 0 for c in per_stage), per_stage
-    # A later stage also all-reduces the gradient of each floating-point tensor it receives besides the hidden
-    # states where it meets the sharded heads (Llama's rotary cos and sin; BERT's float mask under transformers
-    # 4.57): one each a microbatch, a few KB, which the cost model leaves out. GPT-2 receives none.
-    seen = Counter((e.rank, e.step) for e in run.events if e.kind == "TP")
-    for rank in range(4):
-        stage = run.mesh.coords(rank).pp
-        extra = [seen[(rank, step)] - 4 * per_stage[stage] for step in range(2)]
-        if stage == 0 or kind == "gpt2":
-            assert extra == [0, 0], (rank, seen, per_stage)
-        else:
-            assert extra[0] == extra[1] and extra[0] % 4 == 0 and 0 <= extra[0] <= 4 * 2, (rank, seen, per_stage)
+    _collectives_match_the_model(run, kind)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llama", "bert"])
+def test_sequence_parallelism_trains_exactly_and_issues_what_the_model_charges(kind: str) -> None:
+    """Norms, dropout and the residual stream split by token between the sharded regions (Korthikanti et al.
+    2022): exact, with reduce-scatters and all-gathers where the all-reduces were, as ``launch_collectives``
+    counts them."""
+    run = _train(kind, "1F1B", sequence_parallel=True)
+    _collectives_match_the_model(run, kind, sequence_parallel=True)
+
+
+def test_sequence_parallelism_is_refused_where_it_cannot_split_the_tokens() -> None:
+    """GPT-2's Conv1D flattens the tokens and its fused c_attn stays replicated; tp=1 has nothing to split."""
+    model = _model("gpt2")
+    ids = torch.randint(0, 128, (8, 16))
+    plan = pv.trace(model, example_args=(ids,)).split(["transformer.h.0"])
+    with pytest.raises(pv.LaunchError, match=re.escape(
+            "sequence_parallel=True: 'transformer.h.0.attn.c_attn' is a Conv1D, whose [batch x seq, hidden] layout "
+            "the token split does not follow. Fix: sequence_parallel=False")):
+        pv.launch(plan, "1F1B", 4, steps=1, inputs=(ids,), target=ids, loss_fn=pv.cross_entropy, tp=2,
+                  sequence_parallel=True)
+    with pytest.raises(pv.LaunchError, match="sequence_parallel=True with tp=1"):
+        pv.launch(plan, "1F1B", 4, steps=1, inputs=(ids,), target=ids, loss_fn=pv.cross_entropy,
+                  sequence_parallel=True)
+
+
+def test_the_vocabulary_is_sharded_and_the_loss_takes_each_shards_logits() -> None:
+    """The embedding's rows and the LM head's columns cut by token id where tp divides the vocabulary (tied
+    alike: GPT-2's), whole where it does not; a shard's summary says which tokens it holds."""
+    from pipeviz.runtime.tensor_parallel import shard_summary, vocab_modules
+
+    gpt2 = _model("gpt2")
+    stages = [("transformer.wte", "transformer.h.0"), ("transformer.h.1", "lm_head")]
+    assert vocab_modules(gpt2, stages, 2) == {"transformer.wte": "rowwise", "lm_head": "colwise"}
+    assert vocab_modules(gpt2, stages, 3) == {}  # 128 tokens do not split three ways
+    placements = check_tp_plan(gpt2, vocab_modules(gpt2, stages, 2), 2)
+    assert placements["transformer.wte.weight"] == placements["lm_head.weight"] == "shard0"
+    plan = default_tp_plan(gpt2, stages, 2)
+    assert "tokens 64t-64t+63 of 128" in " ".join(shard_summary(gpt2, plan, 2))
+    assert "the embedding, the LM head, norms (tp=3 does not divide the vocabulary of 128)" in " ".join(
+        shard_summary(gpt2, default_tp_plan(gpt2, stages, 3), 3))
 
 
 @pytest.mark.slow
@@ -149,8 +197,8 @@ def test_llama_with_data_and_tensor_parallelism_on_8_processes() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_a_shards_memory_is_what_the_memory_model_says(kind: str) -> None:
+@pytest.mark.parametrize(("kind", "sequence_parallel"), [("gpt2", False), ("llama", False), ("llama", True)])
+def test_a_shards_memory_is_what_the_memory_model_says(kind: str, sequence_parallel: bool) -> None:
     """Per process at tp = 2, measured (parameters, gradients and Adam's states; the peak of saved activations)
     against pv.simulate's memory model, which counts what the layout cuts (sharded weights, the activations
     between a column-wise and a row-wise projection) and what it leaves whole (embeddings, norms, the LM head,
@@ -160,9 +208,9 @@ def test_a_shards_memory_is_what_the_memory_model_says(kind: str) -> None:
     graph = pv.trace(model, example_args=(ids,))
     plan = graph.split(_blocks(graph)[:1])
     run = pv.launch(plan, "1F1B", 4, steps=2, inputs=(ids,), target=ids, loss_fn=pv.cross_entropy, tp=2,
-                    optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
+                    optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3), sequence_parallel=sequence_parallel)
     assert run.wait(240) == "done", run.error
-    sim = pv.simulate(plan, "1F1B", 4, tp=2, optimizer_states=2)
+    sim = pv.simulate(plan, "1F1B", 4, tp=2, optimizer_states=2, sequence_parallel=sequence_parallel)
     # Llama's last stage is left out: its activations are 12 % over the model at tp = 1 already (what it
     # receives from the rotary table), a gap of the memory model that tensor parallelism does not change
     stages = (0, 1) if kind == "gpt2" else (0,)
@@ -192,7 +240,7 @@ def test_the_explorer_shows_what_each_shard_holds() -> None:
     assert ex.refusal is None, ex.refusal
     mesh = ex.mesh_view.value
     assert "attention: shard t holds heads 2t-2t+1 of 4 (key/value heads t of 2)" in mesh
-    assert "MLP: 64 of 128 hidden units per shard" in mesh and "LM head (vocabulary 128)" in mesh
+    assert "MLP: 64 of 128 hidden units per shard" in mesh and "tokens 64t-64t+63 of 128" in mesh
     assert ex.sim is not None
     for peak in ex.sim.meta["memory_bytes"]:
         assert human_bytes(peak) in ex.preview.value

@@ -17,7 +17,6 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from pipeviz.cost.machine import LINKS
@@ -34,7 +33,6 @@ __all__ = [
     "backend_link",
     "cp_collectives",
     "ddp_buckets",
-    "planned_all_reduces",
     "tp_all_reduces",
     "tp_collectives",
 ]
@@ -88,45 +86,16 @@ def tp_all_reduces(layer: Layer) -> int:
     return 2 if layer.expandable else 1
 
 
-def planned_all_reduces(plan: SplitPlan, sharded: Mapping[str, str]) -> dict[str, int]:
-    """Per layer, the all-reduces a tensor-parallel run of ``sharded`` (module -> ``"colwise"`` / ``"rowwise"``,
-    what ``pv.launch`` shards) issues in one forward: one per row-wise projection inside the layer (its partial
-    sums; DTensor all-reduces them where the next op needs them whole), as many in the backward (the input
-    gradients of the column-wise group before it). Layers whose modules the model does not hold (a planning
-    graph's repeated blocks) count as a held layer of their kind does, or are left out (``tp_all_reduces`` then
-    counts them)."""
-    names = {n for n, _ in plan.graph.model.named_modules()}
-    out: dict[str, int] = {}
-    by_kind: dict[str, int] = {}
-    for layer in plan.graph.layers:
-        base = layer.name.split("@")[0]
-        if base not in names:
-            continue
-        out[layer.name] = sum(1 for module, style in sharded.items()
-                              if style == "rowwise" and (module == base or module.startswith(base + ".")))
-        by_kind.setdefault(layer.kind, out[layer.name])
-    for layer in plan.graph.layers:
-        if layer.name not in out and layer.kind in by_kind:
-            out[layer.name] = by_kind[layer.kind]
-    return out
-
-
 def tp_collectives(plan: SplitPlan, microbatches: float, dp: int = 1, tp: int = 1,
-                   via: tuple[float, float] | None = None, scale: float = 1.0,
-                   counts: Mapping[str, int] | None = None) -> tuple[float, ...]:
+                   via: tuple[float, float] | None = None, scale: float = 1.0) -> tuple[float, ...]:
     """Per stage, seconds of tensor-parallel all-reduces in one forward of one microbatch (as many again in
     its backward): ``sum over layers of all-reduces x all_reduce_time(out_bytes / (m x dp), tp)`` (``scale``:
-    the bytes' dtype and batch relative to the traced ones, ``CostOptions``). ``counts``: all-reduces per layer
-    as a run issues them (``planned_all_reduces``); a layer without an entry counts ``tp_all_reduces(layer)``."""
+    the bytes' dtype and batch relative to the traced ones, ``CostOptions``): Megatron-LM's count per layer, the
+    layout a cluster's run uses (``pv.launch``'s own is ``pipeviz.cost.sharding.launch_collectives``)."""
     via = via or backend_link()
     layers = {layer.name: layer for layer in plan.graph.layers}
-    counts = counts or {}
-
-    def reduces(name: str) -> int:
-        return counts[name] if name in counts else tp_all_reduces(layers[name])
-
     return tuple(
-        sum(reduces(n) * all_reduce_time(layers[n].out_bytes * scale / (microbatches * dp), tp, via)
+        sum(tp_all_reduces(layers[n]) * all_reduce_time(layers[n].out_bytes * scale / (microbatches * dp), tp, via)
             for n in s.layers)
         for s in plan.stages
     )

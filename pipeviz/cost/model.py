@@ -57,6 +57,9 @@ class Costs:
         source: ``"flops"`` or ``"measured"``.
         collective: per stage, seconds of tensor-parallel all-reduces in one forward (and as many in one
             backward or input-grad pass), on the critical path; empty without tensor parallelism.
+        collective_backward: per stage, the backward's (and input-grad pass's) own seconds where they differ from
+            the forward's (the launch's layout: an embedding's sum has no backward collective, a column-wise
+            group's input gradient no forward one); empty: ``collective``.
         latency: the part of each ``comm`` a smaller microbatch does not shrink (``parallel_costs``).
         recompute_bytes: per stage, activations a backward rebuilds for a moment under recomputation (one
             layer's, the largest); empty without recomputation.
@@ -79,6 +82,7 @@ class Costs:
     source: str = "flops"
     buffer_bytes: tuple[int, ...] = ()
     collective: tuple[float, ...] = ()
+    collective_backward: tuple[float, ...] = ()
     latency: float = 0.0
     recompute_bytes: tuple[int, ...] = ()
     send_bytes: tuple[float, ...] = ()
@@ -88,7 +92,8 @@ class Costs:
     def duration(self, stage: int, kind: str) -> float:
         """Seconds of one action: ``F``, ``B``, or a zero-bubble ``I`` / ``W`` half of a backward (tensor-parallel
         all-reduces go with ``F``, ``B`` and ``I``: the weight-grad pass sends nothing)."""
-        coll = self.collective[stage] if self.collective and kind != "W" else 0.0
+        back = self.collective_backward if self.collective_backward and kind in ("B", "I") else self.collective
+        coll = back[stage] if back and kind != "W" else 0.0
         if self.runtime and kind != "W":
             coll += self.runtime[stage]
         if kind == "F":
@@ -286,12 +291,14 @@ def stage_costs(
 
 
 def parallel_costs(costs: Costs, mesh: Mesh | int = 1, tp: int | None = None,
-                   collective: Sequence[float] | None = None, shares: TpShares | None = None) -> Costs:
+                   collective: Sequence[float] | None = None, shares: TpShares | None = None,
+                   collective_backward: Sequence[float] | None = None) -> Costs:
     """``costs`` of one microbatch of a pipeline alone, for one process of that pipeline in ``mesh`` (its ``dp``
     replicas, ``cp`` shares of every sequence and ``tp`` shards per stage): forward and backward / (dp x cp x tp),
     activations likewise (roughly, for tp), hand-offs' bytes / (dp x cp) (``comm - latency``), parameters / tp;
-    ``collective`` (``tp_collectives`` plus ``cp_collectives``) replaces ``costs.collective`` when given. A trivial
-    mesh returns ``costs`` itself. (``parallel_costs(costs, dp, tp)``, the form before the mesh, still works.)
+    ``collective`` (``tp_collectives`` plus ``cp_collectives``) replaces ``costs.collective`` when given (and
+    ``collective_backward`` ``costs.collective_backward``: the launch layout's backward, ``launch_tp_seconds``).
+    A trivial mesh returns ``costs`` itself. (``parallel_costs(costs, dp, tp)``, the form before the mesh, still works.)
     ``shares`` (``pipeviz.cost.sharding.tp_shares``): the fractions of each stage's parameters and saved
     activations one shard keeps under the launch's layout, in place of a uniform 1 / tp."""
     if not isinstance(mesh, Mesh):
@@ -315,6 +322,8 @@ def parallel_costs(costs: Costs, mesh: Mesh | int = 1, tp: int | None = None,
         activation_bytes=kept(costs.activation_bytes, shares.activations if shares else None, k),
         param_bytes=kept(costs.param_bytes, shares.params if shares else None, tp),
         collective=tuple(collective) if collective is not None else costs.collective,
+        collective_backward=(tuple(collective_backward) if collective_backward is not None
+                             else costs.collective_backward),
         recompute_bytes=kept(costs.recompute_bytes, shares.activations if shares else None, k),
         send_bytes=tuple(b / rows for b in costs.send_bytes),
     )

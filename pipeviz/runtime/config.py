@@ -59,7 +59,11 @@ class LaunchConfig:
             replicas with torch's FSDP2 ``fully_shard`` (ZeRO-3) instead of replicating them under DDP.
         tp: tensor-parallel shards of every stage.
         tp_plan: ``{module name: "colwise" | "rowwise"}`` for tensor parallelism; default: Megatron's layout
-            (``default_tp_plan``: the model's HF plan, attention and MLP by name, or ``nn.Linear`` pairs).
+            (``default_tp_plan``: the model's HF plan, attention and MLP by name, or ``nn.Linear`` pairs; the
+            vocabulary's embedding and LM head where ``tp`` divides it).
+        sequence_parallel: with ``tp`` > 1, the activations between the tensor-parallel regions (norms, dropout,
+            the residual stream) sharded by token over the shards (Korthikanti et al. 2022): a row-wise
+            projection's all-reduce becomes a reduce-scatter and a column-wise group's input an all-gather.
         cp: context-parallel shares of every sequence (``pv.simulate`` and ``pv.plan_cluster``; ``pv.launch``
             refuses cp > 1, naming why).
         order: a custom schedule: one list of actions per pipeline rank in torch's notation (``"1F0"``: stage 1's
@@ -88,6 +92,7 @@ class LaunchConfig:
     dp_shard: bool = False
     tp: int = 1
     tp_plan: Mapping[str, str] | None = None
+    sequence_parallel: bool = False
     cp: int = 1
     order: Sequence[Sequence[str]] | None = None
 
@@ -133,6 +138,7 @@ class LaunchOptions(TypedDict, total=False):
     dp_shard: bool
     tp: int
     tp_plan: Mapping[str, str] | None
+    sequence_parallel: bool
     cp: int
     order: Sequence[Sequence[str]] | None
 

@@ -17,15 +17,17 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["prepare_graph", "replicated", "replicated_input"]
+__all__ = ["prepare_graph", "replicated", "replicated_input", "token_sharded"]
 
 
-def prepare_graph(stage: nn.Module, params: Mapping[str, str], placements: Mapping[str, str]) -> None:
+def prepare_graph(stage: nn.Module, params: Mapping[str, str], placements: Mapping[str, str],
+                  sequence_parallel: bool = False) -> None:
     """Make ``stage`` (an ``fx.GraphModule`` whose parameters are DTensors) run on DTensors as Megatron-LM shards:
     ``params`` maps canonical names to the stage's attribute paths, ``placements`` canonical names to
-    ``"shard0"`` / ``"shard1"`` / ``"replicate"``. Process-wide registrations are made once."""
+    ``"shard0"`` / ``"shard1"`` / ``"replicate"``; ``sequence_parallel``: between the sharded regions the
+    activations split by token (Korthikanti et al. 2022). Process-wide registrations are made once."""
     _drop_metadata_asserts(stage)
-    _megatron_boundaries(stage, params, placements)
+    _megatron_boundaries(stage, params, placements, sequence_parallel)
     _replicate_plain_tensors()
     _register_cpu_attention()
     _register_custom_ops(stage)
@@ -45,6 +47,20 @@ def replicated(value: object) -> object:
     return value
 
 
+def token_sharded(value: object) -> object:
+    """A row-wise projection's output under sequence parallelism: its partial sums reduce-scattered by token (the
+    second-to-last dim: the sequence of ``[batch, seq, hidden]``, the tokens of ``[tokens, hidden]``), so what
+    follows up to the next column-wise group (norms, dropout, the residual add) holds 1/tp of the tokens. The
+    backward all-gathers the gradient (DTensor's redistribute). A plain value passes unchanged."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if isinstance(value, DTensor) and value.ndim >= 2:
+        dim = value.ndim - 2
+        if not all(p.is_shard(dim) for p in value.placements):
+            return value.redistribute(placements=[Shard(dim)] * value.device_mesh.ndim)
+    return value
+
+
 class _ReplicatedGrad(torch.autograd.Function):
     """Identity forward; the backward all-reduces the gradient's partial sums (Megatron's *f*)."""
 
@@ -59,22 +75,29 @@ class _ReplicatedGrad(torch.autograd.Function):
 
 def replicated_input(value: object) -> object:
     """A column-wise projection's input: replicated (as ``replicated``), and its gradient all-reduced once in
-    the backward however many projections read it (Megatron's *f*: q, k and v share one)."""
+    the backward however many projections read it (Megatron's *f*: q, k and v share one). An input sharded by
+    token (sequence parallelism) is all-gathered instead, and its gradient's partial sums reduce-scattered back
+    by DTensor's redistribute."""
     from torch.distributed.tensor import DTensor
 
+    if isinstance(value, DTensor) and any(p.is_shard() for p in value.placements):
+        return replicated(value)
     value = replicated(value)
     if isinstance(value, DTensor) and value.requires_grad:
         return _ReplicatedGrad.apply(value)
     return value
 
 
-def _megatron_boundaries(stage: nn.Module, params: Mapping[str, str], placements: Mapping[str, str]) -> int:
+def _megatron_boundaries(stage: nn.Module, params: Mapping[str, str], placements: Mapping[str, str],
+                         sequence_parallel: bool = False) -> int:
     """Put the layouts torch's ``ColwiseParallel`` / ``RowwiseParallel`` hooks give a module into the flat
     graph, which has no module to hook: a column-wise projection's input replicated (once per input, however
-    many projections read it: q, k and v share one), a row-wise projection's output replicated at once. Left to
+    many projections read it: q, k and v share one), a row-wise projection's output replicated at once (and a
+    vocabulary-sharded embedding's: its shards' lookups summed). Left to
     itself DTensor's op-by-op choice reduce-scattered a row-wise output, all-gathered it for the next
     projection and all-reduced inside RMSNorm (measured on HF Llama: 17-26 collectives per microbatch and stage
-    against Megatron's 4, one all-reduce per row-wise projection each way). Returns the projections marked."""
+    against Megatron's 4, one all-reduce per row-wise projection each way). ``sequence_parallel``: a row-wise
+    output is reduce-scattered by token instead (``token_sharded``). Returns the projections marked."""
     graph = getattr(stage, "graph", None)
     if not isinstance(graph, torch.fx.Graph):
         return 0
@@ -89,6 +112,8 @@ def _megatron_boundaries(stage: nn.Module, params: Mapping[str, str], placements
             act, weight, by = 0, node.args[1], {"shard0": "colwise", "shard1": "rowwise"}
         elif node.target is aten.addmm.default:  # HF Conv1D: bias + x @ weight, weight [in, out]
             act, weight, by = 1, node.args[2], {"shard1": "colwise", "shard0": "rowwise"}
+        elif node.target is aten.embedding.default:  # weight [vocab, dim]: each shard's rows, a partial lookup
+            act, weight, by = 1, node.args[0], {"shard0": "rowwise"}
         else:
             return None
         if not isinstance(weight, torch.fx.Node) or weight.op != "get_attr":
@@ -115,7 +140,7 @@ def _megatron_boundaries(stage: nn.Module, params: Mapping[str, str], placements
                 node.args = tuple(args)
         else:
             with graph.inserting_after(node):
-                out = graph.call_function(replicated, (node,))
+                out = graph.call_function(token_sharded if sequence_parallel else replicated, (node,))
             node.replace_all_uses_with(out, delete_user_cb=lambda user, made=out: user is not made)
     return marked
 

@@ -96,9 +96,15 @@ def launch(
         dp_shard: with ``dp`` > 1, each stage sharded across the replicas by torch's FSDP2 ``fully_shard``
             (parameters, gradients and optimizer state: 1/dp per process) instead of replicated under DDP.
         tp: tensor-parallel shards of every stage (pp × dp × tp processes): each stage's projections sharded with
-            DTensor (``pipeviz.runtime.tensor_parallel``), column-wise then row-wise.
-        tp_plan: ``{module name: "colwise" | "rowwise"}`` for ``nn.Linear`` modules; default: Megatron's MLP rule
-            (in each stage, a Linear feeding the next Linear's input is column-wise, that one row-wise).
+            DTensor (``pipeviz.runtime.tensor_parallel``), column-wise then row-wise, as Megatron-LM shards a
+            transformer: the attention by heads, the MLP by hidden units, the vocabulary's embedding and LM head
+            by tokens (``pv.cross_entropy`` then takes each shard's logits: no process holds them whole).
+        tp_plan: ``{module name: "colwise" | "rowwise"}`` for ``nn.Linear`` (and ``"rowwise"`` for
+            ``nn.Embedding``) modules; default ``default_tp_plan``: the model's HF plan, attention and MLP by name,
+            else Linear pairs (a Linear feeding the next Linear's input column-wise, that one row-wise).
+        sequence_parallel: with ``tp`` > 1, norms, dropout and the residual stream sharded by token between the
+            tensor-parallel regions (their activations 1/tp per shard; reduce-scatters and all-gathers in place of
+            the all-reduces).
 
     Raises:
         LaunchError, ScheduleError, PlanError: before any process starts, naming the bad value and the fix.

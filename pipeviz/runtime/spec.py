@@ -143,8 +143,9 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
         with _setting("order"):
             check_order(config.order, lay, microbatches)
     with _setting("tp"):
-        placements = _tensor_parallel(plan, tp, config.tp_plan)
+        placements = _tensor_parallel(plan, tp, config.tp_plan, config.sequence_parallel is True)
     _check_dp_shard(config)
+    _check_sequence_parallel(config)
     if not (steps is None and data is not None) and (not isinstance(steps, int) or isinstance(steps, bool)
                                                      or steps < 1):
         raise LaunchError(f"steps must be a positive int, got {steps!r} (steps=None runs until data= runs out).",
@@ -231,6 +232,15 @@ def _check_model_unchanged(plan: SplitPlan) -> None:
                               "Fix: trace it again (pv.trace) and split the new graph.")
 
 
+def _check_sequence_parallel(config: LaunchConfig) -> None:
+    if not isinstance(config.sequence_parallel, bool):
+        raise LaunchError(f"sequence_parallel must be True or False, got {config.sequence_parallel!r}.")
+    if config.sequence_parallel and config.tp == 1:
+        raise LaunchError("sequence_parallel=True with tp=1: sequence parallelism splits the activations between "
+                          "tensor-parallel regions over the shards, and there is one. Fix: tp=2 (or more), or drop "
+                          "sequence_parallel.")
+
+
 def _check_dp_shard(config: LaunchConfig) -> None:
     if not isinstance(config.dp_shard, bool):
         raise LaunchError(f"dp_shard must be True or False, got {config.dp_shard!r}.")
@@ -245,10 +255,12 @@ def _check_dp_shard(config: LaunchConfig) -> None:
                           "to shard. Fix: drop dp_shard, or pass loss_fn=... to train.")
 
 
-def _tensor_parallel(plan: SplitPlan, tp: int, tp_plan: Mapping[str, str] | None) -> dict[str, str]:
+def _tensor_parallel(plan: SplitPlan, tp: int, tp_plan: Mapping[str, str] | None, sequence_parallel: bool = False,
+                     ) -> dict[str, str]:
     """The placements of a tensor-parallel launch's parameters (canonical names), checked: ``tp_plan`` (module
-    name -> ``"colwise"`` / ``"rowwise"``) or Megatron's layout (``default_tp_plan``)."""
-    from pipeviz.runtime.tensor_parallel import check_tp_plan, sharded_modules
+    name -> ``"colwise"`` / ``"rowwise"``) or Megatron's layout (``default_tp_plan``), and what sequence
+    parallelism needs of it."""
+    from pipeviz.runtime.tensor_parallel import check_sequence_parallel, check_tp_plan, sharded_modules
 
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise LaunchError(f"tp must be a positive int (tensor-parallel shards of every stage), got {tp!r}. Fix: tp=1 "
@@ -258,9 +270,11 @@ def _tensor_parallel(plan: SplitPlan, tp: int, tp_plan: Mapping[str, str] | None
             raise LaunchError("tp_plan= was given with tp=1: nothing is sharded. Fix: tp=2 (or more), or drop tp_plan.")
         return {}
     model = plan.graph.model
-    chosen = sharded_modules(plan, tp_plan)
+    chosen = sharded_modules(plan, tp_plan, tp)
     try:
         placements = check_tp_plan(model, chosen, tp)
+        if sequence_parallel:
+            check_sequence_parallel(model, chosen, [tuple(s.layers) for s in plan.stages])
     except ValueError as exc:
         raise LaunchError(str(exc)) from exc
     if not placements:

@@ -71,6 +71,8 @@ class StageRunner(nn.Module):
         self.fresh_outputs = False
         # tensor parallel: the shards' 1-D DeviceMesh (pipeviz.runtime.tensor_parallel)
         self.tp_mesh: DeviceMesh | None = None
+        # the last stage's logits leave sharded by vocabulary for a parallel cross-entropy (torch's loss_parallel)
+        self.vocab_parallel_loss = False
 
     def forward(self, *args: object, **kwargs: object) -> object:
         if self.index == 0:
@@ -86,7 +88,9 @@ class StageRunner(nn.Module):
             if self.tp_mesh is not None:  # sharded parameters: the graph runs on DTensors, full tensors leave
                 from pipeviz.runtime.tensor_parallel import to_full, to_replicated
 
-                out = to_full(self.stage(*to_replicated(self.tp_mesh, call_args)))
+                out = self.stage(*to_replicated(self.tp_mesh, call_args))
+                if not self.vocab_parallel_loss:
+                    out = to_full(out)
             else:
                 out = self.stage(*call_args)
         except Exception as exc:
@@ -97,6 +101,12 @@ class StageRunner(nn.Module):
                 env[("s", self.index, k)] = item
         if self.index == self.num_stages - 1:
             leaves = [self._home(env[v]) for v in pytree.tree_leaves(self.output, is_leaf=_is_value)]
+            if self.vocab_parallel_loss:  # the loss's logits stay sharded by vocabulary, everything else whole
+                from pipeviz.runtime.tensor_parallel import class_sharded, to_full
+
+                loss_leaf = self.output_index if self.output_index is not None else 0 if len(leaves) == 1 else -1
+                leaves = [t if k == loss_leaf and not self.whole_output and class_sharded(t) else to_full(t)
+                          for k, t in enumerate(leaves)]
             if self.whole_output:
                 return tuple(leaves)
             if self.output_index is not None:  # an HF ModelOutput: the loss sees its logits

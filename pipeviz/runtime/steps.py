@@ -9,9 +9,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -87,11 +89,14 @@ def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, 
         call_kwargs: dict[str, Any] = dict(kwargs) if first else {}
         if last:
             call_kwargs.update(target=target, losses=losses)
-        schedule.step(*(args if first else ()), **call_kwargs)
+        with _loss_parallel(p):
+            schedule.step(*(args if first else ()), **call_kwargs)
+        if p.tp_placements:
+            _settle_grads(params)
         if dp_group is not None and averaged_after_step(p):
             average_replicas(params, dp_group, p.mesh.dp, clock, p.rank, step)
         _sync_tied(local, p.tied, groups)
-        loss = float(torch.stack([x.detach().float() for x in losses]).mean()) if last else 0.0
+        loss = float(torch.stack([full_tensor(x).detach().float() for x in losses]).mean()) if last else 0.0
         if last and dp_group is not None:  # the global batch's loss: the replicas' mean (shards agree)
             total = torch.tensor([loss], dtype=torch.float64)
             dist.all_reduce(total, group=dp_group)
@@ -213,6 +218,37 @@ def average_replicas(params: list[torch.nn.Parameter], group: ProcessGroup | Non
         flat /= replicas
         for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
             g.copy_(reduced)
+
+
+def _settle_grads(params: list[torch.nn.Parameter]) -> None:
+    """Each tensor-parallel gradient laid out as its parameter is, once, before anything reads it. Under sequence
+    parallelism a replicated weight that saw only this shard's tokens (a norm's) has partial sums for a gradient:
+    all-reduced here once, as Megatron-LM does its sequence-parallel norms' (left to the optimizer, DTensor would
+    all-reduce it in every op that reads it). A vocabulary-sharded embedding's gradient comes out of DTensor's
+    backward whole (it has no row-wise rule for ``embedding_dense_backward``): cut to this shard's rows here, so
+    the tied LM head's copy on another stage, sharded alike, sums with it shard by shard."""
+    from torch.distributed.tensor import DTensor
+
+    for t in params:
+        g = t.grad
+        if isinstance(g, DTensor) and isinstance(t, DTensor) and tuple(g.placements) != tuple(t.placements):
+            t.grad = g.redistribute(placements=t.placements)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor as the whole tensor (a vocabulary-parallel loss: replicated), else the tensor itself."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
+
+
+def _loss_parallel(p: RankPayload) -> AbstractContextManager[object]:
+    """torch's ``loss_parallel`` around a step whose last stage's logits are sharded by vocabulary (its forward
+    and backward both run the parallel cross-entropy), else nothing."""
+    if not any(st.runner.vocab_parallel_loss for st in p.stages):
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -299,8 +299,13 @@ def _stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch.dev
         if tp_mesh is not None:
             from pipeviz.runtime.tensor_parallel import shard_stage
 
-            shard_stage(runner.stage, st.params, p.tp_placements, tp_mesh)
+            shard_stage(runner.stage, st.params, p.tp_placements, tp_mesh, p.sequence_parallel)
             runner.tp_mesh = tp_mesh
+            # pv.cross_entropy takes logits sharded by vocabulary as they are (torch's loss_parallel): no shard
+            # gathers the whole logits. Another loss gets them whole.
+            from pipeviz.training import cross_entropy
+
+            runner.vocab_parallel_loss = st.index == num_stages - 1 and p.loss_fn is cross_entropy
         submod = runner
         if shard_mesh is not None:
             from torch.distributed.fsdp import fully_shard

@@ -321,7 +321,7 @@ def mesh_html(plan: SplitPlan, config: pv.LaunchConfig) -> str:
         from pipeviz.runtime.tensor_parallel import shard_summary, sharded_modules
 
         try:
-            lines = shard_summary(plan.graph.model, sharded_modules(plan, config.tp_plan), mesh.tp)
+            lines = shard_summary(plan.graph.model, sharded_modules(plan, config.tp_plan, mesh.tp), mesh.tp)
         except Exception:  # a tp_plan Launch refuses: said at the controls
             lines = []
         shards = "".join(f"<div class='pipeviz-shards' style='overflow-wrap:anywhere'>{html.escape(line)}</div>"
