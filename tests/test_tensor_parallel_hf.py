@@ -245,4 +245,12 @@ def test_the_explorer_shows_what_each_shard_holds() -> None:
     for peak in ex.sim.meta["memory_bytes"]:
         assert human_bytes(peak) in ex.preview.value
     halves = pv.simulate(ex.plan, "1F1B", ex.microbatches.value).memory_bytes
-    assert all(m > h / 2 for m, h in zip(ex.sim.meta["memory_bytes"], halves, strict=True))  # embeddings stay whole
+    assert all(m > h / 2 for m, h in zip(ex.sim.meta["memory_bytes"], halves, strict=True))  # norms stay whole
+    # Sequence parallelism: a switch beside tp, what Launch runs and what the simulation costs (less memory)
+    whole = ex.sim.meta["memory_bytes"]
+    ex.sequence_parallel.value = True
+    assert ex.refusal is None and ex.launch_config().sequence_parallel
+    assert "sequence parallel: between the sharded regions" in ex.mesh_view.value
+    assert ex.sim is not None and ex.sim.meta["memory_bytes"][0] < whole[0]
+    ex.tp.value = 1  # nothing to split over: the switch is off and Launch runs without it
+    assert ex.sequence_parallel.disabled and not ex.launch_config().sequence_parallel and ex.refusal is None

@@ -73,6 +73,50 @@ class _ReplicatedGrad(torch.autograd.Function):
         return replicated(grad)  # type: ignore[return-value]
 
 
+class _VocabParallelEmbedding(torch.autograd.Function):
+    """Megatron's ``VocabParallelEmbedding`` on a DTensor weight sharded by rows (``Shard(0)``): each shard looks up
+    the ids in its slice of the vocabulary (the others give zeros) and the partial results are summed by the
+    caller; the backward scatters the gradient into this shard's rows only. DTensor's own rule computes that
+    gradient for the whole vocabulary on every shard (it has no row-wise rule for ``embedding_dense_backward``)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, indices: torch.Tensor, padding_idx: int = -1,
+                scale_grad_by_freq: bool = False, sparse: bool = False) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Partial
+
+        assert isinstance(weight, DTensor)
+        local = weight.to_local()
+        mesh = weight.device_mesh
+        rows = local.shape[0]
+        start = mesh.get_local_rank() * rows  # an even split: check_tp_plan refuses a vocabulary tp does not divide
+        ids = indices.to_local() if isinstance(indices, DTensor) else indices
+        outside = (ids < start) | (ids >= start + rows)
+        local_ids = (ids - start).masked_fill(outside, 0)
+        out = torch.ops.aten.embedding.default(local, local_ids).masked_fill(outside.unsqueeze(-1), 0)
+        ctx.save_for_backward(local_ids, outside)
+        ctx.rows, ctx.mesh, ctx.scale = rows, mesh, scale_grad_by_freq
+        ctx.padding = padding_idx - start if start <= padding_idx < start + rows else -1
+        return DTensor.from_local(out, mesh, [Partial()], run_check=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        from torch.distributed.tensor import DTensor, Shard
+
+        local_ids, outside = ctx.saved_tensors
+        whole = grad.full_tensor() if isinstance(grad, DTensor) else grad
+        whole = whole.masked_fill(outside.unsqueeze(-1), 0)
+        rows_grad = torch.ops.aten.embedding_dense_backward.default(whole, local_ids, ctx.rows, ctx.padding, ctx.scale)
+        return DTensor.from_local(rows_grad, ctx.mesh, [Shard(0)], run_check=False), None, None, None, None
+
+
+def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, padding_idx: int = -1,
+                             scale_grad_by_freq: bool = False, sparse: bool = False) -> torch.Tensor:
+    """``aten.embedding`` of a vocabulary-sharded weight, as Megatron computes it (``_VocabParallelEmbedding``):
+    partial sums out, this shard's rows of the gradient back."""
+    out: torch.Tensor = _VocabParallelEmbedding.apply(weight, indices, padding_idx, scale_grad_by_freq, sparse)
+    return out
+
+
 def replicated_input(value: object) -> object:
     """A column-wise projection's input: replicated (as ``replicated``), and its gradient all-reduced once in
     the backward however many projections read it (Megatron's *f*: q, k and v share one). An input sharded by
@@ -129,6 +173,8 @@ def _megatron_boundaries(stage: nn.Module, params: Mapping[str, str], placements
             continue
         kind, act = found
         marked += 1
+        if node.target is aten.embedding.default:
+            node.target = vocab_parallel_embedding
         if kind == "colwise":
             x = node.args[act]
             if isinstance(x, torch.fx.Node):

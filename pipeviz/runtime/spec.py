@@ -143,9 +143,10 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
         with _setting("order"):
             check_order(config.order, lay, microbatches)
     with _setting("tp"):
-        placements = _tensor_parallel(plan, tp, config.tp_plan, config.sequence_parallel is True)
+        placements = _tensor_parallel(plan, tp, config.tp_plan)
     _check_dp_shard(config)
-    _check_sequence_parallel(config)
+    with _setting("sequence_parallel"):
+        _check_sequence_parallel(plan, config)
     if not (steps is None and data is not None) and (not isinstance(steps, int) or isinstance(steps, bool)
                                                      or steps < 1):
         raise LaunchError(f"steps must be a positive int, got {steps!r} (steps=None runs until data= runs out).",
@@ -232,13 +233,22 @@ def _check_model_unchanged(plan: SplitPlan) -> None:
                               "Fix: trace it again (pv.trace) and split the new graph.")
 
 
-def _check_sequence_parallel(config: LaunchConfig) -> None:
+def _check_sequence_parallel(plan: SplitPlan, config: LaunchConfig) -> None:
+    from pipeviz.runtime.tensor_parallel import check_sequence_parallel, sharded_modules
+
     if not isinstance(config.sequence_parallel, bool):
         raise LaunchError(f"sequence_parallel must be True or False, got {config.sequence_parallel!r}.")
-    if config.sequence_parallel and config.tp == 1:
+    if not config.sequence_parallel:
+        return
+    if config.tp == 1:
         raise LaunchError("sequence_parallel=True with tp=1: sequence parallelism splits the activations between "
                           "tensor-parallel regions over the shards, and there is one. Fix: tp=2 (or more), or drop "
                           "sequence_parallel.")
+    try:
+        check_sequence_parallel(plan.graph.model, sharded_modules(plan, config.tp_plan, config.tp),
+                                [tuple(s.layers) for s in plan.stages])
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from exc
 
 
 def _check_dp_shard(config: LaunchConfig) -> None:
@@ -255,12 +265,10 @@ def _check_dp_shard(config: LaunchConfig) -> None:
                           "to shard. Fix: drop dp_shard, or pass loss_fn=... to train.")
 
 
-def _tensor_parallel(plan: SplitPlan, tp: int, tp_plan: Mapping[str, str] | None, sequence_parallel: bool = False,
-                     ) -> dict[str, str]:
+def _tensor_parallel(plan: SplitPlan, tp: int, tp_plan: Mapping[str, str] | None) -> dict[str, str]:
     """The placements of a tensor-parallel launch's parameters (canonical names), checked: ``tp_plan`` (module
-    name -> ``"colwise"`` / ``"rowwise"``) or Megatron's layout (``default_tp_plan``), and what sequence
-    parallelism needs of it."""
-    from pipeviz.runtime.tensor_parallel import check_sequence_parallel, check_tp_plan, sharded_modules
+    name -> ``"colwise"`` / ``"rowwise"``) or Megatron's layout (``default_tp_plan``)."""
+    from pipeviz.runtime.tensor_parallel import check_tp_plan, sharded_modules
 
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise LaunchError(f"tp must be a positive int (tensor-parallel shards of every stage), got {tp!r}. Fix: tp=1 "
@@ -273,8 +281,6 @@ def _tensor_parallel(plan: SplitPlan, tp: int, tp_plan: Mapping[str, str] | None
     chosen = sharded_modules(plan, tp_plan, tp)
     try:
         placements = check_tp_plan(model, chosen, tp)
-        if sequence_parallel:
-            check_sequence_parallel(model, chosen, [tuple(s.layers) for s in plan.stages])
     except ValueError as exc:
         raise LaunchError(str(exc)) from exc
     if not placements:

@@ -224,9 +224,10 @@ def _settle_grads(params: list[torch.nn.Parameter]) -> None:
     """Each tensor-parallel gradient laid out as its parameter is, once, before anything reads it. Under sequence
     parallelism a replicated weight that saw only this shard's tokens (a norm's) has partial sums for a gradient:
     all-reduced here once, as Megatron-LM does its sequence-parallel norms' (left to the optimizer, DTensor would
-    all-reduce it in every op that reads it). A vocabulary-sharded embedding's gradient comes out of DTensor's
-    backward whole (it has no row-wise rule for ``embedding_dense_backward``): cut to this shard's rows here, so
-    the tied LM head's copy on another stage, sharded alike, sums with it shard by shard."""
+    all-reduce it in every op that reads it). Any other gradient whose layout DTensor chose differently from its
+    parameter's is laid out as the parameter here, so a tied copy on another stage, sharded alike, sums with it
+    shard by shard (a row-sharded embedding's gradient came out whole before ``vocab_parallel_embedding``: GPT-2's
+    tied sync then mismatched sizes in gloo)."""
     from torch.distributed.tensor import DTensor
 
     for t in params:

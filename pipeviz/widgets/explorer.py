@@ -68,6 +68,7 @@ class ExplorerOptions(TypedDict, total=False):
     dp_shard: bool
     tp: int
     tp_plan: Mapping[str, str] | None
+    sequence_parallel: bool
     cp: int
     order: Sequence[Sequence[str]] | None
 
@@ -206,6 +207,12 @@ class Explorer(W.VBox):
         self.tp = W.BoundedIntText(value=self.config.tp, min=1, max=64, description="tp",
                                    layout=W.Layout(width="90px"), style=wide,
                                    tooltip="tensor-parallel shards of every stage (pv.launch(..., tp=K))")
+        self.sequence_parallel = W.Checkbox(
+            value=self.config.sequence_parallel, description="seq. parallel", indent=False,
+            disabled=self.config.tp == 1, layout=W.Layout(width="110px"),
+            tooltip="with tp > 1: norms, dropout and the residual stream split by token between the sharded "
+                    "regions (pv.launch(..., sequence_parallel=True))")
+        self.sequence_parallel.add_class("pipeviz-sequence-parallel")
         self.mesh_view = W.HTML(layout=W.Layout(max_width="100%", overflow="auto"))
         self.mesh_view.add_class("pipeviz-mesh")
         self.mode = W.ToggleButtons(options=list(MODES), value=mode, description="run",
@@ -223,8 +230,8 @@ class Explorer(W.VBox):
                                     layout=W.Layout(width="170px"), style=wide)
         self.recompute.add_class("pipeviz-recompute")
         # every control the run is described by (steps too: the simulation carries the whole LaunchConfig)
-        for w in (self.schedule, self.microbatches, self.steps, self.mode, self.dp, self.tp, self.hardware,
-                  self.recompute):
+        for w in (self.schedule, self.microbatches, self.steps, self.mode, self.dp, self.tp, self.sequence_parallel,
+                  self.hardware, self.recompute):
             w.observe(self._on_controls, "value")
         self.hint = W.HTML()
         self.hint.add_class("pipeviz-hint")
@@ -276,7 +283,7 @@ class Explorer(W.VBox):
             W.HBox([self.stages, self.balance_by, self.balance_button, self.undo_button, self.redo_button],
                    layout=box()),
             W.HBox([self.mode, self.schedule, self.microbatches, self.steps], layout=box()),
-            W.HBox([self.dp, self.tp, self.hardware, self.recompute], layout=box()),
+            W.HBox([self.dp, self.tp, self.sequence_parallel, self.hardware, self.recompute], layout=box()),
             self.hint, self.cost_note, self.refused,
         ], layout=W.Layout(max_width="100%"))
         # Launch sits under the controls that describe the run, its refusals and failures under it: graph, controls,
@@ -448,7 +455,8 @@ class Explorer(W.VBox):
             schedule=schedule, microbatches=self.microbatches.value, steps=self.steps.value,
             stages_per_rank=self.config.stages_per_rank if sched.info(schedule).multi else None,
             loss_fn=None if infer else self.loss_fn or cross_entropy, optimizer=None if infer else self.optimizer,
-            devices=self.devices, dp=self.dp.value, tp=self.tp.value)
+            devices=self.devices, dp=self.dp.value, tp=self.tp.value,
+            sequence_parallel=bool(self.sequence_parallel.value) and self.tp.value > 1)
 
     @guarded
     def cost_options(self) -> pv.CostOptions:
@@ -543,6 +551,7 @@ class Explorer(W.VBox):
 
     @guarded
     def _on_controls(self, change: Change[object]) -> None:
+        self.sequence_parallel.disabled = self.tp.value == 1  # nothing to split the tokens over
         self._clear_error()
         self._refresh_simulation()
         if self.pipe_button.value:
@@ -696,7 +705,7 @@ class Explorer(W.VBox):
 
     def _setting_controls(self) -> dict[str, W.Widget]:
         return {"schedule": self.schedule, "microbatches": self.microbatches, "steps": self.steps, "dp": self.dp,
-                "tp": self.tp}
+                "tp": self.tp, "sequence_parallel": self.sequence_parallel}
 
     def _refresh_simulation(self) -> None:
         self.sim = None

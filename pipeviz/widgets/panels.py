@@ -324,6 +324,9 @@ def mesh_html(plan: SplitPlan, config: pv.LaunchConfig) -> str:
             lines = shard_summary(plan.graph.model, sharded_modules(plan, config.tp_plan, mesh.tp), mesh.tp)
         except Exception:  # a tp_plan Launch refuses: said at the controls
             lines = []
+        if config.sequence_parallel:
+            lines.append(f"sequence parallel: between the sharded regions (norms, dropout, the residual stream) "
+                         f"each shard holds 1/{mesh.tp} of the tokens")
         shards = "".join(f"<div class='pipeviz-shards' style='overflow-wrap:anywhere'>{html.escape(line)}</div>"
                          for line in lines)
     what = " × ".join(f"{getattr(mesh, d)} {_DIM_WORDS[d]}" for d in mesh.dims)
