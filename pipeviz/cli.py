@@ -120,7 +120,8 @@ def _section(name: str, a: argparse.Namespace) -> Section:
         print(f"  planned for {a.cluster_gpus} x {cluster.hardware.name}, global batch {batch}:\n"
               + "\n".join("    " + line for line in cluster.table(3).splitlines()))
     config = pv.LaunchConfig(schedule=a.schedule, microbatches=a.microbatches, steps=a.steps, devices=a.devices,
-                             stages_per_rank=spr, loss_fn=loss, optimizer=pv.sgd(lr=0.05))
+                             stages_per_rank=spr, loss_fn=loss, optimizer=pv.sgd(lr=0.05),
+                             clip_grad_norm=a.clip_grad_norm, loss_reduction=a.loss_reduction)
     simulated = pv.simulate(run_plan, config)  # the run's own description: what is simulated is what launches
     run = pv.launch(run_plan, config=config, inputs=inputs, target=target)
     _progress(run, f"{a.schedule} on {run.layout.num_ranks} processes")
@@ -132,6 +133,9 @@ def _section(name: str, a: argparse.Namespace) -> Section:
     tl = run.timeline()
     print(f"  measured step {tl.step_time * 1e3:.2f} ms (simulated {simulated.step_time * 1e3:.2f} ms), "
           f"bubble {tl.bubble_fraction:.0%}; losses {', '.join(f'{x:.4f}' for x in run.losses)}")
+    if run.grad_norms:
+        print(f"  gradient norms before clipping at {a.clip_grad_norm}: "
+              f"{', '.join(f'{x:.4f}' for x in run.grad_norms)}")
     print(f"  {check}")
     notes = list(graph.notes)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -207,6 +211,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--steps", type=int, default=5, help="optimizer steps of the demo run (default 5: a timeline "
                    "with steady steps to compare with the simulation)")
     d.add_argument("--devices", default=launch.devices, help="auto, cpu, cuda, or a comma-separated list per rank")
+    d.add_argument("--clip-grad-norm", type=float, default=launch.clip_grad_norm,
+                   help="clip the gradients by their global norm across stages (default: no clipping)")
+    d.add_argument("--loss-reduction", default=launch.loss_reduction, choices=list(pv.training.LOSS_REDUCTIONS),
+                   help="mean: each microbatch's mean averaged; token_mean: over the whole step's valid tokens")
     d.add_argument("--output", default="pipeviz-report.html")
     d.add_argument("--cluster-hardware", default="h100", help="the named cluster the report also plans for")
     d.add_argument("--cluster-gpus", type=int, default=8, help="its GPU count (0: no cluster plan)")

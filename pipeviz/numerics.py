@@ -70,8 +70,19 @@ class NumericsCheck:
                 f"{self.tensors} tensors (worst: {self.worst or '-'}; tolerance {self.tolerance:g}){note}")
 
 
-def check_numerics(run: Run, tolerance: float = TOLERANCE, device: str | torch.device = "cpu") -> NumericsCheck:
+REFERENCES = ("same microbatching", "whole batch")
+
+
+def check_numerics(run: Run, tolerance: float = TOLERANCE, device: str | torch.device = "cpu",
+                   reference: str = "same microbatching") -> NumericsCheck:
     """Train the unsplit model as ``run`` trained its pipeline and compare.
+
+    ``reference="whole batch"`` trains it instead on each step's whole batch at once with the loss the batch
+    means: ``pv.cross_entropy``'s mean over every valid token of the step (target not -100). A run whose
+    ``loss_reduction`` is ``"mean"`` averages each microbatch's own mean, which weighs a token of a microbatch
+    with few valid tokens more: the check then says by how much it differs, and the fix
+    (``loss_reduction="token_mean"``). A model with batch statistics (BatchNorm) differs on the whole batch in
+    any case.
 
     A forward-only run (no ``loss_fn``) is compared the same way: the unsplit model runs forward on the same
     batches and microbatches, and ``run.outputs`` is compared with its outputs (``output_diff``), and the
@@ -81,6 +92,7 @@ def check_numerics(run: Run, tolerance: float = TOLERANCE, device: str | torch.d
         run: a finished ``pv.Run`` (``run.wait()`` first).
         tolerance: the largest absolute difference accepted (default 1e-5, float32).
         device: where the unsplit model trains.
+        reference: ``"same microbatching"`` (default) or ``"whole batch"``.
 
     Raises:
         RuntimeError: the run has not finished successfully.
@@ -89,6 +101,8 @@ def check_numerics(run: Run, tolerance: float = TOLERANCE, device: str | torch.d
 
     if run.status != "done":
         raise RuntimeError(f"check_numerics() needs a finished run; status is {run.status!r}. Fix: run.wait().")
+    if reference not in REFERENCES:
+        raise ValueError(f"reference must be one of {', '.join(map(repr, REFERENCES))}, got {reference!r}.")
     spec, graph = run.spec, run.plan.graph
     if spec.data is not None and run.batches is None:
         raise RuntimeError("check_numerics() needs the batches a data= run trained on; this run's were over "
@@ -104,12 +118,25 @@ def check_numerics(run: Run, tolerance: float = TOLERANCE, device: str | torch.d
         check = _check_outputs(run, model, batches, tolerance, device, draws)
     else:
         assert spec.target is not None  # a training run's (validate_launch)
+        whole = reference == "whole batch"
+        from pipeviz.training import cross_entropy
+
+        reduction = ("token_mean" if spec.loss_fn is cross_entropy else "mean") if whole else \
+            spec.config.loss_reduction
         ref_losses, ref_state = train_reference(
             model, spec.args, spec.target, loss_fn=spec.loss_fn, optimizer=spec.optimizer,
-            microbatches=spec.microbatches * spec.dp,
+            microbatches=1 if whole else spec.microbatches * spec.dp,
             steps=spec.steps or len(run.losses), input_kwargs=spec.kwargs or None, fixups=graph.capture.fixups,
-            device=device, batches=batches, replicas=spec.dp, draws=draws)
+            device=device, batches=batches, replicas=1 if whole else spec.dp, draws=draws,
+            clip_grad_norm=spec.config.clip_grad_norm, loss_reduction=reduction)
         check = compare_to_reference(run.losses, run.state_dict(), ref_losses, ref_state, tolerance)
+        if whole and not check.ok and spec.config.loss_reduction == "mean" and spec.loss_fn is cross_entropy:
+            check = replace(check, note=(
+                f"Trained on the whole batch with its mean over every valid token, the unsplit model's losses "
+                f"differ by up to {check.loss_diff:.2e} and its parameters by {check.param_diff:.2e}: the run "
+                f"averages each of its {spec.microbatches * spec.dp} microbatches' own means, which weighs a token "
+                "of a microbatch with fewer valid tokens (target not -100) more. Fix: "
+                "loss_reduction='token_mean' (the sum over valid tokens over their count in the whole step)"))
     return replace(check, note=_randomness(run, draws, device)) if draws is not None else check
 
 

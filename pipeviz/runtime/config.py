@@ -53,6 +53,14 @@ class LaunchConfig:
         timeout: seconds without progress before the run is declared hung and stopped.
         pin_cpus: on the CPU, give each process its own cores (``pv.launch``).
         on_nonfinite: a NaN or inf loss or gradient: ``"stop"`` the run or ``"continue"`` and record it.
+        clip_grad_norm: clip the gradients by their global norm over every stage, replica and shard (as
+            ``torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)`` on the unsplit model) before
+            each optimizer step; ``run.grad_norms`` holds each step's norm. None: no clipping.
+        loss_reduction: with ``pv.cross_entropy``, how a step's loss is reduced over its tokens: ``"mean"`` (each
+            microbatch's mean, averaged over the microbatches: torch's schedules' way), ``"sum"``, or
+            ``"token_mean"`` (the sum over valid tokens, target not -100, divided by their count in the whole step
+            over every microbatch and replica, as torchtitan and Megatron-LM compute it: microbatches with
+            different counts of valid tokens then weigh as the whole batch does).
         init_seed: a meta model without weights: the seed of each rank's own initialisation.
         dp: data-parallel replicas of the pipeline (``pv.Mesh(pp, dp, tp)``).
         dp_shard: with ``dp`` > 1, shard each stage's parameters, gradients and optimizer state across the
@@ -87,6 +95,8 @@ class LaunchConfig:
     timeout: float = 120.0
     pin_cpus: bool = True
     on_nonfinite: str = "stop"
+    clip_grad_norm: float | None = None
+    loss_reduction: str = "mean"
     init_seed: int = 0
     dp: int = 1
     dp_shard: bool = False
@@ -133,6 +143,8 @@ class LaunchOptions(TypedDict, total=False):
     timeout: float
     pin_cpus: bool
     on_nonfinite: str
+    clip_grad_norm: float | None
+    loss_reduction: str
     init_seed: int
     dp: int
     dp_shard: bool

@@ -17,8 +17,8 @@ from typing import Any, ClassVar
 from pipeviz.mesh import Coords
 from pipeviz.timeline import Event
 
-__all__ = ["Batch", "Done", "End", "Events", "Failed", "Feed", "Loss", "Memory", "Message", "NonFinite", "Output",
-           "Phase", "State", "StepEnd"]
+__all__ = ["Batch", "Done", "End", "Events", "Failed", "Feed", "GradNorm", "Loss", "Memory", "Message", "NonFinite",
+           "Output", "Phase", "State", "StepEnd"]
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,15 @@ class StepEnd(Message):
 
     step: int
     time: float
+
+
+@dataclass(frozen=True)
+class GradNorm(Message):
+    """The global norm of step ``step``'s gradients (every stage, replica and shard together), before clipping:
+    sent by process 0 when the run clips (``clip_grad_norm``)."""
+
+    step: int
+    value: float
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from pipeviz.runtime.messages import (
     Done,
     Events,
     Failed,
+    GradNorm,
     Loss,
     Memory,
     Message,
@@ -66,6 +67,7 @@ class Reducer:
         self.world = world
         self.events: list[Event] = []
         self.losses: list[float] = []
+        self.grad_norms: list[float] = []
         self.memory: dict[int, list[tuple[float, int]]] = {}
         self.activation_memory: dict[int, list[tuple[float, int]]] = {}
         self.nonfinite: list[tuple[int, str]] = []
@@ -89,6 +91,8 @@ class Reducer:
             self.activation_memory.setdefault(msg.rank, []).extend((t, act) for t, _, act in msg.samples)
         elif isinstance(msg, Loss):  # one per step: the global batch's, from replica 0's shard 0
             self.losses.append(msg.value)
+        elif isinstance(msg, GradNorm):  # one per step, from process 0, when the run clips
+            self.grad_norms.append(msg.value)
         elif isinstance(msg, Output):
             up.output = (msg.step, msg.coords.dp, torch.load(io.BytesIO(msg.data)))
         elif isinstance(msg, StepEnd):

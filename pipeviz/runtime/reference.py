@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,9 @@ def train_reference(
     batches: Sequence[tuple[tuple[object, ...], Mapping[str, object], object]] | None = None,
     replicas: int = 1,
     draws: RunDraws | None = None,
+    clip_grad_norm: float | None = None,
+    grad_norms: list[float] | None = None,
+    loss_reduction: str = "mean",
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train a deep copy of ``model`` on ``device``; returns (mean loss per step, final state_dict on the CPU).
 
@@ -59,7 +63,10 @@ def train_reference(
     ``input_kwargs`` and ``target`` every step. ``replicas``: a data-parallel run's (``microbatches`` counts
     them all: each replica runs ``microbatches // replicas`` of them); the gradients are the same, and the
     buffers (running statistics) follow replica 0's microbatches only, as each replica keeps its own.
-    ``draws``: a run's random draws (``pipeviz.rng.RunDraws``): dropout draws what the run's stages drew."""
+    ``draws``: a run's random draws (``pipeviz.rng.RunDraws``): dropout draws what the run's stages drew.
+    ``clip_grad_norm``: ``torch.nn.utils.clip_grad_norm_`` before each step, its norms appended to ``grad_norms``.
+    ``loss_reduction`` (``LaunchConfig.loss_reduction``): ``"sum"`` and ``"token_mean"`` add up each
+    microbatch's summed cross-entropy (divided, for the token mean, by the step's count of valid tokens)."""
     model = _copy(model, fixups, device)
     opt = (optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.1)))(list(model.parameters()))
     if batches is None:
@@ -67,18 +74,35 @@ def train_reference(
     losses = []
     for n, (arg_mbs, kw_mbs, tgt) in enumerate(_microbatched(batches, microbatches, device)):
         step = []
+        if loss_reduction != "mean":
+            from pipeviz.training import IGNORE_INDEX
+
+            valid = float((tgt != IGNORE_INDEX).sum()) if loss_reduction == "token_mean" else 1.0
+            loss_fn = functools.partial(_share_of_sum, count=max(valid, 1.0))
         for i, (a, k, t) in enumerate(zip(arg_mbs, kw_mbs, torch.tensor_split(tgt, microbatches), strict=True)):
             # (the backward too: BatchNorm's saves its running statistics, which must not change before it)
             with _buffers_of_replica_0(model, i * replicas // microbatches):
                 with draws.forward(n, i) if draws is not None else contextlib.nullcontext():
                     out = model(*a, **k)
                 loss = loss_fn(model_output(out), t)
-                (loss / microbatches).backward()
+                (loss / microbatches if loss_reduction == "mean" else loss).backward()
             step.append(loss.detach())
+        if clip_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+            if grad_norms is not None:
+                grad_norms.append(float(norm))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(torch.stack(step).mean()))
+        total = torch.stack(step)
+        losses.append(float(total.mean() if loss_reduction == "mean" else total.sum()))
     return losses, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def _share_of_sum(output: torch.Tensor, target: torch.Tensor, count: float) -> torch.Tensor:
+    """A microbatch's summed cross-entropy over ``count`` (the step's valid tokens, or 1 for a sum)."""
+    from pipeviz.training import summed_cross_entropy
+
+    return summed_cross_entropy(output, target) / count
 
 
 @positional_legacy("microbatches", "steps", "input_kwargs", "fixups", "device", "batches", "replicas")

@@ -60,6 +60,8 @@ class Run(RunResults):
             ``"rank 1: stage 1 ready"``, ``"step 2/5"``); ``phases`` lists every phase with its time.
         events: ``Event`` list, growing while the run goes.
         losses: mean loss per finished step (the loss of each microbatch, averaged).
+        grad_norms: with ``clip_grad_norm``, the global norm of each step's gradients (every stage, replica and
+            shard together) before clipping, as ``torch.nn.utils.clip_grad_norm_`` returns it on the unsplit model.
         outputs: a forward-only run's (no ``loss_fn``) output for the whole batch at each step, in the model's
             output structure, on the CPU (microbatches joined back along the batch dim).
         error: for a failed run, the root cause first (which rank and stage, what failed, on what), then its
@@ -86,6 +88,7 @@ class Run(RunResults):
         self._reducer = Reducer(spec.mesh.world)  # every message folded in, as Watch does (runtime.reducer)
         self.events: list[Event] = self._reducer.events
         self.losses: list[float] = self._reducer.losses
+        self.grad_norms: list[float] = self._reducer.grad_norms
         self.outputs: list[Any] = []
         self.error: str | None = None
         self._feeder: Feeder | None = None  # a data= run's batches, streamed to the ranks (runtime.feed)

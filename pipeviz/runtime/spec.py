@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -147,6 +148,10 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
     _check_dp_shard(config)
     with _setting("sequence_parallel"):
         _check_sequence_parallel(plan, config)
+    with _setting("clip_grad_norm"):
+        _check_clip(config)
+    with _setting("loss_reduction"):
+        _check_loss_reduction(config)
     if not (steps is None and data is not None) and (not isinstance(steps, int) or isinstance(steps, bool)
                                                      or steps < 1):
         raise LaunchError(f"steps must be a positive int, got {steps!r} (steps=None runs until data= runs out).",
@@ -231,6 +236,31 @@ def _check_model_unchanged(plan: SplitPlan) -> None:
             raise LaunchError(f"The model's {canon!r} is {now}, not what pv.trace saw ({numel:,} elements, "
                               f"{cap.param_bytes.get(canon, 0):,} bytes): the model changed after it was traced. "
                               "Fix: trace it again (pv.trace) and split the new graph.")
+
+
+def _check_loss_reduction(config: LaunchConfig) -> None:
+    from pipeviz.training import LOSS_REDUCTIONS, cross_entropy
+
+    value = config.loss_reduction
+    if not isinstance(value, str) or value not in LOSS_REDUCTIONS:
+        raise LaunchError(f"loss_reduction must be one of {', '.join(map(repr, LOSS_REDUCTIONS))}, got {value!r}. "
+                          "Fix: loss_reduction='token_mean' for the mean over the whole step's valid tokens.")
+    if value != "mean" and config.loss_fn is not cross_entropy:
+        raise LaunchError(f"loss_reduction={value!r} reduces pv.cross_entropy's per-token losses, but loss_fn is "
+                          f"{getattr(config.loss_fn, '__name__', config.loss_fn)!r}. Fix: loss_fn=pv.cross_entropy, "
+                          "or loss_reduction='mean' (your loss_fn's own reduction per microbatch).")
+
+
+def _check_clip(config: LaunchConfig) -> None:
+    value = config.clip_grad_norm
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise LaunchError(f"clip_grad_norm must be a positive number (the largest global gradient norm a step "
+                          f"keeps) or None, got {value!r}. Fix: clip_grad_norm=1.0, or None for no clipping.")
+    if config.loss_fn is None:
+        raise LaunchError("clip_grad_norm= was given without a loss_fn: a forward-only run has no gradients. Fix: "
+                          "pass loss_fn=... to train, or drop clip_grad_norm.")
 
 
 def _check_sequence_parallel(plan: SplitPlan, config: LaunchConfig) -> None:

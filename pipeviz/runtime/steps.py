@@ -22,6 +22,7 @@ from pipeviz import schedules as sched
 from pipeviz.runtime.clock import Clock
 from pipeviz.runtime.messages import (
     End,
+    GradNorm,
     Loss,
     NonFinite,
     Output,
@@ -43,15 +44,57 @@ __all__ = ["average_replicas", "averaged_after_step", "build_schedule", "infer",
 def build_schedule(p: RankPayload, stages: list[PipelineStage]) -> Schedule:
     from torch.distributed.pipelining import schedules as torch_schedules
 
-    loss_fn = _named_loss(p.loss_fn, p) if p.loss_fn is not None else None
+    loss_fn = _named_loss(_reduced(p), p) if p.loss_fn is not None else None
+    schedule: Schedule
     if p.order is not None:  # a custom order (LaunchConfig.order), run by torch's own runtime
         from pipeviz.adapter import runtime_schedule
 
-        return runtime_schedule(stages, p.order, p.microbatches, loss_fn)
-    cls = torch_schedules.get_schedule_class(p.schedule)
-    if not sched.info(p.schedule).multi:
-        return cls(stages[0], n_microbatches=p.microbatches, loss_fn=loss_fn)  # one stage per rank
-    return cls(stages, n_microbatches=p.microbatches, loss_fn=loss_fn)
+        schedule = runtime_schedule(stages, p.order, p.microbatches, loss_fn)
+    else:
+        cls = torch_schedules.get_schedule_class(p.schedule)
+        if not sched.info(p.schedule).multi:
+            schedule = cls(stages[0], n_microbatches=p.microbatches, loss_fn=loss_fn)  # one stage per rank
+        else:
+            schedule = cls(stages, n_microbatches=p.microbatches, loss_fn=loss_fn)
+    if p.loss_reduction != "mean":  # the loss is already the step's share: no division by the microbatches
+        schedule.scale_grads = False
+    return schedule
+
+
+# loss_reduction "sum" / "token_mean": the factor this step's summed microbatch losses take (one rank per process)
+_STEP_SCALE = [1.0]
+
+
+def _reduced(p: RankPayload) -> Callable[..., torch.Tensor]:
+    """The loss each microbatch computes: ``p.loss_fn`` under ``"mean"``; else ``summed_cross_entropy`` times
+    this step's factor (``_step_scale``)."""
+    from pipeviz.training import summed_cross_entropy
+
+    assert p.loss_fn is not None
+    if p.loss_reduction == "mean":
+        return p.loss_fn
+
+    def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return summed_cross_entropy(output, target) * _STEP_SCALE[0]
+
+    return loss
+
+
+def _step_scale(p: RankPayload, target: object, dp_group: ProcessGroup | None) -> float:
+    """The factor of a step's summed losses: replicas' gradients are averaged (DDP), so ``dp`` for a sum, and
+    ``dp / valid tokens of the whole step`` (every replica's, counted here: one all-reduce) for a token mean."""
+    import torch.distributed as dist
+
+    from pipeviz.training import IGNORE_INDEX
+
+    dp = p.mesh.dp if p.mesh is not None else 1
+    if p.loss_reduction == "sum":
+        return float(dp)
+    count = torch.tensor([float((target != IGNORE_INDEX).sum()) if isinstance(target, torch.Tensor) else 0.0],
+                         dtype=torch.float64)
+    if dp_group is not None:
+        dist.all_reduce(count, group=dp_group)
+    return dp / max(float(count.item()), 1.0)
 
 
 def _named_loss(loss_fn: Callable[..., torch.Tensor], p: RankPayload) -> Callable[[object, object], torch.Tensor]:
@@ -89,6 +132,8 @@ def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, 
         call_kwargs: dict[str, Any] = dict(kwargs) if first else {}
         if last:
             call_kwargs.update(target=target, losses=losses)
+            if p.loss_reduction != "mean":
+                _STEP_SCALE[0] = _step_scale(p, target, dp_group)
         with _loss_parallel(p):
             schedule.step(*(args if first else ()), **call_kwargs)
         if p.tp_placements:
@@ -96,7 +141,9 @@ def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, 
         if dp_group is not None and averaged_after_step(p):
             average_replicas(params, dp_group, p.mesh.dp, clock, p.rank, step)
         _sync_tied(local, p.tied, groups)
-        loss = float(torch.stack([full_tensor(x).detach().float() for x in losses]).mean()) if last else 0.0
+        # the step's loss: each microbatch's mean averaged ("mean"), or the pieces of the step's sum added up
+        pieces = torch.stack([full_tensor(x).detach().float() for x in losses]) if last else None
+        loss = 0.0 if pieces is None else float(pieces.mean() if p.loss_reduction == "mean" else pieces.sum())
         if last and dp_group is not None:  # the global batch's loss: the replicas' mean (shards agree)
             total = torch.tensor([loss], dtype=torch.float64)
             dist.all_reduce(total, group=dp_group)
@@ -109,6 +156,10 @@ def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, 
         if flag.item() and p.on_nonfinite == "stop":
             clock.flush(force=True)
             return False
+        if p.clip_grad_norm is not None:
+            norm = clip_global_norm(p, params, names, p.clip_grad_norm)
+            if p.rank == 0:
+                clock.post(GradNorm(p.rank, p.coords, step, norm))
         optimizer.step()
         clock.meter.count_static(params, optimizer)  # gradients and optimizer state as they stand at step end
         optimizer.zero_grad(set_to_none=True)
@@ -218,6 +269,48 @@ def average_replicas(params: list[torch.nn.Parameter], group: ProcessGroup | Non
         flat /= replicas
         for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
             g.copy_(reduced)
+
+
+def clip_global_norm(p: RankPayload, params: list[torch.nn.Parameter], names: dict[int, str],
+                     max_norm: float) -> float:
+    """Clip every gradient of the run by their global norm, as ``torch.nn.utils.clip_grad_norm_`` does on the
+    unsplit model (``max_norm / (norm + 1e-6)``, at most 1); returns the norm before clipping, the same on every
+    process. Each parameter is counted once over the whole run: a shared (tied) one on the lowest pipeline rank
+    holding a copy, a replicated tensor-parallel one on shard 0, a replica's on replica 0 (DDP left them equal;
+    FSDP2's shards each count theirs), a sharded one on every shard (its local part)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    me = p.mesh.coords(p.rank) if p.mesh is not None else None
+    total = torch.zeros((), dtype=torch.float64)
+    counted: set[str] = set()
+    for t in params:
+        g = t.grad
+        if g is None:
+            continue
+        canon = names.get(id(t), "")
+        if canon in p.tied:
+            if canon in counted or (me is not None and min(p.tied[canon]) != me.pp) or (
+                    me is None and min(p.tied[canon]) != p.rank):
+                continue
+            counted.add(canon)
+        over_dp = not p.dp_shard  # replicas hold equal gradients, unless FSDP2 shards them
+        if isinstance(g, DTensor):
+            mesh = g.device_mesh
+            if any(pl.is_replicate() and mesh.get_local_rank(i) != 0 for i, pl in enumerate(g.placements)):
+                continue
+        if over_dp and me is not None and me.dp != 0:
+            continue
+        total += local_tensor(g).detach().double().pow(2).sum().cpu()
+    dist.all_reduce(total)
+    norm = float(total.sqrt())
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        with torch.no_grad():
+            for t in params:
+                if t.grad is not None:
+                    local_tensor(t.grad).mul_(coef)
+    return norm
 
 
 def _settle_grads(params: list[torch.nn.Parameter]) -> None:

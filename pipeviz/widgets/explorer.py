@@ -63,6 +63,8 @@ class ExplorerOptions(TypedDict, total=False):
     timeout: float
     pin_cpus: bool
     on_nonfinite: str
+    clip_grad_norm: float | None
+    loss_reduction: str
     init_seed: int
     dp: int
     dp_shard: bool
