@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 import pipeviz as pv
 from pipeviz import zoo
+from pipeviz.runtime.loss import LOSS_REDUCTIONS
 
 if TYPE_CHECKING:
     from pipeviz.widgets.report import Section
@@ -213,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--devices", default=launch.devices, help="auto, cpu, cuda, or a comma-separated list per rank")
     d.add_argument("--clip-grad-norm", type=float, default=launch.clip_grad_norm,
                    help="clip the gradients by their global norm across stages (default: no clipping)")
-    d.add_argument("--loss-reduction", default=launch.loss_reduction, choices=list(pv.training.LOSS_REDUCTIONS),
+    d.add_argument("--loss-reduction", default=launch.loss_reduction, choices=list(LOSS_REDUCTIONS),
                    help="mean: each microbatch's mean averaged; token_mean: over the whole step's valid tokens")
     d.add_argument("--output", default="pipeviz-report.html")
     d.add_argument("--cluster-hardware", default="h100", help="the named cluster the report also plans for")

@@ -19,28 +19,13 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from pipeviz.graphview import GraphView
 
-__all__ = ["LOSS_REDUCTIONS", "cross_entropy", "default_target", "random_classes", "sgd", "summed_cross_entropy"]
-
-# How a step's loss is reduced over the batch's tokens (``LaunchConfig.loss_reduction``):
-LOSS_REDUCTIONS = {
-    "mean": "the loss_fn's own mean in each microbatch, averaged over the microbatches (torch's schedules' way)",
-    "sum": "the sum over every token of the step's batch",
-    "token_mean": "the sum over every valid token (target not ignore_index) divided by the count of valid tokens "
-                  "in the whole step's batch, over every microbatch and replica (torchtitan's and Megatron's)",
-}
-IGNORE_INDEX = -100  # torch's cross_entropy default: a target position that counts for nothing
+__all__ = ["cross_entropy", "default_target", "random_classes", "sgd"]
 
 
 def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy treating the output's last dim as classes: ``(batch, classes)`` for a classifier,
     ``(batch, seq, vocab)`` for a language model (target ``(batch,)`` or ``(batch, seq)``)."""
     return F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), target.reshape(-1))
-
-
-def summed_cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """``cross_entropy`` summed over the tokens instead of averaged (positions whose target is -100 count for
-    nothing): the piece ``loss_reduction="sum"`` and ``"token_mean"`` add up and divide."""
-    return F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), target.reshape(-1), reduction="sum")
 
 
 def sgd(lr: float = 0.1, momentum: float = 0.0) -> functools.partial[torch.optim.SGD]:

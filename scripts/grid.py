@@ -109,9 +109,11 @@ TOOLS = ("pytest==9.2.0", "pytest-timeout==2.4.0", "psutil==7.2.2", "cloudpickle
 # - tests/test_custom_order.py: a custom order run by torch's private _PipelineScheduleRuntime (5 s).
 # - tests/test_tensor_parallel_hf.py: HF models on DTensors (torch's sharding rules and private handler table,
 #   transformers' ops and masks differ by version; 60-90 s).
+# - tests/test_loss_reduction.py: the schedules' scale_grads switch and loss_parallel's summed cross-entropy
+#   (torch's attributes; 15 s).
 TESTS = ("tests/test_adapter.py", "tests/test_regions.py", "tests/test_runtime.py", "tests/test_families.py",
          "tests/test_compat.py", "tests/test_hf_moe.py", "tests/test_custom_order.py",
-         "tests/test_tensor_parallel_hf.py")
+         "tests/test_tensor_parallel_hf.py", "tests/test_loss_reduction.py")
 TRAIN_ROWS = ("Llama", "GPT-NeoX", "Qwen2-MoE", "mBART")
 META_ROWS = ("GPT-2", "Llama", "GPT-NeoX", "Qwen2-MoE", "Mixtral", "BERT", "T5")
 

@@ -75,7 +75,7 @@ def train_reference(
     for n, (arg_mbs, kw_mbs, tgt) in enumerate(_microbatched(batches, microbatches, device)):
         step = []
         if loss_reduction != "mean":
-            from pipeviz.training import IGNORE_INDEX
+            from pipeviz.runtime.loss import IGNORE_INDEX
 
             valid = float((tgt != IGNORE_INDEX).sum()) if loss_reduction == "token_mean" else 1.0
             loss_fn = functools.partial(_share_of_sum, count=max(valid, 1.0))
@@ -100,7 +100,7 @@ def train_reference(
 
 def _share_of_sum(output: torch.Tensor, target: torch.Tensor, count: float) -> torch.Tensor:
     """A microbatch's summed cross-entropy over ``count`` (the step's valid tokens, or 1 for a sum)."""
-    from pipeviz.training import summed_cross_entropy
+    from pipeviz.runtime.loss import summed_cross_entropy
 
     return summed_cross_entropy(output, target) / count
 

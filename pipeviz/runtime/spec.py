@@ -239,7 +239,8 @@ def _check_model_unchanged(plan: SplitPlan) -> None:
 
 
 def _check_loss_reduction(config: LaunchConfig) -> None:
-    from pipeviz.training import LOSS_REDUCTIONS, cross_entropy
+    from pipeviz.runtime.loss import LOSS_REDUCTIONS
+    from pipeviz.training import cross_entropy
 
     value = config.loss_reduction
     if not isinstance(value, str) or value not in LOSS_REDUCTIONS:

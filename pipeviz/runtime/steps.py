@@ -68,7 +68,7 @@ _STEP_SCALE = [1.0]
 def _reduced(p: RankPayload) -> Callable[..., torch.Tensor]:
     """The loss each microbatch computes: ``p.loss_fn`` under ``"mean"``; else ``summed_cross_entropy`` times
     this step's factor (``_step_scale``)."""
-    from pipeviz.training import summed_cross_entropy
+    from pipeviz.runtime.loss import summed_cross_entropy
 
     assert p.loss_fn is not None
     if p.loss_reduction == "mean":
@@ -85,7 +85,7 @@ def _step_scale(p: RankPayload, target: object, dp_group: ProcessGroup | None) -
     ``dp / valid tokens of the whole step`` (every replica's, counted here: one all-reduce) for a token mean."""
     import torch.distributed as dist
 
-    from pipeviz.training import IGNORE_INDEX
+    from pipeviz.runtime.loss import IGNORE_INDEX
 
     dp = p.mesh.dp if p.mesh is not None else 1
     if p.loss_reduction == "sum":

@@ -39,6 +39,7 @@ class Watch:
         self._reducer = Reducer()
         self.events: list[Event] = self._reducer.events
         self.losses: list[float] = self._reducer.losses
+        self.grad_norms: list[float] = self._reducer.grad_norms
         self.memory = self._reducer.memory
         self.activation_memory = self._reducer.activation_memory
         self.nonfinite = self._reducer.nonfinite
