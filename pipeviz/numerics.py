@@ -81,8 +81,8 @@ def check_numerics(run: Run, tolerance: float = TOLERANCE, device: str | torch.d
     means: ``pv.cross_entropy``'s mean over every valid token of the step (target not -100). A run whose
     ``loss_reduction`` is ``"mean"`` averages each microbatch's own mean, which weighs a token of a microbatch
     with few valid tokens more: the check then says by how much it differs, and the fix
-    (``loss_reduction="token_mean"``). A model with batch statistics (BatchNorm) differs on the whole batch in
-    any case.
+    (``loss_reduction="token_mean"``). A model with batch statistics (BatchNorm) or dropout differs on the whole
+    batch in any case (its statistics and random draws follow the microbatches): check those with dropout 0.
 
     A forward-only run (no ``loss_fn``) is compared the same way: the unsplit model runs forward on the same
     batches and microbatches, and ``run.outputs`` is compared with its outputs (``output_diff``), and the

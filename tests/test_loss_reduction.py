@@ -99,3 +99,15 @@ def test_a_reduction_that_cannot_work_is_refused_before_any_process() -> None:
         pv.launch(plan, "1F1B", 4, steps=1, loss_fn=mse, loss_reduction="token_mean", **kw)
     run_like = pv.LaunchConfig(loss_fn=pv.cross_entropy, loss_reduction="token_mean")
     assert run_like.loss_reduction == "token_mean"
+
+
+def test_the_explorer_keeps_the_training_options_and_its_infer_mode_runs_without_them() -> None:
+    """An Explorer built with a token mean and a clip launches them in train mode; in infer mode (no loss) the
+    same settings are neither refused nor sent."""
+    pytest.importorskip("ipywidgets")
+    model, ids, _ = _batch()
+    ex = pv.Explorer(model, example_args=(ids,), loss_reduction="token_mean", clip_grad_norm=0.5)
+    cfg = ex.launch_config()
+    assert cfg.loss_reduction == "token_mean" and cfg.clip_grad_norm == 0.5 and ex.refusal is None
+    ex.mode.value = "infer"
+    assert ex.refusal is None and ex.launch_config().clip_grad_norm is None and ex.launch_config().loss_fn is None

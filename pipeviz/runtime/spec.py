@@ -246,7 +246,8 @@ def _check_loss_reduction(config: LaunchConfig) -> None:
     if not isinstance(value, str) or value not in LOSS_REDUCTIONS:
         raise LaunchError(f"loss_reduction must be one of {', '.join(map(repr, LOSS_REDUCTIONS))}, got {value!r}. "
                           "Fix: loss_reduction='token_mean' for the mean over the whole step's valid tokens.")
-    if value != "mean" and config.loss_fn is not cross_entropy:
+    if value != "mean" and config.loss_fn is not None and config.loss_fn is not cross_entropy:
+        # (a forward-only run, no loss_fn, reduces nothing: the Explorer's infer mode keeps the setting)
         raise LaunchError(f"loss_reduction={value!r} reduces pv.cross_entropy's per-token losses, but loss_fn is "
                           f"{getattr(config.loss_fn, '__name__', config.loss_fn)!r}. Fix: loss_fn=pv.cross_entropy, "
                           "or loss_reduction='mean' (your loss_fn's own reduction per microbatch).")

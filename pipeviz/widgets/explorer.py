@@ -457,6 +457,7 @@ class Explorer(W.VBox):
             schedule=schedule, microbatches=self.microbatches.value, steps=self.steps.value,
             stages_per_rank=self.config.stages_per_rank if sched.info(schedule).multi else None,
             loss_fn=None if infer else self.loss_fn or cross_entropy, optimizer=None if infer else self.optimizer,
+            clip_grad_norm=None if infer else self.config.clip_grad_norm,
             devices=self.devices, dp=self.dp.value, tp=self.tp.value,
             sequence_parallel=bool(self.sequence_parallel.value) and self.tp.value > 1)
 
