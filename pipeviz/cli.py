@@ -122,7 +122,8 @@ def _section(name: str, a: argparse.Namespace) -> Section:
               + "\n".join("    " + line for line in cluster.table(3).splitlines()))
     config = pv.LaunchConfig(schedule=a.schedule, microbatches=a.microbatches, steps=a.steps, devices=a.devices,
                              stages_per_rank=spr, loss_fn=loss, optimizer=pv.sgd(lr=0.05),
-                             clip_grad_norm=a.clip_grad_norm, loss_reduction=a.loss_reduction)
+                             clip_grad_norm=a.clip_grad_norm, loss_reduction=a.loss_reduction,
+                             accumulate=a.accumulate)
     simulated = pv.simulate(run_plan, config)  # the run's own description: what is simulated is what launches
     run = pv.launch(run_plan, config=config, inputs=inputs, target=target)
     _progress(run, f"{a.schedule} on {run.layout.num_ranks} processes")
@@ -211,6 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--microbatches", type=int, default=launch.microbatches)
     d.add_argument("--steps", type=int, default=5, help="optimizer steps of the demo run (default 5: a timeline "
                    "with steady steps to compare with the simulation)")
+    d.add_argument("--accumulate", type=int, default=launch.accumulate,
+                   help="batches per optimizer step (gradient accumulation; default 1)")
     d.add_argument("--devices", default=launch.devices, help="auto, cpu, cuda, or a comma-separated list per rank")
     d.add_argument("--clip-grad-norm", type=float, default=launch.clip_grad_norm,
                    help="clip the gradients by their global norm across stages (default: no clipping)")

@@ -107,7 +107,8 @@ def check_numerics(run: Run, tolerance: float = TOLERANCE, device: str | torch.d
     if spec.data is not None and run.batches is None:
         raise RuntimeError("check_numerics() needs the batches a data= run trained on; this run's were over "
                            "256 MiB, so it did not keep them. Fix: check a shorter run (steps=...).")
-    batches = run.batches[:len(run.losses)] if run.batches is not None else None
+    k = spec.config.accumulate
+    batches = run.batches[:len(run.losses) * k] if run.batches is not None else None
     model = graph.model
     if spec.sources is not None:  # weights= or a meta model: the values the ranks started from
         from pipeviz.weights import materialize
@@ -128,7 +129,7 @@ def check_numerics(run: Run, tolerance: float = TOLERANCE, device: str | torch.d
             microbatches=1 if whole else spec.microbatches * spec.dp,
             steps=spec.steps or len(run.losses), input_kwargs=spec.kwargs or None, fixups=graph.capture.fixups,
             device=device, batches=batches, replicas=1 if whole else spec.dp, draws=draws,
-            clip_grad_norm=spec.config.clip_grad_norm, loss_reduction=reduction)
+            clip_grad_norm=spec.config.clip_grad_norm, loss_reduction=reduction, accumulate=k)
         check = compare_to_reference(run.losses, run.state_dict(), ref_losses, ref_state, tolerance)
         if whole and not check.ok and spec.config.loss_reduction == "mean" and spec.loss_fn is cross_entropy:
             check = replace(check, note=(

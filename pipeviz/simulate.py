@@ -80,6 +80,7 @@ class SimulateOptions(TypedDict, total=False):
     dp_shard: bool
     tp_plan: Mapping[str, str] | None
     sequence_parallel: bool
+    accumulate: int
     hardware: Hardware | str | None
     dtype: str | None
     recompute: str | None
@@ -123,7 +124,8 @@ def simulate(
     Args:
         plan: the ``SplitPlan`` (or ``None`` with ``num_stages`` and ``costs`` for a what-if).
         config: the ``pv.LaunchConfig`` (``schedule``, ``microbatches``, ``stages_per_rank``, ``dp``, ``cp``,
-            ``tp``, ``dp_shard``, ``loss_fn``: without one the run is forward only, as ``pv.launch``'s), or a
+            ``tp``, ``dp_shard``, ``accumulate``: the schedule that many times in a row, the replicas' reduction
+            after the last; ``loss_fn``: without one the run is forward only, as ``pv.launch``'s), or a
             schedule name (then a training step: ``pv.simulate(plan, "1F1B", 8)``). Default ``LaunchConfig()``'s
             schedule and microbatches, training. Keywords named as its fields override it.
         microbatches: microbatches per step (overrides the config's).
@@ -233,6 +235,10 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
         acts = [[a for a in rank_acts if sched.parse(a).kind == "F"] for rank_acts in acts]
     elif order is not None:
         acts = check_order(acts, lay, microbatches)  # as pv.launch checks it: rank count, rules, no deadlock
+    k = 1 if forward_only else cfg.accumulate
+    if k > 1:  # accumulation: the schedule k times in a row, batch b's microbatches numbered on from b x m
+        acts = [[str(sched.Action(a.stage, a.kind, a.mb + b * microbatches)) for b in range(k)
+                 for a in map(sched.parse, rank_acts)] for rank_acts in acts]
     hw = opts.hw
     costs = x.costs
     per_replica = hw is not None and costs is None  # a roofline: cost one process's microbatch at its own size
@@ -315,8 +321,8 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
         meta["processes"] = [mesh.label(mesh.rank(r)) for r in lay.ranks]
     if red is not None:
         meta["dp_bytes"], meta["dp_seconds"] = red.nbytes, red.seconds
-    return Timeline(events, lay.num_ranks, n, microbatches, lay.schedule, source="simulated", meta=meta, mesh=mesh,
-                    ranks="pipeline")
+    return Timeline(events, lay.num_ranks, n, microbatches * k, lay.schedule, source="simulated", meta=meta,
+                    mesh=mesh, ranks="pipeline")
 
 
 def _links(mesh: Mesh, opts: CostOptions, x: _Extras) -> dict[str, tuple[float, float]]:

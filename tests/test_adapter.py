@@ -138,8 +138,9 @@ def test_exact_split_backward_gives_every_weight_its_gradient(fixed: bool) -> No
 
 
 def test_the_timed_stage_overrides_match_this_torchs_pipeline_stage() -> None:
-    adapter.check_stage_methods()  # the three overridden methods take the parameters the overrides pass on
-    assert set(adapter.OVERRIDDEN) == {"forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"}
+    adapter.check_stage_methods()  # the overridden methods take the parameters the overrides pass on
+    assert set(adapter.OVERRIDDEN) == {"forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk",
+                                       "perform_reduce_grad"}
 
 
 _TIMED_STAGE = """

@@ -16,6 +16,7 @@ OVERRIDDEN = {
     "forward_one_chunk": ("self", "fwd_chunk_id", "args", "kwargs"),
     "backward_one_chunk": ("self", "bwd_chunk_id", "loss", "full_backward", "last_backward"),
     "backward_weight_one_chunk": ("self", "bwd_chunk_id", "last_backward"),
+    "perform_reduce_grad": ("self", "grad_scale_factor"),
 }
 
 Span = Callable[[int, str, int], contextlib.AbstractContextManager[object]]
@@ -40,6 +41,10 @@ def timed_stage_class(span: Span) -> type[PipelineStage]:
     around every forward (``"F"``), full backward (``"B"``), input-grad (``"I"``) and weight-grad (``"W"``) pass
     of a stage that computes one (a forward-only stage's no-op backward calls are not timed).
 
+    ``stage.sync_replicas = False`` keeps a schedule step's gradients local (gradient accumulation: DDP's
+    all-reduce in the last backward and FSDP2's reduce-scatter at the step's end are left to the step whose
+    ``sync_replicas`` is True, which reduces the accumulated sum once).
+
     Example:
         >>> Stage = timed_stage_class(lambda s, kind, mb: clock.span(rank, s, kind, mb, step))
         >>> stage = Stage(module, stage_index, num_stages, device, group=pp_group)
@@ -48,6 +53,8 @@ def timed_stage_class(span: Span) -> type[PipelineStage]:
 
     class TimedStage(PipelineStage):
         """torch's PipelineStage, timing every forward, backward, input-grad and weight-grad action."""
+
+        sync_replicas = True
 
         def forward_one_chunk(self, fwd_chunk_id: int, *a: Any, **k: Any) -> Any:
             with span(self.stage_index, "F", fwd_chunk_id):
@@ -60,12 +67,18 @@ def timed_stage_class(span: Span) -> type[PipelineStage]:
                                                   last_backward=last_backward)
             with span(self.stage_index, "B" if full_backward else "I", bwd_chunk_id):
                 return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                                  last_backward=last_backward)
+                                                  last_backward=last_backward and self.sync_replicas)
 
         def backward_weight_one_chunk(self, bwd_chunk_id: int, *a: object, **k: object) -> object:
             if not self.has_backward:
                 return super().backward_weight_one_chunk(bwd_chunk_id, *a, **k)
             with span(self.stage_index, "W", bwd_chunk_id):
                 return super().backward_weight_one_chunk(bwd_chunk_id, *a, **k)
+
+        def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+            if self.sync_replicas:
+                super().perform_reduce_grad(grad_scale_factor)
+            elif grad_scale_factor != 1:  # FSDP2 keeps accumulating unsharded gradients, reduced in a later step
+                self.scale_grads(grad_scale_factor)
 
     return TimedStage

@@ -45,6 +45,12 @@ class LaunchConfig:
             (case-insensitive).
         microbatches: microbatches per step (per replica with ``dp``); must divide the batch.
         steps: optimizer steps; ``None`` with ``data=``: until the data runs out.
+        accumulate: batches per optimizer step (gradient accumulation): each step runs the schedule on
+            ``accumulate`` batches one after another, summing their gradients, then clips and steps the optimizer
+            once, exactly as the unsplit model trained on the ``accumulate`` batches as one batch (its loss the
+            ``loss_reduction`` over all of them). Replicas average their gradients once, after the last batch.
+            With ``data=`` a step takes the next ``accumulate`` batches; with ``inputs=`` the one batch
+            ``accumulate`` times.
         stages_per_rank: for multi-stage schedules (default 2).
         loss_fn: mean-reduced loss ``(output, target) -> scalar``; ``None``: a forward-only run.
         optimizer: ``params -> torch.optim.Optimizer`` (default ``pv.sgd(lr=0.1)``), built on every rank.
@@ -88,6 +94,7 @@ class LaunchConfig:
     schedule: str = "1F1B"
     microbatches: int = 4
     steps: int | None = 1
+    accumulate: int = 1
     stages_per_rank: int | None = None
     loss_fn: Callable[..., torch.Tensor] | None = None
     optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None
@@ -137,6 +144,7 @@ class LaunchOptions(TypedDict, total=False):
     ``steps`` (their own parameters): ``LaunchConfig``'s other fields."""
 
     stages_per_rank: int | None
+    accumulate: int
     loss_fn: Callable[..., torch.Tensor] | None
     optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None
     devices: str | Sequence[str]

@@ -3,7 +3,8 @@
 Each step the next batch is checked against the first (a pipeline's shapes are fixed by it), cut into each
 replica's share, and sent to every process as a ``messages.Batch``: the inputs to the first stage's ranks, the
 target to the last stage's, an empty one to the others (every rank runs the same number of steps); then
-``messages.End``.
+``messages.End``. With ``accumulate`` = k a step's k batches are sent once all k are read (a last step short of k
+batches is left out: ``left_out``).
 
 Example:
     >>> feeder = Feeder(spec, stopped=lambda: run.done)
@@ -78,48 +79,64 @@ class Feeder:
         self.spec, self.stopped = spec, stopped
         self.error: str | None = None
         self.batches: list[FedBatch] | None = None
+        self.left_out = 0
 
     def run(self, feeds: Sequence[Queue[Feed]]) -> None:
         spec = self.spec
-        mesh, lay = spec.mesh, spec.layout
-        first_rank, last_rank = lay.stage_ranks[0], lay.stage_ranks[-1]
+        k = spec.config.accumulate
         batch: tuple[Any, Any, Any] | None = (spec.args, spec.kwargs, spec.target)
         kept: list[tuple[Any, Any, Any]] | None = []
         size = 0
-        step = 0
-        while (spec.steps is None or step < spec.steps) and not self.stopped():
+        n = 0  # batches read
+        group: list[FedBatch] = []  # an optimizer step's batches (accumulate): sent once all are read
+        while (spec.steps is None or n < spec.steps * k) and not self.stopped():
             if batch is None:
                 try:
                     item = next(spec.data)
                 except StopIteration:
                     break
                 except Exception as exc:  # the user's iterable failed: the run fails, naming the batch
-                    self.error = f"data= raised at batch {step}: {type(exc).__name__}: {exc}"
+                    self.error = f"data= raised at batch {n}: {type(exc).__name__}: {exc}"
                     break
                 try:
-                    batch = _like_first(data_batch(item, step, spec.training), spec, step)
+                    batch = _like_first(data_batch(item, n, spec.training), spec, n)
                 except LaunchError as exc:
                     self.error = str(exc)
                     break
-            size_of = _batch_size(batch[0], batch[1]) or 1
-            for rank, feed in enumerate(feeds):
-                c = mesh.coords(rank)  # each replica its share of the batch
-                args, kwargs, target = share(batch, c.dp, mesh.dp, size_of)
-                msg = Batch(args if c.pp == first_rank else (), kwargs if c.pp == first_rank else {},
-                            target if c.pp == last_rank else None)
-                if not self._put(feed, msg):
-                    return
+            group.append(batch)
             if kept is not None:
                 size += sum(t.numel() * t.element_size() for t in _tensors(batch))
                 if size <= _KEEP_BATCHES:  # for check_numerics, while they are small
                     kept.append(batch)
                 else:
                     kept = None
-            self.batches = kept
-            step += 1
+            n += 1
             batch = None
+            if len(group) == k:
+                for b in group:
+                    if not self._send(feeds, b):
+                        return
+                self.batches = kept
+                group = []
+        self.left_out = len(group)  # a last step's batches short of accumulate: not trained
         for feed in feeds:
             self._put(feed, End())
+
+    def _send(self, feeds: Sequence[Queue[Feed]], batch: FedBatch) -> bool:
+        """One batch to every process: each replica its share, the inputs to the first stage's ranks, the target
+        to the last stage's, an empty message to the others."""
+        spec = self.spec
+        mesh, lay = spec.mesh, spec.layout
+        first_rank, last_rank = lay.stage_ranks[0], lay.stage_ranks[-1]
+        size_of = _batch_size(batch[0], batch[1]) or 1
+        for rank, feed in enumerate(feeds):
+            c = mesh.coords(rank)  # each replica its share of the batch
+            args, kwargs, target = share(batch, c.dp, mesh.dp, size_of)
+            msg = Batch(args if c.pp == first_rank else (), kwargs if c.pp == first_rank else {},
+                        target if c.pp == last_rank else None)
+            if not self._put(feed, msg):
+                return False
+        return True
 
     def _put(self, feed: Queue[Feed], msg: Feed) -> bool:
         while not self.stopped():

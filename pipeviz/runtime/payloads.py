@@ -98,6 +98,7 @@ class RankPayload:
     sequence_parallel: bool = False  # tp > 1: activations between the sharded regions split by token
     clip_grad_norm: float | None = None  # clip by the global norm of every stage's, replica's, shard's gradients
     loss_reduction: str = "mean"  # pipeviz.training.LOSS_REDUCTIONS
+    accumulate: int = 1  # batches per optimizer step (gradient accumulation)
     order: tuple[tuple[str, ...], ...] | None = None  # a custom order: every pipeline rank's actions (torch's text)
     seed: int = 0  # random draws (dropout): each stage forward seeds from it (pipeviz.rng.stage_seed)
 
@@ -321,7 +322,7 @@ def rank_payload(spec: LaunchSpec, stages: StageSet, tied: dict[str, list[int]],
         mesh=mesh if mesh.world > mesh.pp else None, tp_placements=spec.tp_placements, dp_shard=spec.dp_shard,
         sequence_parallel=spec.config.sequence_parallel and mesh.tp > 1,
         clip_grad_norm=None if spec.config.clip_grad_norm is None else float(spec.config.clip_grad_norm),
-        loss_reduction=spec.config.loss_reduction,
+        loss_reduction=spec.config.loss_reduction, accumulate=spec.config.accumulate,
         order=None if spec.config.order is None else tuple(tuple(acts) for acts in spec.config.order),
         seed=spec.init_seed,
     )

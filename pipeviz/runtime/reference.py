@@ -56,6 +56,7 @@ def train_reference(
     clip_grad_norm: float | None = None,
     grad_norms: list[float] | None = None,
     loss_reduction: str = "mean",
+    accumulate: int = 1,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train a deep copy of ``model`` on ``device``; returns (mean loss per step, final state_dict on the CPU).
 
@@ -66,27 +67,34 @@ def train_reference(
     ``draws``: a run's random draws (``pipeviz.rng.RunDraws``): dropout draws what the run's stages drew.
     ``clip_grad_norm``: ``torch.nn.utils.clip_grad_norm_`` before each step, its norms appended to ``grad_norms``.
     ``loss_reduction`` (``LaunchConfig.loss_reduction``): ``"sum"`` and ``"token_mean"`` add up each
-    microbatch's summed cross-entropy (divided, for the token mean, by the step's count of valid tokens)."""
+    microbatch's summed cross-entropy (divided, for the token mean, by the step's count of valid tokens).
+    ``accumulate`` (``LaunchConfig.accumulate``): each optimizer step takes that many batches (of ``batches``, or
+    the one batch again), as one batch of ``accumulate x microbatches`` microbatches; ``steps`` counts optimizer
+    steps."""
     model = _copy(model, fixups, device)
     opt = (optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.1)))(list(model.parameters()))
     if batches is None:
-        batches = [(tuple(inputs), dict(input_kwargs or {}), target)] * steps
+        batches = [(tuple(inputs), dict(input_kwargs or {}), target)] * (steps * accumulate)
+    chunked = list(_microbatched(batches, microbatches, device))
     losses = []
-    for n, (arg_mbs, kw_mbs, tgt) in enumerate(_microbatched(batches, microbatches, device)):
+    for n in range(len(chunked) // accumulate):
+        group = chunked[n * accumulate:(n + 1) * accumulate]
         step = []
         if loss_reduction != "mean":
             from pipeviz.runtime.loss import IGNORE_INDEX
 
-            valid = float((tgt != IGNORE_INDEX).sum()) if loss_reduction == "token_mean" else 1.0
+            valid = sum(float((tgt != IGNORE_INDEX).sum()) for _, _, tgt in group) \
+                if loss_reduction == "token_mean" else 1.0
             loss_fn = functools.partial(_share_of_sum, count=max(valid, 1.0))
-        for i, (a, k, t) in enumerate(zip(arg_mbs, kw_mbs, torch.tensor_split(tgt, microbatches), strict=True)):
-            # (the backward too: BatchNorm's saves its running statistics, which must not change before it)
-            with _buffers_of_replica_0(model, i * replicas // microbatches):
-                with draws.forward(n, i) if draws is not None else contextlib.nullcontext():
-                    out = model(*a, **k)
-                loss = loss_fn(model_output(out), t)
-                (loss / microbatches if loss_reduction == "mean" else loss).backward()
-            step.append(loss.detach())
+        for b, (arg_mbs, kw_mbs, tgt) in enumerate(group):
+            for i, (a, k, t) in enumerate(zip(arg_mbs, kw_mbs, torch.tensor_split(tgt, microbatches), strict=True)):
+                # (the backward too: BatchNorm's saves its running statistics, which must not change before it)
+                with _buffers_of_replica_0(model, i * replicas // microbatches):
+                    with draws.forward(n, b * microbatches + i) if draws is not None else contextlib.nullcontext():
+                        out = model(*a, **k)
+                    loss = loss_fn(model_output(out), t)
+                    (loss / (microbatches * accumulate) if loss_reduction == "mean" else loss).backward()
+                step.append(loss.detach())
         if clip_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
             if grad_norms is not None:

@@ -59,7 +59,8 @@ class Run(RunResults):
         phase: what the run is doing now, in words (``"building the stages"``, ``"starting 3 processes"``,
             ``"rank 1: stage 1 ready"``, ``"step 2/5"``); ``phases`` lists every phase with its time.
         events: ``Event`` list, growing while the run goes.
-        losses: mean loss per finished step (the loss of each microbatch, averaged).
+        losses: the loss of each finished step (each microbatch's loss averaged, over every accumulated batch; or
+            the ``loss_reduction``'s sum or token mean).
         grad_norms: with ``clip_grad_norm``, the global norm of each step's gradients (every stage, replica and
             shard together) before clipping, as ``torch.nn.utils.clip_grad_norm_`` returns it on the unsplit model.
         outputs: a forward-only run's (no ``loss_fn``) output for the whole batch at each step, in the model's
@@ -199,8 +200,10 @@ class Run(RunResults):
                                 "activation_memory": {r: list(s) for r, s in self.activation_memory.items()}}
         if self.mesh.world > self.mesh.pp:
             meta["processes"] = [self.mesh.label(r) for r in range(self.mesh.world)]
-        return Timeline(events, self.mesh.world, self.layout.num_stages, self.microbatches, self.schedule,
-                        source="measured", meta=meta, mesh=self.mesh)
+        # an accumulated step's batches are numbered on: accumulate x microbatches per step
+        return Timeline(events, self.mesh.world, self.layout.num_stages,
+                        self.microbatches * self.spec.config.accumulate, self.schedule, source="measured", meta=meta,
+                        mesh=self.mesh)
 
     def __repr__(self) -> str:
         return (f"Run({self.schedule}, {self.layout.num_stages} stages on {self.layout.num_ranks} ranks, "

@@ -152,6 +152,8 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
         _check_clip(config)
     with _setting("loss_reduction"):
         _check_loss_reduction(config)
+    with _setting("accumulate"):
+        _check_accumulate(config)
     if not (steps is None and data is not None) and (not isinstance(steps, int) or isinstance(steps, bool)
                                                      or steps < 1):
         raise LaunchError(f"steps must be a positive int, got {steps!r} (steps=None runs until data= runs out).",
@@ -251,6 +253,16 @@ def _check_loss_reduction(config: LaunchConfig) -> None:
         raise LaunchError(f"loss_reduction={value!r} reduces pv.cross_entropy's per-token losses, but loss_fn is "
                           f"{getattr(config.loss_fn, '__name__', config.loss_fn)!r}. Fix: loss_fn=pv.cross_entropy, "
                           "or loss_reduction='mean' (your loss_fn's own reduction per microbatch).")
+
+
+def _check_accumulate(config: LaunchConfig) -> None:
+    value = config.accumulate
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LaunchError(f"accumulate must be a positive int (batches per optimizer step), got {value!r}. Fix: "
+                          "accumulate=4 to sum 4 batches' gradients into each step, or 1 for none.")
+    if value > 1 and config.loss_fn is None:
+        raise LaunchError(f"accumulate={value} was given without a loss_fn: a forward-only run has no gradients to "
+                          "accumulate. Fix: pass loss_fn=... to train, or drop accumulate.")
 
 
 def _check_clip(config: LaunchConfig) -> None:

@@ -56,23 +56,40 @@ def build_schedule(p: RankPayload, stages: list[PipelineStage]) -> Schedule:
             schedule = cls(stages[0], n_microbatches=p.microbatches, loss_fn=loss_fn)  # one stage per rank
         else:
             schedule = cls(stages, n_microbatches=p.microbatches, loss_fn=loss_fn)
-    if p.loss_reduction != "mean":  # the loss is already the step's share: no division by the microbatches
+    if _scaled(p):  # the loss is already the step's share: no division by the microbatches
         schedule.scale_grads = False
     return schedule
 
 
-# loss_reduction "sum" / "token_mean": the factor this step's summed microbatch losses take (one rank per process)
+# loss_reduction "sum" / "token_mean", or accumulation: the factor this step's microbatch losses take (one rank per
+# process)
 _STEP_SCALE = [1.0]
+
+# One batch's (args, kwargs, target).
+Batch = tuple[tuple[object, ...], dict[str, object], object]
+
+
+def _scaled(p: RankPayload) -> bool:
+    """Whether each microbatch's loss is scaled by the step (``_STEP_SCALE``) instead of torch's ``scale_grads``:
+    a sum or token mean, or accumulated batches (torch divides every gradient by the microbatches at the end of
+    each ``schedule.step``, the earlier batches' sums too: torchtitan PR #1732's bug)."""
+    return p.loss_reduction != "mean" or p.accumulate > 1
 
 
 def _reduced(p: RankPayload) -> Callable[..., torch.Tensor]:
-    """The loss each microbatch computes: ``p.loss_fn`` under ``"mean"``; else ``summed_cross_entropy`` times
-    this step's factor (``_step_scale``)."""
+    """The loss each microbatch computes: ``p.loss_fn`` under ``"mean"`` (times ``1 / (microbatches x
+    accumulate)`` when accumulating); else ``summed_cross_entropy`` times this step's factor (``_step_scale``)."""
     from pipeviz.runtime.loss import summed_cross_entropy
 
     assert p.loss_fn is not None
+    mean_fn = p.loss_fn
+    if not _scaled(p):
+        return mean_fn
     if p.loss_reduction == "mean":
-        return p.loss_fn
+        def scaled_mean(output: object, target: object) -> torch.Tensor:
+            return mean_fn(output, target) * _STEP_SCALE[0]
+
+        return scaled_mean
 
     def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return summed_cross_entropy(output, target) * _STEP_SCALE[0]
@@ -80,18 +97,22 @@ def _reduced(p: RankPayload) -> Callable[..., torch.Tensor]:
     return loss
 
 
-def _step_scale(p: RankPayload, target: object, dp_group: ProcessGroup | None) -> float:
-    """The factor of a step's summed losses: replicas' gradients are averaged (DDP), so ``dp`` for a sum, and
-    ``dp / valid tokens of the whole step`` (every replica's, counted here: one all-reduce) for a token mean."""
+def _step_scale(p: RankPayload, targets: list[object], dp_group: ProcessGroup | None) -> float:
+    """The factor of a step's microbatch losses (``targets``: its accumulated batches'): replicas' gradients are
+    averaged (DDP), so ``dp`` for a sum, ``dp / valid tokens of the whole step`` (every batch's and replica's,
+    counted here: one all-reduce) for a token mean, and ``1 / (microbatches x accumulate)`` for a mean (each
+    replica's mean over its microbatches of every batch; the replicas' average by DDP)."""
     import torch.distributed as dist
 
     from pipeviz.runtime.loss import IGNORE_INDEX
 
     dp = p.mesh.dp if p.mesh is not None else 1
+    if p.loss_reduction == "mean":
+        return 1.0 / (p.microbatches * p.accumulate)
     if p.loss_reduction == "sum":
         return float(dp)
-    count = torch.tensor([float((target != IGNORE_INDEX).sum()) if isinstance(target, torch.Tensor) else 0.0],
-                         dtype=torch.float64)
+    count = torch.tensor([float(sum(float((t != IGNORE_INDEX).sum()) for t in targets
+                                    if isinstance(t, torch.Tensor)))], dtype=torch.float64)
     if dp_group is not None:
         dist.all_reduce(count, group=dp_group)
     return dp / max(float(count.item()), 1.0)
@@ -115,9 +136,12 @@ def _named_loss(loss_fn: Callable[..., torch.Tensor], p: RankPayload) -> Callabl
 
 
 def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
-           local: dict[str, list[torch.Tensor]], groups: dict[str, ProcessGroup | None], clock: Clock,
-           step_box: list[int], device: torch.device, dp_group: ProcessGroup | None = None) -> bool:
-    """Run the steps; False when a NaN or inf stopped the run (every rank stops at the same step)."""
+          local: dict[str, list[torch.Tensor]], groups: dict[str, ProcessGroup | None], clock: Clock,
+          step_box: list[int], device: torch.device, dp_group: ProcessGroup | None = None,
+          stages: list[PipelineStage] | None = None) -> bool:
+    """Run the steps; False when a NaN or inf stopped the run (every rank stops at the same step). A step runs the
+    schedule on ``p.accumulate`` batches in turn (``step_box[1]`` counts them), their gradients summed in place;
+    the replicas' gradients are reduced once, in the last batch's backward (``sync_replicas``)."""
     import torch.distributed as dist
 
     first = any(st.index == 0 for st in p.stages)
@@ -126,16 +150,22 @@ def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, 
     reports = p.coords.dp == p.coords.tp == p.coords.cp == 0  # replica 0, shard 0, share 0 speaks for all
     names = {id(t): canon for st in p.stages for canon, inner in st.params.items()
              for n, t in st.runner.stage.named_parameters(remove_duplicate=False) if n == inner}
-    for step, (args, kwargs, target) in enumerate(_batches(p, device)):
+    for step, group in enumerate(_grouped(_batches(p, device), p.accumulate)):
         step_box[0] = step
         losses: list[torch.Tensor] = []
-        call_kwargs: dict[str, Any] = dict(kwargs) if first else {}
-        if last:
-            call_kwargs.update(target=target, losses=losses)
-            if p.loss_reduction != "mean":
-                _STEP_SCALE[0] = _step_scale(p, target, dp_group)
-        with _loss_parallel(p):
-            schedule.step(*(args if first else ()), **call_kwargs)
+        if last and _scaled(p):
+            _STEP_SCALE[0] = _step_scale(p, [target for _, _, target in group], dp_group)
+        for r, (args, kwargs, target) in enumerate(group):
+            step_box[1] = r
+            sync_replicas(stages or [], r == len(group) - 1)
+            call_kwargs: dict[str, Any] = dict(kwargs) if first else {}
+            batch_losses: list[torch.Tensor] = []  # (torch's step clears the list it is given)
+            if last:
+                call_kwargs.update(target=target, losses=batch_losses)
+            with _loss_parallel(p):
+                schedule.step(*(args if first else ()), **call_kwargs)
+            losses += batch_losses
+        step_box[1] = 0
         if p.tp_placements:
             _settle_grads(params)
         if dp_group is not None and averaged_after_step(p):
@@ -143,7 +173,7 @@ def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, 
         _sync_tied(local, p.tied, groups)
         # the step's loss: each microbatch's mean averaged ("mean"), or the pieces of the step's sum added up
         pieces = torch.stack([full_tensor(x).detach().float() for x in losses]) if last else None
-        loss = 0.0 if pieces is None else float(pieces.mean() if p.loss_reduction == "mean" else pieces.sum())
+        loss = 0.0 if pieces is None else float(pieces.sum() if _scaled(p) else pieces.mean())
         if last and dp_group is not None:  # the global batch's loss: the replicas' mean (shards agree)
             total = torch.tensor([loss], dtype=torch.float64)
             dist.all_reduce(total, group=dp_group)
@@ -171,7 +201,26 @@ def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, 
     return True
 
 
-def _batches(p: RankPayload, device: torch.device) -> Iterator[tuple[tuple[object, ...], dict[str, object], object]]:
+def _grouped(batches: Iterator[Batch], k: int) -> Iterator[list[Batch]]:
+    """The batches in groups of ``k``, one per optimizer step (a last group of fewer is left out: it cannot make
+    a whole step; the feeder sends whole groups only)."""
+    group: list[Batch] = []
+    for b in batches:
+        group.append(b)
+        if len(group) == k:
+            yield group
+            group = []
+
+
+def sync_replicas(stages: list[PipelineStage], sync: bool) -> None:
+    """Whether the replicas' gradients are reduced in this schedule step's last backward (DDP's all-reduce,
+    FSDP2's reduce-scatter): only in a step's last accumulated batch, so each reduction carries the sum of the
+    step's batches, as DDP's ``no_sync`` accumulation does (``adapter.stage``'s ``sync_replicas`` flag)."""
+    for st in stages:
+        st.sync_replicas = sync  # type: ignore[attr-defined]
+
+
+def _batches(p: RankPayload, device: torch.device) -> Iterator[Batch]:
     """Each step's (args, kwargs, target) on ``device``: the one batch of the payload ``steps`` times, or the
     batches the launching process streams from ``data=`` (``messages.Batch``) until it sends ``messages.End``
     (ranks that need no data get an empty ``Batch`` each step, so every rank runs the same number of steps)."""
@@ -181,7 +230,7 @@ def _batches(p: RankPayload, device: torch.device) -> Iterator[tuple[tuple[objec
     if p.data is None:
         args, kwargs, target = tuple(moved(a) for a in p.args), {k: moved(v) for k, v in p.kwargs.items()}, \
             moved(p.target)
-        for _ in range(p.steps or 0):
+        for _ in range((p.steps or 0) * p.accumulate):
             yield args, kwargs, target
         return
     while True:

@@ -151,7 +151,7 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
     from pipeviz.adapter import exact_split_backward, timed_collectives, timed_waits
 
     clock, device, compute = connected or _connect(p, queue)
-    step_box = [0]
+    step_box = [0, 0]  # the step, and its accumulated batch
     pp_group, dp_group, dp_mesh, tp_mesh = _mesh_groups(p)
     stages, params, local = _stages(p, clock, step_box, device, compute, pp_group, dp_group, tp_mesh,
                                     dp_mesh if p.dp_shard else None)
@@ -178,7 +178,8 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
         if optimizer is None:
             finished = infer(p, schedule, clock, step_box, device)
         else:
-            finished = train(p, schedule, optimizer, params, local, groups, clock, step_box, device, dp_group)
+            finished = train(p, schedule, optimizer, params, local, groups, clock, step_box, device, dp_group,
+                             stages)
     if finished:
         if p.state_path is not None:  # a file: a big stage's tensors do not pass through the queue
             torch.save(rank_state(p, copy=False), p.state_path)
@@ -269,11 +270,14 @@ def _stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch.dev
 
     drawing = {st.index for st in p.stages if st.draws}  # stages whose forward draws random numbers (dropout)
     first_mb = p.coords.dp * p.microbatches  # this replica's microbatches, counted across replicas
+    per_batch = p.microbatches * (p.mesh.dp if p.mesh is not None else 1)  # every replica's, in one batch
 
     def span(stage: int, kind: str, mb: int) -> AbstractContextManager[object]:
+        # An accumulated step's b-th batch: its microbatches numbered after the earlier batches' (the timeline
+        # shows accumulate x microbatches per step; the reference seeds batch b's the same way).
         if kind == "F" and stage in drawing:  # the reference seeds the same before this stage's draws
-            seed_device(compute, stage_seed(p.seed, step_box[0], first_mb + mb, stage))
-        return clock.span(p.rank, stage, kind, mb, step_box[0])
+            seed_device(compute, stage_seed(p.seed, step_box[0], step_box[1] * per_batch + first_mb + mb, stage))
+        return clock.span(p.rank, stage, kind, step_box[1] * p.microbatches + mb, step_box[0])
 
     Stage = timed_stage_class(span)
 

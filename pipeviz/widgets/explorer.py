@@ -65,6 +65,7 @@ class ExplorerOptions(TypedDict, total=False):
     on_nonfinite: str
     clip_grad_norm: float | None
     loss_reduction: str
+    accumulate: int
     init_seed: int
     dp: int
     dp_shard: bool
@@ -458,7 +459,7 @@ class Explorer(W.VBox):
             stages_per_rank=self.config.stages_per_rank if sched.info(schedule).multi else None,
             loss_fn=None if infer else self.loss_fn or cross_entropy, optimizer=None if infer else self.optimizer,
             clip_grad_norm=None if infer else self.config.clip_grad_norm,
-            devices=self.devices, dp=self.dp.value, tp=self.tp.value,
+            accumulate=1 if infer else self.config.accumulate, devices=self.devices, dp=self.dp.value, tp=self.tp.value,
             sequence_parallel=bool(self.sequence_parallel.value) and self.tp.value > 1)
 
     @guarded
