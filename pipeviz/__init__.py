@@ -35,7 +35,7 @@ from pipeviz.runtime import LaunchConfig, LaunchError, Run, launch, train_refere
 from pipeviz.schedules import ScheduleError
 from pipeviz.simulate import Comparison, estimate_costs, simulate
 from pipeviz.timeline import Event, Timeline
-from pipeviz.training import cross_entropy, sgd
+from pipeviz.training import cross_entropy, sgd, warmup_cosine
 from pipeviz.version import __version__ as __version__
 from pipeviz.weights import materialize
 
@@ -84,6 +84,7 @@ __all__ = [
     "simulate",
     "trace",
     "train_reference",
+    "warmup_cosine",
     "watch",
 ]
 

@@ -123,9 +123,13 @@ def _section(name: str, a: argparse.Namespace) -> Section:
     config = pv.LaunchConfig(schedule=a.schedule, microbatches=a.microbatches, steps=a.steps, devices=a.devices,
                              stages_per_rank=spr, loss_fn=loss, optimizer=pv.sgd(lr=0.05),
                              clip_grad_norm=a.clip_grad_norm, loss_reduction=a.loss_reduction,
-                             accumulate=a.accumulate)
+                             accumulate=a.accumulate, eval_every=a.eval_every,
+                             lr_scheduler=pv.warmup_cosine(a.lr_warmup, a.steps) if a.lr_warmup is not None else None)
     simulated = pv.simulate(run_plan, config)  # the run's own description: what is simulated is what launches
-    run = pv.launch(run_plan, config=config, inputs=inputs, target=target)
+    held_out = None
+    if a.eval_every is not None and isinstance(target, torch.Tensor):  # a held-out batch: the target's permutation
+        held_out = [(inputs, target[torch.randperm(target.shape[0], generator=torch.Generator().manual_seed(1))])]
+    run = pv.launch(run_plan, config=config, inputs=inputs, target=target, eval_data=held_out)
     _progress(run, f"{a.schedule} on {run.layout.num_ranks} processes")
     if run.status != "done":
         print(f"  run {run.status}: {run.error}")
@@ -135,6 +139,10 @@ def _section(name: str, a: argparse.Namespace) -> Section:
     tl = run.timeline()
     print(f"  measured step {tl.step_time * 1e3:.2f} ms (simulated {simulated.step_time * 1e3:.2f} ms), "
           f"bubble {tl.bubble_fraction:.0%}; losses {', '.join(f'{x:.4f}' for x in run.losses)}")
+    if run.learning_rates:
+        print(f"  learning rates: {', '.join(f'{x:.4g}' for x in run.learning_rates)}")
+    if run.eval_losses:
+        print(f"  held-out losses: {', '.join(f'step {s}: {x:.4f}' for s, x in run.eval_losses)}")
     if run.grad_norms:
         print(f"  gradient norms before clipping at {a.clip_grad_norm}: "
               f"{', '.join(f'{x:.4f}' for x in run.grad_norms)}")
@@ -214,6 +222,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "with steady steps to compare with the simulation)")
     d.add_argument("--accumulate", type=int, default=launch.accumulate,
                    help="batches per optimizer step (gradient accumulation; default 1)")
+    d.add_argument("--lr-warmup", type=int, default=None,
+                   help="a learning-rate schedule: this many warm-up steps, then a cosine decay (pv.warmup_cosine)")
+    d.add_argument("--eval-every", type=int, default=launch.eval_every,
+                   help="evaluate a held-out batch every this many steps and after the last (run.eval_losses)")
     d.add_argument("--devices", default=launch.devices, help="auto, cpu, cuda, or a comma-separated list per rank")
     d.add_argument("--clip-grad-norm", type=float, default=launch.clip_grad_norm,
                    help="clip the gradients by their global norm across stages (default: no clipping)")

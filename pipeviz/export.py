@@ -14,7 +14,7 @@ numerics); every host needs pipeviz installed and the ``.payload.pkl`` file writ
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Unpack
 
@@ -56,7 +56,7 @@ def export_torchrun(
     plan: SplitPlan, path: str | os.PathLike[str], schedule: str = UNSET, *, microbatches: int = UNSET,
     steps: int = UNSET, inputs: tuple[object, ...] | None = None, target: torch.Tensor | None = None,
     input_kwargs: Mapping[str, object] | None = None, events_dir: str | None = None, config: LaunchConfig | None = None,
-    **options: Unpack[LaunchOptions],
+    eval_data: Iterable[object] | None = None, **options: Unpack[LaunchOptions],
 ) -> Path:
     """Write a torchrun script that trains ``plan`` as ``pv.launch`` would (and its payload beside it).
 
@@ -70,6 +70,9 @@ def export_torchrun(
     Example:
         >>> cfg = pv.LaunchConfig(schedule="1F1B", microbatches=4, steps=100, loss_fn=pv.cross_entropy, dp=2)
         >>> pv.export_torchrun(plan, "train.py", config=cfg, inputs=(x,), target=y)
+
+    ``eval_data``: held-out batches, as ``pv.launch`` takes them (shipped in the payload; every process evaluates
+    its share every ``eval_every`` steps and after the last, and ``pv.watch(folder).eval_losses`` reads them).
 
     Returns:
         The script's path. Its payload is ``<script>.payload.pkl``; events go to ``<script stem>_events/``.
@@ -88,7 +91,7 @@ def export_torchrun(
         raise LaunchError(f"devices={cfg.devices!r} cannot be exported: under torchrun each process takes its "
                           "LOCAL_RANK GPU (or the CPU without GPUs). Fix: devices='auto' (the default).")
     spec = validate_launch(plan, cfg, inputs=inputs, input_kwargs=None if input_kwargs is None else dict(input_kwargs),
-                           target=target)
+                           target=target, eval_data=eval_data)
     script = Path(path)
     payload = script.with_suffix(".payload.pkl")
     events = events_dir or f"{script.stem}_events"

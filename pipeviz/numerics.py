@@ -124,13 +124,24 @@ def check_numerics(run: Run, tolerance: float = TOLERANCE, device: str | torch.d
 
         reduction = ("token_mean" if spec.loss_fn is cross_entropy else "mean") if whole else \
             spec.config.loss_reduction
+        ref_rates: list[float] = []
+        ref_evals: list[tuple[int, float]] = []
         ref_losses, ref_state = train_reference(
             model, spec.args, spec.target, loss_fn=spec.loss_fn, optimizer=spec.optimizer,
             microbatches=1 if whole else spec.microbatches * spec.dp,
             steps=spec.steps or len(run.losses), input_kwargs=spec.kwargs or None, fixups=graph.capture.fixups,
             device=device, batches=batches, replicas=1 if whole else spec.dp, draws=draws,
-            clip_grad_norm=spec.config.clip_grad_norm, loss_reduction=reduction, accumulate=k)
+            clip_grad_norm=spec.config.clip_grad_norm, loss_reduction=reduction, accumulate=k,
+            lr_scheduler=spec.config.lr_scheduler, learning_rates=ref_rates, eval_batches=spec.eval_batches,
+            eval_every=spec.config.eval_every, eval_losses=ref_evals)
+
         check = compare_to_reference(run.losses, run.state_dict(), ref_losses, ref_state, tolerance)
+        if ref_evals or run.eval_losses:  # the held-out losses count as losses (after the same steps)
+            d_eval = max((abs(a - b) for (_, a), (_, b) in zip(run.eval_losses, ref_evals, strict=False)),
+                         default=float("inf"))
+            same = [s for s, _ in run.eval_losses] == [s for s, _ in ref_evals]
+            check = replace(check, ok=check.ok and same and d_eval <= tolerance,
+                            loss_diff=max(check.loss_diff, d_eval) if same else float("inf"))
         if whole and not check.ok and spec.config.loss_reduction == "mean" and spec.loss_fn is cross_entropy:
             check = replace(check, note=(
                 f"Trained on the whole batch with its mean over every valid token, the unsplit model's losses "

@@ -28,7 +28,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CountDraws", "RunDraws", "StageSeeds", "draws_random", "seed_device", "stage_seed"]
+__all__ = ["EVAL_SEED", "CountDraws", "RunDraws", "StageSeeds", "draws_random", "seed_device", "stage_seed"]
 
 SEEDED = torch.Tag.nondeterministic_seeded
 
@@ -51,6 +51,9 @@ def draws_random(func: torch._ops.OpOverload, args: Sequence[object] = (),
             if value is False or (arg.name != "train" and isinstance(value, int | float) and value == 0):
                 return False
     return True
+
+
+EVAL_SEED = 7919  # an evaluation's stage forwards seed from seed + EVAL_SEED: draws apart from training's
 
 
 def stage_seed(seed: int, step: int, microbatch: int, stage: int) -> int:
@@ -140,6 +143,10 @@ class RunDraws:
         self.seed, self.per_stage = seed, tuple(per_stage)
         self.aligned = True
         self.seen = 0
+
+    def shifted(self, by: int) -> RunDraws:
+        """The same draws from ``seed + by`` (an evaluation's forwards, ``EVAL_SEED``)."""
+        return RunDraws(self.seed + by, self.per_stage)
 
     @contextlib.contextmanager
     def forward(self, step: int, microbatch: int) -> Iterator[None]:

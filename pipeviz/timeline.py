@@ -27,6 +27,7 @@ KINDS = {
     "W": "backward, weight grads only", "COMM": "waiting on communication",
     "DP": "data-parallel gradient all-reduce across replicas",
     "TP": "tensor-parallel collective within a stage's shards (launch to wait)",
+    "EVAL": "forward of a held-out batch (evaluation after the step, no gradients)",
 }
 
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from pipeviz.graphview import GraphView
 
-__all__ = ["cross_entropy", "default_target", "random_classes", "sgd"]
+__all__ = ["cross_entropy", "default_target", "random_classes", "sgd", "warmup_cosine"]
 
 
 def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -32,6 +32,36 @@ def sgd(lr: float = 0.1, momentum: float = 0.0) -> functools.partial[torch.optim
     """An optimizer factory for ``pv.launch(optimizer=...)``: ``params -> torch.optim.SGD(params, ...)``
     (built again on every rank for the parameters it holds)."""
     return functools.partial(torch.optim.SGD, lr=lr, momentum=momentum)
+
+
+class _WarmupCosine:
+    """The factor of step ``n``'s learning rate: linear warm-up, then a cosine decay to ``min_ratio``."""
+
+    def __init__(self, warmup: int, steps: int, min_ratio: float) -> None:
+        self.warmup, self.steps, self.min_ratio = warmup, steps, min_ratio
+
+    def __call__(self, n: int) -> float:
+        import math
+
+        if n < self.warmup:
+            return (n + 1) / self.warmup
+        done = min(1.0, (n - self.warmup) / max(1, self.steps - self.warmup))
+        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * done))
+
+
+def warmup_cosine(warmup: int, steps: int, min_ratio: float = 0.0,
+                  ) -> functools.partial[torch.optim.lr_scheduler.LambdaLR]:
+    """A learning-rate scheduler factory for ``pv.launch(lr_scheduler=...)``: ``warmup`` steps rising linearly to the
+    optimizer's rate, then a cosine decay to ``min_ratio`` of it at ``steps`` (torch's ``LambdaLR``; built on every
+    rank around its optimizer).
+
+    Example:
+        >>> run = pv.launch(plan, "1F1B", 4, 100, ..., optimizer=pv.sgd(lr=0.1), lr_scheduler=pv.warmup_cosine(10, 100))
+    """
+    if not (isinstance(warmup, int) and isinstance(steps, int) and 0 <= warmup <= steps and steps > 0):
+        raise ValueError(f"warmup_cosine needs 0 <= warmup <= steps and steps > 0, got warmup={warmup!r}, "
+                         f"steps={steps!r}. Fix: warmup_cosine(warmup=10, steps=100).")
+    return functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=_WarmupCosine(warmup, steps, min_ratio))
 
 
 def random_classes(output: torch.Tensor, seed: int = 0) -> torch.Tensor:

@@ -55,6 +55,27 @@ def test_exported_script_matches_launch_and_is_watched_live(tmp_path: Path) -> N
     assert tl.order(0, step=0) == pv.schedules.orders("1F1B", 3, 4)[0]
 
 
+def test_exported_script_accumulates_schedules_the_rate_and_evaluates(tmp_path: Path) -> None:
+    """The training options travel in the payload: 2 batches a step, a warm-up-cosine rate and a held-out batch
+    evaluated after each step give the losses, rates and held-out losses pv.launch gives."""
+    plan, x, y = _plan(2)
+    cfg = pv.LaunchConfig(schedule="1F1B", microbatches=4, steps=3, loss_fn=pv.cross_entropy, accumulate=2,
+                          lr_scheduler=pv.warmup_cosine(1, 3), eval_every=1)
+    held_out = [(x.flip(0), y.flip(0))]
+    script = pv.export_torchrun(plan, tmp_path / "train_acc.py", config=cfg, inputs=(x,), target=y, eval_data=held_out)
+    watch = pv.watch(tmp_path / "train_acc_events", timeout=240)
+    proc = _torchrun(script, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()))
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    assert watch.wait(30) == "done", watch.error
+    run = pv.launch(plan, config=cfg, inputs=(x,), target=y, eval_data=held_out)
+    assert run.wait(120) == "done", run.error
+    assert watch.losses == pytest.approx(run.losses, abs=1e-6) and len(run.losses) == 3
+    assert watch.learning_rates == pytest.approx(run.learning_rates) and len(run.learning_rates) == 3
+    assert [s for s, _ in watch.eval_losses] == [0, 1, 2]
+    assert [v for _, v in watch.eval_losses] == pytest.approx([v for _, v in run.eval_losses], abs=1e-6)
+
+
 @pytest.mark.compat  # make compat (CI): keeps make test within 10 minutes
 def test_exported_script_as_two_nodes_with_replicas(tmp_path: Path) -> None:
     # 2 agents x 2 processes: pipeline ranks x data-parallel replicas (pp-major: each host holds one stage's two

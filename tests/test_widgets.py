@@ -17,6 +17,7 @@ import pipeviz as pv
 from pipeviz.schedules import ALL
 from pipeviz.timeline import Event, Timeline
 from pipeviz.widgets import panels
+from pipeviz.widgets.figures import KIND_COLORS
 
 pytest.importorskip("ipywidgets")
 pytest.importorskip("plotly")
@@ -303,6 +304,32 @@ def test_launch_fills_the_timeline_live_and_checks_numerics(explorer: pv.Explore
 
 
 @pytest.mark.slow
+def test_the_loss_chart_shows_the_training_and_held_out_losses(classic_graph: pv.ModelGraph) -> None:
+    """A training Launch with held-out batches (eval_data=, eval_every from the config) and a warm-up schedule:
+    under the run's timeline the loss per step and the held-out loss after every second step, as the run has
+    them; the simulated timeline and a forward-only run show no loss chart."""
+    x = classic_graph.example_args[0]
+    assert isinstance(x, torch.Tensor)
+    held_out = [(torch.randn_like(x), torch.randint(0, 10, (x.shape[0],)))]
+    ex = pv.Explorer(classic_graph, splits=["layer0"], steps=4, eval_data=held_out, eval_every=2,
+                     lr_scheduler=pv.warmup_cosine(1, 4), target=torch.randint(0, 10, (x.shape[0],)))
+    assert ex.launch_config().eval_every == 2 and ex.sim_view.loss_box.layout.display == "none"
+    ex.launch()
+    assert ex.wait(180) == "done", ex.error
+    run = ex.run
+    assert run is not None and len(run.losses) == 4 and [s for s, _ in run.eval_losses] == [1, 3]
+    assert len(run.learning_rates) == 4 and "✓ matches" in ex.numerics.value, ex.numerics.value
+    chart = ex.run_view.loss_chart
+    assert ex.run_view.loss_box.layout.display == "flex"
+    assert list(chart.data[0].x) == [1, 2, 3, 4] and list(chart.data[0].y) == pytest.approx(run.losses)
+    assert list(chart.data[1].x) == [2, 4] and list(chart.data[1].y) == pytest.approx([v for _, v in run.eval_losses])
+    assert {e.step for e in run.events if e.kind == "EVAL"} == {1, 3}
+    assert ex.sim_view.loss_box.layout.display == "none"
+    ex.mode.value = "infer"
+    assert ex.launch_config().eval_every is None and ex.launch_config().lr_scheduler is None
+
+
+@pytest.mark.slow
 @needs_sim
 def test_dp_and_tp_controls_simulate_draw_the_mesh_and_launch_the_one_config(explorer: pv.Explorer,
                                                                              tmp_path: Path) -> None:
@@ -462,7 +489,7 @@ def test_timeline_view_draws_10000_events_as_webgl_segments() -> None:
     view.update(tl)
     drawn = [t for t in view.figure.data if len(t.x)]
     assert {t.type for t in drawn} == {"scattergl"}  # WebGL segments, one trace per kind, not 10,000 shapes
-    assert len(view.figure.data) <= 7 and sum(len(t.x) for t in drawn) == 3 * 10_000
+    assert len(view.figure.data) <= len(KIND_COLORS) and sum(len(t.x) for t in drawn) == 3 * 10_000
     small = Timeline(synthetic(64), 4, 4, 8, "1F1B")
     view.update(small)
     assert {t.type for t in view.figure.data} == {"bar"} and "0" in list(view.figure.data[0].text)

@@ -79,16 +79,32 @@ def schedule_actions(schedule: str, num_ranks: int, num_stages: int, microbatche
 
 
 def runtime_schedule(stages: list[PipelineStage], order: Sequence[Sequence[str]], microbatches: int,
-                     loss_fn: Callable[[object, object], torch.Tensor] | None) -> _PipelineScheduleRuntime:
+                     loss_fn: Callable[[object, object], torch.Tensor] | None,
+                     forward_only: bool = False) -> _PipelineScheduleRuntime:
     """torch's own multi-stage runtime (``_PipelineScheduleRuntime``) running a custom compute order: one list of
     actions (``"1F0"``, ``"0I2"``) per pipeline rank, every rank's; torch adds the sends, receives and gradient
     reductions (``_prepare_schedule_with_comms``, as it does for the schedules it builds itself) and places the
-    stages where the order runs them."""
+    stages where the order runs them.
+
+    ``forward_only``: an order of forwards alone, for ``schedule.eval`` (an evaluation of a training run whose
+    own schedule cannot run forward only): torch 2.13-2.15's ``_validate_schedule`` demands every microbatch's
+    backward even then, so its check is replaced, while this schedule is built, by the stage placement the
+    order gives."""
+    from torch.distributed.pipelining import schedules as torch_schedules
     from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRuntime
 
+    actions = {rank: [_Action.from_str(a) for a in acts] for rank, acts in enumerate(order)}
     schedule = _PipelineScheduleRuntime(stages, n_microbatches=microbatches, loss_fn=loss_fn)
-    schedule._prepare_schedule_with_comms(
-        {rank: [_Action.from_str(a) for a in acts] for rank, acts in enumerate(order)})
+    if not forward_only:
+        schedule._prepare_schedule_with_comms(actions)
+        return schedule
+    placed = {a.stage_index: rank for rank, acts in actions.items() for a in acts}
+    checked = torch_schedules._validate_schedule
+    torch_schedules._validate_schedule = lambda *_a, **_k: placed
+    try:
+        schedule._prepare_schedule_with_comms(actions)
+    finally:
+        torch_schedules._validate_schedule = checked
     return schedule
 
 

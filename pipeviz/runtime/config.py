@@ -54,6 +54,10 @@ class LaunchConfig:
         stages_per_rank: for multi-stage schedules (default 2).
         loss_fn: mean-reduced loss ``(output, target) -> scalar``; ``None``: a forward-only run.
         optimizer: ``params -> torch.optim.Optimizer`` (default ``pv.sgd(lr=0.1)``), built on every rank.
+        lr_scheduler: ``optimizer -> torch.optim.lr_scheduler.LRScheduler`` (e.g. ``pv.warmup_cosine(10, 100)``
+            or ``lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2)``), built on every rank around its optimizer
+            and stepped after each optimizer step; ``run.learning_rates`` holds each step's rate. None: a
+            constant rate.
         devices: ``"auto"``, ``"cpu"``, ``"cuda"`` or one device per process (``pv.launch``; an exported script
             takes each process's ``LOCAL_RANK`` GPU).
         timeout: seconds without progress before the run is declared hung and stopped.
@@ -67,6 +71,10 @@ class LaunchConfig:
             ``"token_mean"`` (the sum over valid tokens, target not -100, divided by their count in the whole step
             over every microbatch and replica, as torchtitan and Megatron-LM compute it: microbatches with
             different counts of valid tokens then weigh as the whole batch does).
+        eval_every: with ``eval_data=`` (held-out batches given to ``pv.launch``), evaluate every that many
+            steps and after the last: a forward-only pass of every held-out batch through the pipeline (torch's
+            ``schedule.eval``, no gradients; running statistics left as training had them), its loss the
+            ``loss_reduction`` over all of them in ``run.eval_losses``. None: after the last step only.
         init_seed: a meta model without weights: the seed of each rank's own initialisation.
         dp: data-parallel replicas of the pipeline (``pv.Mesh(pp, dp, tp)``).
         dp_shard: with ``dp`` > 1, shard each stage's parameters, gradients and optimizer state across the
@@ -98,12 +106,14 @@ class LaunchConfig:
     stages_per_rank: int | None = None
     loss_fn: Callable[..., torch.Tensor] | None = None
     optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None
+    lr_scheduler: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None = None
     devices: str | Sequence[str] = "auto"
     timeout: float = 120.0
     pin_cpus: bool = True
     on_nonfinite: str = "stop"
     clip_grad_norm: float | None = None
     loss_reduction: str = "mean"
+    eval_every: int | None = None
     init_seed: int = 0
     dp: int = 1
     dp_shard: bool = False
@@ -144,7 +154,6 @@ class LaunchOptions(TypedDict, total=False):
     ``steps`` (their own parameters): ``LaunchConfig``'s other fields."""
 
     stages_per_rank: int | None
-    accumulate: int
     loss_fn: Callable[..., torch.Tensor] | None
     optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None
     devices: str | Sequence[str]
@@ -153,6 +162,9 @@ class LaunchOptions(TypedDict, total=False):
     on_nonfinite: str
     clip_grad_norm: float | None
     loss_reduction: str
+    accumulate: int
+    lr_scheduler: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None
+    eval_every: int | None
     init_seed: int
     dp: int
     dp_shard: bool

@@ -15,22 +15,20 @@ Example:
 from __future__ import annotations
 
 import queue as queue_mod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pipeviz.capture import _batch_size
 from pipeviz.runtime.messages import Batch, End, Feed
-from pipeviz.runtime.spec import LaunchError, LaunchSpec, data_batch, share
+from pipeviz.runtime.spec import FedBatch, LaunchError, LaunchSpec, data_batch, like_first, share
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
 
 __all__ = ["FedBatch", "Feeder"]
 
-# One step's (args, kwargs, target), as checked against the first batch.
-FedBatch = tuple[tuple[object, ...], dict[str, object], object]
 
 _KEEP_BATCHES = 256 * 2**20  # a data= run keeps its batches (for check_numerics) up to this many bytes
 
@@ -39,36 +37,6 @@ def _tensors(tree: object) -> list[torch.Tensor]:
     from torch.utils import _pytree as pytree
 
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
-
-
-def _like_first(batch: tuple[object, Mapping[str, object] | None, object], spec: LaunchSpec,
-                step: int) -> FedBatch:
-    """A data= batch as (args, kwargs, target), checked against the first batch: the pipeline's shapes are
-    fixed by it (torch's stages have static shapes)."""
-    inputs, kwargs, target = batch
-    args = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs) if isinstance(inputs, tuple | list) \
-        else None
-    if args is None:
-        raise LaunchError(f"data= batch {step}: inputs is a {type(inputs).__name__}; expected a tensor or a tuple or "
-                          "list of tensors, like the first batch.")
-    kwargs = dict(kwargs or {})
-    pairs = [(f"inputs[{i}]", a, e) for i, (a, e) in enumerate(zip(args, spec.args, strict=False))]
-    pairs += [(f"input_kwargs[{k!r}]", kwargs.get(k), v) for k, v in spec.kwargs.items()]
-    if spec.target is not None:
-        pairs.append(("target", target, spec.target))
-    if len(args) != len(spec.args) or set(kwargs) != set(spec.kwargs):
-        raise LaunchError(f"data= batch {step} has other inputs than the first batch ({len(args)} positional, "
-                          f"keywords {sorted(kwargs)}; the first: {len(spec.args)}, {sorted(spec.kwargs)}).")
-    for label, got, want in pairs:
-        if not isinstance(want, torch.Tensor):
-            continue
-        if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
-            shown = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else type(got).__name__
-            raise LaunchError(
-                f"data= batch {step}: {label} is {shown}, but the run started with {tuple(want.shape)} {want.dtype}: "
-                "a pipeline's shapes are fixed by its first batch (and the batch must split into the "
-                f"{spec.microbatches} microbatches). Fix: equal batches, e.g. DataLoader(..., drop_last=True).")
-    return args, {k: kwargs[k] for k in spec.kwargs}, target
 
 
 class Feeder:
@@ -99,7 +67,7 @@ class Feeder:
                     self.error = f"data= raised at batch {n}: {type(exc).__name__}: {exc}"
                     break
                 try:
-                    batch = _like_first(data_batch(item, n, spec.training), spec, n)
+                    batch = like_first(data_batch(item, n, spec.training), spec, n)
                 except LaunchError as exc:
                     self.error = str(exc)
                     break

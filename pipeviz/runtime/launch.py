@@ -36,6 +36,7 @@ def launch(
     input_kwargs: Mapping[str, object] | None = None,
     target: torch.Tensor | None = None,
     data: Iterable[object] | None = None,
+    eval_data: Iterable[object] | None = None,
     weights: str | os.PathLike[str] | None = None,
     config: LaunchConfig | None = None,
     **options: Unpack[LaunchOptions],
@@ -111,7 +112,7 @@ def launch(
     """
     cfg = launch_config(config, schedule=schedule, microbatches=microbatches, steps=steps, **options)
     spec = validate_launch(plan, cfg, inputs=inputs, input_kwargs=None if input_kwargs is None else dict(input_kwargs),
-                           target=target, data=data)
+                           target=target, data=data, eval_data=eval_data)
     spec.sources, spec.init_seed = check_weights(plan, weights, cfg.init_seed), cfg.init_seed
     world = spec.mesh.world
     stage_devices, backend, compute = resolve_devices(cfg.devices, world)

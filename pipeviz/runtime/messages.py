@@ -17,8 +17,8 @@ from typing import Any, ClassVar
 from pipeviz.mesh import Coords
 from pipeviz.timeline import Event
 
-__all__ = ["Batch", "Done", "End", "Events", "Failed", "Feed", "GradNorm", "Loss", "Memory", "Message", "NonFinite",
-           "Output", "Phase", "State", "StepEnd"]
+__all__ = ["Batch", "Done", "End", "EvalLoss", "Events", "Failed", "Feed", "GradNorm", "LearningRate", "Loss",
+           "Memory", "Message", "NonFinite", "Output", "Phase", "State", "StepEnd"]
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,24 @@ class StepEnd(Message):
 class GradNorm(Message):
     """The global norm of step ``step``'s gradients (every stage, replica and shard together), before clipping:
     sent by process 0 when the run clips (``clip_grad_norm``)."""
+
+    step: int
+    value: float
+
+
+@dataclass(frozen=True)
+class LearningRate(Message):
+    """The learning rate step ``step`` updated with (its optimizer's first parameter group's): sent by process 0
+    when the run has an ``lr_scheduler``."""
+
+    step: int
+    value: float
+
+
+@dataclass(frozen=True)
+class EvalLoss(Message):
+    """The loss over the held-out batches (``eval_data=``) after step ``step``: sent by the last stage's replica
+    0, shard 0."""
 
     step: int
     value: float

@@ -99,6 +99,9 @@ class RankPayload:
     clip_grad_norm: float | None = None  # clip by the global norm of every stage's, replica's, shard's gradients
     loss_reduction: str = "mean"  # pipeviz.training.LOSS_REDUCTIONS
     accumulate: int = 1  # batches per optimizer step (gradient accumulation)
+    lr_scheduler: Any = None  # optimizer -> LRScheduler, stepped after each optimizer step
+    eval_batches: list[Any] = field(default_factory=list)  # eval_data=: this process's share of each held-out batch
+    eval_every: int | None = None  # steps between evaluations (None: after the last step only)
     order: tuple[tuple[str, ...], ...] | None = None  # a custom order: every pipeline rank's actions (torch's text)
     seed: int = 0  # random draws (dropout): each stage forward seeds from it (pipeviz.rng.stage_seed)
 
@@ -311,6 +314,10 @@ def rank_payload(spec: LaunchSpec, stages: StageSet, tied: dict[str, list[int]],
     batch = _batch_size(spec.args, spec.kwargs) or 1
     args, kwargs, target = share((spec.args, spec.kwargs, spec.target), replica, mesh.dp, batch)
     first, last = lay.stage_ranks[0], lay.stage_ranks[-1]
+    held_out = []  # each held-out batch: this replica's share, the inputs on the first stage, the target on the last
+    for b in spec.eval_batches:
+        a, k, t = share(b, replica, mesh.dp, _batch_size(b[0], b[1]) or 1)
+        held_out.append((a if pp == first else (), k if pp == first else {}, t if pp == last else None))
     return RankPayload(
         rank=rank, world=mesh.world, port=port, backend=backend, device=device, compute_device=compute,
         schedule=spec.schedule, stage_ranks=lay.stage_ranks, microbatches=spec.microbatches, steps=spec.steps,
@@ -323,6 +330,7 @@ def rank_payload(spec: LaunchSpec, stages: StageSet, tied: dict[str, list[int]],
         sequence_parallel=spec.config.sequence_parallel and mesh.tp > 1,
         clip_grad_norm=None if spec.config.clip_grad_norm is None else float(spec.config.clip_grad_norm),
         loss_reduction=spec.config.loss_reduction, accumulate=spec.config.accumulate,
+        lr_scheduler=spec.config.lr_scheduler, eval_batches=held_out, eval_every=spec.config.eval_every,
         order=None if spec.config.order is None else tuple(tuple(acts) for acts in spec.config.order),
         seed=spec.init_seed,
     )

@@ -19,9 +19,11 @@ import torch
 
 from pipeviz.runtime.messages import (
     Done,
+    EvalLoss,
     Events,
     Failed,
     GradNorm,
+    LearningRate,
     Loss,
     Memory,
     Message,
@@ -68,6 +70,8 @@ class Reducer:
         self.events: list[Event] = []
         self.losses: list[float] = []
         self.grad_norms: list[float] = []
+        self.learning_rates: list[float] = []
+        self.eval_losses: list[tuple[int, float]] = []
         self.memory: dict[int, list[tuple[float, int]]] = {}
         self.activation_memory: dict[int, list[tuple[float, int]]] = {}
         self.nonfinite: list[tuple[int, str]] = []
@@ -93,6 +97,10 @@ class Reducer:
             self.losses.append(msg.value)
         elif isinstance(msg, GradNorm):  # one per step, from process 0, when the run clips
             self.grad_norms.append(msg.value)
+        elif isinstance(msg, LearningRate):  # one per step, from process 0, with an lr_scheduler
+            self.learning_rates.append(msg.value)
+        elif isinstance(msg, EvalLoss):  # after every eval_every steps, with eval_data=
+            self.eval_losses.append((msg.step, msg.value))
         elif isinstance(msg, Output):
             up.output = (msg.step, msg.coords.dp, torch.load(io.BytesIO(msg.data)))
         elif isinstance(msg, StepEnd):

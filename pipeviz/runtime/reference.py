@@ -57,6 +57,11 @@ def train_reference(
     grad_norms: list[float] | None = None,
     loss_reduction: str = "mean",
     accumulate: int = 1,
+    lr_scheduler: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None = None,
+    learning_rates: list[float] | None = None,
+    eval_batches: Sequence[tuple[tuple[object, ...], Mapping[str, object], object]] = (),
+    eval_every: int | None = None,
+    eval_losses: list[tuple[int, float]] | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train a deep copy of ``model`` on ``device``; returns (mean loss per step, final state_dict on the CPU).
 
@@ -70,9 +75,14 @@ def train_reference(
     microbatch's summed cross-entropy (divided, for the token mean, by the step's count of valid tokens).
     ``accumulate`` (``LaunchConfig.accumulate``): each optimizer step takes that many batches (of ``batches``, or
     the one batch again), as one batch of ``accumulate x microbatches`` microbatches; ``steps`` counts optimizer
-    steps."""
+    steps. ``lr_scheduler``: built around the optimizer, stepped after it (the rates used appended to
+    ``learning_rates``). ``eval_batches``: held-out batches evaluated every ``eval_every`` steps and after the last
+    (``(step, loss)`` appended to ``eval_losses``), as a run's evaluation does: microbatched alike, without
+    gradients, buffers put back after."""
     model = _copy(model, fixups, device)
     opt = (optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.1)))(list(model.parameters()))
+    sched = lr_scheduler(opt) if lr_scheduler is not None else None
+    mean_fn = loss_fn
     if batches is None:
         batches = [(tuple(inputs), dict(input_kwargs or {}), target)] * (steps * accumulate)
     chunked = list(_microbatched(batches, microbatches, device))
@@ -99,11 +109,48 @@ def train_reference(
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
             if grad_norms is not None:
                 grad_norms.append(float(norm))
+        if learning_rates is not None:
+            learning_rates.append(float(opt.param_groups[0]["lr"]))
         opt.step()
+        if sched is not None:
+            sched.step()
         opt.zero_grad(set_to_none=True)
         total = torch.stack(step)
         losses.append(float(total.mean() if loss_reduction == "mean" else total.sum()))
+        last = n == len(chunked) // accumulate - 1
+        if eval_batches and eval_losses is not None and (
+                (eval_every is not None and (n + 1) % eval_every == 0) or last):
+            eval_losses.append((n, _evaluate(model, eval_batches, mean_fn, microbatches, replicas, loss_reduction,
+                                             device, draws, n)))
     return losses, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def _evaluate(model: torch.nn.Module, batches: Sequence[tuple[tuple[object, ...], Mapping[str, object], object]],
+              loss_fn: Callable[..., torch.Tensor], microbatches: int, replicas: int, loss_reduction: str,
+              device: str | torch.device, draws: RunDraws | None, step: int) -> float:
+    """The held-out batches' loss, as a run's evaluation computes it (``pipeviz.runtime.steps.evaluate``)."""
+    from pipeviz.rng import EVAL_SEED
+    from pipeviz.runtime.loss import IGNORE_INDEX, summed_cross_entropy
+
+    saved = {name: b.detach().clone() for name, b in model.named_buffers()}
+    pieces, count = [], 0.0
+    eval_draws = draws.shifted(EVAL_SEED) if draws is not None else None
+    with torch.no_grad():
+        for b, (arg_mbs, kw_mbs, tgt) in enumerate(_microbatched(batches, microbatches, device)):
+            count += float((tgt != IGNORE_INDEX).sum())
+            for i, (a, k, t) in enumerate(zip(arg_mbs, kw_mbs, torch.tensor_split(tgt, microbatches), strict=True)):
+                with _buffers_of_replica_0(model, i * replicas // microbatches), (
+                        eval_draws.forward(step, b * microbatches + i) if eval_draws is not None
+                        else contextlib.nullcontext()):
+                    out = model_output(model(*a, **k))
+                pieces.append(loss_fn(out, t) if loss_reduction == "mean" else summed_cross_entropy(out, t))  # type: ignore[arg-type]
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            buf.copy_(saved[name])
+    total = torch.stack(pieces).double()
+    if loss_reduction == "mean":
+        return float(total.mean())
+    return float(total.sum() / max(count, 1.0)) if loss_reduction == "token_mean" else float(total.sum())
 
 
 def _share_of_sum(output: torch.Tensor, target: torch.Tensor, count: float) -> torch.Tensor:

@@ -63,6 +63,9 @@ class Run(RunResults):
             the ``loss_reduction``'s sum or token mean).
         grad_norms: with ``clip_grad_norm``, the global norm of each step's gradients (every stage, replica and
             shard together) before clipping, as ``torch.nn.utils.clip_grad_norm_`` returns it on the unsplit model.
+        learning_rates: with ``lr_scheduler``, the learning rate each step updated with.
+        eval_losses: with ``eval_data=``, ``(step, loss)``: the loss over the held-out batches after that step
+            (0-based; every ``eval_every`` steps and after the last).
         outputs: a forward-only run's (no ``loss_fn``) output for the whole batch at each step, in the model's
             output structure, on the CPU (microbatches joined back along the batch dim).
         error: for a failed run, the root cause first (which rank and stage, what failed, on what), then its
@@ -90,6 +93,8 @@ class Run(RunResults):
         self.events: list[Event] = self._reducer.events
         self.losses: list[float] = self._reducer.losses
         self.grad_norms: list[float] = self._reducer.grad_norms
+        self.learning_rates: list[float] = self._reducer.learning_rates
+        self.eval_losses: list[tuple[int, float]] = self._reducer.eval_losses
         self.outputs: list[Any] = []
         self.error: str | None = None
         self._feeder: Feeder | None = None  # a data= run's batches, streamed to the ranks (runtime.feed)

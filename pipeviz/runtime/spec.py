@@ -33,10 +33,13 @@ if TYPE_CHECKING:
     from pipeviz.graphview import GraphView
     from pipeviz.weights import Source
 
-__all__ = ["LaunchError", "LaunchSpec", "check_weights", "cpu_sets", "data_batch", "resolve_devices", "share",
-           "validate_launch"]
+__all__ = ["FedBatch", "LaunchError", "LaunchSpec", "check_weights", "cpu_sets", "data_batch", "like_first",
+           "resolve_devices", "share", "validate_launch"]
 
 T = TypeVar("T")
+
+# One batch's (args, kwargs, target), as checked against the first batch.
+FedBatch = tuple[tuple[object, ...], dict[str, object], object]
 
 
 @dataclass
@@ -60,6 +63,7 @@ class LaunchSpec:
     tp: int = 1  # tensor-parallel shards of every stage
     tp_placements: dict[str, str] = field(default_factory=dict)  # canonical parameter name -> "shard0"/"shard1"
     config: LaunchConfig = field(default_factory=LaunchConfig)  # the options it was validated from
+    eval_batches: list[FedBatch] = field(default_factory=list)  # eval_data=: held-out batches, checked
 
     @property
     def training(self) -> bool:
@@ -95,7 +99,7 @@ def _setting(name: str) -> Iterator[None]:
 
 def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inputs: object = None,
                     input_kwargs: Mapping[str, object] | None = None, target: object = None,
-                    data: Iterable[object] | None = None) -> LaunchSpec:
+                    data: Iterable[object] | None = None, eval_data: Iterable[object] | None = None) -> LaunchSpec:
     """Check everything a launch needs before any process starts; raises with the value, the choices and the fix.
 
     Checked: the plan and the config's schedule (stage and microbatch rules), ``steps``, ``timeout`` and
@@ -154,6 +158,8 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
         _check_loss_reduction(config)
     with _setting("accumulate"):
         _check_accumulate(config)
+    with _setting("lr_scheduler"):
+        _check_lr_scheduler(config)
     if not (steps is None and data is not None) and (not isinstance(steps, int) or isinstance(steps, bool)
                                                      or steps < 1):
         raise LaunchError(f"steps must be a positive int, got {steps!r} (steps=None runs until data= runs out).",
@@ -199,6 +205,9 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
         if optimizer is not None:
             raise LaunchError("optimizer= was given without a loss_fn: a forward-only run trains nothing. Fix: pass "
                               "loss_fn=... to train, or drop optimizer.")
+        if eval_data is not None or config.eval_every is not None:
+            raise LaunchError("eval_data= / eval_every= were given without a loss_fn: a forward-only run has no loss "
+                              "to evaluate. Fix: pass loss_fn=... to train, or drop them.", setting="eval_every")
         return LaunchSpec(name, lay, args, kwargs, None, None, None, microbatches, steps, stream, dp=dp, tp=tp,
                           tp_placements=placements, config=config, dp_shard=config.dp_shard)
     if not callable(loss_fn):
@@ -218,8 +227,32 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
         except Exception as exc:
             raise LaunchError(f"{label} cannot be sent to the stage processes ({exc}). Fix: define it as a plain "
                               "function or lambda, without open files, locks or CUDA state.") from exc
-    return LaunchSpec(name, lay, args, kwargs, target, loss_fn, optimizer, microbatches, steps, stream, dp=dp, tp=tp,
+    spec = LaunchSpec(name, lay, args, kwargs, target, loss_fn, optimizer, microbatches, steps, stream, dp=dp, tp=tp,
                       tp_placements=placements, config=config, dp_shard=config.dp_shard)
+    with _setting("eval_every"):
+        spec.eval_batches = _eval_batches(spec, eval_data)
+    return spec
+
+
+def _eval_batches(spec: LaunchSpec, eval_data: Iterable[object] | None) -> list[FedBatch]:
+    """``eval_data=``'s held-out batches, each like the first training batch (the stages' shapes are static)."""
+    every = spec.config.eval_every
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise LaunchError(f"eval_every must be a positive int (steps between evaluations) or None, got {every!r}. "
+                          "Fix: eval_every=10, or None to evaluate after the last step only.")
+    if eval_data is None:
+        if every is not None:
+            raise LaunchError(f"eval_every={every} was given without eval_data=: there is nothing to evaluate on. "
+                              "Fix: pv.launch(..., eval_data=[(x_val, y_val)]), or drop eval_every.")
+        return []
+    if isinstance(eval_data, torch.Tensor | str) or not isinstance(eval_data, Iterable):
+        raise LaunchError(f"eval_data= must be an iterable of (inputs, target) batches, got "
+                          f"{type(eval_data).__name__}. Fix: eval_data=[(x_val, y_val)] (each batch shaped like a "
+                          "training batch).")
+    batches = [like_first(data_batch(item, i, True), spec, i, "eval_data=") for i, item in enumerate(eval_data)]
+    if not batches:
+        raise LaunchError("eval_data= gave no batch. Fix: at least one (inputs, target) batch, or drop eval_data.")
+    return batches
 
 
 def _check_model_unchanged(plan: SplitPlan) -> None:
@@ -263,6 +296,35 @@ def _check_accumulate(config: LaunchConfig) -> None:
     if value > 1 and config.loss_fn is None:
         raise LaunchError(f"accumulate={value} was given without a loss_fn: a forward-only run has no gradients to "
                           "accumulate. Fix: pass loss_fn=... to train, or drop accumulate.")
+
+
+def _check_lr_scheduler(config: LaunchConfig) -> None:
+    """A scheduler factory is built once on a dummy optimizer (the run's own factory's) and must step."""
+    import cloudpickle
+
+    factory = config.lr_scheduler
+    if factory is None:
+        return
+    if config.loss_fn is None:
+        raise LaunchError("lr_scheduler= was given without a loss_fn: a forward-only run has no optimizer. Fix: pass "
+                          "loss_fn=... to train, or drop lr_scheduler.")
+    fix = ("Fix: lr_scheduler=pv.warmup_cosine(warmup=10, steps=100), or "
+           "lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2) (a factory taking the optimizer).")
+    if not callable(factory) or isinstance(factory, torch.optim.lr_scheduler.LRScheduler):
+        raise LaunchError(f"lr_scheduler must be a factory optimizer -> LRScheduler, got {factory!r}. {fix}")
+    try:
+        built = factory((config.optimizer or _default_optimizer)([torch.nn.Parameter(torch.zeros(1))]))
+    except Exception as exc:
+        raise LaunchError(f"lr_scheduler(optimizer) fails on a dummy optimizer: {type(exc).__name__}: {exc}. "
+                          f"{fix}") from exc
+    if not callable(getattr(built, "step", None)) or not callable(getattr(built, "get_last_lr", None)):
+        raise LaunchError(f"lr_scheduler(optimizer) must return a torch LRScheduler, got {type(built).__name__}. "
+                          f"{fix}")
+    try:
+        cloudpickle.dumps(factory)
+    except Exception as exc:
+        raise LaunchError(f"lr_scheduler cannot be sent to the stage processes ({exc}). Fix: define it as a plain "
+                          "function or lambda, without open files, locks or CUDA state.") from exc
 
 
 def _check_clip(config: LaunchConfig) -> None:
@@ -356,6 +418,36 @@ def data_batch(item: object, step: int, training: bool) -> tuple[object, dict[st
                               "pairs or {'inputs': ..., 'target': ...} mappings.")
         return item[0], None, item[1]
     return item, None, None
+
+
+def like_first(batch: tuple[object, Mapping[str, object] | None, object], spec: LaunchSpec, step: int,
+               what: str = "data=") -> FedBatch:
+    """A data= batch as (args, kwargs, target), checked against the first batch: the pipeline's shapes are
+    fixed by it (torch's stages have static shapes)."""
+    inputs, kwargs, target = batch
+    args = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs) if isinstance(inputs, tuple | list) \
+        else None
+    if args is None:
+        raise LaunchError(f"{what} batch {step}: inputs is a {type(inputs).__name__}; expected a tensor or a tuple or "
+                          "list of tensors, like the first batch.")
+    kwargs = dict(kwargs or {})
+    pairs = [(f"inputs[{i}]", a, e) for i, (a, e) in enumerate(zip(args, spec.args, strict=False))]
+    pairs += [(f"input_kwargs[{k!r}]", kwargs.get(k), v) for k, v in spec.kwargs.items()]
+    if spec.target is not None:
+        pairs.append(("target", target, spec.target))
+    if len(args) != len(spec.args) or set(kwargs) != set(spec.kwargs):
+        raise LaunchError(f"{what} batch {step} has other inputs than the first batch ({len(args)} positional, "
+                          f"keywords {sorted(kwargs)}; the first: {len(spec.args)}, {sorted(spec.kwargs)}).")
+    for label, got, want in pairs:
+        if not isinstance(want, torch.Tensor):
+            continue
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
+            shown = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else type(got).__name__
+            raise LaunchError(
+                f"{what} batch {step}: {label} is {shown}, but the run started with {tuple(want.shape)} {want.dtype}: "
+                "a pipeline's shapes are fixed by its first batch (and the batch must split into the "
+                f"{spec.microbatches} microbatches). Fix: equal batches, e.g. DataLoader(..., drop_last=True).")
+    return args, {k: kwargs[k] for k in spec.kwargs}, target
 
 
 def _inputs(graph: GraphView, inputs: object, input_kwargs: Mapping[str, object] | None,

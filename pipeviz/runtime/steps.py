@@ -22,7 +22,9 @@ from pipeviz import schedules as sched
 from pipeviz.runtime.clock import Clock
 from pipeviz.runtime.messages import (
     End,
+    EvalLoss,
     GradNorm,
+    LearningRate,
     Loss,
     NonFinite,
     Output,
@@ -138,10 +140,13 @@ def _named_loss(loss_fn: Callable[..., torch.Tensor], p: RankPayload) -> Callabl
 def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
           local: dict[str, list[torch.Tensor]], groups: dict[str, ProcessGroup | None], clock: Clock,
           step_box: list[int], device: torch.device, dp_group: ProcessGroup | None = None,
-          stages: list[PipelineStage] | None = None) -> bool:
+          stages: list[PipelineStage] | None = None,
+          scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> bool:
     """Run the steps; False when a NaN or inf stopped the run (every rank stops at the same step). A step runs the
     schedule on ``p.accumulate`` batches in turn (``step_box[1]`` counts them), their gradients summed in place;
-    the replicas' gradients are reduced once, in the last batch's backward (``sync_replicas``)."""
+    the replicas' gradients are reduced once, in the last batch's backward (``sync_replicas``). ``scheduler`` steps
+    after each optimizer step; with ``p.eval_batches`` the held-out batches are evaluated every ``p.eval_every``
+    steps and after the last (``evaluate``)."""
     import torch.distributed as dist
 
     first = any(st.index == 0 for st in p.stages)
@@ -150,6 +155,7 @@ def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, 
     reports = p.coords.dp == p.coords.tp == p.coords.cp == 0  # replica 0, shard 0, share 0 speaks for all
     names = {id(t): canon for st in p.stages for canon, inner in st.params.items()
              for n, t in st.runner.stage.named_parameters(remove_duplicate=False) if n == inner}
+    finished = -1
     for step, group in enumerate(_grouped(_batches(p, device), p.accumulate)):
         step_box[0] = step
         losses: list[torch.Tensor] = []
@@ -190,15 +196,101 @@ def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, 
             norm = clip_global_norm(p, params, names, p.clip_grad_norm)
             if p.rank == 0:
                 clock.post(GradNorm(p.rank, p.coords, step, norm))
+        if scheduler is not None and p.rank == 0:  # the rate this step updates with
+            clock.post(LearningRate(p.rank, p.coords, step, float(optimizer.param_groups[0]["lr"])))
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         clock.meter.count_static(params, optimizer)  # gradients and optimizer state as they stand at step end
         optimizer.zero_grad(set_to_none=True)
         if last and reports:
             clock.post(Loss(p.rank, p.coords, step, loss))
+        if p.eval_batches and p.eval_every is not None and (step + 1) % p.eval_every == 0:
+            evaluate(p, schedule, clock, step_box, device, dp_group, step, stages)
         clock.post(StepEnd(p.rank, p.coords, step, time.time() - p.t0))
         clock.flush()
+        finished = step
+    if p.eval_batches and finished >= 0 and (p.eval_every is None or (finished + 1) % p.eval_every):
+        evaluate(p, schedule, clock, step_box, device, dp_group, finished, stages)  # after the last step too
     clock.flush(force=True)
     return True
+
+
+def evaluate(p: RankPayload, schedule: Schedule, clock: Clock, step_box: list[int], device: torch.device,
+             dp_group: ProcessGroup | None, step: int, stages: list[PipelineStage] | None = None) -> None:
+    """The held-out batches (``p.eval_batches``) forward through the pipeline, without gradients (torch's
+    ``schedule.eval``), after step ``step``; the last stage's replica 0, shard 0 posts their loss (an ``EvalLoss``):
+    the ``loss_reduction`` over every microbatch of every batch and replica. The forwards are timed as ``EVAL``
+    events; the stages' buffers (running statistics, which a forward in training mode moves) are put back after,
+    so training goes on as if no evaluation ran. The V-shaped schedules and a custom order evaluate through a
+    forward-only order of torch's runtime (``_forward_schedule``): torch 2.13-2.15's ZBV and DualPipeV fail in
+    ``eval`` ("can't steal_bwd_input if this stage doesn't have backward")."""
+    import torch.distributed as dist
+
+    from pipeviz.runtime.loss import IGNORE_INDEX
+
+    if (p.order is not None or sched.info(p.schedule).v_shape) and stages is not None:
+        schedule = _forward_schedule(p, stages)
+
+    first = any(st.index == 0 for st in p.stages)
+    last = any(st.index == len(p.stage_ranks) - 1 for st in p.stages)
+    buffers = [b for st in p.stages for b in st.runner.stage.buffers()]
+    saved = [b.detach().clone() for b in buffers]
+    pieces: list[torch.Tensor] = []
+    count = 0.0
+    scale, _STEP_SCALE[0] = _STEP_SCALE[0], 1.0  # each microbatch's own mean, or its sum
+    step_box[2] = 1
+    try:
+        for i, (args, kwargs, target) in enumerate(p.eval_batches):
+            step_box[1] = i
+            call_kwargs: dict[str, Any] = {k: _moved(v, device) for k, v in kwargs.items()} if first else {}
+            batch_losses: list[torch.Tensor] = []
+            if last:
+                call_kwargs.update(target=_moved(target, device), losses=batch_losses)
+                count += float((target != IGNORE_INDEX).sum()) if isinstance(target, torch.Tensor) else 0.0
+            with torch.no_grad(), _loss_parallel(p):
+                schedule.eval(*(tuple(_moved(a, device) for a in args) if first else ()), **call_kwargs)
+            pieces += batch_losses
+    finally:
+        step_box[1], step_box[2], _STEP_SCALE[0] = 0, 0, scale
+        with torch.no_grad():
+            for b, s in zip(buffers, saved, strict=True):
+                b.copy_(s)
+    if not last:
+        return
+    total = torch.stack([full_tensor(x).detach().double() for x in pieces])
+    value = torch.tensor([float(total.mean() if p.loss_reduction == "mean" else total.sum()), count],
+                         dtype=torch.float64)
+    if dp_group is not None:  # the replicas' shares: means averaged, sums and token counts added
+        dist.all_reduce(value, group=dp_group)
+        if p.loss_reduction == "mean":
+            value[0] /= p.mesh.dp
+    loss = float(value[0] / max(float(value[1]), 1.0)) if p.loss_reduction == "token_mean" else float(value[0])
+    if p.coords.dp == p.coords.tp == p.coords.cp == 0:
+        clock.post(EvalLoss(p.rank, p.coords, step, loss))
+
+
+_FORWARD_SCHEDULES: dict[int, Schedule] = {}  # per process: the forward-only schedule evaluate() built
+
+
+def _forward_schedule(p: RankPayload, stages: list[PipelineStage]) -> Schedule:
+    """torch's runtime running every rank's forwards only, stage by stage (each rank's stages in increasing order,
+    every microbatch of one before the next: whatever the placement, stage s's forwards need only stage s - 1's),
+    built once."""
+    from pipeviz.adapter import runtime_schedule
+
+    key = id(stages[0])
+    if key not in _FORWARD_SCHEDULES:
+        order = [[f"{s}F{mb}" for s in sorted(i for i, r in enumerate(p.stage_ranks) if r == rank)
+                  for mb in range(p.microbatches)] for rank in range(max(p.stage_ranks) + 1)]
+        assert p.loss_fn is not None
+        _FORWARD_SCHEDULES[key] = runtime_schedule(stages, order, p.microbatches, _named_loss(_reduced(p), p),
+                                                   forward_only=True)
+    return _FORWARD_SCHEDULES[key]
+
+
+def _moved(x: object, device: torch.device) -> object:
+    return x.to(device) if isinstance(x, torch.Tensor) else x
 
 
 def _grouped(batches: Iterator[Batch], k: int) -> Iterator[list[Batch]]:

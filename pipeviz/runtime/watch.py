@@ -40,6 +40,8 @@ class Watch:
         self.events: list[Event] = self._reducer.events
         self.losses: list[float] = self._reducer.losses
         self.grad_norms: list[float] = self._reducer.grad_norms
+        self.learning_rates: list[float] = self._reducer.learning_rates
+        self.eval_losses: list[tuple[int, float]] = self._reducer.eval_losses
         self.memory = self._reducer.memory
         self.activation_memory = self._reducer.activation_memory
         self.nonfinite = self._reducer.nonfinite

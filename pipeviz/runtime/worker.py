@@ -151,13 +151,14 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
     from pipeviz.adapter import exact_split_backward, timed_collectives, timed_waits
 
     clock, device, compute = connected or _connect(p, queue)
-    step_box = [0, 0]  # the step, and its accumulated batch
+    step_box = [0, 0, 0]  # the step, its accumulated (or held-out) batch, and whether it evaluates
     pp_group, dp_group, dp_mesh, tp_mesh = _mesh_groups(p)
     stages, params, local = _stages(p, clock, step_box, device, compute, pp_group, dp_group, tp_mesh,
                                     dp_mesh if p.dp_shard else None)
     groups = _tied_groups(p)
     schedule = build_schedule(p, stages)
     optimizer = p.optimizer(params) if p.loss_fn is not None else None
+    scheduler = p.lr_scheduler(optimizer) if optimizer is not None and p.lr_scheduler is not None else None
     held = ""
     if p.dp_shard:  # FSDP2: this process holds its shard of every parameter (DTensor numel is the whole's)
         held = (f" ({sum(local_tensor(t).numel() for t in params):,} of {sum(t.numel() for t in params):,} parameter "
@@ -179,7 +180,7 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
             finished = infer(p, schedule, clock, step_box, device)
         else:
             finished = train(p, schedule, optimizer, params, local, groups, clock, step_box, device, dp_group,
-                             stages)
+                             stages, scheduler)
     if finished:
         if p.state_path is not None:  # a file: a big stage's tensors do not pass through the queue
             torch.save(rank_state(p, copy=False), p.state_path)
@@ -266,7 +267,7 @@ def _stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch.dev
     runner is sharded across the replicas by FSDP2's ``fully_shard`` instead (torch's stage unshards, reshards and
     reduce-scatters it)."""
     from pipeviz.adapter import timed_stage_class
-    from pipeviz.rng import seed_device, stage_seed
+    from pipeviz.rng import EVAL_SEED, seed_device, stage_seed
 
     drawing = {st.index for st in p.stages if st.draws}  # stages whose forward draws random numbers (dropout)
     first_mb = p.coords.dp * p.microbatches  # this replica's microbatches, counted across replicas
@@ -274,10 +275,14 @@ def _stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch.dev
 
     def span(stage: int, kind: str, mb: int) -> AbstractContextManager[object]:
         # An accumulated step's b-th batch: its microbatches numbered after the earlier batches' (the timeline
-        # shows accumulate x microbatches per step; the reference seeds batch b's the same way).
+        # shows accumulate x microbatches per step; the reference seeds batch b's the same way). A held-out
+        # batch's forward (evaluation) is an EVAL event, its draws seeded apart from training's (EVAL_SEED).
+        evaluating = step_box[2]
         if kind == "F" and stage in drawing:  # the reference seeds the same before this stage's draws
-            seed_device(compute, stage_seed(p.seed, step_box[0], step_box[1] * per_batch + first_mb + mb, stage))
-        return clock.span(p.rank, stage, kind, step_box[1] * p.microbatches + mb, step_box[0])
+            at = step_box[1] * per_batch + first_mb + mb
+            seed_device(compute, stage_seed(p.seed + EVAL_SEED * evaluating, step_box[0], at, stage))
+        return clock.span(p.rank, stage, "EVAL" if evaluating else kind, step_box[1] * p.microbatches + mb,
+                          step_box[0])
 
     Stage = timed_stage_class(span)
 

@@ -66,6 +66,8 @@ class ExplorerOptions(TypedDict, total=False):
     clip_grad_norm: float | None
     loss_reduction: str
     accumulate: int
+    lr_scheduler: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None
+    eval_every: int | None
     init_seed: int
     dp: int
     dp_shard: bool
@@ -107,6 +109,9 @@ class Explorer(W.VBox):
             over the output's last dim and ``target`` random integer classes of that size (seed 0), so a
             classifier or a language model trains as is; ``optimizer`` is SGD with lr 0.1.
         devices: passed to ``pv.launch`` (``"auto"``, ``"cpu"``, ...); default: ``config``'s.
+        eval_data: held-out ``(inputs, target)`` batches a training Launch evaluates (``pv.launch``'s
+            ``eval_data=``; every ``eval_every`` steps and after the last), drawn with the loss under the run's
+            timeline.
         depth: granularity of the trace (``None``: the model's natural blocks).
         **options: other ``pv.LaunchConfig`` fields (``tp_plan=``, ``dp=``, ``timeout=``, ...), over ``config``'s.
 
@@ -132,6 +137,7 @@ class Explorer(W.VBox):
         loss_fn: Callable[..., torch.Tensor] | None = None,
         optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
         devices: str | list[str] = UNSET, depth: int | None = None, mode: str = "train",
+        eval_data: Iterable[object] | None = None,
         config: pv.LaunchConfig | None = None, **options: Unpack[ExplorerOptions],
     ) -> None:
         if mode not in MODES:
@@ -142,6 +148,7 @@ class Explorer(W.VBox):
         self.config = launch_config(config, schedule=schedule, microbatches=microbatches, steps=steps,
                                     devices=devices, **options)
         self.target, self.devices = target, self.config.devices
+        self.eval_data = list(eval_data) if eval_data is not None else None  # held-out batches (train mode)
         self.loss_fn, self.optimizer = loss_fn or self.config.loss_fn, optimizer or self.config.optimizer
         self.run: pv.Run | None = None
         self.sim: Timeline | None = None
@@ -427,7 +434,8 @@ class Explorer(W.VBox):
         if cfg.loss_fn is None:  # forward only: no target, loss or optimizer
             run = pv.launch(plan, config=cfg, inputs=args, input_kwargs=kwargs or None)
         else:
-            run = pv.launch(plan, config=cfg, inputs=args, input_kwargs=kwargs or None, target=self._launch_target())
+            run = pv.launch(plan, config=cfg, inputs=args, input_kwargs=kwargs or None, target=self._launch_target(),
+                            eval_data=self.eval_data)
         self.run, self._run_plan = run, plan
         self._finished.clear()
         self.numerics.value = self.run_notes.value = ""
@@ -459,7 +467,10 @@ class Explorer(W.VBox):
             stages_per_rank=self.config.stages_per_rank if sched.info(schedule).multi else None,
             loss_fn=None if infer else self.loss_fn or cross_entropy, optimizer=None if infer else self.optimizer,
             clip_grad_norm=None if infer else self.config.clip_grad_norm,
-            accumulate=1 if infer else self.config.accumulate, devices=self.devices, dp=self.dp.value, tp=self.tp.value,
+            accumulate=1 if infer else self.config.accumulate,
+            lr_scheduler=None if infer else self.config.lr_scheduler,
+            eval_every=None if infer or self.eval_data is None else self.config.eval_every,
+            devices=self.devices, dp=self.dp.value, tp=self.tp.value,
             sequence_parallel=bool(self.sequence_parallel.value) and self.tp.value > 1)
 
     @guarded
@@ -674,7 +685,8 @@ class Explorer(W.VBox):
         args, kwargs = self.graph.example_args, dict(self.graph.example_kwargs)
         try:  # (the default target inside too: a model with several outputs has none)
             validate_launch(self._plan, cfg, inputs=args, input_kwargs=kwargs or None,
-                            target=None if cfg.loss_fn is None else self._launch_target())
+                            target=None if cfg.loss_fn is None else self._launch_target(),
+                            eval_data=None if cfg.loss_fn is None else self.eval_data)
         except Exception as exc:  # LaunchError, ScheduleError, PlanError (each names the value and the fix), or
             return exc  # whatever else Launch would meet first: shown at the controls, never raised from a handler
         return None

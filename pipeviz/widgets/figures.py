@@ -26,15 +26,15 @@ if TYPE_CHECKING:
     from pipeviz.simulate import Comparison
 
 __all__ = ["GL_THRESHOLD", "KIND_COLORS", "STAGE_COLORS", "comparison_figure", "graph_figure", "graph_layout",
-           "graph_traces", "stage_color", "time_origin", "timeline_figure", "timeline_layout", "timeline_title",
-           "timeline_traces"]
+           "graph_traces", "loss_figure", "loss_layout", "loss_traces", "stage_color", "time_origin",
+           "timeline_figure", "timeline_layout", "timeline_title", "timeline_traces"]
 
 
 STAGE_COLORS = ("#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3", "#FF6692", "#B6E880",
                 "#FF97FF", "#FECB52")
 KIND_COLORS = {"F": "#4C78A8", "B": "#F58518", "I": "#E45756", "W": "#54A24B", "COMM": "#BAB0AC", "DP": "#B279A2",
-               "TP": "#9D755D"}
-KIND_ORDER = ("F", "B", "I", "W", "COMM", "DP", "TP")
+               "TP": "#9D755D", "EVAL": "#72B7B2"}
+KIND_ORDER = ("F", "B", "I", "W", "COMM", "DP", "TP", "EVAL")
 # Above this many events a Gantt chart is drawn as WebGL line segments: thousands of SVG bars make the
 # browser stutter on every live redraw, GL segments do not.
 GL_THRESHOLD = 3000
@@ -261,6 +261,35 @@ def timeline_figure(timeline: Timeline, overlay: Timeline | None = None, *, titl
 
 
 # --------------------------------------------------------------------------------------------- graph
+LOSS_HEIGHT = 200  # px: the loss chart under a run's timeline
+
+
+def loss_traces(losses: Sequence[float], eval_losses: Sequence[tuple[int, float]] = ()) -> list[dict[str, object]]:
+    """A run's loss per step (counted from 1, as the status line counts steps) and, with ``eval_data=``, the
+    held-out loss after the steps it was evaluated at: two traces, always both (a live chart updates them)."""
+    return [
+        {"type": "scatter", "mode": "lines+markers", "name": "training loss", "x": list(range(1, len(losses) + 1)),
+         "y": [float(x) for x in losses], "line": {"color": "#4C78A8"},
+         "hovertemplate": "step %{x}: training loss %{y:.4f}<extra></extra>"},
+        {"type": "scatter", "mode": "lines+markers", "name": "held-out loss", "x": [s + 1 for s, _ in eval_losses],
+         "y": [float(v) for _, v in eval_losses], "line": {"color": "#E45756", "dash": "dot"},
+         "marker": {"symbol": "diamond", "size": 9},
+         "hovertemplate": "after step %{x}: held-out loss %{y:.4f}<extra></extra>"},
+    ]
+
+
+def loss_layout() -> dict[str, object]:
+    return {"height": LOSS_HEIGHT, "margin": {"l": 50, "r": 10, "t": 10, "b": 35}, "autosize": True,
+            "xaxis": {"title": {"text": "step"}, "dtick": 1, "rangemode": "tozero"},
+            "yaxis": {"title": {"text": "loss"}}, "legend": {"orientation": "h", "y": 1.0, "yanchor": "bottom"},
+            "showlegend": True}
+
+
+def loss_figure(losses: Sequence[float], eval_losses: Sequence[tuple[int, float]] = ()) -> go.Figure:
+    """The loss per step and the held-out loss (``run.losses``, ``run.eval_losses``) as a plain plotly figure."""
+    return go.Figure(data=loss_traces(losses, eval_losses), layout=loss_layout())
+
+
 def _arc(y0: float, y1: float, bulge: float, points: int = 16) -> tuple[list[float], list[float]]:
     """A quadratic Bezier from (0, y0) to (0, y1) bulging right to x = bulge."""
     t = np.linspace(0.0, 1.0, points)

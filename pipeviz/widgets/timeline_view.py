@@ -19,7 +19,15 @@ import plotly.graph_objects as go
 
 from pipeviz.live import Live
 from pipeviz.timeline import COMPUTE, Event, Timeline
-from pipeviz.widgets.figures import GL_THRESHOLD, time_origin, timeline_layout, timeline_title, timeline_traces
+from pipeviz.widgets.figures import (
+    GL_THRESHOLD,
+    loss_layout,
+    loss_traces,
+    time_origin,
+    timeline_layout,
+    timeline_title,
+    timeline_traces,
+)
 from pipeviz.widgets.live_figure import LiveFigure
 
 if TYPE_CHECKING:
@@ -94,6 +102,8 @@ class TimelineView(W.VBox):
 
     Attributes:
         figure: the ``plotly.graph_objects.FigureWidget``.
+        loss_chart: under it, an attached training run's loss per step and held-out loss (``run.eval_losses``),
+            shown once the run has one.
         redraws: how many times the chart was redrawn.
         last_redraw_s: seconds the last redraw took in Python; redraw_s and live_redraws: the time and the count
             of the redraws since the last ``attach``.
@@ -106,6 +116,12 @@ class TimelineView(W.VBox):
                  clock: Callable[[], float] = time.perf_counter,
                  later: Callable[[float, Callable[[], None]], object] | None = None) -> None:
         self.figure = LiveFigure()
+        # An attached training run's loss per step and held-out loss (hidden until the run has a loss).
+        self.loss_chart = LiveFigure(data=loss_traces([]), layout=loss_layout())
+        self.loss_chart._config = {"responsive": True}
+        self.loss_chart.layout.autosize = True
+        self.loss_chart.add_class("pipeviz-loss-chart")
+        self.loss_box = W.Box([self.loss_chart], layout=W.Layout(display="none", width="100%"))
         # Follow the window's width (plotly.js re-measures on resize; the layout's autosize keeps it allowed to).
         self.figure._config = {"responsive": True}
         self.summary = W.HTML()
@@ -114,7 +130,7 @@ class TimelineView(W.VBox):
         self.step_select.observe(self._on_step, "value")
         super().__init__([W.HBox([self.summary, self.step_select],
                                  layout=W.Layout(justify_content="space-between", align_items="center")),
-                          self.figure])
+                          self.figure, self.loss_box])
         self.add_class("pipeviz-timeline")
         self.interval, self.busy_interval, self.redraws, self.last_redraw_s = interval, busy_interval, 0, 0.0
         self.redraw_s, self.live_redraws, self.busy = 0.0, 0, False
@@ -266,6 +282,7 @@ class TimelineView(W.VBox):
             if self.step_select.value == -1:
                 fig.layout.xaxis.update(layout["xaxis"])
         self._update_steps(tl)
+        self._draw_losses()
         self.summary.value = f"<b>{timeline_title(tl)}</b>" if self._title is None else self._title
         self.redraws += 1
         self.live_redraws += 1
@@ -274,6 +291,18 @@ class TimelineView(W.VBox):
         self.redraw_s += self.last_redraw_s
         for callback in self.drawn:
             callback(tl)
+
+    def _draw_losses(self) -> None:
+        """The attached run's losses so far (``run.losses``, ``run.eval_losses``), when it has any."""
+        run = self._run
+        losses = list(run.losses) if run is not None else []
+        evals = list(getattr(run, "eval_losses", []))
+        self.loss_box.layout.display = "flex" if losses or evals else "none"
+        if not (losses or evals):
+            return
+        with self.loss_chart.batch_update():
+            for trace, spec in zip(self.loss_chart.data, loss_traces(losses, evals), strict=True):
+                trace.update({"x": spec["x"], "y": spec["y"]})
 
     def _update_steps(self, tl: Timeline) -> None:
         steps = tl.steps if tl.source == "measured" else []
