@@ -557,6 +557,11 @@ def test_explorer_as_a_user_meets_it(lab: tuple[str, Path], request: pytest.Fixt
                              Array.from(el.querySelectorAll('g.trace')).map(g => g.getAttribute('class'))]
                           : null; }"""))
             readme_image("timeline", page.locator(".pipeviz-explorer .pipeviz-run-timeline"))
+            # under it, the loss per step (one marker per step of the run)
+            loss_chart = page.locator(".pipeviz-run-timeline .pipeviz-loss-chart")
+            expect(loss_chart).to_be_visible()
+            expect(loss_chart.locator("g.trace.scatter").first.locator("path.point")).to_have_count(
+                int(page.get_by_label("steps", exact=True).input_value()), timeout=10_000)
 
             # Layout at two widths, with every section shown (graph, preview, simulated and measured timelines).
             for width in (WIDE, NARROW):

@@ -91,8 +91,9 @@ def soon(fn: Callable[[], None]) -> None:
 #   column stay there: plotly's own handler (on the drag layer, inside the column) runs before this one.
 # - plotly.js measures a responsive chart's box when it first draws it and again only on a window resize. A new
 #   Explorer's simulated timeline was drawn before its box had its width (at plotly's default 700 px in an 848 px
-#   box at 1280 px) and stayed so until the window changed. When a timeline's box and its chart differ in width,
-#   the page gets the resize event plotly listens for (at most a few times per box).
+#   box at 1280 px) and stayed so until the window changed. When a timeline's box and one of its charts (the Gantt
+#   chart; the loss chart under a run's, drawn while hidden) differ in width, the page gets the resize event plotly
+#   listens for (at most a few times per chart).
 BROWSER_HELPER_ESM = """
 export default {
   render({ el }) {
@@ -110,11 +111,13 @@ export default {
         pending = false;
         let resize = false;
         for (const box of explorer.querySelectorAll('.pipeviz-timeline')) {
-          const svg = box.querySelector('.js-plotly-plot .main-svg');
-          if (!svg || !box.clientWidth) continue;  // not drawn yet, or hidden
-          if (Math.abs(svg.getBoundingClientRect().width - box.clientWidth) > 2 && (nudged.get(box) || 0) < 5) {
-            nudged.set(box, (nudged.get(box) || 0) + 1);
-            resize = true;
+          for (const plot of box.querySelectorAll('.js-plotly-plot')) {  // the Gantt chart, the loss chart
+            const svg = plot.querySelector('.main-svg');
+            if (!svg || !box.clientWidth || !plot.clientWidth) continue;  // not drawn yet, or hidden
+            if (Math.abs(svg.getBoundingClientRect().width - box.clientWidth) > 2 && (nudged.get(plot) || 0) < 5) {
+              nudged.set(plot, (nudged.get(plot) || 0) + 1);
+              resize = true;
+            }
           }
         }
         if (resize) window.dispatchEvent(new Event('resize'));

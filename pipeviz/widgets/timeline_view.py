@@ -121,7 +121,8 @@ class TimelineView(W.VBox):
         self.loss_chart._config = {"responsive": True}
         self.loss_chart.layout.autosize = True
         self.loss_chart.add_class("pipeviz-loss-chart")
-        self.loss_box = W.Box([self.loss_chart], layout=W.Layout(display="none", width="100%"))
+        # (a column: its chart stretches to the width; in a row box it kept plotly's 700 px)
+        self.loss_box = W.VBox([self.loss_chart], layout=W.Layout(display="none", width="100%"))
         # Follow the window's width (plotly.js re-measures on resize; the layout's autosize keeps it allowed to).
         self.figure._config = {"responsive": True}
         self.summary = W.HTML()
