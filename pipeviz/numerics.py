@@ -133,7 +133,7 @@ def check_numerics(run: Run, tolerance: float = TOLERANCE, device: str | torch.d
             device=device, batches=batches, replicas=1 if whole else spec.dp, draws=draws,
             clip_grad_norm=spec.config.clip_grad_norm, loss_reduction=reduction, accumulate=k,
             lr_scheduler=spec.config.lr_scheduler, learning_rates=ref_rates, eval_batches=spec.eval_batches,
-            eval_every=spec.config.eval_every, eval_losses=ref_evals)
+            eval_every=spec.config.eval_every, eval_losses=ref_evals, resume=spec.resume)
 
         check = compare_to_reference(run.losses, run.state_dict(), ref_losses, ref_state, tolerance)
         if ref_evals or run.eval_losses:  # the held-out losses count as losses (after the same steps)

@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Unpack
@@ -20,7 +21,7 @@ from pipeviz.runtime.config import UNSET, LaunchConfig, LaunchOptions, launch_co
 from pipeviz.runtime.payloads import rank_boots, rank_payloads
 from pipeviz.runtime.procs import rendezvous, temp_prefix
 from pipeviz.runtime.run import _LIVE, Run
-from pipeviz.runtime.spec import check_weights, cpu_sets, resolve_devices, validate_launch
+from pipeviz.runtime.spec import LaunchError, check_weights, cpu_sets, resolve_devices, validate_launch
 
 __all__ = ["launch"]
 
@@ -37,6 +38,7 @@ def launch(
     target: torch.Tensor | None = None,
     data: Iterable[object] | None = None,
     eval_data: Iterable[object] | None = None,
+    resume: str | os.PathLike[str] | None = None,
     weights: str | os.PathLike[str] | None = None,
     config: LaunchConfig | None = None,
     **options: Unpack[LaunchOptions],
@@ -77,6 +79,13 @@ def launch(
             ``model.safetensors.index.json``, as HF ``save_pretrained`` and ``run.save`` write): each rank reads
             only its own stage's tensors, and no process is sent the model's values. The model may be on the
             meta device. Missing tensors and shapes that differ are named before any process starts.
+        resume: a folder ``run.save(folder)`` wrote after a training run: the run goes on from it (its weights,
+            every parameter's optimizer state, the scheduler's, the step count for dropout's draws; a ``data=``
+            stream skips the batches it consumed), under any layout (``pipeviz.runtime.checkpoint``). ``steps``
+            counts the steps of this run. Another model's checkpoint, another optimizer or a scheduler given on
+            one side only are refused before any process starts.
+        eval_data: held-out batches (like ``data=``'s, shaped as a training batch), evaluated every
+            ``eval_every`` steps and after the last: ``run.eval_losses``.
         init_seed: a meta model without ``weights``: each rank initialises its own tensors with their
             modules' initialisers (HF ``_init_weights``, else ``reset_parameters``), seeded per module by this
             and the module's name (``pv.materialize(model, seed=init_seed)`` builds the same whole model).
@@ -111,9 +120,22 @@ def launch(
         LaunchError, ScheduleError, PlanError: before any process starts, naming the bad value and the fix.
     """
     cfg = launch_config(config, schedule=schedule, microbatches=microbatches, steps=steps, **options)
+    checkpoint = None
+    if resume is not None:  # the weights from the checkpoint; data= goes on after the batches it consumed
+        from pipeviz.runtime.checkpoint import read_resume
+
+        if weights is not None:
+            raise LaunchError("resume= reads the weights from its checkpoint; weights= was given too. Fix: drop "
+                              "weights= (or resume=, to start a new optimizer from those weights).", setting="resume")
+        if isinstance(plan, SplitPlan):
+            checkpoint = read_resume(plan, resume, cfg)
+            weights = resume
+            if data is not None:
+                data = itertools.islice(iter(data), checkpoint.batches, None)
     spec = validate_launch(plan, cfg, inputs=inputs, input_kwargs=None if input_kwargs is None else dict(input_kwargs),
                            target=target, data=data, eval_data=eval_data)
     spec.sources, spec.init_seed = check_weights(plan, weights, cfg.init_seed), cfg.init_seed
+    spec.resume = checkpoint
     world = spec.mesh.world
     stage_devices, backend, compute = resolve_devices(cfg.devices, world)
     on_cpu = all(d == "cpu" for d in stage_devices) and not any(compute)

@@ -18,7 +18,7 @@ from pipeviz.mesh import Coords
 from pipeviz.timeline import Event
 
 __all__ = ["Batch", "Done", "End", "EvalLoss", "Events", "Failed", "Feed", "GradNorm", "LearningRate", "Loss",
-           "Memory", "Message", "NonFinite", "Output", "Phase", "State", "StepEnd"]
+           "Memory", "Message", "NonFinite", "OptimState", "Output", "Phase", "State", "StepEnd"]
 
 
 @dataclass(frozen=True)
@@ -157,6 +157,15 @@ class NonFinite(Message):
 class State(Message):
     """The sender's trained tensors under the original model's names: ``torch.save``d bytes, or the path of a
     file holding them."""
+
+    data: bytes | str
+
+
+@dataclass(frozen=True)
+class OptimState(Message):
+    """The sender's optimizer state (``runtime.checkpoint.gathered_optimizer_state``: whole tensors by canonical
+    name) with, from process 0, the optimizer's class, its groups' hyperparameters and the scheduler's state:
+    ``torch.save``d bytes, or the path of a file holding them."""
 
     data: bytes | str
 

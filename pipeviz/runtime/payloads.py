@@ -102,6 +102,7 @@ class RankPayload:
     lr_scheduler: Any = None  # optimizer -> LRScheduler, stepped after each optimizer step
     eval_batches: list[Any] = field(default_factory=list)  # eval_data=: this process's share of each held-out batch
     eval_every: int | None = None  # steps between evaluations (None: after the last step only)
+    resume: Any = None  # runtime.checkpoint.Resume: the checkpoint this run continues (its optimizer's state)
     order: tuple[tuple[str, ...], ...] | None = None  # a custom order: every pipeline rank's actions (torch's text)
     seed: int = 0  # random draws (dropout): each stage forward seeds from it (pipeviz.rng.stage_seed)
 
@@ -331,6 +332,7 @@ def rank_payload(spec: LaunchSpec, stages: StageSet, tied: dict[str, list[int]],
         clip_grad_norm=None if spec.config.clip_grad_norm is None else float(spec.config.clip_grad_norm),
         loss_reduction=spec.config.loss_reduction, accumulate=spec.config.accumulate,
         lr_scheduler=spec.config.lr_scheduler, eval_batches=held_out, eval_every=spec.config.eval_every,
+        resume=spec.resume,
         order=None if spec.config.order is None else tuple(tuple(acts) for acts in spec.config.order),
         seed=spec.init_seed,
     )

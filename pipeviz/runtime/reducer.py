@@ -14,6 +14,7 @@ import io
 import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -28,6 +29,7 @@ from pipeviz.runtime.messages import (
     Memory,
     Message,
     NonFinite,
+    OptimState,
     Output,
     Phase,
     State,
@@ -83,6 +85,8 @@ class Reducer:
         self.state: dict[str, torch.Tensor] = {}
         self.state_files: list[str] = []
         self.replica_files: dict[int, list[str]] = {}
+        self.optim: dict[str, dict[str, torch.Tensor]] = {}  # a training run's optimizer state, by canonical name
+        self.trainer: dict[str, Any] = {}  # the optimizer's class and groups, the scheduler's state (process 0)
 
     def apply(self, msg: Message) -> Update:
         """Fold ``msg`` in; returns what changed."""
@@ -116,6 +120,10 @@ class Reducer:
             self.nonfinite.extend((msg.step, what) for what in msg.what)
         elif isinstance(msg, State):
             self._state(msg)
+        elif isinstance(msg, OptimState):
+            got = torch.load(msg.data if isinstance(msg.data, str) else io.BytesIO(msg.data), weights_only=False)
+            self.optim.update(got["tensors"])
+            self.trainer.update({k: v for k, v in got.items() if k != "tensors"})
         elif isinstance(msg, Done):
             self.done.add(msg.rank)
         elif isinstance(msg, Failed):

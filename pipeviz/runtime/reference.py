@@ -23,6 +23,7 @@ from pipeviz._compat import positional_legacy
 
 if TYPE_CHECKING:
     from pipeviz.rng import RunDraws
+    from pipeviz.runtime.checkpoint import Resume
 
 __all__ = ["forward_reference", "model_output", "train_reference"]
 
@@ -62,6 +63,7 @@ def train_reference(
     eval_batches: Sequence[tuple[tuple[object, ...], Mapping[str, object], object]] = (),
     eval_every: int | None = None,
     eval_losses: list[tuple[int, float]] | None = None,
+    resume: Resume | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train a deep copy of ``model`` on ``device``; returns (mean loss per step, final state_dict on the CPU).
 
@@ -78,10 +80,20 @@ def train_reference(
     steps. ``lr_scheduler``: built around the optimizer, stepped after it (the rates used appended to
     ``learning_rates``). ``eval_batches``: held-out batches evaluated every ``eval_every`` steps and after the last
     (``(step, loss)`` appended to ``eval_losses``), as a run's evaluation does: microbatched alike, without
-    gradients, buffers put back after."""
+    gradients, buffers put back after. ``resume`` (a ``pipeviz.runtime.checkpoint.Resume``): the optimizer and
+    scheduler start from the checkpoint's state (load the weights into ``model`` first), and the steps count on from
+    its step (dropout's draws)."""
     model = _copy(model, fixups, device)
     opt = (optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.1)))(list(model.parameters()))
     sched = lr_scheduler(opt) if lr_scheduler is not None else None
+    first = 0
+    if resume is not None:
+        from pipeviz.runtime.checkpoint import load_optimizer
+
+        named = dict(model.named_parameters(remove_duplicate=False))
+        ids = {id(named[saved]): canon for canon, saved in resume.names.items() if saved in named}
+        load_optimizer(resume, opt, sched, list(model.parameters()), ids)
+        first = resume.step
     mean_fn = loss_fn
     if batches is None:
         batches = [(tuple(inputs), dict(input_kwargs or {}), target)] * (steps * accumulate)
@@ -100,7 +112,8 @@ def train_reference(
             for i, (a, k, t) in enumerate(zip(arg_mbs, kw_mbs, torch.tensor_split(tgt, microbatches), strict=True)):
                 # (the backward too: BatchNorm's saves its running statistics, which must not change before it)
                 with _buffers_of_replica_0(model, i * replicas // microbatches):
-                    with draws.forward(n, b * microbatches + i) if draws is not None else contextlib.nullcontext():
+                    with draws.forward(first + n, b * microbatches + i) if draws is not None else \
+                            contextlib.nullcontext():
                         out = model(*a, **k)
                     loss = loss_fn(model_output(out), t)
                     (loss / (microbatches * accumulate) if loss_reduction == "mean" else loss).backward()
@@ -121,7 +134,7 @@ def train_reference(
         if eval_batches and eval_losses is not None and (
                 (eval_every is not None and (n + 1) % eval_every == 0) or last):
             eval_losses.append((n, _evaluate(model, eval_batches, mean_fn, microbatches, replicas, loss_reduction,
-                                             device, draws, n)))
+                                             device, draws, first + n)))
     return losses, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 

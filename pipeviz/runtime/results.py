@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from pipeviz.mesh import Mesh
     from pipeviz.plan import SplitPlan
     from pipeviz.runtime.reducer import Reducer
+    from pipeviz.runtime.spec import LaunchSpec
 
 __all__ = ["RunResults"]
 
@@ -26,6 +27,7 @@ class RunResults:
     """The results half of ``pv.Run`` (a mixin: ``Run`` holds the state it reads)."""
 
     plan: SplitPlan
+    spec: LaunchSpec
     mesh: Mesh
     status: str
     outputs: list[Any]
@@ -76,8 +78,11 @@ class RunResults:
         (each tied tensor once, as HF saves it): a path ending in ``.safetensors`` gets one file; any other
         path a folder with one shard per rank and ``model.safetensors.index.json`` (HF ``save_pretrained``'s
         layout, which ``weights=`` and ``from_pretrained`` read; no process holds the whole model while it
-        is written; an HF model's ``config.json`` and ``generation_config.json`` too). Returns the files
-        written."""
+        is written; an HF model's ``config.json`` and ``generation_config.json`` too). After a training run the
+        folder is a checkpoint ``pv.launch(..., resume=folder)`` continues from, under any layout: every
+        parameter's optimizer state by the model's names (``optimizer.safetensors``), the optimizer's groups and
+        the scheduler's state, the steps and batches done (``trainer_state.pt``, ``pipeviz_checkpoint.json``:
+        ``pipeviz.runtime.checkpoint``). Returns the files written."""
         from pipeviz.weights import save_state
 
         if self.status != "done":
@@ -99,6 +104,12 @@ class RunResults:
         parts = ([named(torch.load(f, mmap=True, weights_only=True)) for f in files] if files
                  else [named(self._trained())])
         written = save_state(parts, path)
+        if self._reducer.trainer:  # a training run: the checkpoint's other half
+            from pipeviz.runtime.checkpoint import write_checkpoint
+
+            names = {canon: next((n for n in aliases.get(canon, (canon,)) if n in keys), canon)
+                     for canon in self._reducer.optim}
+            written += write_checkpoint(path, self._reducer.optim, self._trainer_state(), names)
         model = self.plan.graph.model
         for attr in ("config", "generation_config"):  # an HF model: from_pretrained(path) reads the folder as is
             saver = getattr(getattr(model, attr, None), "save_pretrained", None)
@@ -106,6 +117,19 @@ class RunResults:
                 saver(os.fspath(path))
                 written.append(os.path.join(os.fspath(path), f"{attr}.json"))
         return written
+
+    def _trainer_state(self) -> dict[str, Any]:
+        """What a resumed run needs beside the tensors: the optimizer's class and groups, the scheduler's state, the
+        steps and batches done (a resumed run's own added to its checkpoint's), and the layout, for a person."""
+        spec = self.spec
+        before = spec.resume
+        steps = len(self._reducer.losses)
+        return {**self._reducer.trainer,
+                "step": (before.step if before is not None else 0) + steps,
+                "batches": (before.batches if before is not None else 0) + steps * spec.config.accumulate,
+                "layout": {"schedule": spec.schedule, "stages": spec.layout.num_stages, "pp": spec.mesh.pp,
+                           "dp": spec.mesh.dp, "tp": spec.mesh.tp, "microbatches": spec.microbatches,
+                           "accumulate": spec.config.accumulate}}
 
     def _output(self, step: int, replica: int, leaves: Sequence[object]) -> None:
         """A forward-only step's output from one replica's last stage; the step's output is the replicas'

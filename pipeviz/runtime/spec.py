@@ -64,6 +64,7 @@ class LaunchSpec:
     tp_placements: dict[str, str] = field(default_factory=dict)  # canonical parameter name -> "shard0"/"shard1"
     config: LaunchConfig = field(default_factory=LaunchConfig)  # the options it was validated from
     eval_batches: list[FedBatch] = field(default_factory=list)  # eval_data=: held-out batches, checked
+    resume: Any = None  # runtime.checkpoint.Resume (resume=): the checkpoint the run continues from
 
     @property
     def training(self) -> bool:

@@ -153,8 +153,7 @@ def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, 
     last = any(st.index == len(p.stage_ranks) - 1 for st in p.stages)
     # One process reports the loss: replica 0's shard 0 (the other replicas averaged into it, the shards agree).
     reports = p.coords.dp == p.coords.tp == p.coords.cp == 0  # replica 0, shard 0, share 0 speaks for all
-    names = {id(t): canon for st in p.stages for canon, inner in st.params.items()
-             for n, t in st.runner.stage.named_parameters(remove_duplicate=False) if n == inner}
+    names = param_names(p)
     finished = -1
     for step, group in enumerate(_grouped(_batches(p, device), p.accumulate)):
         step_box[0] = step
@@ -291,6 +290,12 @@ def _forward_schedule(p: RankPayload, stages: list[PipelineStage]) -> Schedule:
 
 def _moved(x: object, device: torch.device) -> object:
     return x.to(device) if isinstance(x, torch.Tensor) else x
+
+
+def param_names(p: RankPayload) -> dict[int, str]:
+    """This rank's parameters (by ``id``) -> their canonical names in the original model."""
+    return {id(t): canon for st in p.stages for canon, inner in st.params.items()
+            for n, t in st.runner.stage.named_parameters(remove_duplicate=False) if n == inner}
 
 
 def _grouped(batches: Iterator[Batch], k: int) -> Iterator[list[Batch]]:

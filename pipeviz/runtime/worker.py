@@ -42,12 +42,21 @@ from pipeviz.runtime.messages import (
     Failed,
     Feed,
     Message,
+    OptimState,
     Phase,
     State,
 )
 from pipeviz.runtime.payloads import PAYLOAD_WAIT, Boot, RankPayload
 from pipeviz.runtime.stages import StepError
-from pipeviz.runtime.steps import averaged_after_step, build_schedule, infer, local_tensor, rank_state, train
+from pipeviz.runtime.steps import (
+    averaged_after_step,
+    build_schedule,
+    infer,
+    local_tensor,
+    param_names,
+    rank_state,
+    train,
+)
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
@@ -159,6 +168,10 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
     schedule = build_schedule(p, stages)
     optimizer = p.optimizer(params) if p.loss_fn is not None else None
     scheduler = p.lr_scheduler(optimizer) if optimizer is not None and p.lr_scheduler is not None else None
+    if p.resume is not None and optimizer is not None:  # resume=: the checkpoint's state for this rank's parameters
+        from pipeviz.runtime.checkpoint import load_optimizer
+
+        load_optimizer(p.resume, optimizer, scheduler, params, param_names(p))
     held = ""
     if p.dp_shard:  # FSDP2: this process holds its shard of every parameter (DTensor numel is the whole's)
         held = (f" ({sum(local_tensor(t).numel() for t in params):,} of {sum(t.numel() for t in params):,} parameter "
@@ -189,8 +202,33 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
             buf = io.BytesIO()
             torch.save(rank_state(p), buf)
             queue.put(State(p.rank, p.coords, buf.getvalue()))
+        if optimizer is not None:
+            _send_optimizer(p, queue, optimizer, scheduler, params)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _send_optimizer(p: RankPayload, queue: Sink, optimizer: torch.optim.Optimizer,
+                    scheduler: torch.optim.lr_scheduler.LRScheduler | None, params: list[torch.nn.Parameter]) -> None:
+    """The optimizer's state after the last step, whole tensors by name, for ``run.save``'s checkpoint: gathered on
+    every process (a shard's or FSDP2 replica's part), sent by replica 0's shard 0; process 0 adds the optimizer's
+    class, groups and the scheduler's state."""
+    from pipeviz.runtime.checkpoint import gathered_optimizer_state
+
+    tensors = gathered_optimizer_state(optimizer, params, param_names(p))
+    if p.coords.dp or p.coords.tp or p.coords.cp:
+        return
+    out: dict[str, object] = {"tensors": tensors}
+    if p.rank == 0:
+        out.update(optimizer=type(optimizer).__name__, scheduler=scheduler.state_dict() if scheduler else None,
+                   groups=[{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
+    if p.state_path is not None:
+        torch.save(out, p.state_path + ".optim")
+        queue.put(OptimState(p.rank, p.coords, p.state_path + ".optim"))
+    else:
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        queue.put(OptimState(p.rank, p.coords, buf.getvalue()))
 
 
 def _connect(p: Boot | RankPayload, queue: Sink) -> tuple[Clock, torch.device, torch.device]:
@@ -280,7 +318,8 @@ def _stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch.dev
         evaluating = step_box[2]
         if kind == "F" and stage in drawing:  # the reference seeds the same before this stage's draws
             at = step_box[1] * per_batch + first_mb + mb
-            seed_device(compute, stage_seed(p.seed + EVAL_SEED * evaluating, step_box[0], at, stage))
+            step = step_box[0] + (p.resume.step if p.resume is not None else 0)  # a resumed run's steps go on
+            seed_device(compute, stage_seed(p.seed + EVAL_SEED * evaluating, step, at, stage))
         return clock.span(p.rank, stage, "EVAL" if evaluating else kind, step_box[1] * p.microbatches + mb,
                           step_box[0])
 
