@@ -13,13 +13,16 @@ import pipeviz as pv
 from pipeviz.mesh import Coords
 from pipeviz.runtime.messages import (
     Done,
+    EvalLoss,
     Events,
     Failed,
     GradNorm,
+    LearningRate,
     Loss,
     Memory,
     Message,
     NonFinite,
+    OptimState,
     Output,
     Phase,
     State,
@@ -40,6 +43,8 @@ def _one_of_each(rank: int = 1) -> list[Message]:
     return [Phase(rank, c, "stage 1 ready"), Events(rank, c, [Event(rank, 1, "F", 0, 0.1, 0.2)]),
             Memory(rank, c, [(0.1, 100, 40)]), Loss(rank, c, 0, 2.5), Output(rank, c, 0, _saved([torch.ones(2)])),
             StepEnd(rank, c, 0, 0.3), NonFinite(rank, c, 0, ["the loss is nan"]), GradNorm(rank, c, 0, 1.5),
+            LearningRate(rank, c, 0, 0.05), EvalLoss(rank, c, 0, 2.75),
+            OptimState(rank, c, _saved({"tensors": {"w": {"exp_avg": torch.ones(1)}}, "optimizer": "AdamW"})),
             State(rank, c, _saved({"w": torch.zeros(1)})), Done(rank, c)]
 
 
@@ -54,7 +59,9 @@ def test_every_kind_of_message_changes_what_the_reducer_holds() -> None:
     assert (step, replica) == (0, 0) and torch.equal(leaves[0], torch.ones(2))
     assert r.step_ends == {0: 0.3} and r.step == 0 and ups[5].step is None  # rank 0 has not finished step 0
     assert r.nonfinite == [(0, "the loss is nan")] and set(r.state) == {"w"} and r.done == {1}
-    assert r.grad_norms == [1.5]
+    assert r.grad_norms == [1.5] and r.learning_rates == [0.05] and r.eval_losses == [(0, 2.75)]
+    assert set(r.optim) == {"w"} and torch.equal(r.optim["w"]["exp_avg"], torch.ones(1))
+    assert r.trainer == {"optimizer": "AdamW"}
     r.apply(StepEnd(0, Coords(0), 0, 0.4))
     assert r.step == 1 and r.step_ends == {0: 0.4}
     r.apply(Failed(0, Coords(0), "ValueError: boom", "Traceback ...\nValueError: boom"))
@@ -91,6 +98,7 @@ def test_watch_reads_every_kind_as_a_run_does(tmp_path: Path) -> None:
     assert w.mesh == pv.Mesh(pp=2) and w.step == 1 and w.losses == [2.5, 2.5]
     assert any(text == "rank 0: stage 1 ready" for _, text in w.phases) and w.phases[-1][1] == "failed"
     assert w.nonfinite == [(0, "the loss is nan")] * 2 and set(w.outputs[0]) == {0} and w.grad_norms == [1.5, 1.5]
+    assert w.learning_rates == [0.05, 0.05] and w.eval_losses == [(0, 2.75)] * 2
     assert sorted(Path(p).name for p in w.state_files) == ["state_rank0.pt", "state_rank1.pt"]
     assert w.activation_memory == {0: [(0.1, 40)], 1: [(0.1, 40)]}
     tl = w.timeline()

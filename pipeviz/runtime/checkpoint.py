@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -158,13 +158,13 @@ def write_checkpoint(folder: str | os.PathLike[str], optim: Mapping[str, Mapping
     return files
 
 
-def read_resume(plan: SplitPlan, folder: str | os.PathLike[str], config: LaunchConfig) -> Resume:
-    """The checkpoint in ``folder``, checked against the plan's model and the launch's optimizer before any
-    process starts (the weights themselves are checked by ``weights=``'s checks: names and shapes).
+def read_resume(plan: SplitPlan, folder: str | os.PathLike[str], config: LaunchConfig,
+                optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]) -> Resume:
+    """The checkpoint in ``folder``, checked against the plan's model and the launch's ``optimizer`` (factory)
+    before any process starts (the weights themselves are checked by ``weights=``'s checks: names and shapes).
 
     Raises:
         LaunchError: no checkpoint there, another model's, or another optimizer's state."""
-    from pipeviz.runtime.spec import _default_optimizer
     from pipeviz.weights import _lookup
 
     folder = os.fspath(folder)
@@ -176,7 +176,7 @@ def read_resume(plan: SplitPlan, folder: str | os.PathLike[str], config: LaunchC
         raise LaunchError("resume= continues training, but no loss_fn was given. Fix: pass the run's loss_fn, or "
                           "weights=folder to run forward only from its weights.", setting="resume")
     trainer = torch.load(os.path.join(folder, TRAINER_FILE), weights_only=False)
-    built = (config.optimizer or _default_optimizer)([torch.nn.Parameter(torch.zeros(1))])
+    built = optimizer([torch.nn.Parameter(torch.zeros(1))])
     if type(built).__name__ != trainer["optimizer"]:
         raise LaunchError(f"resume={folder!r} holds {trainer['optimizer']}'s state, but the launch's optimizer is "
                           f"{type(built).__name__}. Fix: the same optimizer as the saved run's, or weights=folder to "

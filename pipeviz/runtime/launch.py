@@ -21,7 +21,14 @@ from pipeviz.runtime.config import UNSET, LaunchConfig, LaunchOptions, launch_co
 from pipeviz.runtime.payloads import rank_boots, rank_payloads
 from pipeviz.runtime.procs import rendezvous, temp_prefix
 from pipeviz.runtime.run import _LIVE, Run
-from pipeviz.runtime.spec import LaunchError, check_weights, cpu_sets, resolve_devices, validate_launch
+from pipeviz.runtime.spec import (
+    LaunchError,
+    _default_optimizer,
+    check_weights,
+    cpu_sets,
+    resolve_devices,
+    validate_launch,
+)
 
 __all__ = ["launch"]
 
@@ -128,7 +135,7 @@ def launch(
             raise LaunchError("resume= reads the weights from its checkpoint; weights= was given too. Fix: drop "
                               "weights= (or resume=, to start a new optimizer from those weights).", setting="resume")
         if isinstance(plan, SplitPlan):
-            checkpoint = read_resume(plan, resume, cfg)
+            checkpoint = read_resume(plan, resume, cfg, cfg.optimizer or _default_optimizer)
             weights = resume
             if data is not None:
                 data = itertools.islice(iter(data), checkpoint.batches, None)
