@@ -104,6 +104,7 @@ class Capture:
     aliases: dict[str, tuple[str, ...]]  # canonical name -> every FQN of that tensor
     batch_size: int | None
     buffers: frozenset[str] = frozenset()  # canonical names (in param_numel) that are buffers, not parameters
+    frozen: frozenset[str] = frozenset()  # parameters that do not train (requires_grad=False): no gradient or state
     mutated: frozenset[str] = frozenset()  # buffers the forward updates in place (BatchNorm statistics)
     elementwise: frozenset[str] = frozenset()  # parameter-free activation / dropout / identity modules
     fixups: dict[str, Any] = field(default_factory=dict)  # config attributes set on every copy
@@ -421,6 +422,7 @@ def capture(
         batch_size=_batch_size(example_args, kwargs), fixups=fixups, notes=notes, output_index=output_index,
         outputs=outputs, out_spec=ep.call_spec.out_spec,
         buffers=buffer_names(model), mutated=mutated, elementwise=elementwise_modules(model),
+        frozen=frozen_names(model, groups),
         unsupported=unsupported,
         input_bytes={n.name: _tensor_bytes(n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder"},
     )
@@ -557,6 +559,13 @@ def buffer_names(model: nn.Module) -> frozenset[str]:
 
 
 _ELEMENTWISE_HOMES = ("torch.nn.modules.activation", "torch.nn.modules.dropout")
+
+
+def frozen_names(model: nn.Module, groups: dict[str, tuple[str, ...]]) -> frozenset[str]:
+    """Canonical names of the parameters that do not train (``requires_grad=False``: a frozen base under a LoRA-style
+    adapter): they get no gradient and no optimizer state."""
+    frozen = {id(p) for p in model.parameters() if not p.requires_grad}
+    return frozenset(g for g in groups if id(_lookup(model, g)) in frozen)
 
 
 def elementwise_modules(model: nn.Module) -> frozenset[str]:

@@ -30,6 +30,7 @@ from pipeviz.capture import (
     _tensor_bytes,
     buffer_names,
     elementwise_modules,
+    frozen_names,
 )
 from pipeviz.graph import ModelGraph
 from pipeviz.plan import PlanError, SplitPlan
@@ -130,7 +131,7 @@ def _capture_sequence(model: nn.Module, names: list[str], args: tuple[object, ..
         param_numel={g: tensor(g).numel() for g in groups},
         param_bytes={g: tensor(g).numel() * tensor(g).element_size() for g in groups},
         aliases=groups, batch_size=_batch_size(args, kwargs), traced=False, buffers=buffer_names(model),
-        elementwise=elementwise_modules(model),
+        elementwise=elementwise_modules(model), frozen=frozen_names(model, groups),
         outputs=[(tuple(t.shape), t.dtype) for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)],
         out_spec=pytree.tree_structure(x),
     )

@@ -74,6 +74,8 @@ class StageInfo:
         inputs: model inputs (placeholder names) this stage reads.
         shared_params: parameters this stage holds a copy of that other stages hold too (tied or reused).
         param_bytes: bytes of every parameter the stage holds (shared copies included).
+        frozen_bytes: the part of ``param_bytes`` that does not train (``requires_grad=False``): no gradient, no
+            optimizer state.
         activation_bytes: bytes autograd saves for the stage's backward, for the example batch: what a
             pipelined run keeps alive from each forward to its backward (``Op.saved_bytes`` over the stage's
             ops, a tensor received from an earlier stage counted here too, and on the last stage what the loss
@@ -95,11 +97,13 @@ class StageInfo:
     param_bytes: int
     activation_bytes: int
     buffer_bytes: int = 0
+    frozen_bytes: int = 0
 
     @property
     def memory_bytes(self) -> int:
         # on a rank of its own with every microbatch in flight (GPipe, the most any schedule keeps)
-        return stage_bytes(self.param_bytes, self.buffer_bytes, self.activation_bytes)
+        return stage_bytes(self.param_bytes, self.buffer_bytes, self.activation_bytes,
+                           frozen_bytes=self.frozen_bytes)
 
 
 _POINTS = {"end": SplitPoint.END, "beginning": SplitPoint.BEGINNING}
@@ -316,6 +320,7 @@ class SplitPlan:
         idx = self.graph.index
         n = self.num_stages
         stage = self._stage_of_op
+        frozen = self.graph.capture.frozen
         layers: list[list[str]] = [[] for _ in range(n)]
         for name, first in zip(idx.layer_names, idx.layer_first, strict=True):
             layers[stage(first)].append(name)
@@ -351,6 +356,7 @@ class SplitPlan:
                 shared_params=tuple(sorted(p for p in held[s] if any(p in held[t] for t in range(n) if t != s))),
                 param_bytes=sum(idx.nbytes.get(p, 0) for p in held[s]), activation_bytes=act[s],
                 buffer_bytes=sum(idx.nbytes.get(b, 0) for b in bufs[s]),
+                frozen_bytes=sum(idx.nbytes.get(p, 0) for p in held[s] if p in frozen),
             )
             for s in range(n)
         ]

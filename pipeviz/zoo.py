@@ -389,7 +389,8 @@ def repeat_layers(graph: ModelGraph, container: str, total: int) -> ModelGraph:
     big = dataclasses.replace(
         cap, ops=new_ops, modules=modules, param_numel=numel, param_bytes=nbytes, aliases=aliases,
         buffers=cap.buffers | set(copies(cap.buffers)), mutated=cap.mutated | set(copies(cap.mutated)),
-        elementwise=cap.elementwise | set(copies(cap.elementwise)), notes=[*cap.notes, note],
+        elementwise=cap.elementwise | set(copies(cap.elementwise)), frozen=cap.frozen | set(copies(cap.frozen)),
+        notes=[*cap.notes, note],
         unsupported=[*cap.unsupported, note + " Fix: trace the full model to build its Pipe or launch it."])
     return ModelGraph(big)
 

@@ -122,23 +122,23 @@ def memory_per_rank(plan: SplitPlan | None, schedule: str, microbatches: int, st
                 + sum(costs.param_bytes[s] + buffers[s] for s in lay.stages_of(r)) for r in lay.ranks]
     peaks = peak_activations(acts, costs.activation_bytes, costs.weight_fraction, costs.input_freed)
     rebuilt = costs.recompute_bytes or (0,) * n
-    return [
-        peaks[r] + max(rebuilt[s] for s in lay.stages_of(r))
-        + sum(stage_bytes(costs.param_bytes[s], buffers[s], 0, optimizer_states) for s in lay.stages_of(r))
-        for r in lay.ranks
-    ]
+    return [peaks[r] + max(rebuilt[s] for s in lay.stages_of(r)) + static_memory(costs, lay.stages_of(r),
+                                                                                 optimizer_states)
+            for r in lay.ranks]
 
 
 def stage_info_memory(stage: StageInfo, optimizer_states: int = OPTIMIZER_STATES) -> int:
     """``StageInfo.memory_bytes``: the stage on a rank of its own with every microbatch in flight (GPipe, the
     most any schedule keeps), whatever the microbatch count: its whole batch's activations."""
-    return stage_bytes(stage.param_bytes, stage.buffer_bytes, stage.activation_bytes, optimizer_states)
+    return stage_bytes(stage.param_bytes, stage.buffer_bytes, stage.activation_bytes, optimizer_states,
+                       stage.frozen_bytes)
 
 
 def static_memory(costs: Costs, stages: Sequence[int], optimizer_states: int = OPTIMIZER_STATES) -> int:
     """A rank's bytes before any activation: its stages' weights, gradients, optimizer state and buffers."""
     buffers = costs.buffer_bytes or (0,) * len(costs.param_bytes)
-    return sum(stage_bytes(costs.param_bytes[s], buffers[s], 0, optimizer_states) for s in stages)
+    frozen = costs.frozen_bytes or (0,) * len(costs.param_bytes)
+    return sum(stage_bytes(costs.param_bytes[s], buffers[s], 0, optimizer_states, frozen[s]) for s in stages)
 
 
 def plan_stage_memory(plan: SplitPlan, options: CostOptions | None = None,
@@ -153,7 +153,7 @@ def plan_stage_memory(plan: SplitPlan, options: CostOptions | None = None,
     opts = CostOptions.of(options, **cost_options)
     costs = stage_costs(plan, 1, options=opts)
     rebuilt = costs.recompute_bytes or (0,) * plan.num_stages
-    return [stage_bytes(s.param_bytes, s.buffer_bytes, a + r, opts.optimizer_states)
+    return [stage_bytes(s.param_bytes, s.buffer_bytes, a + r, opts.optimizer_states, s.frozen_bytes)
             for s, a, r in zip(plan.stages, costs.activation_bytes, rebuilt, strict=True)]
 
 

@@ -70,6 +70,8 @@ class Costs:
             hand-off); empty for single-stage schedules, whose hand-offs ride inside the compute action.
         input_freed: per stage, the share of ``activation_bytes`` a zero-bubble input-grad pass (``I``) frees, the
             rest going at its ``W`` (``SplitPlan.input_grad_freed_bytes``); empty: ``weight_fraction`` at ``I``.
+        frozen_bytes: per stage, the part of ``param_bytes`` that does not train (no gradient, no optimizer
+            state); empty: every parameter trains.
     """
 
     forward: tuple[float, ...]
@@ -88,6 +90,7 @@ class Costs:
     send_bytes: tuple[float, ...] = ()
     runtime: tuple[float, ...] = ()
     input_freed: tuple[float, ...] = ()
+    frozen_bytes: tuple[int, ...] = ()
 
     def duration(self, stage: int, kind: str) -> float:
         """Seconds of one action: ``F``, ``B``, or a zero-bubble ``I`` / ``W`` half of a backward (tensor-parallel
@@ -287,7 +290,8 @@ def stage_costs(
                   for f, s in zip(plan.input_grad_freed_bytes, stages, strict=True)) if opts.recompute == "none" else ()
     return Costs(tuple(fwd), tuple(bwd), comm, tuple(int(a) for a in acts), tuple(s.param_bytes for s in stages),
                  overhead=overhead, source=source, buffer_bytes=tuple(s.buffer_bytes for s in stages), latency=lat,
-                 recompute_bytes=rebuilt, send_bytes=sends, input_freed=freed)
+                 recompute_bytes=rebuilt, send_bytes=sends, input_freed=freed,
+                 frozen_bytes=tuple(s.frozen_bytes for s in stages) if any(s.frozen_bytes for s in stages) else ())
 
 
 def parallel_costs(costs: Costs, mesh: Mesh | int = 1, tp: int | None = None,
@@ -321,6 +325,7 @@ def parallel_costs(costs: Costs, mesh: Mesh | int = 1, tp: int | None = None,
         comm=tuple((c - costs.latency) / rows + costs.latency for c in costs.comm),
         activation_bytes=kept(costs.activation_bytes, shares.activations if shares else None, k),
         param_bytes=kept(costs.param_bytes, shares.params if shares else None, tp),
+        frozen_bytes=kept(costs.frozen_bytes, shares.params if shares else None, tp),
         collective=tuple(collective) if collective is not None else costs.collective,
         collective_backward=(tuple(collective_backward) if collective_backward is not None
                              else costs.collective_backward),

@@ -15,6 +15,8 @@ OPTIMIZER_STATES = 2  # tensors of optimizer state per parameter by default: Ada
 
 
 def stage_bytes(param_bytes: int, buffer_bytes: int, activation_bytes_in_flight: float,
-                 optimizer_states: int = OPTIMIZER_STATES) -> int:
-    """One stage's bytes: weights, gradients and optimizer state per parameter, buffers, live activations."""
-    return round(param_bytes * (2 + optimizer_states) + buffer_bytes + activation_bytes_in_flight)
+                 optimizer_states: int = OPTIMIZER_STATES, frozen_bytes: int = 0) -> int:
+    """One stage's bytes: weights, gradients and optimizer state per trainable parameter (``frozen_bytes`` of the
+    ``param_bytes`` do not train: weights alone), buffers, live activations."""
+    return round(param_bytes * (2 + optimizer_states) - frozen_bytes * (1 + optimizer_states) + buffer_bytes
+                 + activation_bytes_in_flight)
