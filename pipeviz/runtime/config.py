@@ -75,6 +75,10 @@ class LaunchConfig:
             steps and after the last: a forward-only pass of every held-out batch through the pipeline (torch's
             ``schedule.eval``, no gradients; running statistics left as training had them), its loss the
             ``loss_reduction`` over all of them in ``run.eval_losses``. None: after the last step only.
+        compile: run each stage through ``torch.compile`` (``True``: its default backend, inductor; or a backend
+            name, e.g. ``"aot_eager"``); compiled on each rank at its stages' first forward and backward, the time
+            reported as a phase of its own. Refused before launch for the schedules torch cannot run compiled
+            stages under (the split-backward ones), with torch's reason. False: eager.
         init_seed: a meta model without weights: the seed of each rank's own initialisation.
         dp: data-parallel replicas of the pipeline (``pv.Mesh(pp, dp, tp)``).
         dp_shard: with ``dp`` > 1, shard each stage's parameters, gradients and optimizer state across the
@@ -114,6 +118,7 @@ class LaunchConfig:
     clip_grad_norm: float | None = None
     loss_reduction: str = "mean"
     eval_every: int | None = None
+    compile: bool | str = False
     init_seed: int = 0
     dp: int = 1
     dp_shard: bool = False
@@ -165,6 +170,7 @@ class LaunchOptions(TypedDict, total=False):
     accumulate: int
     lr_scheduler: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None
     eval_every: int | None
+    compile: bool | str
     init_seed: int
     dp: int
     dp_shard: bool

@@ -103,6 +103,7 @@ class RankPayload:
     eval_batches: list[Any] = field(default_factory=list)  # eval_data=: this process's share of each held-out batch
     eval_every: int | None = None  # steps between evaluations (None: after the last step only)
     resume: Any = None  # runtime.checkpoint.Resume: the checkpoint this run continues (its optimizer's state)
+    compile: str | None = None  # torch.compile's backend for every stage (None: eager)
     order: tuple[tuple[str, ...], ...] | None = None  # a custom order: every pipeline rank's actions (torch's text)
     seed: int = 0  # random draws (dropout): each stage forward seeds from it (pipeviz.rng.stage_seed)
 
@@ -333,6 +334,8 @@ def rank_payload(spec: LaunchSpec, stages: StageSet, tied: dict[str, list[int]],
         loss_reduction=spec.config.loss_reduction, accumulate=spec.config.accumulate,
         lr_scheduler=spec.config.lr_scheduler, eval_batches=held_out, eval_every=spec.config.eval_every,
         resume=spec.resume,
+        compile=None if spec.config.compile is False else "inductor" if spec.config.compile is True
+        else str(spec.config.compile),
         order=None if spec.config.order is None else tuple(tuple(acts) for acts in spec.config.order),
         seed=spec.init_seed,
     )

@@ -161,6 +161,8 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
         _check_accumulate(config)
     with _setting("lr_scheduler"):
         _check_lr_scheduler(config)
+    with _setting("compile"):
+        _check_compile(config)
     if not (steps is None and data is not None) and (not isinstance(steps, int) or isinstance(steps, bool)
                                                      or steps < 1):
         raise LaunchError(f"steps must be a positive int, got {steps!r} (steps=None runs until data= runs out).",
@@ -297,6 +299,29 @@ def _check_accumulate(config: LaunchConfig) -> None:
     if value > 1 and config.loss_fn is None:
         raise LaunchError(f"accumulate={value} was given without a loss_fn: a forward-only run has no gradients to "
                           "accumulate. Fix: pass loss_fn=... to train, or drop accumulate.")
+
+
+def _check_compile(config: LaunchConfig) -> None:
+    """``compile``: a bool or one of torch's registered backends (``torch._dynamo.list_backends``), and a compiler
+    torch can use here (inductor on the CPU builds C++: it needs a compiler on the PATH)."""
+    value = config.compile
+    if value is False:
+        return
+    import shutil
+
+    import torch._dynamo
+
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if not (value is True or (isinstance(value, str) and value in backends)):
+        raise LaunchError(f"compile must be True, False or one of torch's backends, got {value!r}; valid backends: "
+                          f"{', '.join(b for b in backends if 'TESTING' not in b)}. Fix: compile=True (inductor), or "
+                          "compile='aot_eager' (traced and differentiated ahead of time, no code generated).")
+    devices = config.devices if isinstance(config.devices, str) else ",".join(config.devices)
+    gpu = "cuda" in devices or (devices == "auto" and torch.cuda.is_available())
+    if value in (True, "inductor") and not gpu and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        raise LaunchError("compile=True compiles each stage with inductor, which builds C++ on the CPU, and no C++ "
+                          "compiler is on the PATH (g++, c++, clang++). Fix: install one (apt-get install g++), or "
+                          "compile='aot_eager'.")
 
 
 def _check_lr_scheduler(config: LaunchConfig) -> None:

@@ -21,7 +21,7 @@ Example:
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, overload
 
@@ -73,6 +73,12 @@ class StageRunner(nn.Module):
         self.tp_mesh: DeviceMesh | None = None
         # the last stage's logits leave sharded by vocabulary for a parallel cross-entropy (torch's loss_parallel)
         self.vocab_parallel_loss = False
+        self.compiled: Callable[..., object] | None = None  # torch.compile of ``stage`` (``compile_stage``)
+
+    def compile_stage(self, backend: str) -> None:
+        """Run ``stage`` through ``torch.compile(stage, backend=backend)`` from now on. The compiled module is kept
+        outside the module tree (not a submodule), so parameter names, DDP and FSDP2 see the stage as it is."""
+        self.__dict__["compiled"] = torch.compile(self.stage, backend=backend, dynamic=False)
 
     def forward(self, *args: object, **kwargs: object) -> object:
         if self.index == 0:
@@ -84,15 +90,16 @@ class StageRunner(nn.Module):
         if self.compute_device is not None:
             env = {k: v.to(self.compute_device) if isinstance(v, torch.Tensor) else v for k, v in env.items()}
         call_args = tuple(env[v] for v in self.calls)
+        run = self.stage if self.compiled is None else self.compiled
         try:
             if self.tp_mesh is not None:  # sharded parameters: the graph runs on DTensors, full tensors leave
                 from pipeviz.runtime.tensor_parallel import to_full, to_replicated
 
-                out = self.stage(*to_replicated(self.tp_mesh, call_args))
+                out = run(*to_replicated(self.tp_mesh, call_args))
                 if not self.vocab_parallel_loss:
                     out = to_full(out)
             else:
-                out = self.stage(*call_args)
+                out = run(*call_args)
         except Exception as exc:
             raise self._located(call_args, exc) from exc
         env[("s", self.index, None)] = out

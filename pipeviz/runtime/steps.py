@@ -28,6 +28,7 @@ from pipeviz.runtime.messages import (
     Loss,
     NonFinite,
     Output,
+    Phase,
     StepEnd,
 )
 from pipeviz.runtime.payloads import RankPayload
@@ -206,6 +207,7 @@ def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, 
             clock.post(Loss(p.rank, p.coords, step, loss))
         if p.eval_batches and p.eval_every is not None and (step + 1) % p.eval_every == 0:
             evaluate(p, schedule, clock, step_box, device, dp_group, step, stages)
+        _compiled_phase(p, clock, step)
         clock.post(StepEnd(p.rank, p.coords, step, time.time() - p.t0))
         clock.flush()
         finished = step
@@ -213,6 +215,18 @@ def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, 
         evaluate(p, schedule, clock, step_box, device, dp_group, finished, stages)  # after the last step too
     clock.flush(force=True)
     return True
+
+
+def _compiled_phase(p: RankPayload, clock: Clock, step: int) -> None:
+    """After the first step of a compiled run: a phase saying how long torch.compile took on this rank (its forward
+    and backward graphs, dynamo's own count), which the first step's actions include."""
+    if step != 0 or p.compile is None:
+        return
+    from torch._dynamo.utils import calculate_time_spent
+
+    seconds = float(calculate_time_spent().get("total_wall_time", 0.0))
+    clock.post(Phase(p.rank, p.coords, f"torch.compile ({p.compile}): {seconds:.1f} s compiling this rank's stages "
+                                       "in step 1"))
 
 
 def evaluate(p: RankPayload, schedule: Schedule, clock: Clock, step_box: list[int], device: torch.device,
@@ -352,6 +366,7 @@ def infer(p: RankPayload, schedule: Schedule, clock: Clock, step_box: list[int],
             torch.save([t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in leaves], buf)
             if p.coords.tp == 0:  # the shards' outputs are the same full tensors
                 clock.post(Output(p.rank, p.coords, step, buf.getvalue()))
+        _compiled_phase(p, clock, step)
         clock.post(StepEnd(p.rank, p.coords, step, time.time() - p.t0))
         clock.flush()
     clock.flush(force=True)

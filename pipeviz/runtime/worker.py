@@ -354,6 +354,17 @@ def _stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch.dev
             from pipeviz.training import cross_entropy
 
             runner.vocab_parallel_loss = st.index == num_stages - 1 and p.loss_fn is cross_entropy
+        if p.compile is not None:
+            if p.split_backward:
+                # A split backward runs the stage's backward twice (input grads, then weight grads), keeping its
+                # graph in between; torch 2.13-2.15 compile the backward with donated buffers, which it refuses to
+                # keep: "This backward function was compiled with non-empty donated buffers which requires
+                # create_graph=False and retain_graph=False ... or set torch._functorch.config.donated_buffer=False"
+                # (DualPipeV's I passes). Its own fix, for this process.
+                import torch._functorch.config as functorch_config
+
+                functorch_config.donated_buffer = False
+            runner.compile_stage(p.compile)
         submod = runner
         if shard_mesh is not None:
             from torch.distributed.fsdp import fully_shard
