@@ -114,7 +114,8 @@ TOOLS = ("pytest==9.2.0", "pytest-timeout==2.4.0", "psutil==7.2.2", "cloudpickle
 TESTS = ("tests/test_adapter.py", "tests/test_regions.py", "tests/test_runtime.py", "tests/test_families.py",
          "tests/test_compat.py", "tests/test_hf_moe.py", "tests/test_custom_order.py",
          "tests/test_tensor_parallel_hf.py", "tests/test_loss_reduction.py",
-         "tests/test_accumulation.py")
+         "tests/test_accumulation.py", "tests/test_lr_and_eval.py", "tests/test_checkpoint.py",
+         "tests/test_compile.py")
 TRAIN_ROWS = ("Llama", "GPT-NeoX", "Qwen2-MoE", "mBART")
 META_ROWS = ("GPT-2", "Llama", "GPT-NeoX", "Qwen2-MoE", "Mixtral", "BERT", "T5")
 
