@@ -24,6 +24,7 @@ from pipeviz.rng import RunDraws
 if TYPE_CHECKING:
     from pipeviz.runtime.feed import FedBatch
     from pipeviz.runtime.run import Run
+    from pipeviz.runtime.spec import LaunchSpec
 
 __all__ = ["TOLERANCE", "NumericsCheck", "check_numerics"]
 
@@ -133,7 +134,8 @@ def check_numerics(run: Run, tolerance: float = TOLERANCE, device: str | torch.d
             device=device, batches=batches, replicas=1 if whole else spec.dp, draws=draws,
             clip_grad_norm=spec.config.clip_grad_norm, loss_reduction=reduction, accumulate=k,
             lr_scheduler=spec.config.lr_scheduler, learning_rates=ref_rates, eval_batches=spec.eval_batches,
-            eval_every=spec.config.eval_every, eval_losses=ref_evals, resume=spec.resume)
+            eval_every=spec.config.eval_every, eval_losses=ref_evals, resume=spec.resume,
+            mixed_precision=_mixed(spec))
 
         check = compare_to_reference(run.losses, run.state_dict(), ref_losses, ref_state, tolerance)
         if ref_evals or run.eval_losses:  # the held-out losses count as losses (after the same steps)
@@ -150,6 +152,13 @@ def check_numerics(run: Run, tolerance: float = TOLERANCE, device: str | torch.d
                 "of a microbatch with fewer valid tokens (target not -100) more. Fix: "
                 "loss_reduction='token_mean' (the sum over valid tokens over their count in the whole step)"))
     return replace(check, note=_randomness(run, draws, device)) if draws is not None else check
+
+
+def _mixed(spec: LaunchSpec) -> torch.dtype | None:
+    from pipeviz.runtime.spec import MIXED_PRECISION
+
+    mp = spec.config.mixed_precision
+    return MIXED_PRECISION[mp] if mp is not None else None
 
 
 def _randomness(run: Run, draws: RunDraws, device: str | torch.device) -> str:

@@ -115,7 +115,7 @@ TESTS = ("tests/test_adapter.py", "tests/test_regions.py", "tests/test_runtime.p
          "tests/test_compat.py", "tests/test_hf_moe.py", "tests/test_custom_order.py",
          "tests/test_tensor_parallel_hf.py", "tests/test_loss_reduction.py",
          "tests/test_accumulation.py", "tests/test_lr_and_eval.py", "tests/test_checkpoint.py",
-         "tests/test_compile.py")
+         "tests/test_compile.py", "tests/test_mixed_precision.py")
 TRAIN_ROWS = ("Llama", "GPT-NeoX", "Qwen2-MoE", "mBART")
 META_ROWS = ("GPT-2", "Llama", "GPT-NeoX", "Qwen2-MoE", "Mixtral", "BERT", "T5")
 

@@ -59,13 +59,14 @@ def test_demo_bad_option_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_demo_trains_as_large_runs_train(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Accumulation, a warm-up-cosine schedule, clipping, a token mean and a held-out batch from the CLI: the run
-    still matches the unsplit model trained the same way (held-out losses included)."""
+    """Accumulation, a warm-up-cosine schedule, clipping, bf16, compiled stages and a held-out batch from the CLI:
+    the run still matches the unsplit model trained the same way (held-out losses included)."""
     from pipeviz.cli import main
 
     out = tmp_path / "r.html"
     assert main(["demo", "--model", "classic", "--steps", "2", "--accumulate", "2", "--lr-warmup", "1",
-                 "--eval-every", "1", "--clip-grad-norm", "0.5", "--cluster-gpus", "0", "--output", str(out)]) == 0
+                 "--eval-every", "1", "--clip-grad-norm", "0.5", "--mixed-precision", "bf16", "--compile", "aot_eager",
+                 "--cluster-gpus", "0", "--output", str(out)]) == 0
     text = capsys.readouterr().out
     assert "learning rates: 0.05, 0.05" in text and "held-out losses: step 0: " in text and "step 1: " in text
     assert "numerics: the run matches the unsplit model" in text

@@ -75,6 +75,11 @@ class LaunchConfig:
             steps and after the last: a forward-only pass of every held-out batch through the pipeline (torch's
             ``schedule.eval``, no gradients; running statistics left as training had them), its loss the
             ``loss_reduction`` over all of them in ``run.eval_losses``. None: after the last step only.
+        mixed_precision: ``"bf16"``: every stage computes under ``torch.autocast`` in bfloat16 (matmuls and
+            convolutions in bf16, what autocast keeps in fp32 in fp32), with fp32 master weights: the parameters,
+            their gradients, the replicas' reduction and the optimizer's state stay float32, hand-offs go in the
+            dtype the activation has at the split (bf16 after a matmul), and the loss is computed in float32.
+            ``pv.check_numerics`` trains the unsplit model under the same autocast. None: the traced dtype.
         compile: run each stage through ``torch.compile`` (``True``: its default backend, inductor; or a backend
             name, e.g. ``"aot_eager"``); compiled on each rank at its stages' first forward and backward, the time
             reported as a phase of its own. Refused before launch for the schedules torch cannot run compiled
@@ -118,6 +123,7 @@ class LaunchConfig:
     clip_grad_norm: float | None = None
     loss_reduction: str = "mean"
     eval_every: int | None = None
+    mixed_precision: str | None = None
     compile: bool | str = False
     init_seed: int = 0
     dp: int = 1
@@ -170,6 +176,7 @@ class LaunchOptions(TypedDict, total=False):
     accumulate: int
     lr_scheduler: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None
     eval_every: int | None
+    mixed_precision: str | None
     compile: bool | str
     init_seed: int
     dp: int

@@ -185,8 +185,16 @@ def spec_stages(plan: SplitPlan, spec: LaunchSpec) -> tuple[StageSet, dict[str, 
     args0, kwargs0 = _replica_inputs(spec)
     with TRACE_LOCK:  # torch.export keeps global tracing state: two runs starting at once trace in turn
         stages = build_stages(_with_inputs(plan, args0, kwargs0), spec.microbatches,
-                              whole_output=spec.loss_fn is None)
+                              whole_output=spec.loss_fn is None, autocast=autocast_dtype(spec))
     return stages, tied_ranks(stages, spec.layout.stage_ranks)
+
+
+def autocast_dtype(spec: LaunchSpec) -> torch.dtype | None:
+    """The dtype the stages compute in under ``mixed_precision`` (None: as traced)."""
+    from pipeviz.runtime.spec import MIXED_PRECISION
+
+    mp = spec.config.mixed_precision
+    return MIXED_PRECISION[mp] if mp is not None else None
 
 
 def _replica_inputs(spec: LaunchSpec) -> tuple[tuple[object, ...], dict[str, object]]:
@@ -216,7 +224,7 @@ def launch_stages(plan: SplitPlan, spec: LaunchSpec) -> tuple[StageSet, dict[str
     if cap.traced:
         args0, kwargs0 = _replica_inputs(spec)
         key = (id(cap), plan.splits, tuple(plan.graph.layer_names), spec.microbatches, spec.loss_fn is None,
-               _signature((args0, kwargs0)))
+               _signature((args0, kwargs0)), autocast_dtype(spec))
         with _CACHE_LOCK:
             hit = _STAGE_CACHE.get(key)
             if hit is not None and hit[0]() is cap:

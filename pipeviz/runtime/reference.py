@@ -64,6 +64,7 @@ def train_reference(
     eval_every: int | None = None,
     eval_losses: list[tuple[int, float]] | None = None,
     resume: Resume | None = None,
+    mixed_precision: torch.dtype | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train a deep copy of ``model`` on ``device``; returns (mean loss per step, final state_dict on the CPU).
 
@@ -82,7 +83,8 @@ def train_reference(
     (``(step, loss)`` appended to ``eval_losses``), as a run's evaluation does: microbatched alike, without
     gradients, buffers put back after. ``resume`` (a ``pipeviz.runtime.checkpoint.Resume``): the optimizer and
     scheduler start from the checkpoint's state (load the weights into ``model`` first), and the steps count on from
-    its step (dropout's draws)."""
+    its step (dropout's draws). ``mixed_precision``: the forward under ``torch.autocast`` in that dtype, the loss
+    in float32 on float32 outputs, as a run's stages compute them (``LaunchConfig.mixed_precision``)."""
     model = _copy(model, fixups, device)
     opt = (optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.1)))(list(model.parameters()))
     sched = lr_scheduler(opt) if lr_scheduler is not None else None
@@ -113,9 +115,9 @@ def train_reference(
                 # (the backward too: BatchNorm's saves its running statistics, which must not change before it)
                 with _buffers_of_replica_0(model, i * replicas // microbatches):
                     with draws.forward(first + n, b * microbatches + i) if draws is not None else \
-                            contextlib.nullcontext():
+                            contextlib.nullcontext(), _autocast(device, mixed_precision):
                         out = model(*a, **k)
-                    loss = loss_fn(model_output(out), t)
+                    loss = loss_fn(_float32(model_output(out), mixed_precision), t)
                     (loss / (microbatches * accumulate) if loss_reduction == "mean" else loss).backward()
                 step.append(loss.detach())
         if clip_grad_norm is not None:
@@ -134,13 +136,14 @@ def train_reference(
         if eval_batches and eval_losses is not None and (
                 (eval_every is not None and (n + 1) % eval_every == 0) or last):
             eval_losses.append((n, _evaluate(model, eval_batches, mean_fn, microbatches, replicas, loss_reduction,
-                                             device, draws, first + n)))
+                                             device, draws, first + n, mixed_precision)))
     return losses, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def _evaluate(model: torch.nn.Module, batches: Sequence[tuple[tuple[object, ...], Mapping[str, object], object]],
               loss_fn: Callable[..., torch.Tensor], microbatches: int, replicas: int, loss_reduction: str,
-              device: str | torch.device, draws: RunDraws | None, step: int) -> float:
+              device: str | torch.device, draws: RunDraws | None, step: int,
+              mixed_precision: torch.dtype | None = None) -> float:
     """The held-out batches' loss, as a run's evaluation computes it (``pipeviz.runtime.steps.evaluate``)."""
     from pipeviz.rng import EVAL_SEED
     from pipeviz.runtime.loss import IGNORE_INDEX, summed_cross_entropy
@@ -154,8 +157,9 @@ def _evaluate(model: torch.nn.Module, batches: Sequence[tuple[tuple[object, ...]
             for i, (a, k, t) in enumerate(zip(arg_mbs, kw_mbs, torch.tensor_split(tgt, microbatches), strict=True)):
                 with _buffers_of_replica_0(model, i * replicas // microbatches), (
                         eval_draws.forward(step, b * microbatches + i) if eval_draws is not None
-                        else contextlib.nullcontext()):
+                        else contextlib.nullcontext()), _autocast(device, mixed_precision):
                     out = model_output(model(*a, **k))
+                out = _float32(out, mixed_precision)
                 pieces.append(loss_fn(out, t) if loss_reduction == "mean" else summed_cross_entropy(out, t))  # type: ignore[arg-type]
     with torch.no_grad():
         for name, buf in model.named_buffers():
@@ -164,6 +168,23 @@ def _evaluate(model: torch.nn.Module, batches: Sequence[tuple[tuple[object, ...]
     if loss_reduction == "mean":
         return float(total.mean())
     return float(total.sum() / max(count, 1.0)) if loss_reduction == "token_mean" else float(total.sum())
+
+
+def _autocast(device: str | torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[object]:
+    """``torch.autocast`` on ``device``'s type in ``dtype`` (mixed precision), else nothing."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=dtype)
+
+
+def _float32(out: torch.Tensor | tuple[torch.Tensor, ...], dtype: torch.dtype | None,
+             ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Under mixed precision the loss sees float32 outputs (as a run's last stage hands them to its loss)."""
+    if dtype is None:
+        return out
+    if isinstance(out, tuple):
+        return tuple(t.float() if t.is_floating_point() else t for t in out)
+    return out.float() if out.is_floating_point() else out
 
 
 def _share_of_sum(output: torch.Tensor, target: torch.Tensor, count: float) -> torch.Tensor:

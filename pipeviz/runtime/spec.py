@@ -163,6 +163,8 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
         _check_lr_scheduler(config)
     with _setting("compile"):
         _check_compile(config)
+    with _setting("mixed_precision"):
+        _check_mixed_precision(config)
     if not (steps is None and data is not None) and (not isinstance(steps, int) or isinstance(steps, bool)
                                                      or steps < 1):
         raise LaunchError(f"steps must be a positive int, got {steps!r} (steps=None runs until data= runs out).",
@@ -299,6 +301,20 @@ def _check_accumulate(config: LaunchConfig) -> None:
     if value > 1 and config.loss_fn is None:
         raise LaunchError(f"accumulate={value} was given without a loss_fn: a forward-only run has no gradients to "
                           "accumulate. Fix: pass loss_fn=... to train, or drop accumulate.")
+
+
+MIXED_PRECISION = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def _check_mixed_precision(config: LaunchConfig) -> None:
+    value = config.mixed_precision
+    if value is None or value in MIXED_PRECISION:
+        return
+    if value in ("fp16", "float16"):
+        raise LaunchError("mixed_precision='fp16' needs loss scaling across the stages, which pipeviz does not have "
+                          "yet. Fix: mixed_precision='bf16' (no loss scaling needed: bfloat16 has float32's range).")
+    raise LaunchError(f"mixed_precision must be 'bf16' or None, got {value!r}. Fix: mixed_precision='bf16' "
+                      "(autocast in bfloat16, float32 master weights), or None for the traced dtype.")
 
 
 def _check_compile(config: LaunchConfig) -> None:

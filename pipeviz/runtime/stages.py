@@ -74,6 +74,10 @@ class StageRunner(nn.Module):
         # the last stage's logits leave sharded by vocabulary for a parallel cross-entropy (torch's loss_parallel)
         self.vocab_parallel_loss = False
         self.compiled: Callable[..., object] | None = None  # torch.compile of ``stage`` (``compile_stage``)
+        # mixed precision: the stage computes under torch.autocast(autocast_device, autocast) (master weights fp32)
+        self.autocast: torch.dtype | None = None
+        self.autocast_device = "cpu"
+        self.out_dtypes: tuple[torch.dtype | None, ...] = ()  # what build_stages recorded (hand-offs, checked)
 
     def compile_stage(self, backend: str) -> None:
         """Run ``stage`` through ``torch.compile(stage, backend=backend)`` from now on. The compiled module is kept
@@ -91,6 +95,8 @@ class StageRunner(nn.Module):
             env = {k: v.to(self.compute_device) if isinstance(v, torch.Tensor) else v for k, v in env.items()}
         call_args = tuple(env[v] for v in self.calls)
         run = self.stage if self.compiled is None else self.compiled
+        if self.autocast is not None:
+            run = _autocast(run, self.autocast_device, self.autocast)
         try:
             if self.tp_mesh is not None:  # sharded parameters: the graph runs on DTensors, full tensors leave
                 from pipeviz.runtime.tensor_parallel import to_full, to_replicated
@@ -123,7 +129,20 @@ class StageRunner(nn.Module):
         # leaves as a new tensor: zero-bubble backward detaches stage inputs in place, which would break
         # an output that is the very same tensor.
         inputs = set() if self.fresh_outputs else {id(a) for a in args} | {id(v) for v in kwargs.values()}
-        return tuple(_fresh(self._home(env[v]), inputs, self.fresh_outputs) for v in self.gives)
+        sent = tuple(_fresh(self._home(env[v]), inputs, self.fresh_outputs) for v in self.gives)
+        if self.autocast is not None:
+            self._check_dtypes(sent)
+        return sent
+
+    def _check_dtypes(self, sent: tuple[object, ...]) -> None:
+        """Under mixed precision a hand-off's dtype is what autocast made of it when the stages were built (the
+        receiving stage's buffers are allocated so): a dtype that differs here would be received wrongly."""
+        for k, (t, want) in enumerate(zip(sent, self.out_dtypes, strict=False)):
+            if isinstance(t, torch.Tensor) and want is not None and t.dtype != want:
+                raise StepError(
+                    f"stage {self.index}'s output {k} is {t.dtype} under autocast on {self.autocast_device}, but "
+                    f"the stages were built with {want} there (autocast on the CPU, where pipeviz records the "
+                    "hand-offs, casts this op otherwise). Fix: mixed_precision=None, or split elsewhere.")
 
     def _home(self, t: object) -> object:
         return t.cpu() if self.compute_device is not None and isinstance(t, torch.Tensor) else t
@@ -197,7 +216,8 @@ def _top_level(pipe: Pipe) -> tuple[list[str], list[list[Value]], object]:
     return placeholders, [calls[i] for i in range(len(calls))], output
 
 
-def build_stages(plan: SplitPlan, microbatches: int, whole_output: bool = False) -> StageSet:
+def build_stages(plan: SplitPlan, microbatches: int, whole_output: bool = False,
+                 autocast: torch.dtype | None = None) -> StageSet:
     """Build one ``StageRunner`` per stage from torch's ``Pipe`` (or, for a manual plan, the pruned
     module copies) and record every stage's example inputs and outputs for one microbatch (no model
     buffer is touched: BatchNorm statistics see only the training run's forwards)."""
@@ -235,6 +255,8 @@ def build_stages(plan: SplitPlan, microbatches: int, whole_output: bool = False)
     ]
     runners[-1].output_index = cap.output_index
     runners[-1].whole_output = whole_output
+    for r in runners:  # mixed precision: recorded (and later run) under autocast, hand-offs in its dtypes
+        r.autocast = autocast
     known = set(cap.param_numel)
     params: list[dict[str, str]] = []
     buffers: list[dict[str, str]] = []
@@ -261,6 +283,8 @@ def build_stages(plan: SplitPlan, microbatches: int, whole_output: bool = False)
             owner.setdefault(b, i)
     stage_set = StageSet(runners, params, tied, owner, buffers)
     _record_examples(stage_set, plan, microbatches)
+    for r, outs in zip(runners, stage_set.outputs, strict=True):
+        r.out_dtypes = tuple(t.dtype if isinstance(t, torch.Tensor) else None for t in outs)
     return stage_set
 
 
@@ -300,6 +324,14 @@ def _record_examples(stages: StageSet, plan: SplitPlan, microbatches: int) -> No
                 b.copy_(value)
     stages.inputs[:] = [tuple(_empty_like(t) for t in ts) for ts in stages.inputs]
     stages.outputs[:] = [tuple(_empty_like(t) for t in ts) for ts in stages.outputs]
+
+
+def _autocast(fn: Callable[..., object], device: str, dtype: torch.dtype) -> Callable[..., object]:
+    def run(*args: object) -> object:
+        with torch.autocast(device, dtype=dtype):
+            return fn(*args)
+
+    return run
 
 
 def _chain(stages: StageSet, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -125,7 +125,11 @@ def _named_loss(loss_fn: Callable[..., torch.Tensor], p: RankPayload) -> Callabl
     """``loss_fn``, whose failures say where they happened and on what (the last stage, shapes)."""
     from pipeviz.adapter import describe
 
+    mixed = any(st.runner.autocast is not None for st in p.stages)
+
     def loss(output: object, target: object) -> torch.Tensor:
+        if mixed:  # mixed precision: the loss in float32 on float32 logits (the reference computes it so too)
+            output = _float32(output)
         try:
             return loss_fn(output, target)
         except Exception as exc:
@@ -136,6 +140,12 @@ def _named_loss(loss_fn: Callable[..., torch.Tensor], p: RankPayload) -> Callabl
             ) from exc
 
     return loss
+
+
+def _float32(x: object) -> object:
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, x)
 
 
 def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],

@@ -339,6 +339,7 @@ def _stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch.dev
             retarget(compute)
         runner = st.runner.to(compute)
         runner.compute_device = compute if compute != device else None
+        runner.autocast_device = compute.type  # (mixed precision: autocast where the stage computes)
         runner.fresh_outputs = p.split_backward
         # Static shapes, so torch never runs its shape inference (an extra forward/backward in step 1).
         # Activations from another stage need grads; model inputs and integer tensors (masks) do not.

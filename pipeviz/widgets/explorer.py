@@ -68,6 +68,7 @@ class ExplorerOptions(TypedDict, total=False):
     accumulate: int
     lr_scheduler: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None
     eval_every: int | None
+    mixed_precision: str | None
     compile: bool | str
     init_seed: int
     dp: int
