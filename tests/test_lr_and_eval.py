@@ -44,9 +44,11 @@ def _expected(run: pv.Run, data: list[tuple[torch.Tensor, torch.Tensor]], held_o
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("schedule", "layout"), [
-    ("GPipe", {}), ("1F1B", {}), ("Interleaved1F1B", {}), ("LoopedBFS", {}), ("InterleavedZeroBubble", {}),
-    ("ZBVZeroBubble", {}), ("DualPipeV", {}), ("1F1B", {"dp": 2, "accumulate": 2}),
-    ("Interleaved1F1B", {"tp": 2, "tp_plan": {"l2": "colwise", "l3": "rowwise"}})])
+    ("1F1B", {}), ("Interleaved1F1B", {}), ("ZBVZeroBubble", {}), ("DualPipeV", {}),
+    ("1F1B", {"dp": 2, "accumulate": 2}), ("Interleaved1F1B", {"tp": 2, "tp_plan": {"l2": "colwise", "l3": "rowwise"}}),
+    # (make compat: keeps make test within 10 minutes)
+    pytest.param("GPipe", {}, marks=pytest.mark.compat), pytest.param("LoopedBFS", {}, marks=pytest.mark.compat),
+    pytest.param("InterleavedZeroBubble", {}, marks=pytest.mark.compat)])
 def test_scheduled_rates_and_held_out_losses_match_the_unsplit_model(schedule: str,
                                                                      layout: dict[str, object]) -> None:
     """Tied weights on two stages, a skip and BatchNorm (whose running statistics an evaluation must leave as
