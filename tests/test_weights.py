@@ -75,11 +75,13 @@ def test_meta_model_initialised_on_its_ranks_trains_exactly_and_repeats(tmp_path
     assert not any(t.isnan().any() for t in whole.state_dict().values() if t.is_floating_point())
     torch.testing.assert_close(whole.model.rotary_emb.inv_freq,  # a non-persistent buffer, from HF's initialiser
                                transformers.LlamaForCausalLM(config()).model.rotary_emb.inv_freq)
-    # run.save -> a sharded checkpoint (one shard per rank, HF's index), which weights= and HF both read
+    # run.save -> a sharded checkpoint (one shard per rank, HF's index), which weights= and HF both read, and the
+    # optimizer's side of it, which resume= reads (pipeviz.runtime.checkpoint)
     files = run.save(tmp_path / "trained")
     assert sorted(os.path.basename(f) for f in files) == [
         "config.json", "generation_config.json", "model-00001-of-00002.safetensors",
-        "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+        "model-00002-of-00002.safetensors", "model.safetensors.index.json", "optimizer.safetensors",
+        "pipeviz_checkpoint.json", "trainer_state.pt"]
     index = json.loads((tmp_path / "trained" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(whole.state_dict())  # persistent tensors, original names
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "trained")
