@@ -153,18 +153,9 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
     _check_dp_shard(config)
     with _setting("sequence_parallel"):
         _check_sequence_parallel(plan, config)
-    with _setting("clip_grad_norm"):
-        _check_clip(config)
-    with _setting("loss_reduction"):
-        _check_loss_reduction(config)
-    with _setting("accumulate"):
-        _check_accumulate(config)
-    with _setting("lr_scheduler"):
-        _check_lr_scheduler(config)
-    with _setting("compile"):
-        _check_compile(config)
-    with _setting("mixed_precision"):
-        _check_mixed_precision(config)
+    for setting, check in _training_checks():  # each refusal names its field (err.setting)
+        with _setting(setting):
+            check(config)
     if not (steps is None and data is not None) and (not isinstance(steps, int) or isinstance(steps, bool)
                                                      or steps < 1):
         raise LaunchError(f"steps must be a positive int, got {steps!r} (steps=None runs until data= runs out).",
@@ -258,6 +249,13 @@ def _eval_batches(spec: LaunchSpec, eval_data: Iterable[object] | None) -> list[
     if not batches:
         raise LaunchError("eval_data= gave no batch. Fix: at least one (inputs, target) batch, or drop eval_data.")
     return batches
+
+
+def _training_checks() -> tuple[tuple[str, Callable[[LaunchConfig], None]], ...]:
+    """The training options' own checks, each with the ``LaunchConfig`` field it names."""
+    return (("clip_grad_norm", _check_clip), ("loss_reduction", _check_loss_reduction),
+            ("accumulate", _check_accumulate), ("lr_scheduler", _check_lr_scheduler), ("compile", _check_compile),
+            ("mixed_precision", _check_mixed_precision))
 
 
 def _check_model_unchanged(plan: SplitPlan) -> None:
