@@ -124,7 +124,7 @@ def _section(name: str, a: argparse.Namespace) -> Section:
                              stages_per_rank=spr, loss_fn=loss, optimizer=pv.sgd(lr=0.05),
                              clip_grad_norm=a.clip_grad_norm, loss_reduction=a.loss_reduction,
                              accumulate=a.accumulate, eval_every=a.eval_every, compile=a.compile or False,
-                             mixed_precision=a.mixed_precision,
+                             mixed_precision=a.mixed_precision, recompute=a.recompute,
                              lr_scheduler=pv.warmup_cosine(a.lr_warmup, a.steps) if a.lr_warmup is not None else None)
     simulated = pv.simulate(run_plan, config)  # the run's own description: what is simulated is what launches
     held_out = None
@@ -229,6 +229,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="evaluate a held-out batch every this many steps and after the last (run.eval_losses)")
     d.add_argument("--mixed-precision", default=None, choices=["bf16"],
                    help="compute under autocast in bfloat16 with float32 master weights")
+    d.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
+                   help="activation recomputation at run time: each layer's (full) or attention's scores (selective)")
     d.add_argument("--compile", default=None, metavar="BACKEND",
                    help="run every stage through torch.compile with this backend (inductor, aot_eager, ...)")
     d.add_argument("--devices", default=launch.devices, help="auto, cpu, cuda, or a comma-separated list per rank")

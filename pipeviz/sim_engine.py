@@ -52,7 +52,9 @@ def contended(run: Callable[[Costs], tuple[list[Event], T]], costs: Costs, lay: 
         shares = [1.0] * lay.num_ranks if mirrored else _overlap(events, lay.num_ranks)
         scale = [1 + (factor - 1) * shares[r] for r in lay.stage_ranks]
         stretched = replace(costs, forward=tuple(f * k for f, k in zip(costs.forward, scale, strict=True)),
-                            backward=tuple(b * k for b, k in zip(costs.backward, scale, strict=True)))
+                            backward=tuple(b * k for b, k in zip(costs.backward, scale, strict=True)),
+                            recompute_seconds=tuple(r * k for r, k in zip(costs.recompute_seconds, scale,
+                                                                          strict=False)))
         events, red = run(stretched)
     return events, red
 

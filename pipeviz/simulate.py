@@ -197,9 +197,42 @@ def simulate(
     if forward_only is None:  # a LaunchConfig (or a loss_fn given) says whether it trains, as pv.launch reads it
         forward_only = (base is not None or "loss_fn" in given) and cfg.loss_fn is None
     opts = CostOptions.of(options, **cost_given)
+    stage_modes: tuple[str, ...] = ()
+    if "recompute" not in cost_given and (options is None or options.recompute == "none"):
+        # the run's own recomputation (LaunchConfig.recompute): one mode, or one per stage
+        stage_modes = _recompute_modes(cfg, plan, num_stages)
+        if len(set(stage_modes)) == 1:
+            opts, stage_modes = replace(opts, recompute=stage_modes[0]), ()
     coll = collectives or (Collectives(dp_reduce="distributed") if cfg.dp_shard and cfg.dp > 1 else Collectives())
     return _simulate(plan, cfg, forward_only, _Extras(costs, opts, coll, order, num_stages, cores, optimizer_states,
-                                                       dp_bandwidth, tp_bandwidth, cp_bandwidth))
+                                                       dp_bandwidth, tp_bandwidth, cp_bandwidth, stage_modes))
+
+
+def _recompute_modes(cfg: LaunchConfig, plan: SplitPlan | None, num_stages: int | None) -> tuple[str, ...]:
+    from pipeviz.runtime.recompute import recompute_modes
+
+    n = plan.num_stages if plan is not None else num_stages
+    if isinstance(cfg.recompute, str) or n is None:
+        return (cfg.recompute,) if isinstance(cfg.recompute, str) else ()
+    return recompute_modes(cfg.recompute, n)
+
+
+def _mixed_costs(plan: SplitPlan, microbatches: int, opts: CostOptions, modes: Sequence[str]) -> Costs:
+    """Stage costs with each stage's own recomputation mode (``LaunchConfig.recompute`` per stage)."""
+    per = {m: stage_costs(plan, microbatches, options=replace(opts, recompute=m)) for m in set(modes)}
+    base = per[modes[0]]
+
+    def pick(name: str) -> tuple[Any, ...]:
+        rows = [getattr(per[m], name) for m in modes]
+        if not any(rows):
+            return ()
+        return tuple((row[i] if row else 0) for i, row in enumerate(rows))
+
+    picked: dict[str, Any] = {f: pick(f) for f in ("forward", "backward", "activation_bytes", "recompute_bytes",
+                                                   "recompute_seconds")}
+    freed = tuple(per[m].input_freed[i] if per[m].input_freed else per[m].weight_fraction
+                  for i, m in enumerate(modes))
+    return replace(base, **picked, input_freed=freed)
 
 
 @dataclass(frozen=True)
@@ -216,6 +249,7 @@ class _Extras:
     dp_bandwidth: float | None
     tp_bandwidth: float | None
     cp_bandwidth: float | None
+    stage_modes: tuple[str, ...] = ()  # per stage recomputation modes, where they differ (else options.recompute)
 
 
 def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: _Extras) -> Timeline:
@@ -246,7 +280,8 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
         if plan is None:
             raise ValueError("simulate() without a plan needs costs=Costs(...).")
         copts = replace(opts, batch_scale=opts.batch_scale / (dp * cp)) if per_replica else opts
-        costs = stage_costs(plan, microbatches, options=copts)
+        costs = (_mixed_costs(plan, microbatches, copts, x.stage_modes) if x.stage_modes
+                 else stage_costs(plan, microbatches, options=copts))
     if cores is not None and (not isinstance(cores, int) or isinstance(cores, bool) or cores < 1):
         raise ValueError(f"cores must be a positive int or None, got {cores!r}.")
     links = _links(mesh, opts, x)

@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -98,30 +99,58 @@ class TiedNet(nn.Module):
         return self.head(x)
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm self-attention + MLP block."""
+class ExplicitAttention(nn.Module):
+    """Causal self-attention written out (scores, scaling, mask, softmax, dropout, values), as GPT-2's and HF's
+    "eager" attention are: the scores are activations that selective recomputation drops (a fused
+    ``scaled_dot_product_attention`` keeps none)."""
 
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(d // self.heads)
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        probs = self.drop(scores.masked_fill(causal, float("-inf")).softmax(-1))
+        return self.out((probs @ v).transpose(1, 2).reshape(b, s, d))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm self-attention + MLP block (``attention="explicit"``: ``ExplicitAttention``, else torch's
+    ``nn.MultiheadAttention``, which runs a fused attention)."""
+
+    def __init__(self, dim: int, heads: int, attention: str = "fused", dropout: float = 0.0) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(dim)
-        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.attn: nn.Module = (ExplicitAttention(dim, heads, dropout) if attention == "explicit"
+                                else nn.MultiheadAttention(dim, heads, batch_first=True))
         self.ln2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.ln1(x)
-        x = x + self.attn(h, h, h, need_weights=False)[0]
+        if isinstance(self.attn, nn.MultiheadAttention):
+            x = x + self.attn(h, h, h, need_weights=False)[0]
+        else:
+            x = x + self.attn(h)
         return x + self.mlp(self.ln2(x))
 
 
 class TinyTransformer(nn.Module):
-    """A small decoder-style transformer: ``embed``, ``blocks.0..N``, ``norm``, ``head``."""
+    """A small decoder-style transformer: ``embed``, ``blocks.0..N``, ``norm``, ``head``. ``attention="explicit"``
+    writes the attention out (``ExplicitAttention``, with ``dropout`` on its probabilities)."""
 
-    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 2, depth: int = 4, seq: int = 16) -> None:
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 2, depth: int = 4, seq: int = 16,
+                 attention: str = "fused", dropout: float = 0.0) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.zeros(seq, dim))
-        self.blocks = nn.ModuleList(TransformerBlock(dim, heads) for _ in range(depth))
+        self.blocks = nn.ModuleList(TransformerBlock(dim, heads, attention, dropout) for _ in range(depth))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab)
 

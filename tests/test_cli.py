@@ -70,3 +70,12 @@ def test_demo_trains_as_large_runs_train(tmp_path: Path, capsys: pytest.CaptureF
     text = capsys.readouterr().out
     assert "learning rates: 0.05, 0.05" in text and "held-out losses: step 0: " in text and "step 1: " in text
     assert "numerics: the run matches the unsplit model" in text
+
+
+def test_demo_recomputes_activations(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--recompute full``: each layer runs again in its backward and the run still matches the unsplit model."""
+    from pipeviz.cli import main
+
+    assert main(["demo", "--model", "classic", "--steps", "1", "--recompute", "full", "--cluster-gpus", "0",
+                 "--output", str(tmp_path / "r.html")]) == 0
+    assert "numerics: the run matches the unsplit model" in capsys.readouterr().out

@@ -72,6 +72,10 @@ class Costs:
             rest going at its ``W`` (``SplitPlan.input_grad_freed_bytes``); empty: ``weight_fraction`` at ``I``.
         frozen_bytes: per stage, the part of ``param_bytes`` that does not train (no gradient, no optimizer
             state); empty: every parameter trains.
+        recompute_seconds: per stage, the part of ``backward`` that is recomputation (the forward run again);
+            a split backward pays it in its ``I`` and again in its ``W``, as torch's schedules run them (each pass
+            is a backward call of its own, and torch's non-reentrant checkpoint recomputes once per call); empty
+            without recomputation.
     """
 
     forward: tuple[float, ...]
@@ -91,6 +95,7 @@ class Costs:
     runtime: tuple[float, ...] = ()
     input_freed: tuple[float, ...] = ()
     frozen_bytes: tuple[int, ...] = ()
+    recompute_seconds: tuple[float, ...] = ()
 
     def duration(self, stage: int, kind: str) -> float:
         """Seconds of one action: ``F``, ``B``, or a zero-bubble ``I`` / ``W`` half of a backward (tensor-parallel
@@ -107,7 +112,8 @@ class Costs:
             raise sched.ScheduleError(f"Cannot price an action of kind {kind!r}; valid: F, B, I, W (forward, backward, "
                                 "input-grad, weight-grad).")
         part = self.weight_fraction if kind == "W" else 1 - self.weight_fraction
-        return self.backward[stage] * part + coll + self.overhead
+        again = self.recompute_seconds[stage] if self.recompute_seconds else 0.0
+        return (self.backward[stage] - again) * part + again + coll + self.overhead
 
     @classmethod
     def uniform(cls, num_stages: int, forward: float = 1.0, backward: float = 2.0, comm: float = 0.0,
@@ -189,6 +195,10 @@ def measured_here(graph: GraphView, hw: Hardware | None) -> bool:
     return hw is None or (hw.name == "cpu") == str(prof.device).startswith("cpu")
 
 
+def _matmul(target: str) -> bool:
+    return any(k in target for k in ("bmm", "matmul", "baddbmm", "einsum"))
+
+
 def layer_activation_bytes(graph: GraphView, options: CostOptions | None = None) -> list[float]:
     """Per layer, the activation bytes one example batch keeps alive until its backward, in ``options.dtype``:
 
@@ -215,7 +225,18 @@ def layer_activation_bytes(graph: GraphView, options: CostOptions | None = None)
     dropped = [0.0] * len(graph.layers)
     if opts.recompute == "selective":
         table = op_table(graph.capture)
-        dropped = [sum(op_saved_bytes(ops[i]) for i in table.selective if a <= i <= b) for a, b in spans]
+        # The score matmul's saved queries and keys stay (the recomputation starts from them): only what the score
+        # ops themselves save goes (pipeviz.runtime.recompute checkpoints from that matmul to the one with values).
+        marked = set(table.selective)
+        dropped = [sum(op_saved_bytes(ops[i]) for i in table.selective if a <= i <= b and not _matmul(ops[i].target))
+                   for a, b in spans]
+        # The matmul with the values is inside the checkpoint too: the probabilities it saves (a dropout's output,
+        # not the softmax's own, which is counted above) go; the values stay.
+        for k, (a, b) in enumerate(spans):
+            for op in ops[a:b + 1]:
+                if op.index not in marked and _matmul(op.target) and any(j in marked for j in op.inputs):
+                    rest = sum(ops[j].out_bytes for j in op.inputs if j not in marked)
+                    dropped[k] += max(0, op_saved_bytes(op) - rest)
     return [(layer.saved_bytes - d) * s for layer, d in zip(graph.layers, dropped, strict=True)]
 
 
@@ -248,6 +269,10 @@ def stage_costs(
     pos = {n: i for i, n in enumerate(g.layer_names)}
     fwd = [sum(fwd_l[pos[n]] for n in s.layers) for s in stages]
     bwd = [sum(bwd_l[pos[n]] for n in s.layers) for s in stages]
+    again: tuple[float, ...] = ()
+    if opts.recompute != "none":
+        plain = layer_times(g, microbatches, options=replace(opts, recompute="none"))[1]
+        again = tuple(sum(bwd_l[pos[n]] - plain[pos[n]] for n in s.layers) for s in stages)
     overhead = 0.0
     prof = g.profile
     if source == "measured" and prof is not None:
@@ -284,14 +309,24 @@ def stage_costs(
     sends = tuple(s.send_bytes * bs / microbatches for s in stages[:-1])
     bw, lat = opts.link(2)
     comm = tuple(b / bw + lat for b in sends)
-    # What a zero-bubble I pass frees, as a share of what the stage keeps (recomputation keeps other tensors: there
-    # the even split stays).
-    freed = tuple(min(1.0, f / s.activation_bytes) if s.activation_bytes else 1.0
-                  for f, s in zip(plan.input_grad_freed_bytes, stages, strict=True)) if opts.recompute == "none" else ()
+    # What a zero-bubble I pass frees, as a share of what the stage keeps: what the ops after the stage's last weight
+    # op saved, and the loss's. Selective recomputation drops only attention's scores, which come before the output
+    # projection: the same bytes go, of fewer kept. Under full recomputation those ops are inside the last layer's
+    # checkpoint, whose inputs the weight-grad pass still needs: only the loss's go (pipeviz.runtime.recompute).
+    freed_bytes = list(plan.input_grad_freed_bytes)
+    if opts.recompute == "full":
+        op, loss = g.index.loss_saved
+        freed_bytes = [0] * len(stages)
+        if loss:
+            freed_bytes[plan._stage_of_op(op)] = loss  # (the plan's own rule for an op's stage)
+    stored = [(s.activation_bytes - r) * bs - sum(dropped[pos[n]] for n in s.layers) * opts.batch_scale
+              for s, r in zip(stages, received, strict=True)]
+    freed = tuple(min(1.0, f * bs / kept) if kept > 0 else 1.0 for f, kept in zip(freed_bytes, stored, strict=True))
     return Costs(tuple(fwd), tuple(bwd), comm, tuple(int(a) for a in acts), tuple(s.param_bytes for s in stages),
                  overhead=overhead, source=source, buffer_bytes=tuple(s.buffer_bytes for s in stages), latency=lat,
                  recompute_bytes=rebuilt, send_bytes=sends, input_freed=freed,
-                 frozen_bytes=tuple(s.frozen_bytes for s in stages) if any(s.frozen_bytes for s in stages) else ())
+                 frozen_bytes=tuple(s.frozen_bytes for s in stages) if any(s.frozen_bytes for s in stages) else (),
+                 recompute_seconds=again)
 
 
 def parallel_costs(costs: Costs, mesh: Mesh | int = 1, tp: int | None = None,
@@ -322,6 +357,7 @@ def parallel_costs(costs: Costs, mesh: Mesh | int = 1, tp: int | None = None,
         costs,
         forward=tuple(f / k for f in costs.forward),
         backward=tuple(b / k for b in costs.backward),
+        recompute_seconds=tuple(r / k for r in costs.recompute_seconds),
         comm=tuple((c - costs.latency) / rows + costs.latency for c in costs.comm),
         activation_bytes=kept(costs.activation_bytes, shares.activations if shares else None, k),
         param_bytes=kept(costs.param_bytes, shares.params if shares else None, tp),

@@ -84,6 +84,11 @@ class LaunchConfig:
             name, e.g. ``"aot_eager"``); compiled on each rank at its stages' first forward and backward, the time
             reported as a phase of its own. Refused before launch for the schedules torch cannot run compiled
             stages under (the split-backward ones), with torch's reason. False: eager.
+        recompute: activation recomputation at run time (``pipeviz.runtime.recompute``): ``"none"``,
+            ``"selective"`` (attention's score ops run again in the backward, Korthikanti et al. 2022) or
+            ``"full"`` (each layer keeps only its inputs and runs its forward again in the backward), for every
+            stage, or one mode per stage (a sequence as long as the plan's stages). Exact: the same losses and
+            parameters as without. Needs a traced plan (``pv.trace``).
         init_seed: a meta model without weights: the seed of each rank's own initialisation.
         dp: data-parallel replicas of the pipeline (``pv.Mesh(pp, dp, tp)``).
         dp_shard: with ``dp`` > 1, shard each stage's parameters, gradients and optimizer state across the
@@ -125,6 +130,7 @@ class LaunchConfig:
     eval_every: int | None = None
     mixed_precision: str | None = None
     compile: bool | str = False
+    recompute: str | Sequence[str] = "none"
     init_seed: int = 0
     dp: int = 1
     dp_shard: bool = False
@@ -178,6 +184,7 @@ class LaunchOptions(TypedDict, total=False):
     eval_every: int | None
     mixed_precision: str | None
     compile: bool | str
+    recompute: str | Sequence[str]
     init_seed: int
     dp: int
     dp_shard: bool

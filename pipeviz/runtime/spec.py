@@ -156,6 +156,7 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
     for setting, check in _training_checks():  # each refusal names its field (err.setting)
         with _setting(setting):
             check(config)
+    _check_recompute(plan, config)
     if not (steps is None and data is not None) and (not isinstance(steps, int) or isinstance(steps, bool)
                                                      or steps < 1):
         raise LaunchError(f"steps must be a positive int, got {steps!r} (steps=None runs until data= runs out).",
@@ -313,6 +314,26 @@ def _check_mixed_precision(config: LaunchConfig) -> None:
                           "yet. Fix: mixed_precision='bf16' (no loss scaling needed: bfloat16 has float32's range).")
     raise LaunchError(f"mixed_precision must be 'bf16' or None, got {value!r}. Fix: mixed_precision='bf16' "
                       "(autocast in bfloat16, float32 master weights), or None for the traced dtype.")
+
+
+def _check_recompute(plan: SplitPlan, config: LaunchConfig) -> None:
+    """``recompute``: a mode, or one per stage (``pipeviz.runtime.recompute``), on a traced plan, not compiled."""
+    from pipeviz.runtime.recompute import recompute_modes
+
+    try:
+        modes = recompute_modes(config.recompute, plan.num_stages)
+    except ValueError as exc:
+        raise LaunchError(str(exc), setting="recompute") from None
+    if set(modes) == {"none"}:
+        return
+    if not plan.graph.capture.traced:
+        raise LaunchError("recompute= checkpoints the layers of traced stages, and this plan's stages are your own "
+                          "modules (pv.manual_plan). Fix: wrap their layers in torch.utils.checkpoint.checkpoint "
+                          "yourself, or plan from pv.trace.", setting="recompute")
+    if config.compile is not False:
+        raise LaunchError(f"recompute={config.recompute!r} with compile={config.compile!r}: pipeviz checkpoints the "
+                          "stage's layers op by op, outside what torch.compile sees. Fix: compile=False, or "
+                          "recompute='none'.", setting="recompute")
 
 
 def _check_compile(config: LaunchConfig) -> None:

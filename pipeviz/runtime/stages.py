@@ -78,11 +78,32 @@ class StageRunner(nn.Module):
         self.autocast: torch.dtype | None = None
         self.autocast_device = "cpu"
         self.out_dtypes: tuple[torch.dtype | None, ...] = ()  # what build_stages recorded (hand-offs, checked)
+        # activation recomputation (pipeviz.runtime.recompute): the stage's layers and attention score ops, found
+        # by build_stages while the trace's sizes are known; ``recomputed`` runs the stage with regions checkpointed
+        self.layer_names: tuple[str, ...] = ()
+        self.attention: tuple[tuple[str, ...], ...] = ()
+        self.recomputed: Callable[..., object] | None = None
 
     def compile_stage(self, backend: str) -> None:
         """Run ``stage`` through ``torch.compile(stage, backend=backend)`` from now on. The compiled module is kept
         outside the module tree (not a submodule), so parameter names, DDP and FSDP2 see the stage as it is."""
         self.__dict__["compiled"] = torch.compile(self.stage, backend=backend, dynamic=False)
+
+    def recompute(self, mode: str) -> int:
+        """Run the stage with its layers (``"full"``) or its attention scores (``"selective"``) checkpointed from now
+        on (``pipeviz.runtime.recompute``); returns the number of checkpointed regions. Kept outside the module tree,
+        as a compiled stage is."""
+        from pipeviz.runtime.recompute import Recomputed, regions
+
+        if mode == "none":
+            self.__dict__["recomputed"] = None
+            return 0
+        if not isinstance(self.stage, fx.GraphModule):
+            raise TypeError(f"stage {self.index} is not a traced graph ({type(self.stage).__name__}): recompute= needs "
+                            "a plan from pv.trace")
+        found = regions(self.stage, getattr(self.stage, "node_modules", {}), self.layer_names, mode, self.attention)
+        self.__dict__["recomputed"] = Recomputed(self.stage, found) if found else None
+        return len(found)
 
     def forward(self, *args: object, **kwargs: object) -> object:
         if self.index == 0:
@@ -95,6 +116,8 @@ class StageRunner(nn.Module):
             env = {k: v.to(self.compute_device) if isinstance(v, torch.Tensor) else v for k, v in env.items()}
         call_args = tuple(env[v] for v in self.calls)
         run = self.stage if self.compiled is None else self.compiled
+        if self.recomputed is not None:
+            run = self.recomputed
         if self.autocast is not None:
             run = _autocast(run, self.autocast_device, self.autocast)
         try:
@@ -257,6 +280,12 @@ def build_stages(plan: SplitPlan, microbatches: int, whole_output: bool = False,
     runners[-1].whole_output = whole_output
     for r in runners:  # mixed precision: recorded (and later run) under autocast, hand-offs in its dtypes
         r.autocast = autocast
+    if cap.traced:
+        from pipeviz.runtime.recompute import attention_ops
+
+        for r, info in zip(runners, plan.stages, strict=True):
+            r.layer_names = tuple(info.layers)
+            r.attention = attention_ops(r.stage.graph) if isinstance(r.stage, fx.GraphModule) else ()
     known = set(cap.param_numel)
     params: list[dict[str, str]] = []
     buffers: list[dict[str, str]] = []

@@ -366,6 +366,8 @@ def _stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch.dev
 
                 functorch_config.donated_buffer = False
             runner.compile_stage(p.compile)
+        if p.recompute and p.recompute[st.index] != "none":
+            runner.recompute(p.recompute[st.index])
         submod = runner
         if shard_mesh is not None:
             from torch.distributed.fsdp import fully_shard
@@ -381,6 +383,7 @@ def _stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch.dev
             submod.register_comm_hook(dp_group, _timed_allreduce(clock, p.rank, st.index, step_box))
         stages.append(Stage(submod, st.index, num_stages, device, input_args=ins, output_args=outs,
                             group=pp_group))
+        stages[-1].recomputes = runner.recomputed is not None  # type: ignore[attr-defined]
         named = dict(runner.stage.named_parameters(remove_duplicate=False))
         for canon, inner in st.params.items():
             t = named[inner]

@@ -70,6 +70,7 @@ class ExplorerOptions(TypedDict, total=False):
     eval_every: int | None
     mixed_precision: str | None
     compile: bool | str
+    recompute: str | Sequence[str]
     init_seed: int
     dp: int
     dp_shard: bool
