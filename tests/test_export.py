@@ -56,11 +56,12 @@ def test_exported_script_matches_launch_and_is_watched_live(tmp_path: Path) -> N
 
 
 def test_exported_script_accumulates_schedules_the_rate_and_evaluates(tmp_path: Path) -> None:
-    """The training options travel in the payload: 2 batches a step, a warm-up-cosine rate and a held-out batch
-    evaluated after each step give the losses, rates and held-out losses pv.launch gives."""
+    """The training options travel in the payload: 2 batches a step, a warm-up-cosine rate, full recomputation and a
+    held-out batch evaluated after each step give the losses, rates, held-out losses and saved-activation peaks
+    pv.launch gives."""
     plan, x, y = _plan(2)
     cfg = pv.LaunchConfig(schedule="1F1B", microbatches=4, steps=3, loss_fn=pv.cross_entropy, accumulate=2,
-                          lr_scheduler=pv.warmup_cosine(1, 3), eval_every=1)
+                          lr_scheduler=pv.warmup_cosine(1, 3), eval_every=1, recompute="full")
     held_out = [(x.flip(0), y.flip(0))]
     script = pv.export_torchrun(plan, tmp_path / "train_acc.py", config=cfg, inputs=(x,), target=y, eval_data=held_out)
     watch = pv.watch(tmp_path / "train_acc_events", timeout=240)
@@ -74,6 +75,11 @@ def test_exported_script_accumulates_schedules_the_rate_and_evaluates(tmp_path: 
     assert watch.learning_rates == pytest.approx(run.learning_rates) and len(run.learning_rates) == 3
     assert [s for s, _ in watch.eval_losses] == [0, 1, 2]
     assert [v for _, v in watch.eval_losses] == pytest.approx([v for _, v in run.eval_losses], abs=1e-6)
+    peaks = [max(b for _, b in run.activation_memory[r]) for r in (0, 1)]
+    assert [max(b for _, b in watch.activation_memory[r]) for r in (0, 1)] == peaks
+    plain = pv.launch(plan, config=cfg.replace(recompute="none"), inputs=(x,), target=y, eval_data=held_out)
+    assert plain.wait(120) == "done", plain.error
+    assert sum(peaks) < sum(max(b for _, b in plain.activation_memory[r]) for r in (0, 1))  # it did recompute
 
 
 @pytest.mark.compat  # make compat (CI): keeps make test within 10 minutes
