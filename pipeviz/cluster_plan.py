@@ -49,7 +49,10 @@ class LayoutOption:
         bubble: idle fraction of the pipeline ranks.
         peak_memory: the most bytes any device holds.
         extrapolated: the step and memory come from two shorter simulations (see ``plan_cluster``).
-        options, collectives: how it was costed (``CostOptions``: hardware, dtype, recomputation, batch scale).
+        options, collectives: how it was costed (``CostOptions``: hardware, dtype, recomputation, batch scale;
+            ``Collectives``: ``dp_reduce``, how the replicas' gradients are reduced, is searched per row).
+        exposed_reduction: seconds of the replicas' gradient reduction the slowest-waiting rank waits for in a step
+            (not hidden by its compute: ``pv.simulate``'s ``meta["dp_exposed"]``); 0 without replicas.
 
     A row launches as it is: ``config`` is the ``LaunchConfig`` it simulated (a training run with
     ``pv.cross_entropy``), so ``pv.simulate(row.plan, row.config, options=row.options,
@@ -75,6 +78,12 @@ class LayoutOption:
     options: CostOptions = field(default_factory=CostOptions, repr=False, compare=False)
     collectives: Collectives | None = field(default=None, repr=False, compare=False)
     cp: int = 1
+    exposed_reduction: float = 0.0
+
+    @property
+    def dp_reduce(self) -> str:
+        """How the row reduces its replicas' gradients (``Collectives.dp_reduce``)."""
+        return self.collectives.dp_reduce if self.collectives is not None else "ddp"
 
     @property
     def mesh(self) -> Mesh:
@@ -86,10 +95,17 @@ class LayoutOption:
 
     @property
     def config(self) -> LaunchConfig:
-        """The ``LaunchConfig`` of this row (schedule, microbatches, stages per rank, layout, a training loss)."""
+        """The ``LaunchConfig`` of this row (schedule, microbatches, stages per rank, layout, recomputation, the
+        replicas' reduction, a training loss). Megatron-Core's distributed optimizer (``"distributed"``) launches
+        as FSDP2's reduce-scatter (``dp_shard``); with tensor parallelism the launch averages after the step (the
+        default there: ``dp_reduce_mode``)."""
+        red = self.dp_reduce
+        launchable = self.dp > 1 and self.tp == 1 and red in ("ddp", "overlap", "after_flush")
         return LaunchConfig(schedule=self.schedule, microbatches=self.microbatches, loss_fn=cross_entropy,
                             stages_per_rank=self.stages_per_rank if self.stages_per_rank > 1 else None,
-                            dp=self.dp, tp=self.tp, cp=self.cp)
+                            dp=self.dp, tp=self.tp, cp=self.cp, recompute=self.recompute,
+                            dp_reduce=red if launchable else None,
+                            dp_shard=red == "distributed" and self.dp > 1 and self.tp == 1)
 
     @property
     def simulate_options(self) -> _RowOptions:
@@ -156,10 +172,11 @@ class ClusterPlan:
         cps = any(r.cp > 1 for r in self.rows[:top])  # a cp column only where the sequence is split
         rows: list[tuple[str, ...]] = [
             ("#", "pp", "dp", *(("cp",) if cps else ()), "tp", "schedule", "v", "mb size", "mbs", "recompute",
-             "step", "tokens/s", "TFLOP/s/GPU", "MFU", "bubble", "peak memory")]
+             "reduce", "exposed", "step", "tokens/s", "TFLOP/s/GPU", "MFU", "bubble", "peak memory")]
         for i, r in enumerate(self.rows[:top], 1):
             rows.append((str(i), str(r.pp), str(r.dp), *((str(r.cp),) if cps else ()), str(r.tp), r.schedule,
                          str(r.stages_per_rank), str(r.microbatch_size), str(r.microbatches), r.recompute,
+                         r.dp_reduce if r.dp > 1 else "-", _seconds(r.exposed_reduction) if r.dp > 1 else "-",
                          _seconds(r.step_time) + ("*" if r.extrapolated else ""), f"{r.tokens_per_s:,.0f}",
                          f"{r.tflops_per_gpu:.0f}", _share(r.mfu), f"{r.bubble:.0%}", human_bytes(r.peak_memory)))
         return rows
@@ -172,7 +189,7 @@ class ClusterPlan:
             return head + "\n" + self._none_fit()
         rows = self.cells(top)
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-        left = {rows[0].index("schedule"), rows[0].index("recompute")}
+        left = {rows[0].index("schedule"), rows[0].index("recompute"), rows[0].index("reduce")}
         lines = ["  ".join(c.rjust(w) if j not in left else c.ljust(w) for j, (c, w) in
                            enumerate(zip(r, widths, strict=True))).rstrip() for r in rows]
         tail = [f"{len(self.rows)} options fit; {self.considered} considered, {self.simulated} simulated, "
@@ -200,6 +217,7 @@ def row_summary(i: int, r: LayoutOption) -> str:
     cluster panel lists."""
     v = f" v{r.stages_per_rank}" if r.stages_per_rank > 1 else ""
     cp = f" cp{r.cp}" if r.cp > 1 else ""
+    reduce = f" · {r.dp_reduce}" if r.dp > 1 else ""
     return (f"{i + 1}. pp{r.pp} dp{r.dp}{cp} tp{r.tp} {r.schedule}{v} · mb size {r.microbatch_size} × "
-            f"{r.microbatches} · {r.recompute} · {_seconds(r.step_time)} · MFU {_share(r.mfu)} · "
+            f"{r.microbatches} · {r.recompute}{reduce} · {_seconds(r.step_time)} · MFU {_share(r.mfu)} · "
             f"{human_bytes(r.peak_memory)}")

@@ -19,7 +19,7 @@ from pipeviz.timeline import Event
 
 __all__ = ["DP_REDUCE", "MEGATRON_BUCKET_PARAMS", "Collectives", "Reduction"]
 
-DP_REDUCE = ("ddp", "after_flush", "distributed")
+DP_REDUCE = ("ddp", "after_flush", "distributed", "overlap")
 TP_LAYOUTS = ("launch", "megatron")
 MEGATRON_BUCKET_PARAMS = 40_000_000  # Megatron-Core's DDP bucket: max(40M, 1M x dp) parameters
 
@@ -48,6 +48,10 @@ class Collectives:
               first forwards, and a stage's first forward ends no earlier than its gather: with several stages
               per rank (interleaved) each stage's reduction starts at its own last backward and each stage's
               gather hides behind the earlier stages' forwards, as Megatron-Core r0.8.0 does per model chunk.
+            - ``"overlap"``: ``pv.launch``'s default (``LaunchConfig.dp_reduce="overlap"``,
+              ``pipeviz.runtime.overlap``): each stage's gradients all-reduced in DDP's 25 MiB buckets from the end of
+              its last backward (or weight-grad pass), one after another on the rank's link, while the rank goes
+              on with its other stages; what outlasts its last action is a ``"DP"`` event after it.
         grad_dtype: the dtype gradients are reduced in (``"float16"``: Megatron 2021's fp16 runs; ``"float32"``:
             Megatron's bf16 runs, ``--accumulate-allreduce-grads-in-fp32``). Default: the traced parameters'.
         tp_overlap: tensor-parallel collectives overlap the matmuls they feed (Megatron-Core ``--tp-comm-overlap``,
@@ -81,8 +85,9 @@ class Collectives:
                              "tp_layout='launch' (what pv.launch shards) or 'megatron' (Megatron-LM's full layout).")
         if self.dp_reduce not in DP_REDUCE:
             raise ValueError(f"Unknown dp_reduce={self.dp_reduce!r}; valid: {', '.join(DP_REDUCE)}. Fix: "
-                             "dp_reduce='ddp' (torch DDP), 'after_flush' (Megatron-LM local DDP) or 'distributed' "
-                             "(Megatron-Core's distributed optimizer).")
+                             "dp_reduce='ddp' (torch DDP), 'after_flush' (Megatron-LM local DDP), "
+                             "'distributed' (Megatron-Core's distributed optimizer) or 'overlap' (pv.launch's "
+                             "overlapped all-reduces).")
         if self.grad_dtype is not None:
             object.__setattr__(self, "grad_dtype", dtype_name(self.grad_dtype, "grad_dtype"))
 
@@ -101,9 +106,12 @@ class Reduction:
         self.mode = "after_flush" if mode == "ddp" and lay.info.split_backward else mode
         self.grads = [p * grad_scale for p in costs.param_bytes]  # per stage, the bytes reduced
         self.nbytes = [sum(self.grads[s] for s in lay.stages_of(r)) for r in lay.ranks]
-        self.bucket = (DDP_BUCKET_BYTES if mode == "ddp"
+        self.bucket = (DDP_BUCKET_BYTES if mode in ("ddp", "overlap")
                        else int(max(MEGATRON_BUCKET_PARAMS, 1_000_000 * dp) * grad_element))
         self.seconds = [0.0] * lay.num_ranks
+        # per rank, the reduction's seconds the rank waits for (its compute does not hide them): a DDP backward's
+        # wait for its buckets, a first forward's wait for its gathered parameters, the tail after the last action
+        self.exposed = [0.0] * lay.num_ranks
         last_of: dict[tuple[int, int], int] = {}  # (rank, stage) -> index of the stage's last backward action
         for rank, rank_acts in enumerate(acts if self.mode != "after_flush" else []):
             for i, action in enumerate(rank_acts):
@@ -140,6 +148,7 @@ class Reduction:
         overlapped reduce-scatter, wait for the buckets' reductions in the stage's last backward)."""
         arrived = self.gathered.get((rank, index))
         if arrived is not None:  # a stage's first forward waits for the last of its parameters
+            self.exposed[rank] += max(0.0, arrived - end)
             return max(end, arrived)
         s = self.last.get((rank, index))
         if s is None:
@@ -147,15 +156,22 @@ class Reduction:
         buckets = ddp_buckets(round(self.grads[s]), self.bucket)
         if not buckets:
             return end
-        t = max(self.link_free[rank], start)
-        for b in buckets[:-1]:  # ready while the backward runs: overlapped from its start
-            t += self._time(b)
-        t = max(t, end) + self._time(buckets[-1])  # the first layers: ready at the end
+        if self.mode == "overlap":  # launched when the stage's last backward has returned, one after another
+            t = max(self.link_free[rank], end) + sum(self._time(b) for b in buckets)
+        else:
+            t = max(self.link_free[rank], start)
+            for b in buckets[:-1]:  # ready while the backward runs: overlapped from its start
+                t += self._time(b)
+            t = max(t, end) + self._time(buckets[-1])  # the first layers: ready at the end
         self.seconds[rank] += sum(self._time(b) for b in buckets)
         self.link_free[rank] = t
         # torch DDP's reducer waits for its buckets inside the backward; Megatron-Core's overlapped
-        # reduce-scatter runs on its own stream and is waited for once, before the optimizer step (after_step).
-        return end if self.mode == "distributed" else t
+        # reduce-scatter, and pipeviz's overlapped all-reduce, run beside the rank's other actions and are waited for
+        # once, before the optimizer step (after_step).
+        if self.mode in ("distributed", "overlap"):
+            return end
+        self.exposed[rank] += max(0.0, t - end)
+        return t
 
     def after_step(self, events: list[Event]) -> list[Event]:
         """``DP`` events after each rank's last action: the whole all-reduce (``"after_flush"``), or the
@@ -168,13 +184,14 @@ class Reduction:
             if self.mode == "after_flush":
                 t = all_reduce_time(nbytes, self.dp, self.via)
                 self.seconds[rank] = t
-            elif self.mode == "distributed":
+            elif self.mode in ("distributed", "overlap"):
                 # The reduce-scatters still running after the rank's last action (the all-gathers are in the
                 # stages' first forwards, ``finish``).
                 t = max(0.0, self.link_free[rank] - max(e.end for e in mine))
             else:
                 continue
             if t > 0:
+                self.exposed[rank] += t
                 end = max(e.end for e in mine)
                 out.append(Event(rank, -1, "DP", -1, end, end + t))
         return out

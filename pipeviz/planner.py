@@ -45,7 +45,7 @@ def plan_cluster(
     recompute: Sequence[str] | str | None = None, dtype: str | None = "bfloat16",
     tp: Sequence[int] | None = None, cp: Sequence[int] | None = None, microbatch_sizes: Sequence[int] | None = None,
     stages_per_rank: Sequence[int] = (2,), optimizer_states: int = 2, top: int = 10, max_actions: int = 40_000,
-    collectives: Collectives | None = None,
+    collectives: Collectives | None = None, dp_reduce: Sequence[str] | str | None = None,
 ) -> ClusterPlan:
     """Rank every layout of ``gpus`` devices for training ``graph``'s model, fastest first; only those that fit.
 
@@ -108,6 +108,10 @@ def plan_cluster(
             default torch's (DDP). E.g. ``Collectives(dp_reduce="distributed", grad_dtype="float32",
             tp_overlap=True, scatter_gather=True)`` for Megatron-Core. Its ``tp_layout`` is set to
             ``"megatron"``: a cluster's run shards every block's attention and MLP and the vocabulary.
+        dp_reduce: how the replicas' gradients may be reduced, searched as a dimension of the layout
+            (``Collectives.dp_reduce``: ``"ddp"``, ``"overlap"``, ``"after_flush"``, ``"distributed"``); each row
+            says its own and the seconds of it the step waits for (``exposed_reduction``). Default: the
+            ``collectives``' own when given, else ``("ddp", "overlap")``: torch's DDP and ``pv.launch``'s default.
 
     Returns:
         A ``ClusterPlan``; ``.rows`` best first, ``.table()`` as text.
@@ -123,7 +127,11 @@ def plan_cluster(
     dt = hw.dtype(dtype)
     # a cluster's run shards as Megatron-LM does (every block's attention and MLP, the vocabulary): the rows'
     # simulations cost that layout, as the bounds below do
+    reductions = ([dp_reduce] if isinstance(dp_reduce, str) else list(dp_reduce) if dp_reduce is not None
+                  else [collectives.dp_reduce] if collectives is not None else ["ddp", "overlap"])
     collectives = replace(collectives or Collectives(), tp_layout="megatron")
+    for red in reductions:
+        replace(collectives, dp_reduce=red)  # validates the name
     limit = int(memory_limit if memory_limit is not None else hw.memory_bytes)
     names = [sched.canonical(s) for s in (schedules or sched.ALL)]
     modes = [recompute] if isinstance(recompute, str) else list(recompute or RECOMPUTE)
@@ -226,7 +234,7 @@ def plan_cluster(
                             sched.check_microbatches(name, n, m, v if v > 1 else None)
                         except sched.ScheduleError:
                             continue
-                        for mode in modes:
+                        for mode, red in [(mo, r) for mo in modes for r in (reductions if dp > 1 else reductions[:1])]:
                             considered += 1
                             rc = rank_costs(n, b, mode, t, c)
                             lay = sched.layout(name, n, v if v > 1 else None)
@@ -237,11 +245,11 @@ def plan_cluster(
                             if mem_lb > limit:
                                 pruned += 1
                                 continue
-                            candidates.append((work, (t, c, pp, dp, name, v, b, m, mode)))
+                            candidates.append((work, (t, c, pp, dp, name, v, b, m, mode, red)))
     candidates.sort(key=lambda c: c[0])
     rows: list[LayoutOption] = []
     simulated = too_big = too_long = 0
-    for bound, (t, c, pp, dp, name, v, b, m, mode) in candidates:
+    for bound, (t, c, pp, dp, name, v, b, m, mode, red) in candidates:
         if len(rows) >= top and bound > rows[top - 1].step_time:
             pruned += 1
             continue
@@ -257,25 +265,28 @@ def plan_cluster(
         row = LayoutOption(
             pp=pp, dp=dp, tp=t, cp=c, schedule=name, stages_per_rank=v, microbatch_size=b, microbatches=m,
             recompute=mode, plan=plan, step_time=0.0, tokens_per_s=0.0, tflops_per_gpu=0.0, mfu=0.0, bubble=0.0,
-            peak_memory=0, options=opts, collectives=collectives)
-        step, busy, memory, extrapolated = _simulate(row)
+            peak_memory=0, options=opts, collectives=replace(collectives, dp_reduce=red))
+        step, busy, memory, extrapolated, exposed = _simulate(row)
         simulated += 1
         rows.append(replace(row, step_time=step, tokens_per_s=global_batch * seq / step,
                             tflops_per_gpu=model_flops / step / gpus / 1e12,
                             mfu=model_flops / step / gpus / hw.peak(dt),
                             bubble=max(0.0, 1 - busy / (pp * step)), peak_memory=int(memory),
-                            extrapolated=extrapolated))
+                            extrapolated=extrapolated, exposed_reduction=exposed))
         rows.sort(key=lambda r: r.step_time)
     return ClusterPlan(tuple(rows[:top]), hw, gpus, global_batch, seq, dt, limit, considered, simulated, pruned,
                        too_big, too_long, tuple(notes))
 
 
-def _simulate(row: LayoutOption) -> tuple[float, float, float, bool]:
-    """(step seconds, busy seconds summed over pipeline ranks, peak bytes per device, extrapolated) of the row's
-    own ``config`` (``pv.simulate``, as a user reproduces it)."""
+def _simulate(row: LayoutOption) -> tuple[float, float, float, bool, float]:
+    """(step seconds, busy seconds summed over pipeline ranks, peak bytes per device, extrapolated, the reduction's
+    exposed seconds) of the row's own ``config`` (``pv.simulate``, as a user reproduces it; the exposed reduction,
+    a step's end, is the longer simulation's when extrapolated)."""
     plan, name, m, v = row.plan, row.schedule, row.microbatches, row.stages_per_rank
     n = plan.num_stages
     spr = v if v > 1 else None
+
+    exposed = [0.0]
 
     def run(count: int) -> tuple[float, float, float]:
         # batch_scale is the whole step's; with fewer microbatches each keeps its size.
@@ -285,14 +296,15 @@ def _simulate(row: LayoutOption) -> tuple[float, float, float, bool]:
         start = min(e.start for e in tl.events)
         step = max(e.end for e in tl.events) - start
         busy = sum(e.duration for e in tl.events if e.kind in ("F", "B", "I", "W"))
+        exposed[0] = max(tl.meta.get("dp_exposed") or [0.0])
         return step, busy, float(max(tl.meta["memory_bytes"]))
 
     m1, m2 = _extrapolated_from(n // v)
     if m <= m2:
-        return (*run(m), False)
+        return (*run(m), False, exposed[0])
     a, b = run(m1), run(m2)
     k = (m - m2) / (m2 - m1)
-    return (b[0] + k * (b[0] - a[0]), b[1] + k * (b[1] - a[1]), b[2] + k * (b[2] - a[2]), True)
+    return (b[0] + k * (b[0] - a[0]), b[1] + k * (b[1] - a[1]), b[2] + k * (b[2] - a[2]), True, exposed[0])
 
 
 def _actions(name: str, pp: int, v: int, m: int) -> int:

@@ -40,7 +40,7 @@ from pipeviz.cost.options import CostOptions, LinkOptions
 from pipeviz.cost.sharding import launch_tp_seconds, tp_shares
 from pipeviz.mesh import Mesh
 from pipeviz.plan import SplitPlan
-from pipeviz.runtime.config import LaunchConfig, launch_config
+from pipeviz.runtime.config import LaunchConfig, dp_reduce_mode, launch_config
 from pipeviz.runtime.tensor_parallel import sharded_modules
 from pipeviz.sim_engine import check_order, contended, play, play_on_cores, runtime_actions
 from pipeviz.timeline import Event, Timeline
@@ -177,8 +177,10 @@ def simulate(
     Returns:
         A simulated ``Timeline`` (``ranks == "pipeline"``, ``mesh`` the run's); ``meta`` holds
         ``peak_activation_bytes`` and ``memory_bytes`` per rank, ``config`` (the ``LaunchConfig`` simulated),
-        ``mesh`` ``(pp, dp, tp)``, and with replicas ``dp_bytes`` / ``dp_seconds``: per rank, the gradient bytes
-        it all-reduces and the all-reduce seconds.
+        ``mesh`` ``(pp, dp, tp)``, and with replicas ``dp_bytes`` / ``dp_seconds`` / ``dp_exposed``: per rank, the
+        gradient bytes it all-reduces, the all-reduce seconds, and the part of them the rank waits for (not hidden
+        by its compute: a DDP backward's wait, the tail after its last action). The reduction follows the config's
+        ``dp_reduce`` (``pv.launch``'s default: ``"overlap"``) unless ``collectives=`` says otherwise.
 
     Raises:
         MeshError: ``dp``, ``cp`` or ``tp`` not a positive int.
@@ -203,9 +205,16 @@ def simulate(
         stage_modes = _recompute_modes(cfg, plan, num_stages)
         if len(set(stage_modes)) == 1:
             opts, stage_modes = replace(opts, recompute=stage_modes[0]), ()
-    coll = collectives or (Collectives(dp_reduce="distributed") if cfg.dp_shard and cfg.dp > 1 else Collectives())
+    coll = collectives or _run_collectives(cfg)
     return _simulate(plan, cfg, forward_only, _Extras(costs, opts, coll, order, num_stages, cores, optimizer_states,
                                                        dp_bandwidth, tp_bandwidth, cp_bandwidth, stage_modes))
+
+
+def _run_collectives(cfg: LaunchConfig) -> Collectives:
+    """How ``pv.launch`` reduces the config's replicas, in the simulator's terms: FSDP2's reduce-scatter (as
+    Megatron-Core's distributed optimizer), the overlapped all-reduce, DDP, or one all-reduce after the step."""
+    mode = dp_reduce_mode(cfg)
+    return Collectives(dp_reduce="distributed" if mode == "fsdp2" else mode)
 
 
 def _recompute_modes(cfg: LaunchConfig, plan: SplitPlan | None, num_stages: int | None) -> tuple[str, ...]:
@@ -355,7 +364,7 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
     if mesh.world > mesh.pp:
         meta["processes"] = [mesh.label(mesh.rank(r)) for r in lay.ranks]
     if red is not None:
-        meta["dp_bytes"], meta["dp_seconds"] = red.nbytes, red.seconds
+        meta["dp_bytes"], meta["dp_seconds"], meta["dp_exposed"] = red.nbytes, red.seconds, red.exposed
     return Timeline(events, lay.num_ranks, n, microbatches * k, lay.schedule, source="simulated", meta=meta,
                     mesh=mesh, ranks="pipeline")
 

@@ -128,7 +128,7 @@ def test_every_listed_row_simulates_in_the_explorer_as_listed(tiny: pv.ModelGrap
 
     ex = pv.Explorer(tiny)
     panel = ClusterPanel(ex.graph, on_select=lambda option: load_layout(ex, option), gpus=4, global_batch=16,
-                         top=8)
+                         top=14)
     result = panel.plan()
     assert result is not None
     assert any(r.microbatches > 8 and r.pp > 1 for r in result.rows)  # the case a local batch of 8 cannot launch

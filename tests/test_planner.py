@@ -58,18 +58,19 @@ def _brute_force(graph: pv.ModelGraph, gpus: int, hw: pv.Hardware, batch: int, l
                     except pv.ScheduleError:
                         continue
                     for mode in modes:
-                        tl = pv.simulate(plan, name, m, stages_per_rank=spr, dp=dp, tp=tp,
-                                         options=CostOptions(hw, "bfloat16", mode, batch_scale=scale),
-                                         collectives=Collectives(tp_layout="megatron"))  # a cluster's layout
-                        step = max(e.end for e in tl.events) - min(e.start for e in tl.events)
-                        if max(tl.memory_bytes) <= limit:
-                            out.append((step, (pp, dp, tp, name, v, b, m, mode)))
+                        for red in ("ddp", "overlap") if dp > 1 else ("ddp",):  # the planner's default search
+                            tl = pv.simulate(plan, name, m, stages_per_rank=spr, dp=dp, tp=tp,
+                                             options=CostOptions(hw, "bfloat16", mode, batch_scale=scale),
+                                             collectives=Collectives(dp_reduce=red, tp_layout="megatron"))
+                            step = max(e.end for e in tl.events) - min(e.start for e in tl.events)
+                            if max(tl.memory_bytes) <= limit:
+                                out.append((step, (pp, dp, tp, name, v, b, m, mode, red)))
     return sorted(out, key=lambda r: r[0])
 
 
-def _key(row: pv.LayoutOption) -> tuple[object, ...]:
+def _key(row: pv.LayoutOption, reduce: bool = True) -> tuple[object, ...]:
     return (row.pp, row.dp, row.tp, row.schedule, row.stages_per_rank, row.microbatch_size, row.microbatches,
-            row.recompute)
+            row.recompute, *((row.dp_reduce,) if reduce else ()))
 
 
 def test_best_rows_are_the_brute_forces(tiny: pv.ModelGraph) -> None:
@@ -213,18 +214,20 @@ def test_collectives_reach_every_option_and_reproduce(tiny: pv.ModelGraph) -> No
 
     hw = pv.hardware("a100")
     after = Collectives(dp_reduce="after_flush")
-    ddp = pv.plan_cluster(tiny, 4, hw, global_batch=16, schedules=["1F1B"], recompute="none", top=10_000)
+    ddp = pv.plan_cluster(tiny, 4, hw, global_batch=16, schedules=["1F1B"], recompute="none", top=10_000,
+                          dp_reduce="ddp")
     flush = pv.plan_cluster(tiny, 4, hw, global_batch=16, schedules=["1F1B"], recompute="none", top=10_000,
                             collectives=after)
-    by_key = {_key(r): r for r in ddp.rows}
+    by_key = {_key(r, reduce=False): r for r in ddp.rows}
     for r in flush.rows:
         # the planner's rows cost a cluster's layout (Megatron's tensor parallelism) with the collectives given
         assert r.collectives == Collectives(dp_reduce="after_flush", tp_layout="megatron")
         tl = pv.simulate(r.plan, r.config, options=r.options, collectives=r.collectives)
         assert max(e.end for e in tl.events) - min(e.start for e in tl.events) == pytest.approx(r.step_time)
         if r.dp == 1:  # no replicas: nothing to reduce, the same step either way
-            assert r.step_time == pytest.approx(by_key[_key(r)].step_time)
+            assert r.step_time == pytest.approx(by_key[_key(r, reduce=False)].step_time)
     # With replicas the reduction's placement changes the step (after the flush it holds no backward, but hides
     # nothing: which wins depends on the model; on this tiny one, latency-bound, either can).
     replicated = [r for r in flush.rows if r.dp > 1]
-    assert replicated and any(r.step_time != pytest.approx(by_key[_key(r)].step_time) for r in replicated)
+    assert replicated and any(r.step_time != pytest.approx(by_key[_key(r, reduce=False)].step_time)
+                              for r in replicated)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -68,7 +69,8 @@ def test_dp1_tp1_on_a_real_plan(classic_graph: pv.ModelGraph) -> None:
 def test_ddp_step_is_the_smaller_microbatch_step_plus_the_reduction_tail(schedule: str, dp: int) -> None:
     params = (4_000_000, 8_000_000, 2_000_000)  # one DDP bucket each: the whole reduction follows the backward
     m, p = 4, len(params)
-    tl = pv.simulate(None, schedule, m, costs=_costs(params), num_stages=p, dp=dp, bandwidth=BW, latency=LAT)
+    tl = pv.simulate(None, schedule, m, costs=_costs(params), num_stages=p, dp=dp, bandwidth=BW, latency=LAT,
+                     dp_reduce="ddp")
     # Each replica's microbatch is 1/dp as large: the pipeline alone on costs / dp.
     smaller = pv.simulate(None, schedule, m, costs=Costs.uniform(p, 1 / dp, 2 / dp), num_stages=p)
     assert smaller.step_time == pytest.approx((m + p - 1) * 3 / dp)
@@ -93,22 +95,23 @@ def test_ddp_buckets_overlap_the_last_backward() -> None:
     bw = DDP_BUCKET_BYTES
     costs = _costs((DDP_BUCKET_BYTES * 5 // 2,))
     base = pv.simulate(None, "1F1B", 2, costs=Costs.uniform(1, 0.5, 1.0), num_stages=1)
-    tl = pv.simulate(None, "1F1B", 2, costs=costs, num_stages=1, dp=2, bandwidth=bw, latency=0.0)
+    tl = pv.simulate(None, "1F1B", 2, costs=costs, num_stages=1, dp=2, bandwidth=bw, latency=0.0, dp_reduce="ddp")
     assert base.step_time == pytest.approx(3.0)
     assert tl.step_time == pytest.approx(3.0 + 1.5)
     assert tl.meta["dp_seconds"] == pytest.approx([2.5])
     # A separate data-parallel link: twice the bandwidth halves every bucket (1 s overlapped, 0.25 s after).
-    fast = pv.simulate(None, "1F1B", 2, costs=costs, num_stages=1, dp=2, bandwidth=bw, latency=0.0,
+    fast = pv.simulate(None, "1F1B", 2, costs=costs, num_stages=1, dp=2, bandwidth=bw, latency=0.0, dp_reduce="ddp",
                        dp_bandwidth=2 * bw)
     assert fast.step_time == pytest.approx(3.0 + 0.25)
 
 
 @pytest.mark.parametrize(("schedule", "m"), [("InterleavedZeroBubble", 4), ("ZBVZeroBubble", 4), ("DualPipeV", 4)])
 def test_split_backward_schedules_reduce_after_the_last_action(schedule: str, m: int) -> None:
+    """``dp_reduce="after_flush"``: all the rank's gradients in one all-reduce after its last action."""
     params = (1_000_000, 3_000_000, 5_000_000, 7_000_000)
     n, dp = len(params), 2
     tl = pv.simulate(None, schedule, m, stages_per_rank=2, costs=_costs(params), num_stages=n, dp=dp, bandwidth=BW,
-                     latency=LAT)
+                     latency=LAT, dp_reduce="after_flush")
     smaller = pv.simulate(None, schedule, m, stages_per_rank=2, costs=Costs.uniform(n, 1 / dp, 2 / dp), num_stages=n)
     assert _compute(tl) == _compute(smaller)  # nothing overlaps: the compute is the smaller pipeline's
     lay = sched.layout(schedule, n, 2)
@@ -230,13 +233,38 @@ def test_after_flush_reduces_every_rank_once_after_its_last_action() -> None:
     assert ddp.step_time < tl.step_time
 
 
+def test_the_overlapped_all_reduce_starts_when_a_stage_is_done_and_waits_only_at_the_step_end() -> None:
+    """``dp_reduce="overlap"`` (``pv.launch``'s default): a stage's buckets start when its last backward ends, on
+    the rank's link one after another, while the rank computes its other stages; only what outlasts the rank's
+    last action is a DP event after it. Interleaved on one rank: stage 0 finishes before stage 1's backwards, so
+    its reduction hides behind them, where DDP's waits inside each stage's last backward."""
+    costs = Costs.uniform(2, 0.5, 1.0)
+    costs = replace(costs, param_bytes=(DDP_BUCKET_BYTES, DDP_BUCKET_BYTES))  # 1 s of all-reduce per stage
+    kw = {"costs": costs, "num_stages": 2, "stages_per_rank": 2, "dp": 2, "bandwidth": DDP_BUCKET_BYTES,
+          "latency": 0.0}
+    overlap = pv.simulate(None, "Interleaved1F1B", 2, **kw)
+    assert overlap.meta["config"].dp_reduce is None  # the default: dp_reduce_mode picks "overlap"
+    ddp = pv.simulate(None, "Interleaved1F1B", 2, **kw, dp_reduce="ddp")
+    flush = pv.simulate(None, "Interleaved1F1B", 2, **kw, dp_reduce="after_flush")
+    compute = max(e.end for e in overlap.events if e.kind != "DP")
+    assert compute == pytest.approx(max(e.end for e in flush.events if e.kind != "DP"))  # compute is unchanged
+    [tail] = [e for e in overlap.events if e.kind == "DP"]
+    assert tail.start == pytest.approx(compute)
+    assert overlap.meta["dp_seconds"] == pytest.approx([2.0])  # both stages' all-reduces
+    assert tail.duration < 2.0  # the first stage's, at least partly, ran under the other stage's backwards
+    assert max(e.end for e in overlap.events) < max(e.end for e in flush.events)
+    assert max(e.end for e in overlap.events) < max(e.end for e in ddp.events)
+    assert overlap.meta["dp_exposed"] == pytest.approx([tail.duration])
+    assert flush.meta["dp_exposed"] == pytest.approx([2.0])
+
+
 def test_distributed_optimizer_reduce_scatters_and_hides_the_gather() -> None:
     # Megatron-Core's distributed optimizer: a reduce-scatter is half an all-reduce (its steps and bytes), in
     # buckets overlapping the last backward as DDP's; the parameters' all-gather hides in the first forward.
     params = (DDP_BUCKET_BYTES * 5 // 2,)
     costs = _costs(params)
     kw = {"costs": costs, "num_stages": 1, "dp": 2, "bandwidth": DDP_BUCKET_BYTES, "latency": 0.0}
-    ddp = pv.simulate(None, "1F1B", 2, **kw)  # 2.5 s of all-reduce, 1.5 s exposed (see above)
+    ddp = pv.simulate(None, "1F1B", 2, **kw, dp_reduce="ddp")  # 2.5 s of all-reduce, 1.5 s exposed (see above)
     dist = pv.simulate(None, "1F1B", 2, **kw, collectives=Collectives(dp_reduce="distributed"))
     assert ddp.step_time == pytest.approx(4.5)
     # One 40M-parameter bucket (160 MB) holds all 65 MB: a reduce-scatter of 1.25 s once the backward ends
@@ -299,7 +327,8 @@ def test_on_shared_cores_the_all_reduce_holds_a_core() -> None:
     every reduction (in its rank's last backward) runs one after another, none overlapping (a rank's last
     backward used to free the core while its all-reduce went on)."""
     costs = _costs((8_000_000,) * 4)
-    shared = pv.simulate(None, "GPipe", 4, costs=costs, num_stages=4, dp=2, cores=2, bandwidth=BW, latency=LAT)
+    shared = pv.simulate(None, "GPipe", 4, costs=costs, num_stages=4, dp=2, cores=2, bandwidth=BW, latency=LAT,
+                         dp_reduce="ddp")
     assert sum(shared.meta["dp_seconds"]) > 0
     assert shared.step_time == pytest.approx(sum(e.duration for e in shared.events))
     spans = sorted((e.start, e.end) for e in shared.events)

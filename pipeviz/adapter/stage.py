@@ -55,6 +55,10 @@ def timed_stage_class(span: Span) -> type[PipelineStage]:
     so a transformer block ran its forward again once per weight (6 times a W on TinyTransformer: W 7.0 ms against
     1.2 ms). Under the group each region is recomputed once per W, with the same gradients bit for bit.
 
+    ``stage.grads_final(stage_index)`` (when set) is called once the stage's gradients of a schedule step are final
+    (after its last backward, or its last weight-grad pass), in the step whose ``sync_replicas`` is True:
+    ``dp_reduce="overlap"`` starts the replicas' average there (``pipeviz.runtime.overlap``).
+
     ``stage.sync_replicas = False`` keeps a schedule step's gradients local (gradient accumulation: DDP's
     all-reduce in the last backward and FSDP2's reduce-scatter at the step's end are left to the step whose
     ``sync_replicas`` is True, which reduces the accumulated sum once).
@@ -70,6 +74,7 @@ def timed_stage_class(span: Span) -> type[PipelineStage]:
 
         sync_replicas = True
         recomputes = False  # the stage runs checkpointed regions (pipeviz.runtime.recompute)
+        grads_final: Callable[[int], None] | None = None  # called with the stage index when its gradients are final
 
         def forward_one_chunk(self, fwd_chunk_id: int, *a: Any, **k: Any) -> Any:
             with span(self.stage_index, "F", fwd_chunk_id):
@@ -81,14 +86,25 @@ def timed_stage_class(span: Span) -> type[PipelineStage]:
                 return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                                   last_backward=last_backward)
             with span(self.stage_index, "B" if full_backward else "I", bwd_chunk_id):
-                return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                                  last_backward=last_backward and self.sync_replicas)
+                out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                                 last_backward=last_backward and self.sync_replicas)
+            if full_backward and last_backward:
+                self._final()
+            return out
 
         def backward_weight_one_chunk(self, bwd_chunk_id: int, *a: object, **k: object) -> object:
             if not self.has_backward:
                 return super().backward_weight_one_chunk(bwd_chunk_id, *a, **k)
             with span(self.stage_index, "W", bwd_chunk_id), _one_recomputation(self.recomputes):
-                return super().backward_weight_one_chunk(bwd_chunk_id, *a, **k)
+                out = super().backward_weight_one_chunk(bwd_chunk_id, *a, **k)
+            if k.get("last_backward", a[0] if a else False):
+                self._final()
+            return out
+
+        def _final(self) -> None:
+            """The stage's gradients of this schedule step are final: its last backward (or weight-grad pass)."""
+            if self.grads_final is not None and self.sync_replicas:
+                self.grads_final(self.stage_index)
 
         def perform_reduce_grad(self, grad_scale_factor: int) -> None:
             if self.sync_replicas:

@@ -25,7 +25,7 @@ from pipeviz import schedules as sched
 from pipeviz.mesh import Mesh, check_degree
 from pipeviz.schedules import Layout
 
-__all__ = ["UNSET", "LaunchConfig", "LaunchOptions", "launch_config"]
+__all__ = ["DP_REDUCE_MODES", "UNSET", "LaunchConfig", "LaunchOptions", "dp_reduce_mode", "launch_config"]
 
 
 class _Unset:
@@ -93,6 +93,13 @@ class LaunchConfig:
         dp: data-parallel replicas of the pipeline (``pv.Mesh(pp, dp, tp)``).
         dp_shard: with ``dp`` > 1, shard each stage's parameters, gradients and optimizer state across the
             replicas with torch's FSDP2 ``fully_shard`` (ZeRO-3) instead of replicating them under DDP.
+        dp_reduce: with ``dp`` > 1, how the replicas average their gradients (``dp_reduce_mode`` says what None
+            picks): ``"overlap"`` (pipeviz.runtime.overlap: each stage's gradients all-reduced asynchronously as soon
+            as its last backward of the step has run, while the rank goes on with its other stages, waited for once
+            before the optimizer step, as Megatron-Core's ``--overlap-grad-reduce``), ``"ddp"`` (torch's DDP: in
+            the stage's last backward, waited for there; not under a split backward) or ``"after_flush"`` (one
+            all-reduce of the rank's gradients after the step's last action). None: ``"overlap"``; with tensor
+            parallelism ``"after_flush"``; with ``dp_shard`` FSDP2's own reduce-scatter.
         tp: tensor-parallel shards of every stage.
         tp_plan: ``{module name: "colwise" | "rowwise"}`` for tensor parallelism; default: Megatron's layout
             (``default_tp_plan``: the model's HF plan, attention and MLP by name, or ``nn.Linear`` pairs; the
@@ -134,6 +141,7 @@ class LaunchConfig:
     init_seed: int = 0
     dp: int = 1
     dp_shard: bool = False
+    dp_reduce: str | None = None
     tp: int = 1
     tp_plan: Mapping[str, str] | None = None
     sequence_parallel: bool = False
@@ -188,11 +196,26 @@ class LaunchOptions(TypedDict, total=False):
     init_seed: int
     dp: int
     dp_shard: bool
+    dp_reduce: str | None
     tp: int
     tp_plan: Mapping[str, str] | None
     sequence_parallel: bool
     cp: int
     order: Sequence[Sequence[str]] | None
+
+
+DP_REDUCE_MODES = ("overlap", "ddp", "after_flush")
+
+
+def dp_reduce_mode(config: LaunchConfig) -> str:
+    """How ``config``'s replicas average their gradients: ``config.dp_reduce``, or for None ``"fsdp2"`` (with
+    ``dp_shard``: FSDP2's reduce-scatter), ``"after_flush"`` (tensor parallelism: one all-reduce after the step)
+    or ``"overlap"`` (``pipeviz.runtime.overlap``)."""
+    if config.dp_shard:
+        return "fsdp2"
+    if config.dp_reduce is not None:
+        return config.dp_reduce
+    return "after_flush" if config.tp > 1 else "overlap"
 
 
 def _check_names(changes: Mapping[str, object]) -> None:

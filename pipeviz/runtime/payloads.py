@@ -23,6 +23,7 @@ from pipeviz import schedules as sched
 from pipeviz.capture import TRACE_LOCK, _batch_size
 from pipeviz.mesh import Coords
 from pipeviz.plan import SplitPlan
+from pipeviz.runtime.config import dp_reduce_mode
 from pipeviz.runtime.recompute import recompute_modes
 from pipeviz.runtime.ship import Shipment
 from pipeviz.runtime.spec import LaunchError, LaunchSpec, share
@@ -106,6 +107,7 @@ class RankPayload:
     resume: Any = None  # runtime.checkpoint.Resume: the checkpoint this run continues (its optimizer's state)
     compile: str | None = None  # torch.compile's backend for every stage (None: eager)
     recompute: tuple[str, ...] = ()  # per stage: "none", "selective" or "full" (pipeviz.runtime.recompute)
+    dp_reduce: str = "overlap"  # how replicas average gradients (runtime.config.dp_reduce_mode)
     order: tuple[tuple[str, ...], ...] | None = None  # a custom order: every pipeline rank's actions (torch's text)
     seed: int = 0  # random draws (dropout): each stage forward seeds from it (pipeviz.rng.stage_seed)
 
@@ -347,6 +349,7 @@ def rank_payload(spec: LaunchSpec, stages: StageSet, tied: dict[str, list[int]],
         compile=None if spec.config.compile is False else "inductor" if spec.config.compile is True
         else str(spec.config.compile),
         recompute=recompute_modes(spec.config.recompute, len(lay.stage_ranks)),
+        dp_reduce=dp_reduce_mode(spec.config),
         order=None if spec.config.order is None else tuple(tuple(acts) for acts in spec.config.order),
         seed=spec.init_seed,
     )

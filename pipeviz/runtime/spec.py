@@ -151,6 +151,9 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
     with _setting("tp"):
         placements = _tensor_parallel(plan, tp, config.tp_plan)
     _check_dp_shard(config)
+    split = (any(sched.parse(a).kind in ("I", "W") for acts in config.order for a in acts) if config.order is not None
+             else sched.info(name).split_backward)
+    _check_dp_reduce(config, split)
     with _setting("sequence_parallel"):
         _check_sequence_parallel(plan, config)
     for setting, check in _training_checks():  # each refusal names its field (err.setting)
@@ -430,6 +433,31 @@ def _check_dp_shard(config: LaunchConfig) -> None:
     if config.dp_shard and config.loss_fn is None:
         raise LaunchError("dp_shard=True shards what training updates; a forward-only run (no loss_fn) has nothing "
                           "to shard. Fix: drop dp_shard, or pass loss_fn=... to train.")
+
+
+def _check_dp_reduce(config: LaunchConfig, split_backward: bool) -> None:
+    """``dp_reduce``: one of ``DP_REDUCE_MODES`` or None, and a mode this layout can run."""
+    from pipeviz.runtime.config import DP_REDUCE_MODES
+
+    value = config.dp_reduce
+    if value is None:
+        return
+    if value not in DP_REDUCE_MODES:
+        raise LaunchError(f"dp_reduce must be one of {', '.join(map(repr, DP_REDUCE_MODES))} or None, got {value!r}. "
+                          "Fix: dp_reduce='overlap' (each stage's average overlapped with the rest of the step), or "
+                          "None for the default.", setting="dp_reduce")
+    if config.dp_shard:
+        raise LaunchError(f"dp_reduce={value!r} with dp_shard=True: FSDP2 reduce-scatters the sharded gradients "
+                          "itself. Fix: dp_reduce=None, or dp_shard=False.", setting="dp_reduce")
+    if config.tp > 1 and value != "after_flush":
+        raise LaunchError(f"dp_reduce={value!r} with tp={config.tp}: tensor-parallel gradients are DTensors, which "
+                          "pipeviz averages after the step (DDP does not take them; the overlapped form is not built "
+                          "for them yet). Fix: dp_reduce='after_flush', or None.", setting="dp_reduce")
+    if value == "ddp" and split_backward:
+        raise LaunchError(f"dp_reduce='ddp' under {config.schedule} (a split backward): DDP's "
+                          "reducer follows one backward call, and input- and weight-grad passes are two. Fix: "
+                          "dp_reduce='overlap' (or None), or a schedule without a split backward.",
+                          setting="dp_reduce")
 
 
 def _tensor_parallel(plan: SplitPlan, tp: int, tp_plan: Mapping[str, str] | None) -> dict[str, str]:

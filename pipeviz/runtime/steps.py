@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
+    from pipeviz.runtime.overlap import OverlappedReduction
+
     Schedule = PipelineScheduleSingle | PipelineScheduleMulti
 
 __all__ = ["average_replicas", "averaged_after_step", "build_schedule", "infer", "local_tensor", "rank_state", "train"]
@@ -75,8 +77,11 @@ Batch = tuple[tuple[object, ...], dict[str, object], object]
 def _scaled(p: RankPayload) -> bool:
     """Whether each microbatch's loss is scaled by the step (``_STEP_SCALE``) instead of torch's ``scale_grads``:
     a sum or token mean, or accumulated batches (torch divides every gradient by the microbatches at the end of
-    each ``schedule.step``, the earlier batches' sums too: torchtitan PR #1732's bug)."""
-    return p.loss_reduction != "mean" or p.accumulate > 1
+    each ``schedule.step``, the earlier batches' sums too: torchtitan PR #1732's bug), or replicas averaged by
+    ``dp_reduce="overlap"`` (their average starts in the stage's last backward, before torch's scaling at the
+    step's end would change the gradients)."""
+    overlapped = p.dp_reduce == "overlap" and p.mesh is not None and p.mesh.dp > 1 and not p.dp_shard
+    return p.loss_reduction != "mean" or p.accumulate > 1 or overlapped
 
 
 def _reduced(p: RankPayload) -> Callable[..., torch.Tensor]:
@@ -152,11 +157,13 @@ def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, 
           local: dict[str, list[torch.Tensor]], groups: dict[str, ProcessGroup | None], clock: Clock,
           step_box: list[int], device: torch.device, dp_group: ProcessGroup | None = None,
           stages: list[PipelineStage] | None = None,
-          scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> bool:
+          scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+          reduction: OverlappedReduction | None = None) -> bool:
     """Run the steps; False when a NaN or inf stopped the run (every rank stops at the same step). A step runs the
     schedule on ``p.accumulate`` batches in turn (``step_box[1]`` counts them), their gradients summed in place;
     the replicas' gradients are reduced once, in the last batch's backward (``sync_replicas``). ``scheduler`` steps
-    after each optimizer step; with ``p.eval_batches`` the held-out batches are evaluated every ``p.eval_every``
+    after each optimizer step; ``reduction`` (``dp_reduce="overlap"``) is waited for before anything reads the
+    gradients; with ``p.eval_batches`` the held-out batches are evaluated every ``p.eval_every``
     steps and after the last (``evaluate``)."""
     import torch.distributed as dist
 
@@ -184,7 +191,11 @@ def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, 
         step_box[1] = 0
         if p.tp_placements:
             _settle_grads(params)
-        if dp_group is not None and averaged_after_step(p):
+        if reduction is not None:  # every stage's average, launched when its gradients were final
+            for st in stages or []:
+                reduction.launch(st.stage_index)  # (a stage torch never told of its last backward: now)
+            reduction.wait()
+        elif dp_group is not None and averaged_after_step(p):
             average_replicas(params, dp_group, p.mesh.dp, clock, p.rank, step)
         _sync_tied(local, p.tied, groups)
         # the step's loss: each microbatch's mean averaged ("mean"), or the pieces of the step's sum added up
@@ -420,9 +431,9 @@ def rank_state(p: RankPayload, copy: bool = True) -> dict[str, torch.Tensor]:
 
 
 def averaged_after_step(p: RankPayload) -> bool:
-    """Whether replicas average their gradients after the step (``average_replicas``) rather than by DDP: the
-    split-backward schedules, and tensor-parallel stages (DDP does not take DTensor parameters)."""
-    return not p.dp_shard and (p.split_backward or (p.mesh is not None and p.mesh.tp > 1))
+    """Whether replicas average their gradients in one all-reduce after the step (``average_replicas``):
+    ``dp_reduce="after_flush"`` (the default under tensor parallelism: DDP does not take DTensor parameters)."""
+    return not p.dp_shard and p.dp_reduce == "after_flush"
 
 
 def average_replicas(params: list[torch.nn.Parameter], group: ProcessGroup | None, replicas: int, clock: Clock,

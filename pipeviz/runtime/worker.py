@@ -49,7 +49,6 @@ from pipeviz.runtime.messages import (
 from pipeviz.runtime.payloads import PAYLOAD_WAIT, Boot, RankPayload
 from pipeviz.runtime.stages import StepError
 from pipeviz.runtime.steps import (
-    averaged_after_step,
     build_schedule,
     infer,
     local_tensor,
@@ -65,6 +64,8 @@ if TYPE_CHECKING:
     from torch.distributed import GradBucket, ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.pipelining import PipelineStage
+
+    from pipeviz.runtime.overlap import OverlappedReduction
 
 # Boot and RankPayload are built by pipeviz.runtime.payloads (their names here are the ones 0.2 code imports).
 __all__ = ["SEND_INTERVAL", "Boot", "RankPayload", "main", "run_payload"]
@@ -162,8 +163,8 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
     clock, device, compute = connected or _connect(p, queue)
     step_box = [0, 0, 0]  # the step, its accumulated (or held-out) batch, and whether it evaluates
     pp_group, dp_group, dp_mesh, tp_mesh = _mesh_groups(p)
-    stages, params, local = _stages(p, clock, step_box, device, compute, pp_group, dp_group, tp_mesh,
-                                    dp_mesh if p.dp_shard else None)
+    stages, params, local, reduction = _stages(p, clock, step_box, device, compute, pp_group, dp_group, tp_mesh,
+                                               dp_mesh if p.dp_shard else None)
     groups = _tied_groups(p)
     schedule = build_schedule(p, stages)
     optimizer = p.optimizer(params) if p.loss_fn is not None else None
@@ -193,7 +194,7 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
             finished = infer(p, schedule, clock, step_box, device)
         else:
             finished = train(p, schedule, optimizer, params, local, groups, clock, step_box, device, dp_group,
-                             stages, scheduler)
+                             stages, scheduler, reduction)
     if finished:
         if p.state_path is not None:  # a file: a big stage's tensors do not pass through the queue
             torch.save(rank_state(p, copy=False), p.state_path)
@@ -293,15 +294,19 @@ def _tied_groups(p: RankPayload) -> dict[str, ProcessGroup | None]:
 def _stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch.device,
             compute: torch.device, pp_group: ProcessGroup | None = None, dp_group: ProcessGroup | None = None,
             tp_mesh: DeviceMesh | None = None, shard_mesh: DeviceMesh | None = None,
-            ) -> tuple[list[PipelineStage], list[torch.nn.Parameter], dict[str, list[torch.Tensor]]]:
+            ) -> tuple[list[PipelineStage], list[torch.nn.Parameter], dict[str, list[torch.Tensor]],
+                       OverlappedReduction | None]:
     """torch's ``PipelineStage`` around each of this rank's runners (timed; in this replica's pipeline group),
-    the parameters to optimize and, per shared parameter, this rank's copies. With replicas, each runner is
+    the parameters to optimize, per shared parameter this rank's copies, and the overlapped reduction of their
+    gradients across replicas (``p.dp_reduce == "overlap"``, the default: ``pipeviz.runtime.overlap``, launched by
+    each stage when its gradients are final, waited for in ``steps.train``). With ``"ddp"`` each runner is
     wrapped in torch's ``DistributedDataParallel`` over its data-parallel group: torch's stage then
     accumulates gradients under ``no_sync`` and averages them across replicas in the last backward. Not under
     the schedules that split backwards (zero bubble, DualPipeV): with torch 2.13–2.15, DDP's reducer there
     averages the gradients before the weight-gradient passes have run (replicas silently diverge: 7e-3 after
-    two steps) or fails ("Encountered gradient which is undefined, but still allreduced by DDP reducer"), so
-    ``average_replicas`` averages them after the step instead. With ``shard_mesh`` (``dp_shard=True``) each
+    two steps) or fails ("Encountered gradient which is undefined, but still allreduced by DDP reducer"); there
+    (refused before launch) and with ``"after_flush"`` ``average_replicas`` averages them after the step. With
+    ``shard_mesh`` (``dp_shard=True``) each
     runner is sharded across the replicas by FSDP2's ``fully_shard`` instead (torch's stage unshards, reshards and
     reduce-scatters it)."""
     from pipeviz.adapter import timed_stage_class
@@ -324,6 +329,14 @@ def _stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch.dev
                           step_box[0])
 
     Stage = timed_stage_class(span)
+    reduction = None
+    if dp_group is not None and p.loss_fn is not None and p.dp_reduce == "overlap" and p.mesh is not None:
+        from pipeviz.runtime.overlap import OverlappedReduction
+
+        def reduced(stage: int, start: float, end: float) -> None:
+            clock.record_async((p.rank, stage, "DP", -1, start - clock.t0, end - clock.t0, step_box[0]))
+
+        reduction = OverlappedReduction(dp_group, p.mesh.dp, reduced)
 
     num_stages = len(p.stage_ranks)
     stages = []
@@ -373,7 +386,7 @@ def _stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch.dev
             from torch.distributed.fsdp import fully_shard
 
             submod = fully_shard(runner, mesh=shard_mesh)
-        elif dp_group is not None and p.loss_fn is not None and not averaged_after_step(p):
+        elif dp_group is not None and p.loss_fn is not None and p.dp_reduce == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
             # broadcast_buffers=False: running statistics stay each replica's own (replica 0's are reported);
@@ -384,6 +397,9 @@ def _stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch.dev
         stages.append(Stage(submod, st.index, num_stages, device, input_args=ins, output_args=outs,
                             group=pp_group))
         stages[-1].recomputes = runner.recomputed is not None  # type: ignore[attr-defined]
+        if reduction is not None:  # dp_reduce="overlap": the stage's average starts when its gradients are final
+            reduction.add_stage(st.index, list(runner.parameters()))
+            stages[-1].grads_final = reduction.launch  # type: ignore[attr-defined]
         named = dict(runner.stage.named_parameters(remove_duplicate=False))
         for canon, inner in st.params.items():
             t = named[inner]
@@ -391,7 +407,7 @@ def _stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch.dev
                 params.append(t)
             if canon in p.tied:
                 local.setdefault(canon, []).append(t)
-    return stages, params, local
+    return stages, params, local, reduction
 
 
 def _timed_allreduce(clock: Clock, rank: int, stage: int, step_box: list[int],

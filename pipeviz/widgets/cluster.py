@@ -151,9 +151,10 @@ class Loads(Protocol):
 
 def load_layout(explorer: Loads, option: LayoutOption) -> None:
     """Load a cluster layout into the Explorer: its balanced plan and its ``LaunchConfig`` (schedule,
-    microbatches, stages per rank, dp, cp, tp), and the hardware and recomputation its costs are on (the Explorer's
-    cost controls). While those controls stay on the row's hardware and recomputation, the Explorer costs with the
-    row's own ``CostOptions`` and ``Collectives`` (``explorer.loaded``): it simulates the step the row lists."""
+    microbatches, stages per rank, dp, cp, tp, the replicas' reduction), and the hardware and recomputation its
+    costs are on (the Explorer's cost controls). While those controls stay on the row's hardware and
+    recomputation, the Explorer costs with the row's own ``CostOptions`` and ``Collectives``
+    (``explorer.loaded``): it simulates the step the row lists."""
     # first: the controls set below simulate with the row's own costs (its batch scale, dtype, collectives), so the
     # Explorer shows the step the panel listed (a row of 10.01 ms simulated at 15.88 ms with the controls' costs)
     explorer.loaded = option
@@ -161,7 +162,8 @@ def load_layout(explorer: Loads, option: LayoutOption) -> None:
     if hw is not None and hw.name in [value for _, value in explorer.hardware.options]:
         explorer.hardware.value = hw.name
     cfg = option.config
-    explorer.config = explorer.config.replace(stages_per_rank=cfg.stages_per_rank, cp=cfg.cp)
+    explorer.config = explorer.config.replace(stages_per_rank=cfg.stages_per_rank, cp=cfg.cp,
+                                              dp_reduce=cfg.dp_reduce, dp_shard=cfg.dp_shard)
     explorer.recompute.value = option.recompute
     explorer.schedule.value = cfg.schedule
     explorer.microbatches.value = cfg.microbatches

@@ -461,7 +461,8 @@ class Explorer(W.VBox):
 
     def launch_config(self) -> pv.LaunchConfig:
         """The ``pv.LaunchConfig`` Launch runs: the Explorer's ``config`` with the controls' schedule, microbatches,
-        steps, dp and tp (and, in infer mode, no loss or optimizer); ``pv.export_torchrun(plan, path,
+        steps, dp, tp and recomputation (run as the simulation costs it: ``pipeviz.runtime.recompute``; in infer
+        mode, no loss, optimizer or recomputation); ``pv.export_torchrun(plan, path,
         config=explorer.launch_config(), ...)`` writes the same run for torchrun."""
         schedule = self.schedule.value
         infer = self.mode.value == "infer"
@@ -474,7 +475,8 @@ class Explorer(W.VBox):
             lr_scheduler=None if infer else self.config.lr_scheduler,
             eval_every=None if infer or self.eval_data is None else self.config.eval_every,
             devices=self.devices, dp=self.dp.value, tp=self.tp.value,
-            sequence_parallel=bool(self.sequence_parallel.value) and self.tp.value > 1)
+            sequence_parallel=bool(self.sequence_parallel.value) and self.tp.value > 1,
+            recompute="none" if infer else self.recompute.value)
 
     @guarded
     def cost_options(self) -> pv.CostOptions:
