@@ -227,8 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="a learning-rate schedule: this many warm-up steps, then a cosine decay (pv.warmup_cosine)")
     d.add_argument("--eval-every", type=int, default=launch.eval_every,
                    help="evaluate a held-out batch every this many steps and after the last (run.eval_losses)")
-    d.add_argument("--mixed-precision", default=None, choices=["bf16"],
-                   help="compute under autocast in bfloat16 with float32 master weights")
+    d.add_argument("--mixed-precision", default=None, choices=["bf16", "fp16"],
+                   help="compute under autocast in bfloat16 (or float16, with a dynamic loss scale) with float32 "
+                   "master weights")
     d.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                    help="activation recomputation at run time: each layer's (full) or attention's scores (selective)")
     d.add_argument("--compile", default=None, metavar="BACKEND",

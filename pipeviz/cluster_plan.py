@@ -96,16 +96,65 @@ class LayoutOption:
     @property
     def config(self) -> LaunchConfig:
         """The ``LaunchConfig`` of this row (schedule, microbatches, stages per rank, layout, recomputation, the
-        replicas' reduction, a training loss). Megatron-Core's distributed optimizer (``"distributed"``) launches
-        as FSDP2's reduce-scatter (``dp_shard``); with tensor parallelism the launch averages after the step (the
-        default there: ``dp_reduce_mode``)."""
+        replicas' reduction, the dtype as mixed precision, a training loss). Megatron-Core's distributed optimizer
+        (``"distributed"``) launches as FSDP2's reduce-scatter (``dp_shard``); with tensor parallelism the launch
+        averages after the step (the default there: ``dp_reduce_mode``). ``scaled_down`` gives it at a size that
+        runs here."""
+        from pipeviz import schedules as sched
+
         red = self.dp_reduce
+        if red == "ddp" and sched.info(self.schedule).split_backward:
+            red = "after_flush"  # (as the simulator prices DDP there: torch's runtime reduces after the last action)
         launchable = self.dp > 1 and self.tp == 1 and red in ("ddp", "overlap", "after_flush")
+        dtype = self.options.dtype
         return LaunchConfig(schedule=self.schedule, microbatches=self.microbatches, loss_fn=cross_entropy,
                             stages_per_rank=self.stages_per_rank if self.stages_per_rank > 1 else None,
                             dp=self.dp, tp=self.tp, cp=self.cp, recompute=self.recompute,
                             dp_reduce=red if launchable else None,
-                            dp_shard=red == "distributed" and self.dp > 1 and self.tp == 1)
+                            dp_shard=red == "distributed" and self.dp > 1 and self.tp == 1,
+                            mixed_precision={"bfloat16": "bf16", "float16": "fp16"}.get(dtype or ""))
+
+    def scaled_down(self, batch: int, processes: int = 4, keep_dtype: bool = False) -> LaunchConfig:
+        """This row's ``config`` at a size that runs here, on ``batch`` samples (the notebook's example batch) and at
+        most ``processes`` processes: the same split (its ``pp`` pipeline ranks and stages per rank), schedule,
+        recomputation and reduction; the replicas cut to the largest divisor of ``dp`` that fits (the batch
+        shared equally), no tensor or context parallelism, and the most microbatches up to the row's that the
+        replica's batch divides into and the schedule accepts. The dtype stays the traced one unless
+        ``keep_dtype`` (the row's as ``mixed_precision``): on a CPU autocast is slower than float32, and
+        ``pv.simulate`` does not price autocast's memory yet, so the planned memory would not be the run's.
+
+        Example:
+            >>> cfg = row.scaled_down(batch=8)       # pp as planned, dp <= 4 // pp, microbatches that fit
+            >>> pv.launch(row.plan, config=cfg, inputs=(x,), target=y)
+
+        Raises:
+            PlanError: the row's pipeline alone needs more than ``processes`` processes, or no microbatch count
+                fits the batch (the message says which and the fix)."""
+        from pipeviz import schedules as sched
+        from pipeviz.plan import PlanError
+
+        if self.pp > processes:
+            raise PlanError(f"This row's pipeline has {self.pp} ranks, more than the {processes} processes a scaled-"
+                            f"down run may start here. Fix: processes={self.pp}, or a row with fewer pipeline ranks.")
+        dp = max(d for d in range(1, self.dp + 1) if self.dp % d == 0 and self.pp * d <= processes and batch % d == 0)
+        spr = self.stages_per_rank if self.stages_per_rank > 1 else None
+        fits = []
+        for m in range(min(self.microbatches, batch // dp), 0, -1):
+            if (batch // dp) % m:
+                continue
+            try:
+                sched.check_microbatches(self.schedule, self.plan.num_stages, m, spr)
+            except sched.ScheduleError:
+                continue
+            fits.append(m)
+        if not fits:
+            raise PlanError(f"No microbatch count up to {self.microbatches} divides a replica's {batch // dp} samples "
+                            f"and suits {self.schedule} on {self.plan.num_stages} stages. Fix: a larger example batch "
+                            "(a multiple of the row's pipeline ranks), or another row.")
+        cfg = self.config
+        return cfg.replace(dp=dp, tp=1, cp=1, microbatches=fits[0], dp_reduce=cfg.dp_reduce if dp > 1 else None,
+                           dp_shard=cfg.dp_shard and dp > 1,
+                           mixed_precision=cfg.mixed_precision if keep_dtype else None)
 
     @property
     def simulate_options(self) -> _RowOptions:

@@ -56,7 +56,8 @@ def export_torchrun(
     plan: SplitPlan, path: str | os.PathLike[str], schedule: str = UNSET, *, microbatches: int = UNSET,
     steps: int = UNSET, inputs: tuple[object, ...] | None = None, target: torch.Tensor | None = None,
     input_kwargs: Mapping[str, object] | None = None, events_dir: str | None = None, config: LaunchConfig | None = None,
-    eval_data: Iterable[object] | None = None, **options: Unpack[LaunchOptions],
+    eval_data: Iterable[object] | None = None, resume: str | os.PathLike[str] | None = None,
+    **options: Unpack[LaunchOptions],
 ) -> Path:
     """Write a torchrun script that trains ``plan`` as ``pv.launch`` would (and its payload beside it).
 
@@ -73,6 +74,10 @@ def export_torchrun(
 
     ``eval_data``: held-out batches, as ``pv.launch`` takes them (shipped in the payload; every process evaluates
     its share every ``eval_every`` steps and after the last, and ``pv.watch(folder).eval_losses`` reads them).
+    ``resume``: a folder ``run.save(folder)`` wrote after a training run: the script goes on from it, as
+    ``pv.launch(..., resume=folder)`` does (its weights, every parameter's optimizer state, the scheduler, the step
+    count), under this plan's layout. Each process reads its own share from the folder when it starts, so on
+    several hosts the folder must be where every host sees it (shared storage, at the same absolute path).
 
     Returns:
         The script's path. Its payload is ``<script>.payload.pkl``; events go to ``<script stem>_events/``.
@@ -90,13 +95,28 @@ def export_torchrun(
     if cfg.devices != "auto":
         raise LaunchError(f"devices={cfg.devices!r} cannot be exported: under torchrun each process takes its "
                           "LOCAL_RANK GPU (or the CPU without GPUs). Fix: devices='auto' (the default).")
+    checkpoint = None
+    if resume is not None:  # the weights and the optimizer's state from the checkpoint, read by each process
+        from pipeviz.runtime.checkpoint import read_resume
+        from pipeviz.runtime.spec import _default_optimizer
+
+        resume = os.path.abspath(os.fspath(resume))
+        checkpoint = read_resume(plan, resume, cfg, cfg.optimizer or _default_optimizer)
     spec = validate_launch(plan, cfg, inputs=inputs, input_kwargs=None if input_kwargs is None else dict(input_kwargs),
                            target=target, eval_data=eval_data)
     script = Path(path)
     payload = script.with_suffix(".payload.pkl")
     events = events_dir or f"{script.stem}_events"
     stages, tied = spec_stages(plan, spec)
-    payload.write_bytes(cloudpickle.dumps({"spec": spec, "stages": stages, "tied": tied}))
+    sources = None
+    if checkpoint is not None:
+        from pipeviz.runtime.payloads import stage_sources
+        from pipeviz.runtime.spec import check_weights
+
+        spec.sources, spec.init_seed = check_weights(plan, resume, cfg.init_seed), cfg.init_seed
+        spec.resume = checkpoint
+        sources = stage_sources(plan, stages, spec)
+    payload.write_bytes(cloudpickle.dumps({"spec": spec, "stages": stages, "tied": tied, "sources": sources}))
     from pipeviz.version import __version__
 
     mesh = spec.mesh

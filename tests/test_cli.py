@@ -73,9 +73,16 @@ def test_demo_trains_as_large_runs_train(tmp_path: Path, capsys: pytest.CaptureF
 
 
 def test_demo_recomputes_activations(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``--recompute full``: each layer runs again in its backward and the run still matches the unsplit model."""
+    """``--recompute full``: each layer runs again in its backward and the run still matches the unsplit model; the
+    report puts each process's planned peak of saved activations beside the measured one (within 10 %)."""
+    import re
+
     from pipeviz.cli import main
 
     assert main(["demo", "--model", "classic", "--steps", "1", "--recompute", "full", "--cluster-gpus", "0",
                  "--output", str(tmp_path / "r.html")]) == 0
     assert "numerics: the run matches the unsplit model" in capsys.readouterr().out
+    page = (tmp_path / "r.html").read_text()
+    assert "Peak saved activations per process, planned" in page
+    errors = [float(e) for e in re.findall(r"<td>([+-][0-9.]+)%</td></tr>", page)]
+    assert errors and all(abs(e) <= 10 for e in errors), errors

@@ -178,3 +178,38 @@ def test_the_explorer_has_the_panel(tiny: pv.ModelGraph) -> None:
     assert result is not None and ex.cluster.graph is ex.graph
     ex.cluster.rows.value = 0
     assert ex.plan == result.rows[0].plan and ex.schedule.value == result.rows[0].schedule
+
+
+@pytest.mark.slow
+def test_a_row_launches_here_scaled_down_with_one_click(tiny: pv.ModelGraph) -> None:
+    """A row of 8 GPUs (pp x dp, its schedule, recomputation and reduction) launched from the Explorer's panel on the
+    notebook's batch of 8: the same split, schedule, recomputation and reduction, the replicas cut to fit 4
+    processes, the traced dtype; it trains exactly, and each process's measured peak of saved activations is what the
+    Explorer's simulation of the launched config planned (within 10 %)."""
+    ex = pv.Explorer(tiny)
+    assert ex.cluster is not None
+    panel = ex.cluster
+    panel.gpus.value, panel.global_batch.value = 8, 64
+    result = panel.plan()
+    assert result is not None
+    index = next(i for i, r in enumerate(result.rows) if r.pp == 2 and r.dp == 4 and r.recompute == "none")
+    row = result.rows[index]
+    panel.select(index)
+    assert not panel.launch_button.disabled
+    panel.launch_here()
+    assert panel.errors.value == "" and ex.run is not None, (panel.errors.value, ex.error)
+    assert ex.wait(240) == "done", ex.error
+    run = ex.run
+    cfg = run.spec.config
+    assert (cfg.schedule, cfg.stages_per_rank, cfg.recompute) == (row.schedule, row.config.stages_per_rank,
+                                                                 row.recompute)
+    assert cfg.dp == 2 and cfg.tp == 1 and run.mesh.world == 4 and cfg.mixed_precision is None  # (traced dtype)
+    assert row.config.mixed_precision == "bf16" and row.scaled_down(8, keep_dtype=True).mixed_precision == "bf16"
+    assert (cfg.dp_reduce or "overlap") == row.dp_reduce
+    assert [s.layers for s in run.plan.stages] == [s.layers for s in row.plan.stages]
+    assert "✓ matches" in ex.numerics.value, ex.numerics.value
+    assert ex.sim is not None
+    planned = ex.sim.meta["peak_activation_bytes"]
+    for proc, samples in run.activation_memory.items():
+        got = max(b for _, b in samples)
+        assert abs(planned[run.mesh.coords(proc).pp] / got - 1) <= 0.10, (proc, planned, got)

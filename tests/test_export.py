@@ -146,3 +146,29 @@ def test_chrome_trace_is_valid(tmp_path: Path) -> None:
     sim = pv.simulate(plan, "1F1B", 4).to_chrome_trace(tmp_path / "sim.json")
     assert json.loads(sim.read_text())["traceEvents"]
 
+
+
+def test_exported_script_resumes_a_saved_run(tmp_path: Path) -> None:
+    """``resume=``: the script goes on from ``run.save``'s checkpoint (weights, AdamW's state, the scheduler, the
+    step), as ``pv.launch(..., resume=)`` does: its losses and rates are the straight 4-step run's last two."""
+    import functools
+
+    plan, x, y = _plan(2)
+    cfg = pv.LaunchConfig(schedule="1F1B", microbatches=4, steps=2, loss_fn=pv.cross_entropy,
+                          optimizer=functools.partial(torch.optim.AdamW, lr=0.01),
+                          lr_scheduler=pv.warmup_cosine(1, 4))
+    straight = pv.launch(plan, config=cfg.replace(steps=4), inputs=(x,), target=y)
+    first = pv.launch(plan, config=cfg, inputs=(x,), target=y)
+    assert straight.wait(120) == "done" and first.wait(120) == "done", (straight.error, first.error)
+    first.save(tmp_path / "ckpt")
+    script = pv.export_torchrun(plan, tmp_path / "resumed.py", config=cfg, inputs=(x,), target=y,
+                                resume=tmp_path / "ckpt")
+    watch = pv.watch(tmp_path / "resumed_events", timeout=240)
+    proc = _torchrun(script, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()))
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    assert watch.wait(30) == "done", watch.error
+    assert watch.losses == pytest.approx(straight.losses[2:], abs=1e-5)
+    assert watch.learning_rates == pytest.approx(straight.learning_rates[2:])
+    with pytest.raises(pv.LaunchError, match="holds no pipeviz checkpoint"):
+        pv.export_torchrun(plan, tmp_path / "bad.py", config=cfg, inputs=(x,), target=y, resume=tmp_path)

@@ -31,6 +31,8 @@ def test_a_simulated_overlay_is_drawn_on_its_processes_rows(degrees: dict, rows:
     assert overlay
     for t in overlay:
         for stage, row in zip(t["customdata"][:, 0], t["y"], strict=True):
+            if int(stage) < 0:  # a rank's gradient average after its last action (the replicas' DP tail)
+                continue
             want = rows[int(stage)]  # stage s runs on pipeline rank s here
             assert round(float(row) + 0.27) == want, (t["meta"], stage, row)
             assert labels[want] == f"pp{int(stage)} {'dp' if 'dp' in degrees else 'tp'}0"

@@ -1,9 +1,11 @@
-"""Mixed precision (``mixed_precision="bf16"``): every stage computes under ``torch.autocast`` in bfloat16 with
-float32 master weights (parameters, gradients, the replicas' reduction and the optimizer's state), hand-offs in
+"""Mixed precision (``mixed_precision="bf16"`` or ``"fp16"``): every stage computes under ``torch.autocast`` in bfloat16
+with float32 master weights (parameters, gradients, the replicas' reduction and the optimizer's state), hand-offs in
 the dtype autocast gives the activation at the split, the loss in float32. Checked against the unsplit model under
 the same autocast: exact for a pipeline and its replicas (the same ops on the same microbatches); tensor-parallel
 shards round their partial products to bfloat16 before the all-reduce adds them, where the unsplit matmul rounds
-once, so there the tolerance is bfloat16's: 2e-3 (its unit roundoff, 2^-9, measured 2.4e-4 in the loss)."""
+once, so there the tolerance is bfloat16's: 2e-3 (its unit roundoff, 2^-9, measured 2.4e-4 in the loss). float16 adds
+a dynamic loss scale across every process (``pipeviz.runtime.loss_scale``), checked against the unsplit model trained
+with ``torch.amp.GradScaler``: the same steps skipped, then the same updates."""
 
 from __future__ import annotations
 
@@ -59,10 +61,48 @@ def test_hand_offs_go_in_the_dtype_autocast_gives_them() -> None:
         assert stages.runners[0].out_dtypes == tuple(t.dtype for t in stages.outputs[0])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("schedule", "layout"), [("1F1B", {}), ("ZBVZeroBubble", {}), ("1F1B", {"dp": 2})])
+def test_fp16_with_a_loss_scale_trains_as_the_unsplit_model_with_gradscaler(schedule: str,
+                                                                             layout: dict[str, object]) -> None:
+    plan, ids, target = _plan(schedule)
+    kw: dict[str, object] = {"inputs": (ids,), "target": target, "loss_fn": pv.cross_entropy, "optimizer": _adamw}
+    run = pv.launch(plan, schedule, 4, steps=2, mixed_precision="fp16", **kw, **layout)  # type: ignore[arg-type]
+    assert run.wait(300) == "done", run.error
+    check = pv.check_numerics(run)
+    assert check.ok and check.param_diff <= 1e-5, check
+    assert all(t.dtype == torch.float32 for t in run.state_dict().values() if t.is_floating_point())
+    bf16 = pv.launch(plan, schedule, 4, steps=2, mixed_precision="bf16", **kw, **layout)  # type: ignore[arg-type]
+    assert bf16.wait(300) == "done", bf16.error
+    assert run.losses[0] != bf16.losses[0]  # it computed in float16
+
+
+@pytest.mark.slow
+def test_an_overflowing_fp16_step_is_skipped_everywhere_and_the_scale_halves() -> None:
+    """Inputs 30x too large: at the first scales (2**16, then 2**15) a gradient overflows float16, so every process
+    skips those steps and the scale halves; from 2**14 on it trains. torch's GradScaler on the unsplit model skips
+    the same steps, and the parameters match. (Before the run scaled each microbatch's loss by 1/microbatches up
+    front, its backward carried gradients 4x larger than the unsplit model's and overflowed for two more steps:
+    5.6e-4 apart.)"""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 10))
+    x, y = torch.randn(16, 8) * 30, torch.randint(0, 10, (16,))
+    plan = pv.trace(model, example_args=(x,)).split(["2"])
+    run = pv.launch(plan, "1F1B", 4, steps=6, inputs=(x,), target=y, loss_fn=torch.nn.functional.cross_entropy,
+                    optimizer=pv.sgd(lr=1e-4), mixed_precision="fp16")
+    assert run.wait(300) == "done", run.error
+    skipped = [text for _, text in run.phases if "skipped" in text]
+    assert skipped == ["rank 0: step 1 skipped: an inf or NaN gradient at loss scale 65536, which halves to 32768 "
+                       "(fp16)", "rank 0: step 2 skipped: an inf or NaN gradient at loss scale 32768, which halves "
+                       "to 16384 (fp16)"], skipped
+    assert run.losses[0] == run.losses[1] == run.losses[2] != run.losses[3]  # nothing changed until step 3 ran
+    check = pv.check_numerics(run)
+    assert check.ok and check.param_diff <= 1e-5, check
+
+
 def test_a_precision_pipeviz_cannot_run_is_refused_before_any_process() -> None:
     plan, ids, target = _plan("GPipe")
     kw: dict[str, object] = {"inputs": (ids,), "target": target, "loss_fn": pv.cross_entropy}
-    with pytest.raises(pv.LaunchError, match="mixed_precision='fp16' needs loss scaling"):
-        pv.launch(plan, "GPipe", 4, mixed_precision="fp16", **kw)  # type: ignore[arg-type]
-    with pytest.raises(pv.LaunchError, match=r"mixed_precision must be 'bf16' or None, got 'int8'"):
+    with pytest.raises(pv.LaunchError, match=r"mixed_precision must be 'bf16', 'fp16' or None, got 'int8'"):
         pv.launch(plan, "GPipe", 4, mixed_precision="int8", **kw)  # type: ignore[arg-type]

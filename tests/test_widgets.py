@@ -304,10 +304,11 @@ def test_launch_fills_the_timeline_live_and_checks_numerics(explorer: pv.Explore
 
 
 @pytest.mark.slow
-def test_the_loss_chart_shows_the_training_and_held_out_losses(classic_graph: pv.ModelGraph) -> None:
+def test_the_loss_chart_shows_the_training_and_held_out_losses(classic_graph: pv.ModelGraph, tmp_path: Path) -> None:
     """A training Launch with held-out batches (eval_data=, eval_every from the config) and a warm-up schedule:
     under the run's timeline the loss per step and the held-out loss after every second step, as the run has
-    them; the simulated timeline and a forward-only run show no loss chart."""
+    them; the simulated timeline and a forward-only run show no loss chart. Saved, the run resumes from the
+    Explorer (``explorer.resume``): the next Launch goes on from its step 4 and still matches the unsplit model."""
     x = classic_graph.example_args[0]
     assert isinstance(x, torch.Tensor)
     held_out = [(torch.randn_like(x), torch.randint(0, 10, (x.shape[0],)))]
@@ -325,6 +326,13 @@ def test_the_loss_chart_shows_the_training_and_held_out_losses(classic_graph: pv
     assert list(chart.data[1].x) == [2, 4] and list(chart.data[1].y) == pytest.approx([v for _, v in run.eval_losses])
     assert {e.step for e in run.events if e.kind == "EVAL"} == {1, 3}
     assert ex.sim_view.loss_box.layout.display == "none"
+    run.save(tmp_path / "ckpt")
+    ex.resume = tmp_path / "ckpt"
+    ex.launch()
+    assert ex.wait(180) == "done", ex.error
+    assert ex.run is not run and ex.run is not None and len(ex.run.losses) == 4
+    assert ex.run.losses[0] < run.losses[0] and "✓ matches" in ex.numerics.value, ex.numerics.value
+    ex.resume = None
     ex.mode.value = "infer"
     assert ex.launch_config().eval_every is None and ex.launch_config().lr_scheduler is None
 

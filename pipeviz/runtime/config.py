@@ -79,7 +79,10 @@ class LaunchConfig:
             convolutions in bf16, what autocast keeps in fp32 in fp32), with fp32 master weights: the parameters,
             their gradients, the replicas' reduction and the optimizer's state stay float32, hand-offs go in the
             dtype the activation has at the split (bf16 after a matmul), and the loss is computed in float32.
-            ``pv.check_numerics`` trains the unsplit model under the same autocast. None: the traced dtype.
+            ``pv.check_numerics`` trains the unsplit model under the same autocast. ``"fp16"``: the same in
+            float16, with a dynamic loss scale across every process (``pipeviz.runtime.loss_scale``:
+            ``torch.amp.GradScaler``'s rules; a step whose gradients overflow anywhere is skipped everywhere and
+            said as a phase). None: the traced dtype.
         compile: run each stage through ``torch.compile`` (``True``: its default backend, inductor; or a backend
             name, e.g. ``"aot_eager"``); compiled on each rank at its stages' first forward and backward, the time
             reported as a phase of its own. Refused before launch for the schedules torch cannot run compiled

@@ -108,6 +108,7 @@ class RankPayload:
     compile: str | None = None  # torch.compile's backend for every stage (None: eager)
     recompute: tuple[str, ...] = ()  # per stage: "none", "selective" or "full" (pipeviz.runtime.recompute)
     dp_reduce: str = "overlap"  # how replicas average gradients (runtime.config.dp_reduce_mode)
+    loss_scaling: bool = False  # fp16: a dynamic loss scale across every process (pipeviz.runtime.loss_scale)
     order: tuple[tuple[str, ...], ...] | None = None  # a custom order: every pipeline rank's actions (torch's text)
     seed: int = 0  # random draws (dropout): each stage forward seeds from it (pipeviz.rng.stage_seed)
 
@@ -350,6 +351,7 @@ def rank_payload(spec: LaunchSpec, stages: StageSet, tied: dict[str, list[int]],
         else str(spec.config.compile),
         recompute=recompute_modes(spec.config.recompute, len(lay.stage_ranks)),
         dp_reduce=dp_reduce_mode(spec.config),
+        loss_scaling=autocast_dtype(spec) is torch.float16 and spec.loss_fn is not None,
         order=None if spec.config.order is None else tuple(tuple(acts) for acts in spec.config.order),
         seed=spec.init_seed,
     )

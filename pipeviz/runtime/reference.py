@@ -84,7 +84,8 @@ def train_reference(
     gradients, buffers put back after. ``resume`` (a ``pipeviz.runtime.checkpoint.Resume``): the optimizer and
     scheduler start from the checkpoint's state (load the weights into ``model`` first), and the steps count on from
     its step (dropout's draws). ``mixed_precision``: the forward under ``torch.autocast`` in that dtype, the loss
-    in float32 on float32 outputs, as a run's stages compute them (``LaunchConfig.mixed_precision``)."""
+    in float32 on float32 outputs, as a run's stages compute them (``LaunchConfig.mixed_precision``); in float16
+    with ``torch.amp.GradScaler``'s dynamic loss scale (a step with an inf or NaN gradient skipped)."""
     model = _copy(model, fixups, device)
     opt = (optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.1)))(list(model.parameters()))
     sched = lr_scheduler(opt) if lr_scheduler is not None else None
@@ -97,6 +98,8 @@ def train_reference(
         load_optimizer(resume, opt, sched, list(model.parameters()), ids)
         first = resume.step
     mean_fn = loss_fn
+    # fp16: torch's own dynamic loss scale (what the run's pipeviz.runtime.loss_scale reproduces across processes)
+    scaler = torch.amp.GradScaler(torch.device(device).type) if mixed_precision is torch.float16 else None
     if batches is None:
         batches = [(tuple(inputs), dict(input_kwargs or {}), target)] * (steps * accumulate)
     chunked = list(_microbatched(batches, microbatches, device))
@@ -118,15 +121,22 @@ def train_reference(
                             contextlib.nullcontext(), _autocast(device, mixed_precision):
                         out = model(*a, **k)
                     loss = loss_fn(_float32(model_output(out), mixed_precision), t)
-                    (loss / (microbatches * accumulate) if loss_reduction == "mean" else loss).backward()
+                    term = loss / (microbatches * accumulate) if loss_reduction == "mean" else loss
+                    (scaler.scale(term) if scaler is not None else term).backward()
                 step.append(loss.detach())
+        if scaler is not None:
+            scaler.unscale_(opt)
         if clip_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
             if grad_norms is not None:
                 grad_norms.append(float(norm))
         if learning_rates is not None:
             learning_rates.append(float(opt.param_groups[0]["lr"]))
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         if sched is not None:
             sched.step()
         opt.zero_grad(set_to_none=True)

@@ -305,18 +305,16 @@ def _check_accumulate(config: LaunchConfig) -> None:
                           "accumulate. Fix: pass loss_fn=... to train, or drop accumulate.")
 
 
-MIXED_PRECISION = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+MIXED_PRECISION = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
 def _check_mixed_precision(config: LaunchConfig) -> None:
     value = config.mixed_precision
-    if value is None or value in MIXED_PRECISION:
+    if value is None or (isinstance(value, str) and value in MIXED_PRECISION):
         return
-    if value in ("fp16", "float16"):
-        raise LaunchError("mixed_precision='fp16' needs loss scaling across the stages, which pipeviz does not have "
-                          "yet. Fix: mixed_precision='bf16' (no loss scaling needed: bfloat16 has float32's range).")
-    raise LaunchError(f"mixed_precision must be 'bf16' or None, got {value!r}. Fix: mixed_precision='bf16' "
-                      "(autocast in bfloat16, float32 master weights), or None for the traced dtype.")
+    raise LaunchError(f"mixed_precision must be 'bf16', 'fp16' or None, got {value!r}. Fix: mixed_precision='bf16' "
+                      "(autocast in bfloat16, float32 master weights), 'fp16' (float16 with a dynamic loss scale), or "
+                      "None for the traced dtype.")
 
 
 def _check_recompute(plan: SplitPlan, config: LaunchConfig) -> None:

@@ -49,7 +49,8 @@ __all__ = ["average_replicas", "averaged_after_step", "build_schedule", "infer",
 def build_schedule(p: RankPayload, stages: list[PipelineStage]) -> Schedule:
     from torch.distributed.pipelining import schedules as torch_schedules
 
-    loss_fn = _named_loss(_reduced(p), p) if p.loss_fn is not None else None
+    loss_fn = _named_loss(_loss_scaled(_reduced(p)) if p.loss_scaling else _reduced(p), p) \
+        if p.loss_fn is not None else None
     schedule: Schedule
     if p.order is not None:  # a custom order (LaunchConfig.order), run by torch's own runtime
         from pipeviz.adapter import runtime_schedule
@@ -70,6 +71,17 @@ def build_schedule(p: RankPayload, stages: list[PipelineStage]) -> Schedule:
 # process)
 _STEP_SCALE = [1.0]
 
+# fp16: the step's loss scale (pipeviz.runtime.loss_scale), by which the last stage multiplies each microbatch's loss
+_LOSS_SCALE = [1.0]
+
+
+def _loss_scaled(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def scaled(output: object, target: object) -> torch.Tensor:
+        return loss_fn(output, target) * _LOSS_SCALE[0]
+
+    return scaled
+
+
 # One batch's (args, kwargs, target).
 Batch = tuple[tuple[object, ...], dict[str, object], object]
 
@@ -79,9 +91,11 @@ def _scaled(p: RankPayload) -> bool:
     a sum or token mean, or accumulated batches (torch divides every gradient by the microbatches at the end of
     each ``schedule.step``, the earlier batches' sums too: torchtitan PR #1732's bug), or replicas averaged by
     ``dp_reduce="overlap"`` (their average starts in the stage's last backward, before torch's scaling at the
-    step's end would change the gradients)."""
+    step's end would change the gradients), or fp16's loss scaling."""
     overlapped = p.dp_reduce == "overlap" and p.mesh is not None and p.mesh.dp > 1 and not p.dp_shard
-    return p.loss_reduction != "mean" or p.accumulate > 1 or overlapped
+    # fp16's loss scale: the backward must carry the gradients at their final size (the unsplit model's, times the
+    # scale), or a value that fits there overflows here (torch's scale_grads divides only at the step's end)
+    return p.loss_reduction != "mean" or p.accumulate > 1 or overlapped or p.loss_scaling
 
 
 def _reduced(p: RankPayload) -> Callable[..., torch.Tensor]:
@@ -173,8 +187,15 @@ def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, 
     reports = p.coords.dp == p.coords.tp == p.coords.cp == 0  # replica 0, shard 0, share 0 speaks for all
     names = param_names(p)
     finished = -1
+    scaler = None
+    if p.loss_scaling:
+        from pipeviz.runtime.loss_scale import LossScaler
+
+        scaler = LossScaler()
     for step, group in enumerate(_grouped(_batches(p, device), p.accumulate)):
         step_box[0] = step
+        if scaler is not None:
+            _LOSS_SCALE[0] = scaler.scale
         losses: list[torch.Tensor] = []
         if last and _scaled(p):
             _STEP_SCALE[0] = _step_scale(p, [target for _, _, target in group], dp_group)
@@ -201,11 +222,15 @@ def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, 
         # the step's loss: each microbatch's mean averaged ("mean"), or the pieces of the step's sum added up
         pieces = torch.stack([full_tensor(x).detach().float() for x in losses]) if last else None
         loss = 0.0 if pieces is None else float(pieces.sum() if _scaled(p) else pieces.mean())
+        skip = False
+        if scaler is not None:  # fp16: every gradient divided by the scale; an inf or NaN anywhere skips the step
+            loss /= _LOSS_SCALE[0]
+            skip = scaler.unscale([local_tensor(t.grad) for t in params if t.grad is not None])
         if last and dp_group is not None:  # the global batch's loss: the replicas' mean (shards agree)
             total = torch.tensor([loss], dtype=torch.float64)
             dist.all_reduce(total, group=dp_group)
             loss = float(total.item()) / p.mesh.dp
-        bad = _nonfinite(loss, params, names, p, step)
+        bad = _nonfinite(loss, params if scaler is None else [], names, p, step)  # (fp16: the scale decides)
         flag = torch.tensor([1.0 if bad else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank learns of it and stops at the same step
         if bad:
@@ -219,7 +244,13 @@ def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, 
                 clock.post(GradNorm(p.rank, p.coords, step, norm))
         if scheduler is not None and p.rank == 0:  # the rate this step updates with
             clock.post(LearningRate(p.rank, p.coords, step, float(optimizer.param_groups[0]["lr"])))
-        optimizer.step()
+        if not skip:
+            optimizer.step()
+        elif p.rank == 0 and scaler is not None:
+            clock.post(Phase(p.rank, p.coords, f"step {step + 1} skipped: an inf or NaN gradient at loss scale "
+                                               f"{scaler.scale:g}, which halves to {scaler.scale / 2:g} (fp16)"))
+        if scaler is not None:
+            scaler.update()
         if scheduler is not None:
             scheduler.step()
         clock.meter.count_static(params, optimizer)  # gradients and optimizer state as they stand at step end

@@ -74,7 +74,8 @@ def run_rank(payload_path: str, events_dir: str) -> int:
         else:
             devices, backend, compute = ["cpu"] * world, "gloo", [None] * world
         payload = rank_payload(
-            spec, job["stages"], job["tied"], rank, backend=backend, device=devices[rank], compute=compute[rank],
+            spec, job["stages"], job["tied"], rank, sources=job.get("sources"), backend=backend, device=devices[rank],
+            compute=compute[rank],
             parent_pid=os.getppid(), timeout=spec.config.timeout, init_method="env://",
             threads=max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))),
         )

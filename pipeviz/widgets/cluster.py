@@ -27,7 +27,7 @@ from pipeviz.planner import ClusterPlan, LayoutOption
 from pipeviz.runtime.config import LaunchConfig
 from pipeviz.widgets.panels import Change, error_html
 
-__all__ = ["ClusterPanel", "cluster_accordion", "load_layout"]
+__all__ = ["ClusterPanel", "cluster_accordion", "launch_scaled", "load_layout"]
 
 
 class ClusterPanel(W.VBox):
@@ -47,8 +47,9 @@ class ClusterPanel(W.VBox):
 
     def __init__(self, graph: ModelGraph | Callable[[], ModelGraph],
                  on_select: Callable[[LayoutOption], object] | None = None, hardware: str = "h100-sxm", gpus: int = 8,
-                 global_batch: int | None = None, top: int = 10) -> None:
-        self._graph, self.on_select, self.top = graph, on_select, top
+                 global_batch: int | None = None, top: int = 10,
+                 on_launch: Callable[[LayoutOption], object] | None = None) -> None:
+        self._graph, self.on_select, self.on_launch, self.top = graph, on_select, on_launch, top
         self.result: ClusterPlan | None = None
         self.selected: LayoutOption | None = None
         wide = {"description_width": "initial"}
@@ -67,8 +68,14 @@ class ClusterPanel(W.VBox):
         self.rows = W.Select(options=[], rows=min(top, 10), layout=W.Layout(width="100%", display="none"))
         self.rows.add_class("pipeviz-cluster-rows")
         self.rows.observe(self._on_row, "value")
+        # one click: the chosen row's layout launched here, scaled down (LayoutOption.scaled_down)
+        self.launch_button = W.Button(description="Launch here, scaled down", icon="play", disabled=True,
+                                      tooltip="the chosen row's schedule, split, recomputation and reduction on this "
+                                              "notebook's example batch, at most 4 processes")
+        self.launch_button.on_click(lambda _: self.launch_here())
+        self.launch_button.layout.display = "none" if on_launch is None else ""
         super().__init__([W.HBox([self.hardware, self.gpus, self.global_batch, self.plan_button]), self.errors,
-                          self.summary, self.rows], layout=W.Layout(max_width="100%"))
+                          self.summary, self.rows, self.launch_button], layout=W.Layout(max_width="100%"))
         self.add_class("pipeviz-cluster")
 
     @property
@@ -111,7 +118,21 @@ class ClusterPanel(W.VBox):
         self.selected = option
         if self.on_select is not None:
             self.on_select(option)
+        self.launch_button.disabled = self.on_launch is None
         return option
+
+    def launch_here(self) -> object:
+        """Launch the chosen row here, scaled down (``on_launch``; the Explorer's: ``launch_scaled``); an error goes
+        to the error area."""
+        self.errors.value = ""
+        if self.selected is None or self.on_launch is None:
+            self.errors.value = error_html("Choose a row first (and build the panel with on_launch=...).")
+            return None
+        try:
+            return self.on_launch(self.selected)
+        except Exception as exc:  # shown, never swallowed
+            self.errors.value = error_html(f"{type(exc).__name__}: {exc}")
+            return None
 
     def _on_row(self, change: Change[int | None]) -> None:
         if change["new"] is None:
@@ -149,6 +170,12 @@ class Loads(Protocol):
     def plan(self, plan: SplitPlan) -> None: ...
 
 
+class Launches(Loads, Protocol):
+    """What a cluster layout is launched from (the ``Explorer``): ``Loads`` and a Launch."""
+
+    def launch(self) -> object: ...
+
+
 def load_layout(explorer: Loads, option: LayoutOption) -> None:
     """Load a cluster layout into the Explorer: its balanced plan and its ``LaunchConfig`` (schedule,
     microbatches, stages per rank, dp, cp, tp, the replicas' reduction), and the hardware and recomputation its
@@ -171,9 +198,28 @@ def load_layout(explorer: Loads, option: LayoutOption) -> None:
     explorer.plan = option.plan
 
 
-def cluster_accordion(explorer: Loads) -> W.Accordion:
-    """The Explorer's collapsed "Plan for a cluster" section: a ``ClusterPanel`` whose rows load into it."""
-    panel = ClusterPanel(lambda: explorer.graph, on_select=lambda option: load_layout(explorer, option))
+def launch_scaled(explorer: Launches, option: LayoutOption) -> object:
+    """Load ``option`` (``load_layout``) and launch it here at once, scaled down to the Explorer's example batch
+    (``LayoutOption.scaled_down``: the same split, schedule, recomputation and reduction; fewer replicas, no tensor
+    parallelism, the microbatches that fit, the traced dtype). The Explorer's costs go back to this machine, so its
+    simulated timeline is what runs here, and the run's memory track draws that plan's peak under each process's
+    measured one (``pipeviz report``: a table of the two)."""
+    load_layout(explorer, option)
+    cfg = option.scaled_down(explorer.graph.batch_size or 1)
+    explorer.loaded = None
+    explorer.hardware.value = explorer.hardware.options[0][1]  # this machine: the costs of what runs here
+    explorer.config = explorer.config.replace(dp_reduce=cfg.dp_reduce, dp_shard=cfg.dp_shard,
+                                              mixed_precision=cfg.mixed_precision)
+    explorer.microbatches.value = cfg.microbatches
+    explorer.dp.value, explorer.tp.value = cfg.dp, cfg.tp
+    return explorer.launch()
+
+
+def cluster_accordion(explorer: Launches) -> W.Accordion:
+    """The Explorer's collapsed "Plan for a cluster" section: a ``ClusterPanel`` whose rows load into it, and launch
+    here scaled down with one click."""
+    panel = ClusterPanel(lambda: explorer.graph, on_select=lambda option: load_layout(explorer, option),
+                         on_launch=lambda option: launch_scaled(explorer, option))
     box = W.Accordion(children=[panel], selected_index=None)
     box.set_title(0, "Plan for a cluster")
     explorer.cluster = panel

@@ -115,6 +115,9 @@ class Explorer(W.VBox):
         eval_data: held-out ``(inputs, target)`` batches a training Launch evaluates (``pv.launch``'s
             ``eval_data=``; every ``eval_every`` steps and after the last), drawn with the loss under the run's
             timeline.
+        resume: a folder ``run.save(folder)`` wrote: a training Launch goes on from it (``pv.launch``'s
+            ``resume=``: weights, optimizer and scheduler state, steps), under the Explorer's split and schedule;
+            ``explorer.resume`` may be set (or cleared) between launches.
         depth: granularity of the trace (``None``: the model's natural blocks).
         **options: other ``pv.LaunchConfig`` fields (``tp_plan=``, ``dp=``, ``timeout=``, ...), over ``config``'s.
 
@@ -140,7 +143,7 @@ class Explorer(W.VBox):
         loss_fn: Callable[..., torch.Tensor] | None = None,
         optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
         devices: str | list[str] = UNSET, depth: int | None = None, mode: str = "train",
-        eval_data: Iterable[object] | None = None,
+        eval_data: Iterable[object] | None = None, resume: str | os.PathLike[str] | None = None,
         config: pv.LaunchConfig | None = None, **options: Unpack[ExplorerOptions],
     ) -> None:
         if mode not in MODES:
@@ -152,6 +155,7 @@ class Explorer(W.VBox):
                                     devices=devices, **options)
         self.target, self.devices = target, self.config.devices
         self.eval_data = list(eval_data) if eval_data is not None else None  # held-out batches (train mode)
+        self.resume = resume  # a checkpoint a training Launch continues from
         self.loss_fn, self.optimizer = loss_fn or self.config.loss_fn, optimizer or self.config.optimizer
         self.run: pv.Run | None = None
         self.sim: Timeline | None = None
@@ -438,7 +442,7 @@ class Explorer(W.VBox):
             run = pv.launch(plan, config=cfg, inputs=args, input_kwargs=kwargs or None)
         else:
             run = pv.launch(plan, config=cfg, inputs=args, input_kwargs=kwargs or None, target=self._launch_target(),
-                            eval_data=self.eval_data)
+                            eval_data=self.eval_data, resume=self.resume)
         self.run, self._run_plan = run, plan
         self._finished.clear()
         self.numerics.value = self.run_notes.value = ""

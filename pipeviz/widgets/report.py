@@ -23,7 +23,7 @@ from pipeviz.timeline import Timeline
 if TYPE_CHECKING:
     import plotly.graph_objects as go
 
-__all__ = ["Section", "cluster_table", "comparison_table", "stage_table", "write_report"]
+__all__ = ["Section", "cluster_table", "comparison_table", "memory_table", "stage_table", "write_report"]
 
 
 @dataclass
@@ -102,6 +102,31 @@ def cluster_table(cp: ClusterPlan, top: int = 5) -> str:
             + "".join(f"<p class=note>{html.escape(n)}</p>" for n in cp.notes))
 
 
+def memory_table(measured: Timeline, simulated: Timeline) -> str:
+    """Planned against measured memory per process: the simulation's peak of saved activations for the process's
+    pipeline rank (``meta["peak_activation_bytes"]``) next to the run's measured peak (``run.activation_memory``:
+    what autograd held saved, the same quantity), and the difference. "" when either side lacks the figures."""
+    planned = simulated.meta.get("peak_activation_bytes")
+    samples = measured.meta.get("activation_memory") or {}
+    if not planned or not samples:
+        return ""
+    mesh = measured.mesh
+    rows = []
+    for proc in sorted(samples):
+        got = max((b for _, b in samples[proc]), default=0)
+        pp = mesh.coords(proc).pp if mesh is not None else proc
+        if pp >= len(planned):
+            continue
+        want = planned[pp]
+        err = f"{want / got - 1:+.1%}" if got else "—"
+        label = mesh.label(proc) if mesh is not None and mesh.world > mesh.pp else f"rank {proc}"
+        rows.append(f"<tr><td>{html.escape(label)}</td><td>{human_bytes(want)}</td><td>{human_bytes(got)}</td>"
+                    f"<td>{err}</td></tr>")
+    return ("<p class=note>Peak saved activations per process, planned (pv.simulate of the run's config) and measured "
+            "(what autograd held saved, counted by the run's memory meter).</p><table><tr><th>process</th>"
+            "<th>planned</th><th>measured</th><th>planned vs measured</th></tr>" + "".join(rows) + "</table>")
+
+
 def _check_html(check: NumericsCheck | None) -> str:
     if check is None:
         return ""
@@ -137,6 +162,8 @@ def write_report(sections: list[Section], path: str | Path, title: str = "pipevi
             parts.append("<h3>Measured run (simulation overlaid)</h3>")
             parts.append(fig_html(timeline_figure(sec.measured, overlay=sec.simulated)))
             parts.append(_check_html(sec.check))
+            if sec.simulated is not None:
+                parts.append(memory_table(sec.measured, sec.simulated))
         parts.append("<h3>Schedules compared (simulated, every one on the same ranks)</h3>")
         parts.append(comparison_table(sec.comparison))
         parts.append(fig_html(comparison_figure(sec.comparison)))
