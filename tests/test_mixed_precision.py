@@ -106,3 +106,44 @@ def test_a_precision_pipeviz_cannot_run_is_refused_before_any_process() -> None:
     kw: dict[str, object] = {"inputs": (ids,), "target": target, "loss_fn": pv.cross_entropy}
     with pytest.raises(pv.LaunchError, match=r"mixed_precision must be 'bf16', 'fp16' or None, got 'int8'"):
         pv.launch(plan, "GPipe", 4, mixed_precision="int8", **kw)  # type: ignore[arg-type]
+
+
+def test_hf_llama_in_bf16_the_stages_are_the_traced_model_bit_for_bit() -> None:
+    """Why the bf16 tolerance (``numerics.MIXED_TOLERANCE``): on HF Llama under bf16 autocast, one microbatch's
+    forward and backward through the two stages give the gradients of the whole model exported by ``torch.export``
+    bit for bit, while the model in eager differs from both (transformers' SDPA without a mask groups the keys and
+    values inside the kernel; the traced graph repeats them and sums their gradients in bfloat16): the difference is
+    the model's two code paths, not the pipeline."""
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    from pipeviz.runtime.stages import build_stages
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64))
+    ids, target = torch.randint(0, 128, (2, 16)), torch.randint(0, 128, (2, 16))
+    plan = pv.trace(model, example_args=(ids,)).split(["model.layers.1"])
+    stages = build_stages(plan, microbatches=1, autocast=torch.bfloat16)
+    first, second = stages.runners
+    out = first(ids)
+    received = tuple(o.detach().requires_grad_(o.is_floating_point()) for o in out)
+    pv.cross_entropy(second(*received).float(), target).backward()
+    torch.autograd.backward([o for o in out if o.requires_grad], [r.grad for r in received if r.requires_grad])
+    grads = {canon: dict(r.stage.named_parameters())[inner].grad
+             for r, names in zip(stages.runners, stages.params, strict=True) for canon, inner in names.items()}
+
+    def model_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = module(ids)
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        pv.cross_entropy(logits.float(), target).backward()
+        return {k: p.grad for k, p in module.named_parameters() if p.grad is not None}
+
+    eager = copy.deepcopy(model)
+    eager.config.use_cache = False
+    exported = model_grads(torch.export.export(copy.deepcopy(eager), (ids,)).module())
+    assert max(float((grads[k] - exported[k]).abs().max()) for k in grads) == 0.0
+    # (in eager the same gradients differ, 2.4e-4 on v_proj with transformers 5.24; a version whose eager attention
+    # takes the traced path would not: not asserted)
