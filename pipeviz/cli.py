@@ -197,7 +197,8 @@ def plan(a: argparse.Namespace) -> int:
           f"device at {seq} tokens in {time.time() - t:.1f} s{how}")
     t = time.time()
     limit = a.memory_gib * 2**30 if a.memory_gib else None
-    cp = pv.plan_cluster(graph, a.gpus, hw, global_batch=a.global_batch, memory_limit=limit, dtype=a.dtype, top=a.top)
+    cp = pv.plan_cluster(graph, a.gpus, hw, global_batch=a.global_batch, memory_limit=limit, dtype=a.dtype, top=a.top,
+                         dp_reduce=a.dp_reduce)
     print(f"planned in {time.time() - t:.1f} s\n")
     print(cp.table(a.top))
     return 0 if cp.rows else 1
@@ -254,6 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--efficiency", type=float, default=None, help="achieved fraction of peak (default: preset's)")
     p.add_argument("--top", type=int, default=10)
+    p.add_argument("--dp-reduce", nargs="+", default=None, choices=["ddp", "overlap", "after_flush", "distributed"],
+                   help="how replicas may reduce their gradients, searched per row (default: ddp overlap)")
     p.add_argument("--full-trace", action="store_true", help="trace every block (default: 2, the last repeated)")
     p.set_defaults(func=plan)
     lb = sub.add_parser("lab", help="JupyterLab on the notebooks")

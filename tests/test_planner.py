@@ -198,6 +198,14 @@ def test_cli_plan_prints_the_ranked_table(tmp_path: Path, capsys: pytest.Capture
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("#"))
     assert [line.split()[0] for line in lines[header + 1:header + 4]] == ["1", "2", "3"]
+    assert "reduce" in lines[header] and "exposed" in lines[header]
+    # the reduction searched as the rows' dimension: only the strategy asked for (replicated rows say it)
+    assert main(["plan", "--config", str(path), "--gpus", "8", "--hardware", "H100", "--global-batch", "32",
+                 "--top", "5", "--dp-reduce", "distributed"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("#"))
+    rows = [r for r in map(str.split, lines[header + 1:]) if len(r) > 10 and r[0].isdigit() and r[1].isdigit()]
+    assert rows and all("distributed" in r or r[2] == "1" for r in rows), rows
     assert main(["plan", "--model", "llama-9", "--gpus", "8", "--global-batch", "8"]) == 2
     assert "pipeviz: Unknown model 'llama-9'; valid: llama-3-8b, llama-3-70b" in capsys.readouterr().err
 
