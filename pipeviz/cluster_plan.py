@@ -97,21 +97,20 @@ class LayoutOption:
     def config(self) -> LaunchConfig:
         """The ``LaunchConfig`` of this row (schedule, microbatches, stages per rank, layout, recomputation, the
         replicas' reduction, the dtype as mixed precision, a training loss). Megatron-Core's distributed optimizer
-        (``"distributed"``) launches as FSDP2's reduce-scatter (``dp_shard``); with tensor parallelism the launch
-        averages after the step (the default there: ``dp_reduce_mode``). ``scaled_down`` gives it at a size that
-        runs here."""
+        (``"distributed"``) launches as ZeRO-1 (``dp_reduce="zero1"``: reduce-scattered gradients, sharded optimizer
+        state); with tensor parallelism the launch averages after the step (the default there: ``dp_reduce_mode``).
+        ``scaled_down`` gives it at a size that runs here."""
         from pipeviz import schedules as sched
 
         red = self.dp_reduce
         if red == "ddp" and sched.info(self.schedule).split_backward:
             red = "after_flush"  # (as the simulator prices DDP there: torch's runtime reduces after the last action)
-        launchable = self.dp > 1 and self.tp == 1 and red in ("ddp", "overlap", "after_flush")
+        launchable = self.dp > 1 and self.tp == 1 and red in ("ddp", "overlap", "after_flush", "distributed")
         dtype = self.options.dtype
         return LaunchConfig(schedule=self.schedule, microbatches=self.microbatches, loss_fn=cross_entropy,
                             stages_per_rank=self.stages_per_rank if self.stages_per_rank > 1 else None,
                             dp=self.dp, tp=self.tp, cp=self.cp, recompute=self.recompute,
-                            dp_reduce=red if launchable else None,
-                            dp_shard=red == "distributed" and self.dp > 1 and self.tp == 1,
+                            dp_reduce=("zero1" if red == "distributed" else red) if launchable else None,
                             mixed_precision={"bfloat16": "bf16", "float16": "fp16"}.get(dtype or ""))
 
     def scaled_down(self, batch: int, processes: int = 4, keep_dtype: bool = False) -> LaunchConfig:

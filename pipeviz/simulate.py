@@ -211,10 +211,10 @@ def simulate(
 
 
 def _run_collectives(cfg: LaunchConfig) -> Collectives:
-    """How ``pv.launch`` reduces the config's replicas, in the simulator's terms: FSDP2's reduce-scatter (as
-    Megatron-Core's distributed optimizer), the overlapped all-reduce, DDP, or one all-reduce after the step."""
+    """How ``pv.launch`` reduces the config's replicas, in the simulator's terms: ZeRO-1's or FSDP2's reduce-scatter
+    (as Megatron-Core's distributed optimizer), the overlapped all-reduce, DDP, or one all-reduce after the step."""
     mode = dp_reduce_mode(cfg)
-    return Collectives(dp_reduce="distributed" if mode == "fsdp2" else mode)
+    return Collectives(dp_reduce="distributed" if mode in ("fsdp2", "zero1") else mode)
 
 
 def _recompute_modes(cfg: LaunchConfig, plan: SplitPlan | None, num_stages: int | None) -> tuple[str, ...]:

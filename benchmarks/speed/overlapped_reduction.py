@@ -1,5 +1,7 @@
-"""The replicas' gradient average on this machine: torch's DDP, one all-reduce after the step and pipeviz's
-overlapped all-reduce (``LaunchConfig.dp_reduce``: ``"ddp"``, ``"after_flush"``, ``"overlap"``), side by side.
+"""The replicas' gradient average on this machine: torch's DDP, one all-reduce after the step, pipeviz's
+overlapped all-reduce and ZeRO-1's overlapped reduce-scatter (``LaunchConfig.dp_reduce``: ``"ddp"``,
+``"after_flush"``, ``"overlap"``, ``"zero1"``), side by side. (gloo's reduce-scatter has no completion future: a
+ZeRO-1 event ends when the step waits for it, an upper bound.)
 
 Each case is a pipeline of 2 ranks x 2 replicas (4 processes) training an MLP of 8 layers of 1024 (8.4 M parameters,
 34 MB of gradients: two DDP buckets per rank) on 64 samples, 4 microbatches; the modes of a case run round-robin for
@@ -28,9 +30,9 @@ import pipeviz as pv
 from pipeviz.timeline import COMPUTE, Timeline
 from pipeviz.zoo import MyNetwork
 
-CASES = (("1F1B", 2, None, ("ddp", "after_flush", "overlap")),
-         ("Interleaved1F1B", 4, 2, ("ddp", "after_flush", "overlap")),
-         ("ZBVZeroBubble", 4, 2, ("after_flush", "overlap")))  # (DDP cannot follow a split backward)
+CASES = (("1F1B", 2, None, ("ddp", "after_flush", "overlap", "zero1")),
+         ("Interleaved1F1B", 4, 2, ("ddp", "after_flush", "overlap", "zero1")),
+         ("ZBVZeroBubble", 4, 2, ("after_flush", "overlap", "zero1")))  # (DDP cannot follow a split backward)
 
 
 def hidden_share(tl: Timeline) -> tuple[float, float]:

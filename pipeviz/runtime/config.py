@@ -99,7 +99,10 @@ class LaunchConfig:
         dp_reduce: with ``dp`` > 1, how the replicas average their gradients (``dp_reduce_mode`` says what None
             picks): ``"overlap"`` (pipeviz.runtime.overlap: each stage's gradients all-reduced asynchronously as soon
             as its last backward of the step has run, while the rank goes on with its other stages, waited for once
-            before the optimizer step, as Megatron-Core's ``--overlap-grad-reduce``), ``"ddp"`` (torch's DDP: in
+            before the optimizer step, as Megatron-Core's ``--overlap-grad-reduce``), ``"zero1"``
+            (pipeviz.runtime.zero: the same moment, but reduce-scatters; each replica keeps the optimizer's state for
+            its 1/dp of every parameter and the updated parameters are all-gathered after the step: ZeRO-1,
+            Megatron-Core's distributed optimizer), ``"ddp"`` (torch's DDP: in
             the stage's last backward, waited for there; not under a split backward) or ``"after_flush"`` (one
             all-reduce of the rank's gradients after the step's last action). None: ``"overlap"``; with tensor
             parallelism ``"after_flush"``; with ``dp_shard`` FSDP2's own reduce-scatter.
@@ -207,7 +210,7 @@ class LaunchOptions(TypedDict, total=False):
     order: Sequence[Sequence[str]] | None
 
 
-DP_REDUCE_MODES = ("overlap", "ddp", "after_flush")
+DP_REDUCE_MODES = ("overlap", "zero1", "ddp", "after_flush")
 
 
 def dp_reduce_mode(config: LaunchConfig) -> str:

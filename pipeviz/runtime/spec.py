@@ -447,7 +447,7 @@ def _check_dp_reduce(config: LaunchConfig, split_backward: bool) -> None:
     if config.dp_shard:
         raise LaunchError(f"dp_reduce={value!r} with dp_shard=True: FSDP2 reduce-scatters the sharded gradients "
                           "itself. Fix: dp_reduce=None, or dp_shard=False.", setting="dp_reduce")
-    if config.tp > 1 and value != "after_flush":
+    if config.tp > 1 and value != "after_flush":  # (zero1 too: its shards would be DTensors of DTensors)
         raise LaunchError(f"dp_reduce={value!r} with tp={config.tp}: tensor-parallel gradients are DTensors, which "
                           "pipeviz averages after the step (DDP does not take them; the overlapped form is not built "
                           "for them yet). Fix: dp_reduce='after_flush', or None.", setting="dp_reduce")

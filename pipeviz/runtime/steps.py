@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
     from pipeviz.runtime.overlap import OverlappedReduction
+    from pipeviz.runtime.zero import ZeroOne
 
     Schedule = PipelineScheduleSingle | PipelineScheduleMulti
 
@@ -92,7 +93,7 @@ def _scaled(p: RankPayload) -> bool:
     each ``schedule.step``, the earlier batches' sums too: torchtitan PR #1732's bug), or replicas averaged by
     ``dp_reduce="overlap"`` (their average starts in the stage's last backward, before torch's scaling at the
     step's end would change the gradients), or fp16's loss scaling."""
-    overlapped = p.dp_reduce == "overlap" and p.mesh is not None and p.mesh.dp > 1 and not p.dp_shard
+    overlapped = p.dp_reduce in ("overlap", "zero1") and p.mesh is not None and p.mesh.dp > 1 and not p.dp_shard
     # fp16's loss scale: the backward must carry the gradients at their final size (the unsplit model's, times the
     # scale), or a value that fits there overflows here (torch's scale_grads divides only at the step's end)
     return p.loss_reduction != "mean" or p.accumulate > 1 or overlapped or p.loss_scaling
@@ -172,12 +173,13 @@ def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, 
           step_box: list[int], device: torch.device, dp_group: ProcessGroup | None = None,
           stages: list[PipelineStage] | None = None,
           scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-          reduction: OverlappedReduction | None = None) -> bool:
+          reduction: OverlappedReduction | ZeroOne | None = None) -> bool:
     """Run the steps; False when a NaN or inf stopped the run (every rank stops at the same step). A step runs the
     schedule on ``p.accumulate`` batches in turn (``step_box[1]`` counts them), their gradients summed in place;
     the replicas' gradients are reduced once, in the last batch's backward (``sync_replicas``). ``scheduler`` steps
-    after each optimizer step; ``reduction`` (``dp_reduce="overlap"``) is waited for before anything reads the
-    gradients; with ``p.eval_batches`` the held-out batches are evaluated every ``p.eval_every``
+    after each optimizer step; ``reduction`` (``dp_reduce="overlap"`` or ``"zero1"``) is waited for before anything
+    reads the gradients (with ZeRO-1 the optimizer steps on its shards, ``ZeroOne.shards``, and the whole parameters
+    are gathered after); with ``p.eval_batches`` the held-out batches are evaluated every ``p.eval_every``
     steps and after the last (``evaluate``)."""
     import torch.distributed as dist
 
@@ -186,6 +188,12 @@ def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, 
     # One process reports the loss: replica 0's shard 0 (the other replicas averaged into it, the shards agree).
     reports = p.coords.dp == p.coords.tp == p.coords.cp == 0  # replica 0, shard 0, share 0 speaks for all
     names = param_names(p)
+    from pipeviz.runtime.zero import ZeroOne
+
+    zero = reduction if isinstance(reduction, ZeroOne) else None
+    # what the optimizer steps, clipping clips and the checks read: the shards under ZeRO-1, else the parameters
+    stepped, stepped_names = (zero.shards, zero.names) if zero is not None else (params, names)
+    tied_local = zero.tied(local) if zero is not None else local
     finished = -1
     scaler = None
     if p.loss_scaling:
@@ -218,19 +226,19 @@ def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, 
             reduction.wait()
         elif dp_group is not None and averaged_after_step(p):
             average_replicas(params, dp_group, p.mesh.dp, clock, p.rank, step)
-        _sync_tied(local, p.tied, groups)
+        _sync_tied(tied_local, p.tied, groups)
         # the step's loss: each microbatch's mean averaged ("mean"), or the pieces of the step's sum added up
         pieces = torch.stack([full_tensor(x).detach().float() for x in losses]) if last else None
         loss = 0.0 if pieces is None else float(pieces.sum() if _scaled(p) else pieces.mean())
         skip = False
         if scaler is not None:  # fp16: every gradient divided by the scale; an inf or NaN anywhere skips the step
             loss /= _LOSS_SCALE[0]
-            skip = scaler.unscale([local_tensor(t.grad) for t in params if t.grad is not None])
+            skip = scaler.unscale([local_tensor(t.grad) for t in stepped if t.grad is not None])
         if last and dp_group is not None:  # the global batch's loss: the replicas' mean (shards agree)
             total = torch.tensor([loss], dtype=torch.float64)
             dist.all_reduce(total, group=dp_group)
             loss = float(total.item()) / p.mesh.dp
-        bad = _nonfinite(loss, params if scaler is None else [], names, p, step)  # (fp16: the scale decides)
+        bad = _nonfinite(loss, stepped if scaler is None else [], stepped_names, p, step)  # (fp16: the scale decides)
         flag = torch.tensor([1.0 if bad else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank learns of it and stops at the same step
         if bad:
@@ -239,7 +247,7 @@ def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, 
             clock.flush(force=True)
             return False
         if p.clip_grad_norm is not None:
-            norm = clip_global_norm(p, params, names, p.clip_grad_norm)
+            norm = clip_global_norm(p, stepped, stepped_names, p.clip_grad_norm)
             if p.rank == 0:
                 clock.post(GradNorm(p.rank, p.coords, step, norm))
         if scheduler is not None and p.rank == 0:  # the rate this step updates with
@@ -253,8 +261,13 @@ def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, 
             scaler.update()
         if scheduler is not None:
             scheduler.step()
-        clock.meter.count_static(params, optimizer)  # gradients and optimizer state as they stand at step end
+        if zero is not None and not skip:
+            zero.gather()  # the whole parameters from the updated shards
+        # gradients and optimizer state as they stand at step end (ZeRO-1: the shards, their gradients and state)
+        clock.meter.count_static([*params, *(zero.shards if zero is not None else [])], optimizer)
         optimizer.zero_grad(set_to_none=True)
+        if zero is not None:
+            zero.zero_grad()
         if last and reports:
             clock.post(Loss(p.rank, p.coords, step, loss))
         if p.eval_batches and p.eval_every is not None and (step + 1) % p.eval_every == 0:
@@ -507,7 +520,7 @@ def clip_global_norm(p: RankPayload, params: list[torch.nn.Parameter], names: di
                     me is None and min(p.tied[canon]) != p.rank):
                 continue
             counted.add(canon)
-        over_dp = not p.dp_shard  # replicas hold equal gradients, unless FSDP2 shards them
+        over_dp = not p.dp_shard and p.dp_reduce != "zero1"  # replicas hold equal gradients, unless sharded
         if isinstance(g, DTensor):
             mesh = g.device_mesh
             if any(pl.is_replicate() and mesh.get_local_rank(i) != 0 for i, pl in enumerate(g.placements)):

@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
 
     from pipeviz.runtime.overlap import OverlappedReduction
+    from pipeviz.runtime.zero import ZeroOne
 
 # Boot and RankPayload are built by pipeviz.runtime.payloads (their names here are the ones 0.2 code imports).
 __all__ = ["SEND_INTERVAL", "Boot", "RankPayload", "main", "run_payload"]
@@ -163,16 +164,29 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
     clock, device, compute = connected or _connect(p, queue)
     step_box = [0, 0, 0]  # the step, its accumulated (or held-out) batch, and whether it evaluates
     pp_group, dp_group, dp_mesh, tp_mesh = _mesh_groups(p)
-    stages, params, local, reduction = _stages(p, clock, step_box, device, compute, pp_group, dp_group, tp_mesh,
-                                               dp_mesh if p.dp_shard else None)
+    stages, params, local, overlapped = _stages(p, clock, step_box, device, compute, pp_group, dp_group, tp_mesh,
+                                                dp_mesh if p.dp_shard else None)
+    reduction: OverlappedReduction | ZeroOne | None = overlapped
+    stepped, names = params, param_names(p)  # what the optimizer steps (ZeRO-1: its shards)
+    if p.dp_reduce == "zero1" and dp_mesh is not None and p.loss_fn is not None:
+        from pipeviz.runtime.zero import ZeroOne
+
+        def reduced(stage: int, start: float, end: float) -> None:
+            clock.record_async((p.rank, stage, "DP", -1, start - clock.t0, end - clock.t0, step_box[0]))
+
+        zero = ZeroOne(params, names, dp_mesh, reduced)
+        for st in stages:
+            zero.add_stage(st.stage_index, list(st.submod.parameters()))
+            st.grads_final = zero.launch  # type: ignore[attr-defined]
+        reduction, stepped, names = zero, zero.shards, zero.names
     groups = _tied_groups(p)
     schedule = build_schedule(p, stages)
-    optimizer = p.optimizer(params) if p.loss_fn is not None else None
+    optimizer = p.optimizer(stepped) if p.loss_fn is not None else None
     scheduler = p.lr_scheduler(optimizer) if optimizer is not None and p.lr_scheduler is not None else None
     if p.resume is not None and optimizer is not None:  # resume=: the checkpoint's state for this rank's parameters
         from pipeviz.runtime.checkpoint import load_optimizer
 
-        load_optimizer(p.resume, optimizer, scheduler, params, param_names(p))
+        load_optimizer(p.resume, optimizer, scheduler, stepped, names)
     held = ""
     if p.dp_shard:  # FSDP2: this process holds its shard of every parameter (DTensor numel is the whole's)
         held = (f" ({sum(local_tensor(t).numel() for t in params):,} of {sum(t.numel() for t in params):,} parameter "
@@ -204,19 +218,20 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
             torch.save(rank_state(p), buf)
             queue.put(State(p.rank, p.coords, buf.getvalue()))
         if optimizer is not None:
-            _send_optimizer(p, queue, optimizer, scheduler, params)
+            _send_optimizer(p, queue, optimizer, scheduler, stepped, names)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def _send_optimizer(p: RankPayload, queue: Sink, optimizer: torch.optim.Optimizer,
-                    scheduler: torch.optim.lr_scheduler.LRScheduler | None, params: list[torch.nn.Parameter]) -> None:
+                    scheduler: torch.optim.lr_scheduler.LRScheduler | None, params: list[torch.nn.Parameter],
+                    names: dict[int, str]) -> None:
     """The optimizer's state after the last step, whole tensors by name, for ``run.save``'s checkpoint: gathered on
     every process (a shard's or FSDP2 replica's part), sent by replica 0's shard 0; process 0 adds the optimizer's
     class, groups and the scheduler's state."""
     from pipeviz.runtime.checkpoint import gathered_optimizer_state
 
-    tensors = gathered_optimizer_state(optimizer, params, param_names(p))
+    tensors = gathered_optimizer_state(optimizer, params, names)
     if p.coords.dp or p.coords.tp or p.coords.cp:
         return
     out: dict[str, object] = {"tensors": tensors}
