@@ -34,13 +34,15 @@ def _tied_skip_bn() -> tuple[pv.SplitPlan, torch.Tensor, torch.Tensor]:
 @pytest.mark.slow
 @pytest.mark.parametrize(("schedule", "layout"), [
     ("1F1B", {}), ("Interleaved1F1B", {}), ("ZBVZeroBubble", {}), ("1F1B", {"dp": 2}),
-    ("Interleaved1F1B", {"tp": 2, "tp_plan": {"l2": "colwise", "l3": "rowwise"}})])
+    ("Interleaved1F1B", {"tp": 2, "tp_plan": {"l2": "colwise", "l3": "rowwise"}}),
+    *[pytest.param(s, {}, marks=pytest.mark.compat)
+      for s in ("GPipe", "LoopedBFS", "InterleavedZeroBubble", "DualPipeV")]])
 def test_clipping_by_global_norm_trains_like_clip_grad_norm_on_the_unsplit_model(
         schedule: str, layout: dict[str, object]) -> None:
     """Tied weights on two stages, a skip and BatchNorm; one and several stages per rank, a split backward,
     replicas, shards: the same norm and the same update as the unsplit model's."""
     plan, ids, target = _tied_skip_bn()
-    if schedule == "1F1B":
+    if schedule in ("1F1B", "GPipe"):
         plan = plan.graph.split(["bn"])
     run = pv.launch(plan, schedule, 4, steps=2, inputs=(ids,), target=target, loss_fn=pv.cross_entropy,
                     optimizer=pv.sgd(lr=0.1), clip_grad_norm=CLIP, **layout)
