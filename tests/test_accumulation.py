@@ -49,8 +49,8 @@ def _as_one(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[tupl
     ("1F1B", {}), ("Interleaved1F1B", {}), ("ZBVZeroBubble", {}), ("DualPipeV", {}), ("1F1B", {"dp": 2}),
     ("GPipe", {"dp": 2, "dp_shard": True}),
     ("Interleaved1F1B", {"tp": 2, "tp_plan": {"l2": "colwise", "l3": "rowwise"}, "clip_grad_norm": 0.05}),
-    pytest.param("LoopedBFS", {}, marks=pytest.mark.compat),
-    pytest.param("InterleavedZeroBubble", {}, marks=pytest.mark.compat)])
+    pytest.param("LoopedBFS", {}, marks=(pytest.mark.compat, pytest.mark.coverage)),
+    pytest.param("InterleavedZeroBubble", {}, marks=(pytest.mark.compat, pytest.mark.coverage))])
 def test_accumulated_batches_train_as_one_batch(schedule: str, layout: dict[str, object]) -> None:
     """Tied weights on two stages, a skip and BatchNorm; one and several stages per rank, split backwards,
     replicas (DDP, FSDP2), shards with clipping: the same losses and update as the unsplit model on the k batches

@@ -46,6 +46,9 @@ def straight() -> pv.Run:
     return _launch(2, "1F1B", 4)
 
 
+WIDE = (pytest.mark.compat, pytest.mark.coverage)  # (make compat, not the version grid)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("before", "after"), [
     ((2, "1F1B", 4, {}), (2, "1F1B", 4, {})),
@@ -53,8 +56,8 @@ def straight() -> pv.Run:
     ((2, "GPipe", 4, TP), (4, "Interleaved1F1B", 2, {"dp": 2})),  # shards gathered; dp 1 -> 2, another schedule
     ((2, "GPipe", 2, {"dp": 2, "dp_shard": True}), (4, "ZBVZeroBubble", 4, {})),  # FSDP2's shards gathered
     # into the other schedules (make compat), and ZeRO-1's shards gathered
-    pytest.param((2, "1F1B", 4, {}), (4, "LoopedBFS", 4, {}), marks=pytest.mark.compat),
-    pytest.param((2, "1F1B", 4, {}), (4, "InterleavedZeroBubble", 4, {}), marks=pytest.mark.compat),
+    pytest.param((2, "1F1B", 4, {}), (4, "LoopedBFS", 4, {}), marks=WIDE),
+    pytest.param((2, "1F1B", 4, {}), (4, "InterleavedZeroBubble", 4, {}), marks=WIDE),
     pytest.param((2, "1F1B", 2, {"dp": 2, "dp_reduce": "zero1"}), (4, "DualPipeV", 4, {}), marks=pytest.mark.compat),
 ])
 def test_two_steps_saved_and_two_resumed_equal_four(straight: pv.Run, tmp_path: Path,

@@ -35,7 +35,7 @@ def _tied_skip_bn() -> tuple[pv.SplitPlan, torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize(("schedule", "layout"), [
     ("1F1B", {}), ("Interleaved1F1B", {}), ("ZBVZeroBubble", {}), ("1F1B", {"dp": 2}),
     ("Interleaved1F1B", {"tp": 2, "tp_plan": {"l2": "colwise", "l3": "rowwise"}}),
-    *[pytest.param(s, {}, marks=pytest.mark.compat)
+    *[pytest.param(s, {}, marks=(pytest.mark.compat, pytest.mark.coverage))
       for s in ("GPipe", "LoopedBFS", "InterleavedZeroBubble", "DualPipeV")]])
 def test_clipping_by_global_norm_trains_like_clip_grad_norm_on_the_unsplit_model(
         schedule: str, layout: dict[str, object]) -> None:

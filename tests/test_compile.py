@@ -40,8 +40,8 @@ def _compiled(run: pv.Run) -> dict[str, float]:
     pytest.param("Interleaved1F1B", {}, marks=pytest.mark.compat),
     pytest.param("1F1B", {"dp": 2}, marks=pytest.mark.compat),
     pytest.param("GPipe", {"dp": 2, "dp_shard": True}, marks=pytest.mark.compat),
-    pytest.param("LoopedBFS", {}, marks=pytest.mark.compat),
-    pytest.param("InterleavedZeroBubble", {}, marks=pytest.mark.compat)])
+    pytest.param("LoopedBFS", {}, marks=(pytest.mark.compat, pytest.mark.coverage)),
+    pytest.param("InterleavedZeroBubble", {}, marks=(pytest.mark.compat, pytest.mark.coverage))])
 def test_compiled_stages_train_exactly(schedule: str, layout: dict[str, object]) -> None:
     """aot_eager: torch.compile's whole path (dynamo, AOTAutograd's joint graph) without generating code, so the
     matrix stays fast; inductor itself runs in test_inductor_compiled_stages_train_exactly (make compat)."""

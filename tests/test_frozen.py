@@ -53,8 +53,8 @@ def _adamw(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
 @pytest.mark.parametrize(("schedule", "layout"), [
     ("1F1B", {}), ("Interleaved1F1B", {}), ("ZBVZeroBubble", {}), ("DualPipeV", {}), ("1F1B", {"dp": 2}),
     ("GPipe", {"dp": 2, "dp_shard": True}),
-    pytest.param("LoopedBFS", {}, marks=pytest.mark.compat),
-    pytest.param("InterleavedZeroBubble", {}, marks=pytest.mark.compat)])
+    pytest.param("LoopedBFS", {}, marks=(pytest.mark.compat, pytest.mark.coverage)),
+    pytest.param("InterleavedZeroBubble", {}, marks=(pytest.mark.compat, pytest.mark.coverage))])
 def test_frozen_parameters_stay_and_the_rest_trains_exactly(schedule: str, layout: dict[str, object]) -> None:
     graph, ids, target = _graph()
     before = {k: v.clone() for k, v in graph.model.state_dict().items()}

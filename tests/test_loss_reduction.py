@@ -63,7 +63,7 @@ def test_a_per_microbatch_mean_is_caught_against_the_whole_batch() -> None:
 @pytest.mark.parametrize(("schedule", "layout"), [
     ("1F1B", {}), ("Interleaved1F1B", {}), ("ZBVZeroBubble", {}), ("1F1B", {"dp": 2}),
     ("1F1B", {"tp": 2, "tp_plan": {"l1": "colwise", "l2": "rowwise"}}),
-    *[pytest.param(s, {}, marks=pytest.mark.compat)
+    *[pytest.param(s, {}, marks=(pytest.mark.compat, pytest.mark.coverage))
       for s in ("GPipe", "LoopedBFS", "InterleavedZeroBubble", "DualPipeV")]])
 def test_a_token_mean_trains_like_the_whole_batch(schedule: str, layout: dict[str, object]) -> None:
     """Every valid token of the step weighs the same, over microbatches, stages per rank, replicas and shards."""

@@ -33,7 +33,7 @@ def _adamw(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     ("1F1B", {}, 1e-5), ("ZBVZeroBubble", {}, 1e-5), ("1F1B", {"dp": 2}, 1e-5),
     ("GPipe", {"dp": 2, "dp_shard": True}, 1e-5),
     ("Interleaved1F1B", {"tp": 2, "tp_plan": {"l2": "colwise", "l3": "rowwise"}}, 2e-3),
-    *[pytest.param(s, {}, 1e-5, marks=pytest.mark.compat)
+    *[pytest.param(s, {}, 1e-5, marks=(pytest.mark.compat, pytest.mark.coverage))
       for s in ("GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "DualPipeV")]])
 def test_bf16_trains_as_the_unsplit_model_under_the_same_autocast(schedule: str, layout: dict[str, object],
                                                                    tolerance: float) -> None:
@@ -63,7 +63,7 @@ def test_hand_offs_go_in_the_dtype_autocast_gives_them() -> None:
         assert stages.runners[0].out_dtypes == tuple(t.dtype for t in stages.outputs[0])
 
 
-OTHERS = [pytest.param(s, {}, marks=pytest.mark.compat)
+OTHERS = [pytest.param(s, {}, marks=(pytest.mark.compat, pytest.mark.coverage))
           for s in ("GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "DualPipeV")]
 
 

@@ -26,12 +26,14 @@ def _setup() -> tuple[pv.ModelGraph, torch.Tensor, torch.Tensor]:
     return pv.trace(TiedSkipBN(), example_args=(ids,)), ids, target
 
 
+WIDE = (pytest.mark.compat, pytest.mark.coverage)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("schedule", "dp_reduce"), [("Interleaved1F1B", None), ("ZBVZeroBubble", "overlap"),
-                                                     ("1F1B", "ddp"), ("Interleaved1F1B", "after_flush"),
-                                                     ("Interleaved1F1B", "zero1"),
-                                                     pytest.param("ZBVZeroBubble", "zero1", marks=pytest.mark.compat),
-                                                     pytest.param("DualPipeV", "zero1", marks=pytest.mark.compat)])
+@pytest.mark.parametrize(("schedule", "dp_reduce"), [
+    ("Interleaved1F1B", None), ("ZBVZeroBubble", "overlap"), ("1F1B", "ddp"), ("Interleaved1F1B", "after_flush"),
+    ("Interleaved1F1B", "zero1"), pytest.param("ZBVZeroBubble", "zero1", marks=WIDE),
+    pytest.param("DualPipeV", "zero1", marks=WIDE)])
 def test_each_reduction_trains_like_the_unsplit_model(schedule: str, dp_reduce: str | None) -> None:
     graph, ids, target = _setup()
     plan = graph.split(["bn"] if schedule == "1F1B" else ["l1", "bn", "l2"])

@@ -48,7 +48,7 @@ def test_full_recomputation_trains_exactly(schedule: str) -> None:
 
 @pytest.mark.compat
 @pytest.mark.parametrize(("schedule", "layout"), [
-    *[(s, {}) for s in SCHEDULES if s not in ("1F1B", "ZBVZeroBubble")],
+    *[pytest.param(s, {}, marks=pytest.mark.coverage) for s in SCHEDULES if s not in ("1F1B", "ZBVZeroBubble")],
     ("1F1B", {"dp": 2}), ("1F1B", {"dp": 2, "dp_shard": True}),
     ("Interleaved1F1B", {"tp": 2, "tp_plan": {"l2": "colwise", "l3": "rowwise"}})])
 def test_full_recomputation_trains_exactly_under_every_schedule_and_layout(schedule: str,
