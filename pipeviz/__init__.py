@@ -38,6 +38,7 @@ from pipeviz.timeline import Event, Timeline
 from pipeviz.training import cross_entropy, sgd, warmup_cosine
 from pipeviz.version import __version__ as __version__
 from pipeviz.weights import materialize
+from pipeviz.why import critical_path, idle_gaps
 
 __all__ = [
     "HARDWARE",
@@ -71,10 +72,12 @@ __all__ = [
     "balance",
     "check_numerics",
     "compare",
+    "critical_path",
     "cross_entropy",
     "estimate_costs",
     "export_torchrun",
     "hardware",
+    "idle_gaps",
     "launch",
     "manual_plan",
     "materialize",
