@@ -84,5 +84,6 @@ def test_demo_recomputes_activations(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "numerics: the run matches the unsplit model" in capsys.readouterr().out
     page = (tmp_path / "r.html").read_text()
     assert "Peak saved activations per process, planned" in page
+    assert "Why the simulated step takes what it takes" in page and "critical path" in page
     errors = [float(e) for e in re.findall(r"<td>([+-][0-9.]+)%</td></tr>", page)]
     assert errors and all(abs(e) <= 10 for e in errors), errors

@@ -71,3 +71,18 @@ def test_on_a_measured_run_the_path_lies_within_the_step() -> None:
     gaps = pv.idle_gaps(tl)
     assert gaps and all(g.reason for g in gaps)
     assert any("waits for rank 0's F of microbatch 0" in g.reason for g in gaps if g.rank == 1)
+
+
+def test_the_figure_draws_the_path_and_labels_the_gaps() -> None:
+    """``timeline_figure(..., why=True)``: a line through the critical path's actions (at their ranks' rows) and a
+    faint bar per idle gap whose hover is its label."""
+    from pipeviz.widgets.figures import timeline_figure
+
+    tl = pv.simulate(None, "1F1B", 2, costs=Costs.uniform(2, 1.0, 2.0), num_stages=2)
+    fig = timeline_figure(tl, why=True)
+    [path] = [t for t in fig.data if t.meta and t.meta[1] == "PATH"]
+    [idle] = [t for t in fig.data if t.meta and t.meta[1] == "IDLE"]
+    assert list(path.y) == [0, 1, 1, 1, 1, 0] and list(path.x) == [500.0, 1500.0, 3000.0, 4500.0, 6000.0, 8000.0]
+    assert list(idle.base) == [2000.0, 6000.0, 0.0] and list(idle.x) == [2000.0, 1000.0, 1000.0]
+    assert idle.hovertext[0] == "waits for rank 1's B of microbatch 0 (stage 1)"
+    assert not [t for t in timeline_figure(tl).data if t.meta and t.meta[0] == "why"]

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = ["GL_THRESHOLD", "KIND_COLORS", "STAGE_COLORS", "comparison_figure", "graph_figure", "graph_layout",
            "graph_traces", "loss_figure", "loss_layout", "loss_traces", "stage_color", "time_origin",
-           "timeline_figure", "timeline_layout", "timeline_title", "timeline_traces"]
+           "timeline_figure", "timeline_layout", "timeline_title", "timeline_traces", "why_traces"]
 
 
 STAGE_COLORS = ("#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3", "#FF6692", "#B6E880",
@@ -232,8 +232,40 @@ def timeline_title(timeline: Timeline) -> str:
             f"{len(timeline.events):,} events")
 
 
+PATH_COLOR = "#111111"
+IDLE_COLOR = "#9E9E9E"
+
+
+def why_traces(timeline: Timeline, step: int | None = None) -> list[dict[str, object]]:
+    """Plotly trace dicts for why ``step`` takes as long as it does (``pv.critical_path``, ``pv.idle_gaps``): the
+    critical path as a line through its actions, rank to rank, and every idle gap as a faint bar whose hover says
+    what it waits for."""
+    from pipeviz.why import critical_path, idle_gaps
+
+    t0 = time_origin(timeline)
+    path = critical_path(timeline, step)
+    gaps = idle_gaps(timeline, step)
+    traces: list[dict[str, object]] = []
+    if gaps:
+        traces.append({
+            "type": "bar", "orientation": "h", "name": "idle: what it waits for", "meta": ["why", "IDLE"],
+            "base": [(g.start - t0) * 1e3 for g in gaps], "x": [g.duration * 1e3 for g in gaps],
+            "y": [g.rank for g in gaps], "width": 0.62, "opacity": 0.35,
+            "marker": {"color": IDLE_COLOR, "line": {"width": 0}}, "hovertext": [g.reason for g in gaps],
+            "hovertemplate": "<b>idle</b> %{x:.3f} ms<br>%{hovertext}<extra></extra>"})
+    if path:
+        traces.append({
+            "type": "scatter", "mode": "lines+markers", "name": "critical path", "meta": ["why", "PATH"],
+            "x": [((e.start + e.end) / 2 - t0) * 1e3 for e in path], "y": [e.rank for e in path],
+            "line": {"color": PATH_COLOR, "width": 2}, "marker": {"size": 5, "color": PATH_COLOR},
+            "hovertext": [f"{e.kind} stage {e.stage} · mb {e.mb} · rank {e.rank}" for e in path],
+            "hovertemplate": "<b>critical path</b><br>%{hovertext}<extra></extra>"})
+    return traces
+
+
 def timeline_figure(timeline: Timeline, overlay: Timeline | None = None, *, title: str | None = None,
-                    height: int | None = None, gl: bool | None = None, labels: bool | None = None) -> go.Figure:
+                    height: int | None = None, gl: bool | None = None, labels: bool | None = None,
+                    why: bool = False) -> go.Figure:
     """A Gantt chart of ``timeline``: one row per rank, colours for F / B / I / W and communication,
     microbatch labels, optionally a simulated timeline overlaid under each measured step. Zoom with the
     mouse (double-click resets).
@@ -249,6 +281,7 @@ def timeline_figure(timeline: Timeline, overlay: Timeline | None = None, *, titl
         height: pixels; default grows with the number of ranks.
         gl: force WebGL segments (``True``) or SVG bars (``False``); default by event count.
         labels: force microbatch labels on or off.
+        why: draw the critical path and every idle gap with what it waits for (``why_traces``).
 
     Returns:
         ``plotly.graph_objects.Figure``.
@@ -257,6 +290,8 @@ def timeline_figure(timeline: Timeline, overlay: Timeline | None = None, *, titl
         raise TypeError(f"timeline_figure() needs a pv.Timeline, got {type(timeline).__name__}.")
     fig = go.Figure(layout=timeline_layout(timeline, overlay, title=title, height=height))
     fig.add_traces(timeline_traces(timeline, overlay, gl=gl, labels=labels))
+    if why:
+        fig.add_traces(why_traces(timeline))
     return fig
 
 

@@ -164,6 +164,11 @@ def write_report(sections: list[Section], path: str | Path, title: str = "pipevi
             parts.append(_check_html(sec.check))
             if sec.simulated is not None:
                 parts.append(memory_table(sec.measured, sec.simulated))
+        if sec.simulated is not None:
+            parts.append("<h3>Why the simulated step takes what it takes</h3><p class=note>The critical path (the "
+                         "line: each action freed by the one before it) and every idle gap, with what it waits for "
+                         "on hover (pv.critical_path, pv.idle_gaps).</p>")
+            parts.append(fig_html(timeline_figure(sec.simulated, why=True)))
         parts.append("<h3>Schedules compared (simulated, every one on the same ranks)</h3>")
         parts.append(comparison_table(sec.comparison))
         parts.append(fig_html(comparison_figure(sec.comparison)))
