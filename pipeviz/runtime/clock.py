@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from typing import Any, Protocol
 
@@ -60,20 +61,43 @@ class Clock:
         self.queue: Any = None
         self.rank, self.coords = -1, Coords(-1)  # the sender named in every message
         self.anchor: tuple[float, Any] | None = None
+        # the outbox is sent by the rank's thread, and by ``watch_stale``'s when that thread is stuck in an action
+        self.lock = threading.RLock()
+
+    def watch_stale(self, every: float = 0.3) -> None:
+        """Send what the rank finished even when its own thread stops sending: a rank stuck inside an action (a
+        forward that never returns, a receive that never completes) otherwise keeps its last finished actions in
+        its buffer, and the hang report (``pipeviz.hang``) would place it an action too early. A daemon thread
+        checks every ``every`` seconds."""
+
+        def loop() -> None:
+            while True:
+                time.sleep(every)
+                with self.lock:
+                    stale = time.time() - self.t0 - self.sent_at > every
+                    if self.queue is not None and stale and (self.buffer or self.finished):
+                        try:
+                            self.send()
+                        except Exception:  # the queue is gone: the run is over
+                            return
+
+        threading.Thread(target=loop, daemon=True, name="pipeviz-clock").start()
 
     def span(self, rank: int, stage: int, kind: str, mb: int, step: int) -> Span:
         return Span(self, (rank, stage, kind, mb, step))
 
     def record(self, event: EventRecord) -> None:
         """A host-timed event (communication waits), sent with the others."""
-        self.buffer.append(event)
-        if event[5] - self.sent_at > SEND_INTERVAL:
-            self.send()
+        with self.lock:
+            self.buffer.append(event)
+            if event[5] - self.sent_at > SEND_INTERVAL:
+                self.send()
 
     def sample(self) -> None:
         """A memory sample now (``pipeviz.runtime.memory``): taken as each action starts and ends."""
         activations, total = self.meter.sample()
-        self.memory.append((time.time() - self.t0, total, activations))
+        with self.lock:
+            self.memory.append((time.time() - self.t0, total, activations))
 
     def record_async(self, event: EventRecord) -> None:
         """An event timed on another thread (a communication future's callback): queued, and moved into the
@@ -82,21 +106,23 @@ class Clock:
 
     def post(self, msg: Message) -> None:
         """A message (loss, step end) to send with the next batch of events."""
-        self.outbox.append(msg)
+        with self.lock:
+            self.outbox.append(msg)
 
     def send(self) -> None:
-        while self.finished:
-            self.buffer.append(self.finished.popleft())
-        if self.buffer:
-            self.queue.put(Events(self.rank, self.coords, [Event(*e) for e in self.buffer]))
-            self.buffer = []
-        if self.memory:
-            self.queue.put(Memory(self.rank, self.coords, self.memory))
-            self.memory = []
-        for msg in self.outbox:
-            self.queue.put(msg)
-        self.outbox.clear()
-        self.sent_at = time.time() - self.t0
+        with self.lock:
+            while self.finished:
+                self.buffer.append(self.finished.popleft())
+            if self.buffer:
+                self.queue.put(Events(self.rank, self.coords, [Event(*e) for e in self.buffer]))
+                self.buffer = []
+            if self.memory:
+                self.queue.put(Memory(self.rank, self.coords, self.memory))
+                self.memory = []
+            for msg in self.outbox:
+                self.queue.put(msg)
+            self.outbox.clear()
+            self.sent_at = time.time() - self.t0
 
     def flush(self, force: bool = False) -> None:
         """At step end: read GPU timings, and send if the last send is ``SEND_INTERVAL`` old (or ``force``)."""
@@ -144,7 +170,8 @@ class Span:
         else:
             rank, stage, kind, mb, step = self.key
             now = time.time() - c.t0
-            c.buffer.append((rank, stage, kind, mb, self.start, now, step))
+            with c.lock:
+                c.buffer.append((rank, stage, kind, mb, self.start, now, step))
             c.sample()
             if now - c.sent_at > SEND_INTERVAL:  # batched: live, without a queue put per action
                 c.send()

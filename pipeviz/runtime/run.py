@@ -22,6 +22,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from pipeviz import schedules as sched
 from pipeviz.plan import SplitPlan
 from pipeviz.runtime.feed import FedBatch, Feeder
 from pipeviz.runtime.messages import (
@@ -37,13 +38,14 @@ from pipeviz.runtime.spec import (
     LaunchError,
     LaunchSpec,
 )
-from pipeviz.timeline import Event, Timeline
+from pipeviz.timeline import COMPUTE, Event, Timeline
 
 if TYPE_CHECKING:
     from multiprocessing.context import ForkServerContext
     from multiprocessing.queues import Queue
     from multiprocessing.synchronize import Event as MpEvent
 
+    from pipeviz.hang import HangReport
     from pipeviz.runtime.payloads import Boot
 
 __all__ = ["Run"]
@@ -97,6 +99,7 @@ class Run(RunResults):
         self.eval_losses: list[tuple[int, float]] = self._reducer.eval_losses
         self.outputs: list[Any] = []
         self.error: str | None = None
+        self.hang: HangReport | None = None  # a run stopped for no progress: where each rank was (pipeviz.hang)
         self._feeder: Feeder | None = None  # a data= run's batches, streamed to the ranks (runtime.feed)
         self.nonfinite: list[tuple[int, str]] = self._reducer.nonfinite
         self.memory: dict[int, list[tuple[float, int]]] = self._reducer.memory
@@ -386,10 +389,33 @@ class Run(RunResults):
                     return self._finish("failed")
                 return self._finish("done")
             if time.time() - last_progress > self.timeout:
-                self.error = (f"no progress for {self.timeout:g} s (step timeout); the run was stopped. Fix: raise "
-                              "launch(timeout=...) for slow steps, or look for a hang (a rank waiting for another).")
+                self.hang = self._hang_report(time.time() - last_progress)
+                self.error = (f"no progress for {self.timeout:g} s (step timeout); the run was stopped. Where each "
+                              f"rank was (run.hang):\n{self.hang}\nFix: raise launch(timeout=...) for slow steps, or "
+                              "the cause above.")
                 self._kill_all()
                 return self._finish("failed")
+
+    def _hang_report(self, idle: float) -> HangReport:
+        """Where each pipeline rank is stuck (``pipeviz.hang.diagnose``), from its schedule's order and the actions
+        replica 0's first shard reported finished in the batch it was on."""
+        from pipeviz.hang import diagnose
+
+        cfg, lay = self.spec.config, self.layout
+        m = self.spec.microbatches
+        orders = ([list(acts) for acts in cfg.order] if cfg.order is not None
+                  else sched.orders(lay.schedule, lay.num_stages, m, cfg.stages_per_rank))
+        mine = [e for e in self.events if e.kind in COMPUTE and e.rank in self._lead_processes()]
+        step = max((e.step for e in mine), default=0)
+        mine = [e for e in mine if e.step == step]
+        batch = max((e.mb // m for e in mine), default=0)  # accumulation: the step's batches number on
+        done = {(e.stage, e.kind, e.mb % m) for e in mine if e.mb // m == batch}
+        return diagnose(orders, lay.stage_ranks, done, computing_for=idle)
+
+    def _lead_processes(self) -> set[int]:
+        """The processes of replica 0's first shard: one per pipeline rank."""
+        mesh = self.mesh
+        return {r for r in range(mesh.world) if mesh.coords(r).dp == mesh.coords(r).tp == mesh.coords(r).cp == 0}
 
     def _fail(self, q: Queue[Message]) -> None:
         """Name the root cause (``Reducer.failure``): one failure makes its neighbours fail too, so collect what

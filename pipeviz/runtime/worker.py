@@ -274,6 +274,7 @@ def _connect(p: Boot | RankPayload, queue: Sink) -> tuple[Clock, torch.device, t
     compute = torch.device(p.compute_device) if p.compute_device else device
     clock = Clock(p.t0, compute if compute.type == "cuda" else None)
     clock.queue, clock.rank, clock.coords = queue, p.rank, p.coords
+    clock.watch_stale()  # a rank stuck in an action still reports the ones it finished (the hang report reads them)
     return clock, device, compute
 
 
