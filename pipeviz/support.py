@@ -10,7 +10,7 @@ CI's newest grid cell (``scripts/grid.py``) installs the newest transformers rel
 Example:
     >>> from pipeviz.support import version_note
     >>> version_note("transformers", "5.26.0")
-    'transformers 5.26.0 is newer than the newest release pipeviz is tested with (5.24): ...'
+    'transformers 5.26.0 is newer than the newest release pipeviz is tested with (5.25): ...'
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ __all__ = ["TESTED", "model_notes", "version_note"]
 
 # (oldest, newest) minor release tested by CI (make test, make compat, make grid); tests/test_versions.py checks that
 # pyproject.toml and the grid's cells say the same.
-TESTED: dict[str, tuple[str, str]] = {"torch": ("2.13", "2.15"), "transformers": ("4.57", "5.24")}
+TESTED: dict[str, tuple[str, str]] = {"torch": ("2.13", "2.15"), "transformers": ("4.57", "5.25")}
 
 
 def _minor(version: str) -> tuple[int, int]:
@@ -40,7 +40,7 @@ def version_note(library: str, version: str) -> str | None:
     """A short note when ``library`` ``version`` is newer than the newest minor release CI has tested, else None.
 
     Example:
-        >>> version_note("transformers", "5.24.1") is None
+        >>> version_note("transformers", "5.25.1") is None
         True
     """
     newest = TESTED[library][1]

@@ -63,6 +63,7 @@ class Clock:
         self.anchor: tuple[float, Any] | None = None
         # the outbox is sent by the rank's thread, and by ``watch_stale``'s when that thread is stuck in an action
         self.lock = threading.RLock()
+        self.stopped = False  # the rank's steps are over: ``watch_stale`` sends nothing more
 
     def watch_stale(self, every: float = 0.3) -> None:
         """Send what the rank finished even when its own thread stops sending: a rank stuck inside an action (a
@@ -71,9 +72,11 @@ class Clock:
         checks every ``every`` seconds."""
 
         def loop() -> None:
-            while True:
+            while not self.stopped:
                 time.sleep(every)
                 with self.lock:
+                    if self.stopped:
+                        return
                     stale = time.time() - self.t0 - self.sent_at > every
                     if self.queue is not None and stale and (self.buffer or self.finished):
                         try:

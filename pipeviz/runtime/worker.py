@@ -209,6 +209,8 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
         else:
             finished = train(p, schedule, optimizer, params, local, groups, clock, step_box, device, dp_group,
                              stages, scheduler, reduction)
+    with clock.lock:  # the steps are over (their last events sent): nothing after the rank's final messages
+        clock.stopped = True
     if finished:
         if p.state_path is not None:  # a file: a big stage's tensors do not pass through the queue
             torch.save(rank_state(p, copy=False), p.state_path)
