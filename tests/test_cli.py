@@ -28,7 +28,8 @@ def test_demo_writes_a_self_contained_report(tmp_path: Path) -> None:
     html = out.read_text()
     assert "Plotly" in html and "<script src=" not in html  # plotly.js is embedded: opens offline
     assert "Measured run (simulation overlaid)" in html and "Schedules compared" in html
-    assert html.count('class="plotly-graph-div"') == 3
+    # the graph, the measured run, the schedules compared and why the simulated step takes what it takes
+    assert html.count('class="plotly-graph-div"') == 4 and "Why the simulated step takes what it takes" in html
     # Every schedule on the same ranks; beside the local run, the model planned for a named cluster.
     assert "every one on 3 ranks" in proc.stdout and "needs 6 stages (2 per rank)" in proc.stdout
     assert "planned for 8 x h100-sxm" in proc.stdout
