@@ -47,7 +47,7 @@ def test_demo_trains_the_seed_families(model: str, tmp_path: Path, capsys: pytes
     text = capsys.readouterr().out
     assert {"llama": "LLaMA", "moe": "Mixture of experts"}[model] in text
     assert "numerics: the run matches the unsplit model" in text and "DualPipeV" in text
-    assert out.read_text().count('class="plotly-graph-div"') == 3
+    assert out.read_text().count('class="plotly-graph-div"') == 4  # graph, measured run, schedules compared, why
 
 
 def test_demo_bad_option_is_a_clear_error(tmp_path: Path) -> None:
