@@ -7,34 +7,18 @@ fp16 with its loss scale, the overlapped reduction, each exact against the unspl
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import pytest
 import torch
 
 import pipeviz as pv
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
-_SMALL = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "max_position_embeddings": 64}
+from tests.test_tensor_parallel_hf import _model  # the same tiny configs at their libraries' defaults
+
 ALL_OPTIONS: dict[str, object] = {"accumulate": 2, "clip_grad_norm": 0.5, "loss_reduction": "token_mean",
                                   "recompute": "full"}
-
-
-def _model(kind: str) -> Any:
-    torch.manual_seed(0)
-    if kind == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**_SMALL, num_key_value_heads=2))
-    if kind == "mistral":
-        return transformers.MistralForCausalLM(transformers.MistralConfig(**_SMALL, num_key_value_heads=2,
-                                                                          sliding_window=8))
-    if kind == "bert":
-        return transformers.BertForMaskedLM(transformers.BertConfig(**_SMALL, hidden_dropout_prob=0.0,
-                                                                    attention_probs_dropout_prob=0.0))
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
 
 
 def _train(kind: str, **layout: object) -> None:
