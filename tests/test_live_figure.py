@@ -8,6 +8,7 @@ from typing import Any
 import plotly.graph_objects as go
 import pytest
 
+from pipeviz.widgets import live_figure
 from pipeviz.widgets.live_figure import LiveFigure
 
 
@@ -33,3 +34,42 @@ def test_a_live_figure_drops_a_stale_delta_and_keeps_working() -> None:
     assert not fig._trace_edit_in_process and ran == [1]  # the edit ended as plotly's handler ends it
     fig.data[0].marker.color = "blue"  # Python keeps drawing
     assert fig.data[0].marker.color == "blue"
+
+
+def _state_bytes(widget: Any) -> int:
+    """What the kernel sends the page for one widget: its state as JSON, and its binary buffers."""
+    import json
+
+    from ipywidgets.widgets.widget import _remove_buffers
+
+    state, _, buffers = _remove_buffers(widget.get_state())
+    return len(json.dumps(state, default=str)) + sum(len(b) for b in buffers)
+
+
+@pytest.mark.skipif(live_figure._BUNDLE is None, reason="plotly < 6: its figures' module comes from an extension")
+def test_plotly_js_reaches_the_page_once_for_every_figure(classic_graph: Any) -> None:
+    """plotly's FigureWidget carries plotly.js (5 MB) in each figure's state; an Explorer shows five figures, whose
+    restore after a page reload overran the front end's fixed waits on a loaded machine. pipeviz's carry it once."""
+    from ipywidgets.widgets.widget import _instances
+
+    import pipeviz as pv
+
+    explorer = pv.Explorer(classic_graph)
+    bundle = len(str(live_figure._BUNDLE))
+    assert bundle > 1_000_000  # plotly.js is in it
+    plain = go.FigureWidget()
+    assert _state_bytes(plain) > bundle  # what plotly does
+    figures = [w for w in _instances.values() if isinstance(w, LiveFigure)]
+    assert len(figures) >= 5  # the graph, and the simulated and the run's timelines with their loss charts
+    assert all(_state_bytes(f) < 100_000 for f in figures), [_state_bytes(f) for f in figures]
+    carriers = {id(w) for w in _instances.values() if (isinstance(w, LiveFigure) or not isinstance(w, go.FigureWidget))
+                and _state_bytes(w) > bundle}
+    assert carriers == {id(live_figure.plotly_bundle())}
+    # The carrier is inside the Explorer (hidden), for front ends that keep outputs apart.
+    tree, todo = set(), [explorer]
+    while todo:
+        w = todo.pop()
+        tree.add(id(w))
+        todo += [c for c in getattr(w, "children", ()) if id(c) not in tree]
+    assert id(live_figure.plotly_bundle()) in tree
+    plain.close()

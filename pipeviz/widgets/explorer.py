@@ -39,7 +39,7 @@ from pipeviz.timeline import Timeline
 from pipeviz.training import cross_entropy, default_target
 from pipeviz.widgets import panels
 from pipeviz.widgets.figures import graph_figure, graph_layout, graph_traces, plural, timeline_figure
-from pipeviz.widgets.live_figure import LiveFigure
+from pipeviz.widgets.live_figure import LiveFigure, plotly_bundle
 from pipeviz.widgets.panels import Change, guarded, soon
 from pipeviz.widgets.timeline_view import TimelineView
 
@@ -291,8 +291,8 @@ class Explorer(W.VBox):
         self.run_view = TimelineView(None)
         self.run_view.drawn.append(self._on_run_drawn)
         self.run_view.add_class("pipeviz-run-timeline")
-        guard = panels.browser_helper()
-        left = W.VBox([self.view_bar, self.graph_figure, *([guard] if guard is not None else [])],
+        hidden = [w for w in (panels.browser_helper(), plotly_bundle()) if w is not None]  # page helpers; plotly.js
+        left = W.VBox([self.view_bar, self.graph_figure, *hidden],
                       layout=W.Layout(flex="0 1 auto", width=f"{GRAPH_WIDTH + 10}px", max_width="100%",
                                       max_height="760px", overflow="auto"))
         left.add_class("pipeviz-graph-column")

@@ -10,23 +10,120 @@ Its browser state also survives a page reload (``persist``): plotly keeps the fi
 ``_widget_data`` / ``_widget_layout``, which it sets only when the widget is first shown; every later restyle goes to
 the open page alone, so a reload drew the first figure again (the Explorer's graph read "1 stage" beside a preview
 of 8).
+
+And plotly.js reaches the page once, not once per figure. plotly >= 6's ``FigureWidget`` is an anywidget whose module
+(``_esm``) is the whole of plotly.js, 5 MB, in every figure's state: the Explorer's five figures sent 25 MB when
+shown and again on every page reload, and the page compiled plotly.js five times. On a loaded 2-core machine the
+restore after a reload then overran the front end's fixed waits (the widget manager's 4 s for the kernel's states
+and 2 s per model, anywidget's 2 s per module): "Error displaying widget: model not found" or "[anywidget] Failed
+to initialize model" (a clean CI run of the browser test, 2026-12-03). A ``LiveFigure``'s module is a few lines that
+wait for plotly's, which one ``PlotlyBundle`` widget per kernel carries (``plotly_bundle()``; every ``LiveFigure``
+makes sure it exists, and the views that hold figures show it, hidden, beside them).
 """
 
 from __future__ import annotations
 
 from copy import deepcopy
+from pathlib import Path
 
+import anywidget
+import ipywidgets as W
+import plotly
 import plotly.graph_objects as go
 from plotly.basewidget import BaseFigureWidget
-from traitlets import observe
+from traitlets import Unicode, observe
 
-__all__ = ["LiveFigure"]
+__all__ = ["LiveFigure", "PlotlyBundle", "plotly_bundle"]
 
 _RECONCILE = BaseFigureWidget.__dict__["_handler_js2py_traceDeltas"].func  # plotly's own handler
 
+# plotly >= 6's widget module (plotly.js and the widget's own code): a path, or anywidget's FileContents whose str()
+# is the text; None before plotly 6, whose FigureWidget came from a JupyterLab extension instead.
+_BUNDLE: object | None = getattr(BaseFigureWidget, "_esm", None)
+# One slot per page for plotly's module, per plotly version (two kernels of two environments can share a page).
+_SLOT = f"""
+const KEY = Symbol.for("pipeviz.plotly-widget@{plotly.__version__}");
+const slot = () => globalThis[KEY] ??= (() => {{
+  let resolve, reject;
+  const promise = new Promise((a, b) => {{ resolve = a; reject = b; }});
+  return {{ promise, resolve, reject, started: false }};
+}})();
+"""
+# A LiveFigure's module: plotly's widget, once the PlotlyBundle's module has loaded it. ``initialize`` does not wait
+# for it (anywidget fails a model whose initialize takes over 2 s); ``render`` does.
+_FIGURE_ESM = _SLOT + """
+export default () => {
+  let inner = null, ready = null;
+  return {
+    initialize(ctx) {
+      ready = slot().promise.then(mod => {
+        inner = typeof mod.default === "function" ? mod.default() : mod.default;
+        if (inner.initialize) return inner.initialize(ctx);
+      });
+      ready.catch(e => console.error("[pipeviz] plotly.js did not load:", e));
+    },
+    async render(ctx) {
+      await ready;
+      return inner.render(ctx);
+    },
+  };
+};
+"""
+# The PlotlyBundle's module: compiles plotly's widget module (its ``bundle``) once per page and hands it to the
+# figures' slot.
+_BUNDLE_ESM = _SLOT + """
+export default {
+  initialize({ model }) {
+    const s = slot();
+    if (s.started) return;
+    s.started = true;
+    const url = URL.createObjectURL(new Blob([model.get("bundle")], { type: "text/javascript" }));
+    import(/* webpackIgnore: true */ url).then(
+      mod => { URL.revokeObjectURL(url); s.resolve(mod); },
+      err => { URL.revokeObjectURL(url); s.started = false; s.reject(err); });
+  },
+  render() {},
+};
+"""
+
+
+class PlotlyBundle(anywidget.AnyWidget):
+    """An invisible widget whose state carries plotly's widget module (``bundle``) for the page's ``LiveFigure``s."""
+
+    _esm = _BUNDLE_ESM
+    bundle = Unicode("").tag(sync=True)
+
+
+_carrier: PlotlyBundle | None = None
+
+
+def plotly_bundle() -> PlotlyBundle | None:
+    """The kernel's one ``PlotlyBundle``: an invisible widget whose state carries plotly's widget module for every
+    ``LiveFigure`` on the page (made on first use, again after it was closed). A view that holds figures shows it
+    hidden beside them, so that a front end that keeps each output apart (Colab's frames) has it there too.
+    ``None`` before plotly 6, whose figures need none."""
+    global _carrier
+    if _BUNDLE is None:
+        return None
+    if _carrier is None or _carrier.comm is None:
+        _carrier = PlotlyBundle(bundle=_bundle_text(_BUNDLE), layout=W.Layout(display="none"))
+    return _carrier
+
+
+def _bundle_text(bundle: object) -> str:
+    return bundle.read_text(encoding="utf-8") if isinstance(bundle, Path) else str(bundle)
+
 
 class LiveFigure(go.FigureWidget):
-    """A ``go.FigureWidget`` whose browser-to-Python trace defaults may be stale without an error."""
+    """A ``go.FigureWidget`` whose browser-to-Python trace defaults may be stale without an error, whose state
+    survives a reload (``persist``) and whose module is not plotly.js (``plotly_bundle()`` brings that once)."""
+
+    if _BUNDLE is not None:
+        _esm = _FIGURE_ESM
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        plotly_bundle()  # before the figure: its comm opens first, so the page starts on plotly.js first
+        super().__init__(*args, **kwargs)
 
     def persist(self) -> None:
         """Make the figure as it is now the one a reloaded page draws (plotly.js ignores the change on an open

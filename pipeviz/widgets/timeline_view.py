@@ -28,7 +28,7 @@ from pipeviz.widgets.figures import (
     timeline_title,
     timeline_traces,
 )
-from pipeviz.widgets.live_figure import LiveFigure
+from pipeviz.widgets.live_figure import LiveFigure, plotly_bundle
 
 if TYPE_CHECKING:
     from pipeviz.widgets.panels import Change
@@ -131,7 +131,8 @@ class TimelineView(W.VBox):
         self.step_select.observe(self._on_step, "value")
         super().__init__([W.HBox([self.summary, self.step_select],
                                  layout=W.Layout(justify_content="space-between", align_items="center")),
-                          self.figure, self.loss_box])
+                          self.figure, self.loss_box,
+                          *[b for b in [plotly_bundle()] if b is not None]])  # plotly.js, once per page, hidden
         self.add_class("pipeviz-timeline")
         self.interval, self.busy_interval, self.redraws, self.last_redraw_s = interval, busy_interval, 0, 0.0
         self.redraw_s, self.live_redraws, self.busy = 0.0, 0, False
