@@ -60,7 +60,8 @@ class HangReport:
         lines = [f"  rank {r.rank}: {r.what}" for r in self.ranks]
         cycle = (" Ranks " + " -> ".join(map(str, [*self.cycle, self.cycle[0]])) + " wait on each other."
                  if self.cycle else "")
-        return "\n".join([*lines, f"  Likely cause:{cycle} {self.cause}"])
+        cause = self.cause[:1].upper() + self.cause[1:]
+        return "\n".join([*lines, f"  Likely cause:{cycle} {cause}"])
 
 
 def _needs(s: int, kind: str, mb: int, n: int) -> list[Done]:

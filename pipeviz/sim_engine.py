@@ -5,7 +5,7 @@ arrived (``play``), optionally on fewer cores than ranks (``play_on_cores``) or 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 from typing import TypeVar
 
@@ -119,13 +119,24 @@ def play(acts: list[list[str]], lay: sched.Layout, costs: Costs, n: int, red: Re
                 events.append(Event(rank, s, kind, mb, start, end))
                 progressed = True
         if not progressed:
-            waits = [f"rank {r} waits at {a[pos[r]]}" for r, a in enumerate(acts) if pos[r] < len(a)]
-            raise sched.ScheduleError(
-                "The schedule deadlocks: no rank can run its next action. " + "; ".join(waits) + ". Fix: order each "
-                "rank's actions so every forward comes after the previous stage's and every backward after the "
-                "next stage's."
-            )
+            raise _deadlock(acts, lay, done, pos)
     return events
+
+
+def _deadlock(acts: list[list[str]], lay: sched.Layout, done: Collection[tuple[int, str, int]],
+              pos: Sequence[int]) -> sched.ScheduleError:
+    """The error for an order no rank can go on with, with the report a launch that hung on it would give
+    (``pipeviz.hang.diagnose``: per rank the last action, the one it is blocked in, whom it waits for, the cycle)."""
+    from pipeviz.hang import diagnose
+
+    waits = [f"rank {r} waits at {a[pos[r]]}" for r, a in enumerate(acts) if pos[r] < len(a)]
+    report = diagnose(acts, lay.stage_ranks, set(done))
+    err = sched.ScheduleError(
+        "The schedule deadlocks: no rank can run its next action. " + "; ".join(waits) + ". Fix: order each "
+        "rank's actions so every forward comes after the previous stage's and every backward after the "
+        "next stage's. A launch would hang here:\n" + str(report))
+    err.report = report  # type: ignore[attr-defined]
+    return err
 
 
 def play_on_cores(acts: list[list[str]], lay: sched.Layout, costs: Costs, n: int, cores: int, slow: float = 1.0,
@@ -152,7 +163,7 @@ def play_on_cores(acts: list[list[str]], lay: sched.Layout, costs: Costs, n: int
             if ready is not None and (best is None or max(free[rank], ready) < best[0]):
                 best = (max(free[rank], ready), rank)
         if best is None:
-            raise sched.ScheduleError("The schedule deadlocks: no rank can run its next action.")
+            raise _deadlock(acts, lay, done, pos)
         earliest, rank = best
         core_at = heapq.heappop(core_free)
         s, kind, mb = sched.parse(acts[rank][pos[rank]])

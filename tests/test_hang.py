@@ -68,6 +68,23 @@ def test_a_planted_hang_is_named_within_a_second_of_the_timeout() -> None:
     r0, r1 = run.hang.ranks
     assert (r1.last, r1.current, r1.waits_on) == ("1F1", "1B1", None), run.error
     assert (r0.current, r0.waits_on, r0.waits_for) == ("0B1", 1, "1B1"), run.error
-    assert "rank 1 in 1B1: the others wait on it" in run.error
+    assert "Rank 1 in 1B1: the others wait on it" in run.error
     last = run.started_at + max(e.end for e in run.events)
     assert ended - last <= 3 + 1.5  # the timeout, then the report at once
+
+
+def test_an_order_that_would_hang_is_refused_before_launch_with_the_same_report() -> None:
+    """Each rank waits on the other: rank 0 in 0B0 for rank 1's 1B0, rank 1 in 1F1 for rank 0's 0F1 (after 0B0 on
+    rank 0). The launch never starts; the error reads as the report of the hang it would have been."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randint(0, 9, (8,))
+    plan = pv.trace(MyNetwork(16, [16, 16]), example_args=(x,)).split(["layer0"])
+    order = [["0F0", "0B0", "0F1", "0B1"], ["1F1", "1B1", "1F0", "1B0"]]
+    cfg = pv.LaunchConfig(microbatches=2, loss_fn=pv.cross_entropy, order=order)
+    with pytest.raises(pv.ScheduleError) as info:
+        pv.launch(plan, config=cfg, inputs=(x,), target=y)
+    report = info.value.report  # type: ignore[attr-defined]
+    assert [(r.current, r.waits_on, r.waits_for) for r in report.ranks] == [("0B0", 1, "1B0"), ("1F1", 0, "0F1")]
+    assert report.cycle == [0, 1]
+    assert "A launch would hang here:\n" + str(report) in str(info.value)
+    assert "Ranks 0 -> 1 -> 0 wait on each other. The ranks' orders deadlock" in str(info.value)
