@@ -91,7 +91,8 @@ __all__ = [
     "watch",
 ]
 
-_VIEWS = ("Explorer", "TimelineView", "comparison_figure", "graph_figure", "timeline_figure")
+_VIEWS = ("Explorer", "TimelineView", "comparison_figure", "graph_figure", "player_figure", "side_by_side_figure",
+          "timeline_figure")
 
 
 def __getattr__(name: str) -> object:

@@ -34,7 +34,7 @@ from pipeviz._compat import deprecated, positional_legacy
 from pipeviz.collectives import DP_REDUCE, Collectives, Reduction
 from pipeviz.cost.comm import cp_collectives, tp_collectives
 from pipeviz.cost.machine import DTYPE_BYTES, Hardware
-from pipeviz.cost.memory import memory_per_rank, peak_activations
+from pipeviz.cost.memory import activation_curve, memory_per_rank, peak_activations
 from pipeviz.cost.model import Costs, parallel_costs, stage_costs
 from pipeviz.cost.options import CostOptions, LinkOptions
 from pipeviz.cost.sharding import launch_tp_seconds, tp_shares
@@ -357,6 +357,10 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
     memory = memory_per_rank(None, lay.schedule, microbatches, spr, optimizer_states, costs=costs,
                              order=acts, forward_only=forward_only)
     meta: dict[str, Any] = {"peak_activation_bytes": peaks, "memory_bytes": memory, "costs": costs.source,
+                            # saved activations per rank over time (what pv.player_figure shows at each instant)
+                            "activation_curve": {} if forward_only else activation_curve(
+                                [e for e in events if e.step == 0], costs.activation_bytes, costs.weight_fraction,
+                                costs.input_freed),
                             "cores": cores, "forward_only": forward_only, "mesh": (lay.num_ranks, dp, tp),
                             "config": cfg}
     if hw is not None:

@@ -39,8 +39,10 @@ from pipeviz.plan import register_pricer
 if TYPE_CHECKING:
     from pipeviz.cost.machine import Hardware
     from pipeviz.plan import SplitPlan, StageInfo
+    from pipeviz.timeline import Event
 
 __all__ = [
+    "activation_curve",
     "in_flight",
     "memory_per_rank",
     "peak_activations",
@@ -73,6 +75,29 @@ def peak_activations(order: Sequence[Sequence[str]], activation_bytes: Sequence[
                 live -= size * (at_input if kind == "I" else 1 - at_input)
         peaks.append(round(peak))
     return peaks
+
+
+def activation_curve(events: Sequence[Event], activation_bytes: Sequence[int], weight_fraction: float = 0.5,
+                     input_freed: Sequence[float] = ()) -> dict[int, list[tuple[float, int]]]:
+    """Per rank, the activation bytes alive after each of its compute actions ends, as ``(seconds, bytes)``: the
+    rule of ``peak_activations`` played on a timeline's events, so its maximum is the rank's peak. The shape of a
+    measured run's ``meta["activation_memory"]``."""
+    live: dict[int, float] = {}
+    curve: dict[int, list[tuple[float, int]]] = {}
+    first = min((e.start for e in events), default=0.0)
+    for e in sorted((e for e in events if e.kind in ("F", "B", "I", "W")), key=lambda e: (e.end, e.rank)):
+        size = activation_bytes[e.stage]
+        delta: float
+        if e.kind == "F":
+            delta = size
+        elif e.kind == "B":
+            delta = -size
+        else:
+            at_input = input_freed[e.stage] if input_freed else weight_fraction
+            delta = -size * (at_input if e.kind == "I" else 1 - at_input)
+        live[e.rank] = live.get(e.rank, 0.0) + delta
+        curve.setdefault(e.rank, [(first, 0)]).append((e.end, max(0, round(live[e.rank]))))
+    return curve
 
 
 def in_flight(schedule: str, num_stages: int, microbatches: int, stages_per_rank: int | None = None,

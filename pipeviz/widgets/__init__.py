@@ -14,6 +14,8 @@ _LAZY = {
     "TimelineView": "pipeviz.widgets.timeline_view",
     "comparison_figure": "pipeviz.widgets.figures",
     "graph_figure": "pipeviz.widgets.figures",
+    "player_figure": "pipeviz.widgets.teaching_figures",
+    "side_by_side_figure": "pipeviz.widgets.teaching_figures",
     "timeline_figure": "pipeviz.widgets.figures",
     "write_report": "pipeviz.widgets.report",
 }
