@@ -38,7 +38,7 @@ ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts" / "browser"
 # The README's pictures of the Explorer and of a live run's timeline: taken here on every JupyterLab run (into
 # ARTIFACTS) and, with PIPEVIZ_README_IMAGES=docs/images (`make screenshots`), written where the README shows them,
 # so they are kept current by the test that checks what they show.
-README_IMAGES = {"explorer": "explorer.png", "timeline": "live-timeline.png"}
+README_IMAGES = {"explorer": "explorer.png", "timeline": "live-timeline.png", "player": "step-through.png"}
 CHROME_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
 WIDE, NARROW, HEIGHT = 1280, 1000, 1000
@@ -526,6 +526,33 @@ def test_explorer_as_a_user_meets_it(lab: tuple[str, Path], request: pytest.Fixt
             expect(page.locator(".pipeviz-explorer .pipeviz-mesh-box")).not_to_contain_text("replica", timeout=30_000)
             page.set_viewport_size({"width": WIDE, "height": HEIGHT})
 
+            # "Step through" plays the simulated step action by action (issue 32): its start, one action forward
+            # (the first forward done), back to the start; play moves on by itself and pause holds it; each rank's
+            # saved activations at that instant under the chart. No plotly animation: no console error on pause.
+            page.locator("button.pipeviz-player-toggle").click()
+            label = page.locator(".pipeviz-explorer .pipeviz-player-label")
+            expect(label).to_contain_text("start", timeout=30_000)
+            page.locator(".pipeviz-player button[title='one action forward']").click()
+            expect(label).to_contain_text("0F0 done", timeout=30_000)
+            page.locator(".pipeviz-player button[title='one action back']").click()
+            expect(label).to_contain_text("start", timeout=30_000)
+            play = page.locator(".pipeviz-player .widget-play button").first  # play, and pause while playing
+            play.click()
+            expect(label).not_to_contain_text("start", timeout=30_000)
+            page.wait_for_timeout(2000)
+            play.click()
+            page.wait_for_timeout(300)
+            held = label.text_content()
+            page.wait_for_timeout(1200)
+            assert label.text_content() == held, (held, label.text_content())
+            page.locator(".pipeviz-player button[title='one action forward']").click()
+            expect(label).not_to_have_text(held or "", timeout=30_000)
+            expect(page.locator(".pipeviz-player .js-plotly-plot g.trace.bars")).not_to_have_count(0)
+            layout = settled_layout()
+            assert not layout["out"] and not layout["scrolls"], layout
+            readme_image("player", page.locator(".pipeviz-explorer .pipeviz-player"))
+            page.locator("button.pipeviz-player-toggle").click()  # folded away again
+            expect(page.locator(".pipeviz-explorer .pipeviz-player")).to_have_count(0, timeout=30_000)
 
             # Launch: a phase shows at once, then the run ends "done" and the numerics match.
             t_click = page.evaluate(WATCH_PROGRESS)

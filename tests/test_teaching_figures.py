@@ -89,3 +89,31 @@ def test_the_player_plays_a_measured_run_and_refuses_a_step_it_lacks() -> None:
         pv.player_figure(tl, step=3)
     with pytest.raises(TypeError, match=r"needs a pv\.Timeline, got str"):
         pv.player_figure("1F1B")  # type: ignore[arg-type]
+
+
+def test_the_step_player_widget_steps_one_action_forward_and_back(classic_graph: pv.ModelGraph) -> None:
+    """The Explorer's "Step through" shows the simulated step in a StepPlayer, which follows the plan."""
+    pytest.importorskip("ipywidgets")
+    ex = pv.Explorer(classic_graph)
+    ex.plan = ["layer0", "layer1"]
+    assert ex.player is None and ex.player_section.layout.display == "flex"
+    ex.player_button.value = True
+    player = ex.player
+    assert player is not None and ex.player_box.children == (player,)
+    assert player.frame == 0 and player.back_button.disabled and "start" in player.label.value
+    player.forward()
+    assert player.frame == 1 and not player.back_button.disabled
+    first = min(e.end for e in ex.sim.events if e.kind in ("F", "B"))
+    assert player.figure.data[-2].x[0] == pytest.approx(first * 1e3)  # the line at the first action's end
+    assert "0F0 done" in player.label.value
+    player.slider.value = player.slider.max  # the end: every action drawn, no activations left
+    assert player.forward_button.disabled
+    assert sum(len(tr.x) for tr in player.figure.data[1:-2]) == len(ex.sim.events)
+    assert list(player.figure.data[-1].x) == [0.0] * ex.sim.num_ranks
+    player.back()
+    assert player.frame == player.slider.max - 1
+    frames = len(player.frames)
+    ex.microbatches.value = 8  # the plan's simulation changes: the player follows it from its start
+    assert player.frame == 0 and len(player.frames) > frames
+    ex.player_button.value = False
+    assert ex.player_box.children == ()

@@ -41,6 +41,7 @@ from pipeviz.widgets import panels
 from pipeviz.widgets.figures import graph_figure, graph_layout, graph_traces, plural, timeline_figure
 from pipeviz.widgets.live_figure import LiveFigure, plotly_bundle
 from pipeviz.widgets.panels import Change, guarded, soon
+from pipeviz.widgets.player import StepPlayer
 from pipeviz.widgets.timeline_view import TimelineView
 
 if TYPE_CHECKING:
@@ -127,6 +128,8 @@ class Explorer(W.VBox):
         run: the last launched ``pv.Run``.
         sim, sim_here: the simulated timeline of the plan, and the one "as run here" (on this machine's cores).
         sim_view, run_view: the ``TimelineView``s of the simulated and the measured timeline.
+        player_button, player: "Step through" under the simulated timeline, and the ``StepPlayer`` it shows (None
+            until first shown): the simulated step action by action, with each rank's memory at that instant.
         error: text of the last error shown ("" when the last action worked).
         refusal: why Launch would refuse the controls' settings (``pv.launch``'s checks, run at every change;
             shown under the controls with the control at fault outlined, Launch disabled), else None.
@@ -270,6 +273,17 @@ class Explorer(W.VBox):
         self.sim_heading = W.HTML("<b>Simulated step</b> (current plan)")  # hidden with the chart (one stage)
         self.sim_view = TimelineView(None)
         self.sim_view.add_class("pipeviz-sim-timeline")
+        # The simulated step played action by action (made on first use: a StepPlayer draws a figure per action).
+        self.player_button = W.ToggleButton(description="Step through", icon="step-forward", value=False,
+                                            tooltip="play the simulated step one action at a time, with each "
+                                                    "rank's saved activations at that instant",
+                                            layout=W.Layout(width="auto"))
+        self.player_button.add_class("pipeviz-player-toggle")
+        self.player_button.observe(lambda _: self._show_player(), "value")
+        self.player: StepPlayer | None = None
+        self.player_box = W.VBox(layout=W.Layout(max_width="100%"))
+        self.player_section = W.VBox([self.player_button, self.player_box],
+                                     layout=W.Layout(display="none", max_width="100%"))
         self.launch_button = W.Button(description="Launch", icon="play", button_style="success",
                                       tooltip="pv.launch(plan, ...) in background processes")
         self.launch_button.on_click(lambda _: self.launch())
@@ -319,7 +333,7 @@ class Explorer(W.VBox):
         self._children = [
             self.notes,
             W.HBox([left, right], layout=box(align_items="flex-start")),
-            self.sim_heading, self.sim_view,
+            self.sim_heading, self.sim_view, self.player_section,
             self.run_section,
             cluster_accordion(self),
         ]
@@ -763,6 +777,18 @@ class Explorer(W.VBox):
         self.sim_heading.layout.display = "none" if self.sim is None else ""
         self.sim_view.update(self.sim, overlay=None)
         self.sim_view.summary.value = "" if self.sim is None else self.sim_view.summary.value
+        self.player_section.layout.display = "none" if self.sim is None else "flex"
+        self._show_player()
+
+    def _show_player(self) -> None:
+        """The step player under the simulated timeline, following it while shown."""
+        if not self.player_button.value or self.sim is None:
+            self.player_box.children = ()
+            return
+        if self.player is None:
+            self.player = StepPlayer()
+        self.player.show(self.sim)
+        self.player_box.children = (self.player,)
 
     def _show_pipe(self) -> None:
         if not self.pipe_button.value:
