@@ -38,7 +38,8 @@ ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts" / "browser"
 # The README's pictures of the Explorer and of a live run's timeline: taken here on every JupyterLab run (into
 # ARTIFACTS) and, with PIPEVIZ_README_IMAGES=docs/images (`make screenshots`), written where the README shows them,
 # so they are kept current by the test that checks what they show.
-README_IMAGES = {"explorer": "explorer.png", "timeline": "live-timeline.png", "player": "step-through.png"}
+README_IMAGES = {"explorer": "explorer.png", "timeline": "live-timeline.png", "player": "step-through.png",
+                 "side": "side-by-side.png"}
 CHROME_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
 WIDE, NARROW, HEIGHT = 1280, 1000, 1000
@@ -553,6 +554,17 @@ def test_explorer_as_a_user_meets_it(lab: tuple[str, Path], request: pytest.Fixt
             readme_image("player", page.locator(".pipeviz-explorer .pipeviz-player"))
             page.locator("button.pipeviz-player-toggle").click()  # folded away again
             expect(page.locator(".pipeviz-explorer .pipeviz-player")).to_have_count(0, timeout=30_000)
+            # "Schedules side by side": pv.compare's rows (GPipe, 1F1B, ... on these 3 ranks) on one time axis.
+            page.locator("button.pipeviz-side-toggle").click()
+            side = page.locator(".pipeviz-explorer .pipeviz-side-by-side")
+            row_titles = side.locator("text.annotation-text")
+            expect(row_titles.filter(has_text="1F1B: step").first).to_be_visible(timeout=30_000)
+            expect(row_titles.filter(has_text="GPipe: step").first).to_be_visible()
+            layout = settled_layout()
+            assert not layout["out"] and not layout["scrolls"], layout
+            readme_image("side", side)
+            page.locator("button.pipeviz-side-toggle").click()
+            expect(side).to_have_count(0, timeout=30_000)
 
             # Launch: a phase shows at once, then the run ends "done" and the numerics match.
             t_click = page.evaluate(WATCH_PROGRESS)

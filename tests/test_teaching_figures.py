@@ -117,3 +117,18 @@ def test_the_step_player_widget_steps_one_action_forward_and_back(classic_graph:
     assert player.frame == 0 and len(player.frames) > frames
     ex.player_button.value = False
     assert ex.player_box.children == ()
+
+
+def test_the_explorer_sets_schedules_side_by_side(classic_graph: pv.ModelGraph) -> None:
+    pytest.importorskip("ipywidgets")
+    ex = pv.Explorer(classic_graph)
+    ex.plan = ["layer0", "layer1"]
+    ex.side_button.value = True
+    assert ex.comparison is not None and ex.side_box.children == (ex.side_figure,)
+    titles = [a.text.split(":")[0] for a in ex.side_figure.layout.annotations if a.text]
+    assert titles == [r.schedule for r in ex.comparison.rows] == ["GPipe", "1F1B"]  # 3 stages: the single ones
+    assert ex.comparison.row("1F1B").step_time == pytest.approx(ex.sim.step_time)  # the controls' run
+    ex.microbatches.value = 8
+    assert ex.comparison is not None and ex.comparison.timelines["1F1B"].microbatches == 8  # follows the controls
+    ex.side_button.value = False
+    assert ex.side_box.children == () and ex.comparison is None

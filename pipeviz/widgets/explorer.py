@@ -130,6 +130,8 @@ class Explorer(W.VBox):
         sim_view, run_view: the ``TimelineView``s of the simulated and the measured timeline.
         player_button, player: "Step through" under the simulated timeline, and the ``StepPlayer`` it shows (None
             until first shown): the simulated step action by action, with each rank's memory at that instant.
+        side_button, comparison, side_figure: "Schedules side by side": ``pv.compare`` of the plan and the controls'
+            run (None while hidden), drawn by ``pv.side_by_side_figure``.
         error: text of the last error shown ("" when the last action worked).
         refusal: why Launch would refuse the controls' settings (``pv.launch``'s checks, run at every change;
             shown under the controls with the control at fault outlined, Launch disabled), else None.
@@ -282,8 +284,18 @@ class Explorer(W.VBox):
         self.player_button.observe(lambda _: self._show_player(), "value")
         self.player: StepPlayer | None = None
         self.player_box = W.VBox(layout=W.Layout(max_width="100%"))
-        self.player_section = W.VBox([self.player_button, self.player_box],
-                                     layout=W.Layout(display="none", max_width="100%"))
+        # Every schedule of pv.compare on these ranks, one above the other on one time and one memory axis.
+        self.side_button = W.ToggleButton(description="Schedules side by side", icon="columns", value=False,
+                                          tooltip="pv.compare on these ranks: every schedule's simulated step on "
+                                                  "one time axis, its memory per rank on one memory axis",
+                                          layout=W.Layout(width="auto"))
+        self.side_button.add_class("pipeviz-side-toggle")
+        self.side_button.observe(lambda _: self._show_side_by_side(), "value")
+        self.side_figure: LiveFigure | None = None
+        self.comparison: pv.Comparison | None = None
+        self.side_box = W.VBox(layout=W.Layout(max_width="100%"))
+        self.player_section = W.VBox([W.HBox([self.player_button, self.side_button]), self.player_box,
+                                      self.side_box], layout=W.Layout(display="none", max_width="100%"))
         self.launch_button = W.Button(description="Launch", icon="play", button_style="success",
                                       tooltip="pv.launch(plan, ...) in background processes")
         self.launch_button.on_click(lambda _: self.launch())
@@ -779,6 +791,34 @@ class Explorer(W.VBox):
         self.sim_view.summary.value = "" if self.sim is None else self.sim_view.summary.value
         self.player_section.layout.display = "none" if self.sim is None else "flex"
         self._show_player()
+        self._show_side_by_side()
+
+    def _show_side_by_side(self) -> None:
+        """Every schedule side by side under the simulated timeline (``pv.compare`` of the plan, the controls' run),
+        following the plan while shown."""
+        from pipeviz.widgets.teaching_figures import side_by_side_figure
+
+        self.comparison = None
+        if not self.side_button.value or self.sim is None:
+            self.side_box.children = ()
+            return
+        cfg = self.launch_config()
+        self.comparison = pv.compare(self._plan, microbatches=cfg.microbatches, config=cfg,
+                                     options=self.cost_options())
+        if not self.comparison.rows:
+            self.side_box.children = (W.HTML("<i>no schedule runs this plan here</i>"),)
+            return
+        fig = side_by_side_figure(self.comparison)
+        if self.side_figure is None:
+            self.side_figure = LiveFigure()
+            self.side_figure._config = {"responsive": True}
+            self.side_figure.add_class("pipeviz-side-by-side")
+        with self.side_figure.batch_update():
+            self.side_figure.data = []
+            self.side_figure.add_traces(fig.data)
+            self.side_figure.layout = fig.layout
+        self.side_figure.persist()
+        self.side_box.children = (self.side_figure,)
 
     def _show_player(self) -> None:
         """The step player under the simulated timeline, following it while shown."""
