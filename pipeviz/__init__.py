@@ -35,6 +35,7 @@ from pipeviz.runtime import LaunchConfig, LaunchError, Run, launch, train_refere
 from pipeviz.schedules import ScheduleError
 from pipeviz.simulate import Comparison, estimate_costs, simulate
 from pipeviz.timeline import Event, Timeline
+from pipeviz.trace_import import import_trace
 from pipeviz.training import cross_entropy, sgd, warmup_cosine
 from pipeviz.version import __version__ as __version__
 from pipeviz.weights import materialize
@@ -78,6 +79,7 @@ __all__ = [
     "export_torchrun",
     "hardware",
     "idle_gaps",
+    "import_trace",
     "launch",
     "manual_plan",
     "materialize",
