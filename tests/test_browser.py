@@ -527,6 +527,20 @@ def test_explorer_as_a_user_meets_it(lab: tuple[str, Path], request: pytest.Fixt
             expect(page.locator(".pipeviz-explorer .pipeviz-mesh-box")).not_to_contain_text("replica", timeout=30_000)
             page.set_viewport_size({"width": WIDE, "height": HEIGHT})
 
+            # "why" on the simulated timeline: the critical path drawn over it, and every idle gap, whose hover
+            # says what it waits for (issue 32).
+            page.locator(".pipeviz-sim-timeline .pipeviz-why-toggle input").check()
+            sim_plot = "document.querySelector('.pipeviz-sim-timeline .js-plotly-plot')"
+            page.wait_for_function(f"""() => {{ const gd = {sim_plot};
+                return gd && gd.data && gd.data.some(t => t.name === 'critical path')
+                    && gd.data.some(t => t.name === 'idle: what it waits for'
+                                         && Array.from(t.hovertext || []).some(h => h.includes('waits for'))); }}""",
+                                   timeout=30_000, polling=250)
+            page.locator(".pipeviz-sim-timeline .pipeviz-why-toggle input").uncheck()
+            page.wait_for_function(f"""() => {{ const gd = {sim_plot};
+                return gd && gd.data && !gd.data.some(t => t.name === 'critical path'); }}""", timeout=30_000,
+                                   polling=250)
+
             # "Step through" plays the simulated step action by action (issue 32): its start, one action forward
             # (the first forward done), back to the start; play moves on by itself and pause holds it; each rank's
             # saved activations at that instant under the chart. No plotly animation: no console error on pause.

@@ -132,3 +132,24 @@ def test_the_explorer_sets_schedules_side_by_side(classic_graph: pv.ModelGraph) 
     assert ex.comparison is not None and ex.comparison.timelines["1F1B"].microbatches == 8  # follows the controls
     ex.side_button.value = False
     assert ex.side_box.children == () and ex.comparison is None
+
+
+def test_a_timeline_view_says_why_on_a_toggle(classic_graph: pv.ModelGraph) -> None:
+    """The Explorer's simulated timeline (any TimelineView): "why" draws the critical path and the idle gaps, each
+    gap's hover saying what it waits for; off again, the chart is as before."""
+    pytest.importorskip("ipywidgets")
+    ex = pv.Explorer(classic_graph)
+    ex.plan = ["layer0", "layer1"]
+    view = ex.sim_view
+    before = [tr.name for tr in view.figure.data]
+    view.why.value = True
+    names = [tr.name for tr in view.figure.data]
+    assert names[:len(before)] == before and names[len(before):] == ["idle: what it waits for", "critical path"]
+    path = pv.critical_path(ex.sim)
+    assert len(view.figure.data[-1].x) == len(path)
+    hovers = list(view.figure.data[-2].hovertext)
+    assert hovers == [g.reason for g in pv.idle_gaps(ex.sim)] and any("waits for rank" in h for h in hovers)
+    ex.microbatches.value = 8  # follows the plan's simulation
+    assert len(view.figure.data[-1].x) == len(pv.critical_path(ex.sim))
+    view.why.value = False
+    assert [tr.name for tr in view.figure.data] == before

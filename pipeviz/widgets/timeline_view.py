@@ -27,6 +27,7 @@ from pipeviz.widgets.figures import (
     timeline_layout,
     timeline_title,
     timeline_traces,
+    why_traces,
 )
 from pipeviz.widgets.live_figure import LiveFigure, plotly_bundle
 
@@ -104,6 +105,8 @@ class TimelineView(W.VBox):
         figure: the ``plotly.graph_objects.FigureWidget``.
         loss_chart: under it, an attached training run's loss per step and held-out loss (``run.eval_losses``),
             shown once the run has one.
+        why: a checkbox: draw the critical path and every idle gap, whose hover says what it waits for
+            (``pv.critical_path``, ``pv.idle_gaps``; of the step picked, else the timeline's; up to 3,000 events).
         redraws: how many times the chart was redrawn.
         last_redraw_s: seconds the last redraw took in Python; redraw_s and live_redraws: the time and the count
             of the redraws since the last ``attach``.
@@ -129,7 +132,15 @@ class TimelineView(W.VBox):
         self.step_select = W.Dropdown(options=[("all steps", -1)], value=-1, description="zoom",
                                       layout=W.Layout(width="180px"))
         self.step_select.observe(self._on_step, "value")
-        super().__init__([W.HBox([self.summary, self.step_select],
+        # Why the step takes what it takes: the critical path and what each idle gap waits for (pv.critical_path,
+        # pv.idle_gaps), drawn over the chart; the gaps' hover says what they wait for.
+        self.why = W.Checkbox(value=False, description="why", indent=False, layout=W.Layout(width="64px"),
+                              tooltip="the critical path and, on hover, what each idle gap waits for")
+        self.why.add_class("pipeviz-why-toggle")
+        self.why.observe(lambda _: self.redraw(), "value")
+        tools = W.HBox([self.why, self.step_select], layout=W.Layout(flex="0 0 auto", align_items="center",
+                                                                     overflow="visible"))
+        super().__init__([W.HBox([self.summary, tools],
                                  layout=W.Layout(justify_content="space-between", align_items="center")),
                           self.figure, self.loss_box,
                           *[b for b in [plotly_bundle()] if b is not None]])  # plotly.js, once per page, hidden
@@ -259,6 +270,9 @@ class TimelineView(W.VBox):
         if tl is None:  # nothing measured yet: show the overlay alone, or an empty chart
             tl, overlay = (overlay, None) if overlay is not None else (Timeline([], 1, 1, 1, "-", source="empty"), None)
         traces = timeline_traces(tl, overlay)
+        if self.why.value and tl.events and len(tl.events) <= GL_THRESHOLD:
+            step = self.step_select.value if self.step_select.value != -1 else None
+            traces += why_traces(tl, step)
         if len(tl.events) <= GL_THRESHOLD:
             # Plain lists, not numpy arrays: plotly's FigureWidget compares what the browser sends back with a
             # bar trace's properties using `if not value`, which raises on an array ("truth value ... is
@@ -319,6 +333,8 @@ class TimelineView(W.VBox):
         tl = self._timeline
         if tl is None:
             return
+        if self.why.value:  # the critical path and gaps of the step picked
+            self.redraw()
         if change["new"] == -1:
             self.figure.layout.xaxis.autorange = True
             return
