@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from pipeviz.timeline import COMPUTE, Event, Timeline
 
-__all__ = ["Gap", "critical_path", "dependencies", "idle_gaps"]
+__all__ = ["Gap", "critical_path", "dependencies", "handoffs", "idle_gaps"]
 
 _EPS = 1e-9
 
@@ -77,6 +77,16 @@ def dependencies(tl: Timeline, event: Event) -> list[Event]:
     deps = index.data(event) if event.kind in COMPUTE else []
     prev = index.before(event)
     return [*([prev] if prev is not None else []), *deps]
+
+
+def handoffs(tl: Timeline, step: int | None = None) -> list[tuple[Event, Event]]:
+    """Every hand-off between ranks in ``step`` (default as ``critical_path``'s): ``(from, to)`` for each action
+    whose data another rank's action produced (a forward's activations from the previous stage, a backward's
+    gradients from the next), in the order the receiving actions start: the arrows of a dependency drawing."""
+    if step is None:
+        step = tl.steps[1] if len(tl.steps) > 1 else (tl.steps[0] if tl.steps else 0)
+    index = _Index(tl.step_events(step), tl.num_stages)
+    return [(d, e) for e in index.events if e.kind in COMPUTE for d in index.data(e) if d.rank != e.rank]
 
 
 def critical_path(tl: Timeline, step: int | None = None) -> list[Event]:

@@ -144,7 +144,8 @@ def test_a_timeline_view_says_why_on_a_toggle(classic_graph: pv.ModelGraph) -> N
     before = [tr.name for tr in view.figure.data]
     view.why.value = True
     names = [tr.name for tr in view.figure.data]
-    assert names[:len(before)] == before and names[len(before):] == ["idle: what it waits for", "critical path"]
+    assert names[:len(before)] == before
+    assert names[len(before):] == ["hand-offs", "idle: what it waits for", "critical path"]
     path = pv.critical_path(ex.sim)
     assert len(view.figure.data[-1].x) == len(path)
     hovers = list(view.figure.data[-2].hovertext)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import pipeviz as pv
 from pipeviz import schedules as sched
 from pipeviz.costs import Costs
-from pipeviz.why import dependencies
+from pipeviz.why import dependencies, handoffs
 from pipeviz.zoo import MyNetwork
 
 
@@ -34,6 +34,9 @@ def test_a_hand_checked_1f1b_step() -> None:
     assert str(gaps[0]).startswith("rank 0 idle 2000.000-4000.000 ms: waits for rank 1's B")
     b0 = next(e for e in tl.events if (e.rank, e.kind, e.mb) == (0, "B", 0))
     assert {(d.rank, d.kind, d.mb) for d in dependencies(tl, b0)} == {(0, "F", 1), (0, "F", 0), (1, "B", 0)}
+    # the hand-offs between ranks, in the order the receiving actions start: the arrows of the drawing
+    assert [(a.label, b.label) for a, b in handoffs(tl)] == [("0F0", "1F0"), ("0F1", "1F1"), ("1B0", "0B0"),
+                                                             ("1B1", "0B1")]
 
 
 @pytest.mark.parametrize("schedule", sched.ALL)
@@ -85,4 +88,7 @@ def test_the_figure_draws_the_path_and_labels_the_gaps() -> None:
     assert list(path.y) == [0, 1, 1, 1, 1, 0] and list(path.x) == [500.0, 1500.0, 3000.0, 4500.0, 6000.0, 8000.0]
     assert list(idle.base) == [2000.0, 6000.0, 0.0] and list(idle.x) == [2000.0, 1000.0, 1000.0]
     assert idle.hovertext[0] == "waits for rank 1's B of microbatch 0 (stage 1)"
+    [arrows] = [t for t in fig.data if t.meta and t.meta[1] == "DEP"]  # 0F0's end (1000 ms) to 1F0's start
+    assert list(arrows.x[:3]) == [1000.0, 1000.0, None] and list(arrows.y[:3]) == [0, 1, None]
+    assert arrows.marker.symbol == "arrow" and list(arrows.marker.size[:3]) == [0, 7, 0]
     assert not [t for t in timeline_figure(tl).data if t.meta and t.meta[0] == "why"]

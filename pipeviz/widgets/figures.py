@@ -237,15 +237,29 @@ IDLE_COLOR = "#9E9E9E"
 
 
 def why_traces(timeline: Timeline, step: int | None = None) -> list[dict[str, object]]:
-    """Plotly trace dicts for why ``step`` takes as long as it does (``pv.critical_path``, ``pv.idle_gaps``): the
-    critical path as a line through its actions, rank to rank, and every idle gap as a faint bar whose hover says
-    what it waits for."""
-    from pipeviz.why import critical_path, idle_gaps
+    """Plotly trace dicts for why ``step`` takes as long as it does (``pv.critical_path``, ``pv.idle_gaps``,
+    ``pipeviz.why.handoffs``): an arrow for every hand-off between ranks (from the end of the action that produced
+    the data to the start of the one that used it), the critical path as a line through its actions, rank to rank,
+    and every idle gap as a faint bar whose hover says what it waits for."""
+    from pipeviz.why import critical_path, handoffs, idle_gaps
 
     t0 = time_origin(timeline)
     path = critical_path(timeline, step)
     gaps = idle_gaps(timeline, step)
     traces: list[dict[str, object]] = []
+    links = handoffs(timeline, step)
+    if links:  # an arrow from each action to the one on another rank it hands its result to
+        xs: list[float | None] = []
+        ys: list[float | None] = []
+        sizes: list[int] = []
+        for a, b in links:
+            xs += [(a.end - t0) * 1e3, (b.start - t0) * 1e3, None]
+            ys += [a.rank, b.rank, None]
+            sizes += [0, 7, 0]
+        traces.append({
+            "type": "scatter", "mode": "lines+markers", "name": "hand-offs", "meta": ["why", "DEP"], "x": xs,
+            "y": ys, "line": {"color": "#555555", "width": 0.8}, "opacity": 0.55, "hoverinfo": "skip",
+            "marker": {"symbol": "arrow", "angleref": "previous", "size": sizes, "color": "#555555"}})
     if gaps:
         traces.append({
             "type": "bar", "orientation": "h", "name": "idle: what it waits for", "meta": ["why", "IDLE"],
