@@ -101,13 +101,15 @@ except ScheduleError as err:                                    # ...but it cann
 # Qi et al. (*Zero Bubble Pipeline Parallelism*, arXiv 2401.10241) start from 1F1B: replace each backward `B` by
 # its input-grad pass `I` at the same place, and run the weight-grad passes `W` later, where the rank would wait.
 # The later a rank is in the pipeline, the sooner its last input-grad pass is done and the longer it would sit
-# idle at the end of the step, so here rank *r* keeps *r* weight-grad passes pending and runs them there. With
-# *F* = 1 and *I* = *W* = 1 the bubble time falls from (*p* − 1)·(*F* + *B*) = 9 to (*p* − 1)·(*F* + *I* − *W*) =
-# 3, the paper's ZB-H1 figure.
+# idle at the end of the step, so here rank *r* keeps *r* weight-grad passes pending and runs them there. A `W`
+# that falls due runs *before* the rank's next forward: that is what keeps ZB-H1's memory at 1F1B's (the paper
+# defines ZB-H1 by never exceeding 1F1B's peak). With *F* = 1 and *I* = *W* = 1 the bubble time falls from
+# (*p* − 1)·(*F* + *B*) = 9 to (*p* − 1)·(*F* + *I* − *W*) = 3, the paper's ZB-H1 figure.
 
 # %%
 def zb_h1(p, m):
-    """1F1B with each B split: I in B's place, W postponed (rank r keeps r of them pending)."""
+    """1F1B with each B split: I in B's place, W postponed (rank r keeps r of them pending); a W that falls due runs
+    before the next F."""
     orders = []
     for r in range(p):
         warm = min(m, p - r)
@@ -116,11 +118,11 @@ def zb_h1(p, m):
         for b in range(m):
             acts.append(f"{r}I{b}")              # where 1F1B runs B: the input grad the previous stage waits for
             pending.append(f"{r}W{b}")
+            if len(pending) > r:                 # rank r keeps r weight-grad passes pending; the due one goes now,
+                acts.append(pending.pop(0))      # before the next forward adds a microbatch's activations
             if next_f < m:
                 acts.append(f"{r}F{next_f}")
                 next_f += 1
-            if len(pending) > r:                 # rank r keeps r weight-grad passes pending
-                acts.append(pending.pop(0))
         orders.append(acts + pending)           # the rest fill the cool-down
     return orders
 
@@ -137,20 +139,34 @@ for name, tl in (*results.items(), ("torch's InterleavedZeroBubble, 1 stage/rank
 assert results["1F1B"].step_time - 3 * m == (p - 1) * 3
 assert results["ZB-H1"].step_time - 3 * m == (p - 1) * 1 == torch_zb.step_time - 3 * m
 assert max(torch_zb.peak_activation_bytes) == results["1F1B"].peak_activation_bytes[0]
+# ZB-H1's memory: no rank above 1F1B's rank 0 (4 microbatches), each later rank half a microbatch less
+assert [b / 2 for b in results["ZB-H1"].peak_activation_bytes] == [4.0, 3.5, 3.0, 2.5]
+# the due W after the next F instead: the same bubble, rank 0 holding 4.5 microbatches, above 1F1B
+late = [[a for a in acts] for acts in h1]
+for acts in late:
+    for i in range(len(acts) - 1):
+        if "W" in acts[i] and "F" in acts[i + 1]:
+            acts[i], acts[i + 1] = acts[i + 1], acts[i]
+w_late = pv.simulate(None, "1F1B", m, costs=costs, num_stages=p, order=late)
+print("W after the next F:", w_late.step_time - 3 * m, [b / 2 for b in w_late.peak_activation_bytes])
+assert w_late.step_time == results["ZB-H1"].step_time and w_late.peak_activation_bytes[0] / 2 == 4.5
 print("rank 3:", " ".join(h1[3]))
 pv.timeline_figure(results["ZB-H1"])
 
 # %% [markdown]
-# The postponed `W`s keep half of a microbatch's activations alive a little longer (the table's last column):
-# this ZB-H1 trades some memory for most of the bubble. torch's `ScheduleInterleavedZeroBubble` with one stage per
-# rank places its `W`s differently (each rank postpones them only as long as it must) and reaches the same step
-# holding less: no rank above 1F1B's rank 0.
+# A postponed `W` keeps half of a microbatch's activations alive a little longer, but because the due one runs
+# before the next forward, the peak never passes 1F1B's: rank 0 holds 4 microbatches as in 1F1B, each later rank
+# half a microbatch less ([4, 3.5, 3, 2.5]). ZB-H1 takes most of the bubble away at no memory cost; run the due `W`
+# after the next forward instead and the step is the same but rank 0 holds 4.5 (the last lines above). torch's
+# `ScheduleInterleavedZeroBubble` with one stage per rank reaches the same step with the same memory per rank.
 #
 # ## Running a schedule for real
 #
-# `pv.launch` runs torch's own schedules by name; it has no option to run a hand-written order (torch can, through
-# its private `_PipelineScheduleRuntime`, which pipeviz does not expose). The nearest real run is torch's
-# zero-bubble schedule with one stage per rank, whose order the simulator predicts action for action:
+# `pv.launch` runs torch's own schedules by name, and a hand-written order as `LaunchConfig(order=...)` (checked
+# before any process starts, then run through torch's runtime, which adds the sends, receives and reductions;
+# torch's documented way to write a schedule of your own is a subclass of `PipelineScheduleSingle` or
+# `PipelineScheduleMulti`). Here, torch's zero-bubble schedule with one stage per rank, whose order the simulator
+# predicts action for action:
 
 # %%
 torch.manual_seed(0)
