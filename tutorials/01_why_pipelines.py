@@ -56,8 +56,9 @@ assert whole.stages[0].memory_bytes > DEVICE_MEMORY  # what the text says: the w
 # %% [markdown]
 # The `memory` column is the training footprint of `pipeviz.costs`, the one memory model every lesson uses:
 # parameters + gradients + Adam's two states (16 bytes per parameter, as above) + the activations kept for the
-# backward. Split into three stages with about equal parameters (`pv.balance` picks the cut points), each stage
-# fits:
+# backward: the footprint of a real training run. (The small runs these lessons launch train with `pv.launch`'s
+# default, plain SGD, which keeps no state: they hold 8 bytes per parameter, not 16; pass `optimizer=` for Adam.)
+# Split into three stages with about equal parameters (`pv.balance` picks the cut points), each stage fits:
 
 # %%
 plan = pv.balance(graph, num_stages=3, by="params")

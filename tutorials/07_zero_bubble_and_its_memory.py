@@ -63,7 +63,8 @@ for schedule, v in SCHEDULES:
 # - **1F1B** holds *p* − *r* microbatches on rank *r*: rank 0 is the bottleneck, with *p*.
 # - **Interleaved1F1B** (depth-first: each microbatch runs through a rank's chunks as early as possible) divides
 #   the bubble time by *v* but holds *more* on rank 0: *p*·(1 + (*p* − 1)/(*p*·*v*)) microbatches — its warm-up
-#   runs extra forwards of the later chunks (Narayanan et al. 2021 give this factor).
+#   runs extra forwards of the later chunks (the factor 1 + (*p* − 1)/(*p*·*v*) is Korthikanti et al. 2022,
+#   *Reducing Activation Recomputation in Large Transformer Models*, §4.2.3).
 # - **LoopedBFS** (breadth-first: every microbatch through chunk 0, then every one through chunk 1) has the same
 #   bubble as interleaving but holds **all *m*** microbatches, like GPipe: its memory grows with *m*.
 # - **ZBVZeroBubble** leaves a bubble of (*p* − 1)·*F*, with *F* the forward of one stage (here 1/2): the first

@@ -12,7 +12,8 @@
 # # Lesson 9 · Inference pipelining
 #
 # **You will learn:** how a pipeline runs forward only (the seed's own walkthrough), what its bubble and memory
-# are without backwards, why pipelining raises throughput but not the latency of one batch, and which schedules
+# are without backwards, why pipelining raises throughput (a batch even finishes sooner) but not the latency of one
+# microbatch or one request, and which schedules
 # can run without a backward.
 #
 # ## Forward only
@@ -41,7 +42,7 @@ for m in (1, 2, 4, 8):
     print(f"m = {m}: step {tl.step_time:g} F, bubble {tl.bubble_fraction:.0%}")
 
 # %% [markdown]
-# ## Throughput, not latency
+# ## Throughput, not the latency of a request
 #
 # One microbatch alone still crosses all *p* stages one after the other: *p*·*F*, no faster than one device would
 # be (plus the hand-offs). What the pipeline adds is **throughput**: once full, it finishes a microbatch every *F*.
@@ -101,8 +102,8 @@ pv.TimelineView(runs[4])
 # ## Memory without training
 #
 # `pv.simulate(..., forward_only=True)` counts weights and one microbatch's activations per rank; training adds
-# gradients and Adam's two states (16 bytes per parameter instead of 4, lesson 1) and every activation a backward
-# still needs: about 4× here.
+# gradients and Adam's two states (16 bytes per parameter instead of 4, lesson 1; the lessons' own runs train
+# with plain SGD, which keeps no state) and every activation a backward still needs: about 4× here.
 
 # %%
 infer_mem = pv.simulate(plan, "GPipe", 4, forward_only=True).memory_bytes

@@ -20,7 +20,8 @@
 # - **PP** cuts the model by layers: stages talk once per microbatch and boundary (one activation forward, one
 #   gradient back), so it tolerates slow links — across nodes.
 # - **DP** copies the whole pipeline: each replica trains on 1/*dp* of every batch, and after the backward the
-#   replicas average their gradients (one all-reduce per step, mostly hidden behind the last backward).
+#   replicas average their gradients (one all-reduce per step; under pipelining only the last microbatch's
+#   backward can overlap it, so on a slow link it shows: the slow-link row below).
 # - **TP** cuts each layer's matrices (Megatron-LM: a column-wise Linear, then a row-wise one): each shard computes
 #   and stores 1/*tp* of a stage but pays an all-reduce of the layer's output on the critical path, in every forward
 #   and backward — it needs the fastest links, inside a node.
@@ -73,8 +74,10 @@ for name, options in cases.items():
 # %% [markdown]
 # What the table says (asserted below):
 #
-# - **DP** keeps each rank's memory (every replica holds the whole stage) and its step about the same, for twice
-#   the samples per step; the all-reduce shows when the DP link is slow.
+# - **DP** keeps each rank's memory (every replica holds the whole stage) and its step about the same; here each
+#   replica gets half of the same batch (the global batch stays), so a step takes in no more samples, each replica
+#   computing half as many (at a fixed global batch, more replicas mean fewer microbatches per pipeline, or smaller
+#   ones, and a bigger bubble). The all-reduce shows when the DP link is slow.
 # - **TP** halves each rank's memory, but on this small model and these links its all-reduces cost more than the
 #   halved compute saves: TP pays off for large layers on fast links (NVLink inside a node), not here.
 
@@ -135,7 +138,8 @@ print(roomy.table())
 
 # %% [markdown]
 # A model this small fits on one GPU, so the planner may need no pipeline at all. Give each device only 8 GiB
-# (a bigger model, in effect) and pipelining becomes necessary: the fastest layout that fitted no longer does.
+# (a bigger model, in effect): the fastest layout that fitted no longer does, and the fastest one that fits
+# pipelines (the assert checks that; a layout without pipelining may still fit lower in the table).
 
 # %%
 LIMIT = 8 * 2**30
