@@ -22,7 +22,10 @@
 # | LoopedBFS | *v* | breadth-first over the chunks (Lamy-Poirier 2023) |
 # | InterleavedZeroBubble | *v* | backward = input-grad *I* + weight-grad *W*; *W* fills bubbles (Qi et al. 2024) |
 # | ZBVZeroBubble | 2, V-shaped | zero bubble, V: rank 0 holds the first and last stage (Qi et al., arXiv 2401.10241) |
-# | DualPipeV | 2, V-shaped | overlaps a forward and a backward (DeepSeek-V3, 2024) |
+# | DualPipeV | 2, V-shaped | overlaps a forward and a backward: DualPipe "cut in half" (note below) |
+#
+# DualPipeV is the V-shaped variant in DeepSeek's DualPipe repository, credited there to Sea AI Lab; the DeepSeek-V3
+# report describes DualPipe itself, bidirectional, which holds two copies of the parameters.
 
 # %%
 import warnings

@@ -21,7 +21,7 @@
 # immediately starts microbatch 1, so after a short fill-up all stages work at once. When every forward is done,
 # the backwards drain the pipeline the other way. Gradients of all microbatches are accumulated and the optimizer
 # steps once: the update is the same as for the whole batch (for a mean-reduced loss, torch divides the summed
-# gradients by *m*).
+# gradients by *m*), except for batch normalisation, whose statistics each microbatch computes over itself.
 #
 # ## The bubble formula
 #

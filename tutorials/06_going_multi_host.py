@@ -72,7 +72,9 @@ print(sorted(p.name for p in workdir.iterdir()))
 # %% [markdown]
 # ## Two nodes on one machine
 #
-# Both agents get the same rendezvous address; only `--node-rank` differs. (On real machines `--master-addr` is
+# Both agents get the same rendezvous address; only `--node-rank` differs. (With the static rendezvous used here
+# `--node-rank` is each node's rank; under a c10d rendezvous (`--rdzv-backend c10d`) the rendezvous assigns the node
+# ranks and `--node-rank` is ignored. On real machines `--master-addr` is
 # node 0's address, reachable from all.) Every rank writes its events to `train_pp_events/rank<R>.jsonl`, and
 # `pv.watch` follows them live. torchrun tells each worker where it is through its environment: `RANK` (global),
 # `GROUP_RANK` (its node's rank) and `LOCAL_RANK`; a small wrapper records them before running the exported script,

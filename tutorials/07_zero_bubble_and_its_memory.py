@@ -13,8 +13,8 @@
 #
 # **You will learn:** what each bubble-shrinking schedule costs in activation memory — interleaving's factor
 # 1 + (*p* − 1)/(*p*·*v*), breadth-first's memory growing with *m*, ZB-V's flat and balanced memory — what is left
-# of the bubble under "zero bubble", and why DualPipeV brings nothing on a dense model; on the simulator and on
-# real runs.
+# of the bubble under "zero bubble", and why, under the simulator's assumptions (a dense model, free
+# communication), DualPipeV brings nothing; on the simulator and on real runs.
 #
 # Lesson 4 measured bubbles in time only. Every schedule also decides **how many microbatches' activations each
 # rank keeps alive at once** (lesson 3: GPipe all *m*, 1F1B at most *p* on rank 0): a forward adds a microbatch's
@@ -72,7 +72,9 @@ for schedule, v in SCHEDULES:
 #   Its memory is **flat in *m***, **equal on every rank** and at **1F1B's rank-0 level, *p***: the V gives rank 0
 #   the last stage, whose backward frees memory early, and rank *p* − 1 the middle.
 # - **InterleavedZeroBubble** reaches the same bubble with a 1F1B-like memory slope (rank 0 holds *p*).
-# - **DualPipeV** (DeepSeek-V3) has ZB-V's bubble here and holds slightly more. Its point is elsewhere: it runs the
+# - **DualPipeV** (the "cut-in-half" V-shaped variant of DualPipe in DeepSeek's DualPipe repository, credited there
+#   to Sea AI Lab; DeepSeek-V3 itself describes bidirectional DualPipe, which holds two copies of the parameters)
+#   has ZB-V's bubble here and holds slightly more. Its point is elsewhere: it runs the
 #   forward of one microbatch and the backward of another *together*, so that a mixture-of-experts model's
 #   all-to-all communication of one hides behind the other's compute. A dense model with free communication has
 #   nothing to hide, so the simulator shows no gain.

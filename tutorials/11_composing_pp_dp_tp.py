@@ -23,8 +23,9 @@
 #   replicas average their gradients (one all-reduce per step; under pipelining only the last microbatch's
 #   backward can overlap it, so on a slow link it shows: the slow-link row below).
 # - **TP** cuts each layer's matrices (Megatron-LM: a column-wise Linear, then a row-wise one): each shard computes
-#   and stores 1/*tp* of a stage but pays an all-reduce of the layer's output on the critical path, in every forward
-#   and backward — it needs the fastest links, inside a node.
+#   and stores 1/*tp* of a stage (of its activations only with sequence parallelism: without it the norms' and
+#   dropouts' inputs are whole on every shard) but pays an all-reduce of the layer's output on the critical path,
+#   in every forward and backward — it needs the fastest links, inside a node.
 #
 # A run with all three has *pp* × *dp* × *tp* processes on a mesh; pipeviz numbers them like torchtitan, `pp`
 # outermost and `tp` innermost, and names each by its coordinates:
