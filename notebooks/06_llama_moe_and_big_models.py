@@ -110,7 +110,9 @@ pv.Explorer(big_graph, splits=big_plan)
 # ## Starting from a checkpoint
 # `weights=` takes a safetensors file or a folder of shards with its index (what HF `save_pretrained` and
 # `run.save` write). The model can stay on the meta device: each rank builds only its own stage and reads only
-# its own tensors. Here: save the trained tiny LLaMA, then start a meta copy of it from that checkpoint.
+# its own tensors. Here: save the trained tiny LLaMA, then start a meta copy of it from that checkpoint. This is a
+# warm start: the weights only, with a fresh optimizer at step 0. To continue the run itself (its optimizer and
+# scheduler state, its step and data position) pass `resume=ckpt` instead (README, "Checkpoint and resume").
 
 # %%
 ckpt = Path(tempfile.mkdtemp(prefix="pipeviz_ckpt_"))  # keep checkpoints out of the repository
@@ -118,10 +120,10 @@ print([Path(f).name for f in run.save(ckpt)])
 with torch.device("meta"):
     meta_llama = zoo.llama()
 meta_plan = pv.balance(pv.trace(meta_llama, example_args=(ids,)), 2)
-resumed = pv.launch(meta_plan, "1F1B", 4, steps=2, inputs=(ids,), target=target, loss_fn=pv.cross_entropy, weights=ckpt)
-assert resumed.wait(240) == "done", resumed.error
-print("first run:", [round(x, 4) for x in run.losses], " resumed:", [round(x, 4) for x in resumed.losses])
-resumed_numerics = pv.check_numerics(resumed)
-print(resumed_numerics)
-assert resumed_numerics.ok
+warm = pv.launch(meta_plan, "1F1B", 4, steps=2, inputs=(ids,), target=target, loss_fn=pv.cross_entropy, weights=ckpt)
+assert warm.wait(240) == "done", warm.error
+print("first run:", [round(x, 4) for x in run.losses], " warm start:", [round(x, 4) for x in warm.losses])
+warm_numerics = pv.check_numerics(warm)
+print(warm_numerics)
+assert warm_numerics.ok
 shutil.rmtree(ckpt)  # a kernel's shutdown skips exit handlers: temporary folders go explicitly
