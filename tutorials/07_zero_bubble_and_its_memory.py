@@ -96,6 +96,55 @@ for m in (8, 16, 32):
     assert abs(bubble_d - bubble_z) < 1e-9 and min(held_d) >= p        # no gain here, no less memory
 print("all claims hold for m = 8, 16, 32")
 
+# %% [markdown]
+# ## What the textbook numbers leave out
+#
+# - **ZB-V's (*p* − 1)·*F*.** The fill stays above because every step here ends in a synchronisation: the optimizer
+#   waits for every gradient. Qi et al. report ZB-V (and ZB-H2) with almost no bubble because of *optimizer
+#   post-validation*: each rank steps at once and the global checks (the gradient norm, NaNs) are validated
+#   afterwards, rolling back in the rare case they fail, so the next step's forwards need not wait at the boundary
+#   and fill it. torch's schedules and pipeviz's simulator keep the synchronous boundary, so the (*p* − 1)·*F*
+#   remains.
+# - **ZB-V sends twice the messages.** Its V of 2*p* stages crosses from one rank to another 2(*p* − 1) times per
+#   microbatch each way, 1F1B's *p* stages *p* − 1 times: twice the pipeline traffic, which the free links above
+#   hide. Priced at *F*/4 per hand-off below, both steps grow; ZB-V keeps the smaller bubble here, but on slow or
+#   shared links its doubled traffic is what to weigh.
+# - **"I frees half" is a toy.** In a transformer layer the weight-grad pass needs most of what the backward keeps:
+#   per layer the backward holds *M*<sub>B</sub> ≈ 34*sbh* + 5*as*²*b* bytes and the weight-grad pass alone
+#   *M*<sub>W</sub> ≈ 32*sbh* (Qi et al., §3), so an input-grad pass frees little. Replayed with `I` freeing 1/17
+#   of a stage's activations (`Costs.input_freed`), the conclusions above survive: ZB-V still holds 1F1B's rank 0
+#   on every rank, flat in *m*, and InterleavedZeroBubble's rank 0 holds no more.
+
+# %%
+import dataclasses
+
+
+def variant(schedule, v, m, **changes):
+    """``textbook`` with some of its costs changed (``pv.Costs`` fields)."""
+    costs = dataclasses.replace(pv.Costs.uniform(p * v, forward=1 / v, backward=2 / v, activation_bytes=12 // v),
+                                **changes)
+    return pv.simulate(None, schedule, m, costs=costs, num_stages=p * v, stages_per_rank=None if v == 1 else v)
+
+
+m = 8
+for schedule, v in (("1F1B", 1), ("ZBVZeroBubble", 2)):
+    tl = textbook(schedule, v, m)
+    rank_of = {e.stage: e.rank for e in tl.events}
+    crossings = sum(rank_of[s] != rank_of[s + 1] for s in range(p * v - 1))
+    priced = variant(schedule, v, m, comm=(0.25,) * (p * v - 1))
+    print(f"{schedule:14} rank crossings per microbatch each way: {crossings}   bubble time free links "
+          f"{tl.step_time - 3 * m:5.2f}, at F/4 per hand-off {priced.step_time - 3 * m:5.2f}")
+    rows[schedule, "crossings"] = crossings
+    rows[schedule, "priced"] = priced.step_time - 3 * m
+assert rows["ZBVZeroBubble", "crossings"] == 2 * rows["1F1B", "crossings"] == 2 * (p - 1)
+assert rows["ZBVZeroBubble", "priced"] > rows["ZBVZeroBubble", 2, m][0]      # its hand-offs cost
+assert rows["ZBVZeroBubble", "priced"] < rows["1F1B", "priced"]              # still the smaller bubble here
+for m in (8, 16):
+    freed = {s: [b / 12 for b in variant(s, 2, m, input_freed=(1 / 17,) * (2 * p)).peak_activation_bytes]
+             for s in ("ZBVZeroBubble", "InterleavedZeroBubble")}
+    print(f"m = {m}, I frees 1/17:", {s: [round(x, 2) for x in h] for s, h in freed.items()})
+    assert freed["ZBVZeroBubble"] == [p] * p and freed["InterleavedZeroBubble"][0] == p
+
 # %%
 pv.timeline_figure(textbook("ZBVZeroBubble", 2, 8))
 
