@@ -302,3 +302,13 @@ assert check.ok
 # | forward / backward | 前向 / 反向传播 | `F`, `B` (input grads `I`, weight grads `W`) |
 # | zero bubble | 零气泡 | `InterleavedZeroBubble`, `ZBVZeroBubble` |
 # | inference (forward only) | 推理 (仅前向) | `pv.launch` without `loss_fn`, `run.outputs` |
+# | device memory | 显存 | `memory_bytes`, `run.activation_memory`, `memory_limit=` |
+# | global batch size | 全局批大小 | microbatch size × microbatches × dp (`plan_cluster(global_batch=)`) |
+# | gradient accumulation | 梯度累积 | `accumulate=` |
+# | virtual pipeline (VPP) | 虚拟流水线 | several stages per rank: `stages_per_rank=` |
+# | input gradient / weight gradient | 输入梯度 / 权重梯度 | `I` / `W` (zero-bubble schedules) |
+# | overlapping communication with computation | 通信与计算重叠 | `dp_reduce="overlap"` |
+# | point-to-point / collective communication | 点对点通信 / 集合通信 | stage sends, receives / all-reduce |
+# | node (a machine) | 节点 | `torchrun --nnodes`, `pv.export_torchrun` |
+# | checkpoint (saved training state) | 检查点 | `run.save(path)`, `resume=` |
+# | expert parallel / context parallel | 专家并行 / 上下文并行 | MoE experts across ranks (not in pipeviz) / `cp=` |
