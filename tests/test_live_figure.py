@@ -73,3 +73,15 @@ def test_plotly_js_reaches_the_page_once_for_every_figure(classic_graph: Any) ->
         todo += [c for c in getattr(w, "children", ()) if id(c) not in tree]
     assert id(live_figure.plotly_bundle()) in tree
     plain.close()
+
+
+def test_a_live_figure_keeps_its_traces_for_a_view_made_later() -> None:
+    """Added, deleted and moved traces reach ``_widget_data``, which a model or view made later draws from: each
+    later restyle's trace indices exist there."""
+    fig = LiveFigure()
+    fig.add_traces([go.Bar(x=[1], y=[1], name="a"), go.Bar(x=[2], y=[2], name="b")])
+    assert [t["name"] for t in fig._widget_data] == ["a", "b"]
+    fig.data = [fig.data[1]]
+    assert [t["name"] for t in fig._widget_data] == ["b"]
+    fig.data[0].update(y=[5])  # a restyle: not copied (the page's model applies it)
+    assert list(fig._widget_data[0]["y"]) == [2]

@@ -800,7 +800,8 @@ class Explorer(W.VBox):
 
         self.comparison = None
         if not self.side_button.value or self.sim is None:
-            self.side_box.children = ()
+            if self.side_box.children:
+                self.side_box.children = ()
             return
         cfg = self.launch_config()
         self.comparison = pv.compare(self._plan, microbatches=cfg.microbatches, config=cfg,
@@ -823,7 +824,8 @@ class Explorer(W.VBox):
     def _show_player(self) -> None:
         """The step player under the simulated timeline, following it while shown."""
         if not self.player_button.value or self.sim is None:
-            self.player_box.children = ()
+            if self.player_box.children:
+                self.player_box.children = ()
             return
         if self.player is None:
             self.player = StepPlayer()

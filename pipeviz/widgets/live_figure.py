@@ -131,6 +131,23 @@ class LiveFigure(go.FigureWidget):
         self._widget_layout = deepcopy(self._layout_obj._props)
         self._widget_data = deepcopy(self._data)
 
+    # Traces added, deleted or moved: the page's model learns it from a message, which a model or view that starts
+    # later has not seen (plotly.js's widget rebuilds a view from ``_widget_data``); keep that copy whole, so each
+    # later restyle's trace indices exist there. (A clean CI run logged "indices must be valid indices for gd.data"
+    # on a run's live timeline: restyles of 8 traces on a chart drawn with none.) Only on these edits: a restyle
+    # changes no trace count.
+    def _send_addTraces_msg(self, new_traces_data: list[dict[str, object]]) -> None:
+        super()._send_addTraces_msg(new_traces_data)
+        self._widget_data = deepcopy(self._data)
+
+    def _send_deleteTraces_msg(self, delete_inds: list[int]) -> None:
+        super()._send_deleteTraces_msg(delete_inds)
+        self._widget_data = deepcopy(self._data)
+
+    def _send_moveTraces_msg(self, current_inds: list[int], new_inds: list[int]) -> None:
+        super()._send_moveTraces_msg(current_inds, new_inds)
+        self._widget_data = deepcopy(self._data)
+
     @observe("_js2py_traceDeltas")
     def _handler_js2py_traceDeltas(self, change: dict[str, object]) -> None:
         try:
