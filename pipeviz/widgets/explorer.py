@@ -276,21 +276,15 @@ class Explorer(W.VBox):
         self.sim_view = TimelineView(None)
         self.sim_view.add_class("pipeviz-sim-timeline")
         # The simulated step played action by action (made on first use: a StepPlayer draws a figure per action).
-        self.player_button = W.ToggleButton(description="Step through", icon="step-forward", value=False,
-                                            tooltip="play the simulated step one action at a time, with each "
-                                                    "rank's saved activations at that instant",
-                                            layout=W.Layout(width="auto"))
-        self.player_button.add_class("pipeviz-player-toggle")
-        self.player_button.observe(lambda _: self._show_player(), "value")
+        self.player_button = _toggle("Step through", "step-forward", "pipeviz-player-toggle",
+                                     "play the simulated step one action at a time, with each rank's saved "
+                                     "activations at that instant", self._show_player)
         self.player: StepPlayer | None = None
         self.player_box = W.VBox(layout=W.Layout(max_width="100%"))
         # Every schedule of pv.compare on these ranks, one above the other on one time and one memory axis.
-        self.side_button = W.ToggleButton(description="Schedules side by side", icon="columns", value=False,
-                                          tooltip="pv.compare on these ranks: every schedule's simulated step on "
-                                                  "one time axis, its memory per rank on one memory axis",
-                                          layout=W.Layout(width="auto"))
-        self.side_button.add_class("pipeviz-side-toggle")
-        self.side_button.observe(lambda _: self._show_side_by_side(), "value")
+        self.side_button = _toggle("Schedules side by side", "columns", "pipeviz-side-toggle",
+                                   "pv.compare on these ranks: every schedule's simulated step on one time axis, its "
+                                   "memory per rank on one memory axis", self._show_side_by_side)
         self.side_figure: LiveFigure | None = None
         self.comparison: pv.Comparison | None = None
         self.side_box = W.VBox(layout=W.Layout(max_width="100%"))
@@ -814,11 +808,7 @@ class Explorer(W.VBox):
             self.side_figure = LiveFigure()
             self.side_figure._config = {"responsive": True}
             self.side_figure.add_class("pipeviz-side-by-side")
-        with self.side_figure.batch_update():
-            self.side_figure.data = []
-            self.side_figure.add_traces(fig.data)
-            self.side_figure.layout = fig.layout
-        self.side_figure.persist()
+        self.side_figure.replace(fig)
         self.side_box.children = (self.side_figure,)
 
     def _show_player(self) -> None:
@@ -878,6 +868,15 @@ class Explorer(W.VBox):
     def __repr__(self) -> str:
         return (f"Explorer({self._plan!r}, schedule={self.schedule.value}, microbatches={self.microbatches.value}, "
                 f"mode={self.mode.value})")
+
+
+def _toggle(description: str, icon: str, css: str, tooltip: str, show: Callable[[], None]) -> W.ToggleButton:
+    """A toggle under the simulated timeline that shows (or hides) a view with ``show``."""
+    button = W.ToggleButton(description=description, icon=icon, value=False, tooltip=tooltip,
+                            layout=W.Layout(width="auto"))
+    button.add_class(css)
+    button.observe(lambda _: show(), "value")
+    return button
 
 
 def _balance_width(max_stages: int) -> str:

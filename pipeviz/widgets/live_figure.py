@@ -110,6 +110,13 @@ def plotly_bundle() -> PlotlyBundle | None:
     return _carrier
 
 
+def _swap(target: go.FigureWidget, figure: go.Figure) -> None:
+    with target.batch_update():
+        target.data = ()
+        target.add_traces(figure.data)
+        target.layout = figure.layout
+
+
 def _bundle_text(bundle: object) -> str:
     return bundle.read_text(encoding="utf-8") if isinstance(bundle, Path) else str(bundle)
 
@@ -124,6 +131,11 @@ class LiveFigure(go.FigureWidget):
     def __init__(self, *args: object, **kwargs: object) -> None:
         plotly_bundle()  # before the figure: its comm opens first, so the page starts on plotly.js first
         super().__init__(*args, **kwargs)
+
+    def replace(self, figure: go.Figure) -> None:
+        """Show ``figure``'s traces and layout instead of this one's (kept for a reload, ``persist``)."""
+        _swap(self, figure)
+        self.persist()
 
     def persist(self) -> None:
         """Make the figure as it is now the one a reloaded page draws (plotly.js ignores the change on an open

@@ -75,11 +75,7 @@ class StepPlayer(W.VBox):
         fig.frames = []
         fig.layout.updatemenus, fig.layout.sliders = [], []  # the widget's own controls instead
         fig.layout.margin.b = 40
-        with self.figure.batch_update():
-            self.figure.data = []
-            self.figure.add_traces(fig.data)
-            self.figure.layout = fig.layout
-        self.figure.persist()
+        self.figure.replace(fig)
         last = len(self.frames) - 1
         self.play.value = self.slider.value = 0
         self.play.max = self.slider.max = last
