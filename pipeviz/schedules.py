@@ -225,12 +225,28 @@ def check_microbatches(
     if not fits(m):
         top = batch_size if batch_size is not None else 4 * num_stages
         good = [k for k in range(1, top + 1) if fits(k)][:8]
-        why = (f"{name} needs at least as many microbatches as stages ({num_stages})" if rule == "at_least_stages"
-               else f"{name} needs microbatches to be a multiple of max(1, microbatches // ranks) with {p} ranks")
+        why = (f"{name} needs at least as many microbatches as stages ({num_stages}){_short_ranks(lay, m)}"
+               if rule == "at_least_stages"
+               else f"{name} needs microbatches to be a multiple of max(1, microbatches // ranks) with {p} ranks "
+                    f"(every rank runs its stages' microbatches in rounds of max(1, {m} // {p}) = {max(1, m // p)}, "
+                    f"and {m} is not a whole number of rounds)")
         if ok(m):
             why = f"it does not divide the batch of {batch_size}"
         valid = ", ".join(map(str, good)) or f"none for a batch of {batch_size}; change the batch size"
         raise ScheduleError(f"microbatches={m} does not work: {why}. Valid: {valid}.")
+
+
+def _short_ranks(lay: Layout, m: int) -> str:
+    """Which ranks a too-small microbatch count starves, in words: torch's 1F1B warms rank ``r`` up with
+    ``stages - r`` forwards before its first backward (PipeDream-Flush's warm-up)."""
+    if lay.schedule != "1F1B":
+        return ""
+    short = [r for r in range(lay.num_ranks) if lay.num_stages - r > m]
+    said = ", ".join(f"rank {r} (stage {r}) {lay.num_stages - r}" for r in short[1:3])
+    more = f", and {len(short) - 3} more ranks" if len(short) > 3 else ""
+    return (f": rank 0 (stage 0) runs {lay.num_stages} forwards before its first backward"
+            f"{', ' + said if said else ''}{more}, but only {m} microbatch{'es' * (m != 1)} exist{'s' * (m == 1)} "
+            "(torch 2.13's Schedule1F1B refuses this when built; older torch hung, torchtitan#775)")
 
 
 # --------------------------------------------------------------------------------------------- orders

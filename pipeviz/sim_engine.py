@@ -23,7 +23,9 @@ def check_order(order: Sequence[Sequence[str]], lay: sched.Layout, microbatches:
     """A custom order's per-rank action lists, checked: one list per pipeline rank of ``lay``, every stage's
     forward and backward of every microbatch once on the rank holding the stage (``schedules.validate``), and
     an order that can run (played once with unit costs: a rank waiting on an action another rank has not reached
-    is a deadlock, which a launch would only show as a hang).
+    is a deadlock, which a launch would only show as a hang), then its communication order as torch's runtime
+    lowers it (``pipeviz.comm_order.check_order_comms``: sends and receives posted and waited on as the ranks
+    will).
 
     Raises:
         ScheduleError: naming the rank and action that break it.
@@ -38,6 +40,10 @@ def check_order(order: Sequence[Sequence[str]], lay: sched.Layout, microbatches:
     unit = Costs(forward=(1.0,) * n, backward=(2.0,) * n, comm=(0.0,) * max(n - 1, 0), activation_bytes=(0,) * n,
                  param_bytes=(0,) * n)
     play(acts, lay, unit, n)
+    # then as the run will issue it: the sends and receives torch's runtime adds, each blocking as gloo's do
+    from pipeviz.comm_order import check_order_comms
+
+    check_order_comms(acts, lay.stage_ranks, microbatches)
     return acts
 
 

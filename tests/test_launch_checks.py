@@ -35,8 +35,9 @@ RETRACE = "or re-trace with it: pv.trace(model, example_args=..., example_kwargs
          "Unknown schedule 'gpipee'. Did you mean 'GPipe'? Valid: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, "
          "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV."),
         ({"schedule": "1F1B", "microbatches": 2}, pv.ScheduleError,
-         "microbatches=2 does not work: 1F1B needs at least as many microbatches as stages (3). "
-         "Valid: 4, 8, 16, 32."),
+         "microbatches=2 does not work: 1F1B needs at least as many microbatches as stages (3): rank 0 (stage 0) "
+         "runs 3 forwards before its first backward, but only 2 microbatches exist (torch 2.13's Schedule1F1B "
+         "refuses this when built; older torch hung, torchtitan#775). Valid: 4, 8, 16, 32."),
         ({"schedule": "GPipe", "microbatches": 3}, pv.ScheduleError,
          "microbatches=3 does not work: it does not divide the batch of 32. Valid: 1, 2, 4, 8, 16, 32."),
         ({"schedule": "ZBVZeroBubble"}, pv.ScheduleError,

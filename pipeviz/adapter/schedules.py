@@ -78,6 +78,43 @@ def schedule_actions(schedule: str, num_ranks: int, num_stages: int, microbatche
     return out
 
 
+def comm_actions(order: Sequence[Sequence[str]] | None, stage_ranks: Sequence[int], microbatches: int,
+                 schedule: str | None = None) -> list[list[str]]:
+    """Per-rank actions with the sends and receives torch's multi-stage runtime (``_PipelineScheduleRuntime``)
+    issues, in its text form (``"0F1"``, ``"0SEND_F1"``, ``"1RECV_F1"``): a custom compute ``order`` lowered by
+    torch's own ``_add_send_recv`` (what ``runtime_schedule`` runs), or, with ``order=None``, the
+    ``pipeline_order_with_comms`` torch's ``schedule`` class builds. An overlapped pair (DualPipeV's
+    ``OVERLAP_F_B``) is given as its sub-actions in order; gradient reductions and FSDP unshards are left out (no
+    point-to-point traffic)."""
+    from unittest import mock
+
+    from torch.distributed.pipelining import schedules as ts
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    num_ranks, num_stages = max(stage_ranks) + 1, len(stage_ranks)
+    if order is not None:
+        compute = {rank: [ts._Action.from_str(a) for a in acts] for rank, acts in enumerate(order)}
+        lowered = ts._add_send_recv(compute, stage_to_rank=lambda s: stage_ranks[s], num_stages=num_stages)
+    else:
+        assert schedule is not None
+        # as schedule_actions: torch builds its orders from a few stage attributes of a stand-in
+        stage = mock.create_autospec(PipelineStage, instance=True)
+        stage.group_rank, stage.group_size, stage.submod, stage.num_stages = 0, num_ranks, None, num_stages
+        built = ts.get_schedule_class(schedule)([stage] * (num_stages // num_ranks), microbatches)
+        lowered = built.pipeline_order_with_comms
+    kinds = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
+    out: list[list[str]] = []
+    for rank in range(num_ranks):
+        acts: list[str] = []
+        for action in lowered.get(rank, []):
+            for a in (action.sub_actions or [action]) if action is not None else []:
+                kind = a.computation_type.value
+                if kind in kinds:
+                    acts.append(f"{a.stage_index}{kind}{a.microbatch_index}")
+        out.append(acts)
+    return out
+
+
 def runtime_schedule(stages: list[PipelineStage], order: Sequence[Sequence[str]], microbatches: int,
                      loss_fn: Callable[[object, object], torch.Tensor] | None,
                      forward_only: bool = False) -> _PipelineScheduleRuntime:
