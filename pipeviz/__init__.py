@@ -24,6 +24,7 @@ from pipeviz.graph import Layer, ModelGraph, trace
 # pv.hardware and pv.profile are functions; their modules' names (kept from 0.2) are imported here first, so that
 # a later `import pipeviz.hardware` does not replace the function on the package.
 from pipeviz.hardware import HARDWARE, Hardware, HardwareError, hardware
+from pipeviz.lengths import BucketComparison, BucketRow, buckets, compare_buckets, padding_waste, plan_cluster_lengths
 from pipeviz.live import Live
 from pipeviz.manual import SequenceStage, manual_plan
 from pipeviz.mesh import Mesh, MeshError
@@ -43,6 +44,8 @@ from pipeviz.why import critical_path, idle_gaps
 
 __all__ = [
     "HARDWARE",
+    "BucketComparison",
+    "BucketRow",
     "ClusterPlan",
     "Comparison",
     "CostOptions",
@@ -71,8 +74,10 @@ __all__ = [
     "TraceError",
     "Watch",
     "balance",
+    "buckets",
     "check_numerics",
     "compare",
+    "compare_buckets",
     "critical_path",
     "cross_entropy",
     "estimate_costs",
@@ -83,7 +88,9 @@ __all__ = [
     "launch",
     "manual_plan",
     "materialize",
+    "padding_waste",
     "plan_cluster",
+    "plan_cluster_lengths",
     "profile",
     "sgd",
     "simulate",

@@ -121,7 +121,8 @@ def check_numerics(run: Run, tolerance: float | None = None, device: str | torch
         raise RuntimeError("check_numerics() needs the batches a data= run trained on; this run's were over "
                            "256 MiB, so it did not keep them. Fix: check a shorter run (steps=...).")
     k = spec.config.accumulate
-    batches = run.batches[:len(run.losses) * k] if run.batches is not None else None
+    done = len(run.losses) if spec.loss_fn is not None else len(run.outputs)  # steps the run finished
+    batches = run.batches[:done * k] if run.batches is not None else None
     model = graph.model
     if spec.sources is not None:  # weights= or a meta model: the values the ranks started from
         from pipeviz.weights import materialize

@@ -1,13 +1,16 @@
 """A ``data=`` run's batches, streamed to its ranks while the run goes (``pv.launch(..., data=loader)``).
 
-Each step the next batch is checked against the first (a pipeline's shapes are fixed by it), cut into each
-replica's share, and sent to every process as a ``messages.Batch``: the inputs to the first stage's ranks, the
-target to the last stage's, an empty one to the others (every rank runs the same number of steps); then
-``messages.End``. With ``accumulate`` = k a step's k batches are sent once all k are read (a last step short of k
+Each step the next batch is checked against the first (the same inputs and dtypes), cut into each replica's share,
+and sent to every process as a ``messages.Batch``: the inputs to the first stage's ranks, the target to the last
+stage's, an empty one to the others (every rank runs the same number of steps); then ``messages.End``. A batch of
+a shape the run has not met (another sequence length or batch size) is traced first (``restage``: every process's
+stages for that shape, sent with the batch; ``pipeviz.runtime.shapes``), at most ``MAX_SHAPES`` shapes a run.
+With ``accumulate`` = k a step's k batches are sent once all k are read (a last step short of k
 batches is left out: ``left_out``).
 
 Example:
-    >>> feeder = Feeder(spec, stopped=lambda: run.done)
+    >>> feeder = Feeder(spec, stopped=lambda: run.done,
+    ...                 restage=lambda args, kwargs: shape_stages(plan, spec, args, kwargs))
     >>> threading.Thread(target=feeder.run, args=(queues,)).start()   # one queue per process
     >>> feeder.error, feeder.batches
 """
@@ -15,7 +18,7 @@ Example:
 from __future__ import annotations
 
 import queue as queue_mod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,6 +34,7 @@ __all__ = ["FedBatch", "Feeder"]
 
 
 _KEEP_BATCHES = 256 * 2**20  # a data= run keeps its batches (for check_numerics) up to this many bytes
+MAX_SHAPES = 32  # input shapes a data= run traces its stages for (each a trace in this process, stages per rank)
 
 
 def _tensors(tree: object) -> list[torch.Tensor]:
@@ -43,11 +47,17 @@ class Feeder:
     """Streams ``spec.data``'s batches to the ranks' queues (``run``, on a thread of its own); ``error`` names a
     batch that failed (the run then fails), ``batches`` keeps them for ``pv.check_numerics`` while small."""
 
-    def __init__(self, spec: LaunchSpec, stopped: Callable[[], bool]) -> None:
-        self.spec, self.stopped = spec, stopped
+    def __init__(self, spec: LaunchSpec, stopped: Callable[[], bool],
+                 restage: Callable[[tuple[object, ...], dict[str, object]], list[bytes]] | None = None,
+                 said: Callable[[str], None] | None = None) -> None:
+        self.spec, self.stopped, self.restage, self.said = spec, stopped, restage, said
         self.error: str | None = None
         self.batches: list[FedBatch] | None = None
         self.left_out = 0
+        # input shapes met (signature -> number, 0 the first batch's) and the seconds each new one took to trace
+        self.shapes: dict[object, int] = {_shape_key(spec.args, spec.kwargs): 0}
+        self.trace_seconds: list[float] = []
+        self._new: dict[int, list[bytes]] = {}  # a new shape's stages per process, sent with its first batch
 
     def run(self, feeds: Sequence[Queue[Feed]]) -> None:
         spec = self.spec
@@ -67,7 +77,8 @@ class Feeder:
                     self.error = f"data= raised at batch {n}: {type(exc).__name__}: {exc}"
                     break
                 try:
-                    batch = like_first(data_batch(item, n, spec.training), spec, n)
+                    batch = like_first(data_batch(item, n, spec.training), spec, n, same_shapes=self.restage is None)
+                    self._shape_of(batch, n)
                 except LaunchError as exc:
                     self.error = str(exc)
                     break
@@ -90,10 +101,34 @@ class Feeder:
         for feed in feeds:
             self._put(feed, End())
 
+    def _shape_of(self, batch: FedBatch, n: int) -> None:
+        """Number the batch's input shape; a new one is traced now (its stages sent with its first batch)."""
+        import time
+
+        key = _shape_key(batch[0], batch[1])
+        if key in self.shapes or self.restage is None:
+            return
+        if len(self.shapes) >= MAX_SHAPES:
+            raise LaunchError(f"data= batch {n} is the {len(self.shapes) + 1}th input shape of this run; each new "
+                              f"shape traces the model again (this run's took {sum(self.trace_seconds):.1f} s in all), "
+                              f"and a run takes at most {MAX_SHAPES}. Fix: pad the batches to a few lengths (buckets, "
+                              "pipeviz.lengths.buckets chooses them) or pack sequences to one length.")
+        t = time.perf_counter()
+        self._new[len(self.shapes)] = self.restage(tuple(batch[0]), dict(batch[1] or {}))
+        self.trace_seconds.append(time.perf_counter() - t)
+        self.shapes[key] = len(self.shapes)
+        if self.said is not None:
+            from pipeviz.runtime.payloads import _shapes
+
+            self.said(f"input shape {len(self.shapes)} ({_shapes(batch[0], batch[1])}) at data= batch {n}: the stages "
+                      f"traced for it in {self.trace_seconds[-1]:.2f} s")
+
     def _send(self, feeds: Sequence[Queue[Feed]], batch: FedBatch) -> bool:
         """One batch to every process: each replica its share, the inputs to the first stage's ranks, the target
-        to the last stage's, an empty message to the others."""
+        to the last stage's, an empty message to the others; a new shape's first batch with its stages."""
         spec = self.spec
+        shape = self.shapes.get(_shape_key(batch[0], batch[1]), 0)
+        stages = self._new.pop(shape, None)
         mesh, lay = spec.mesh, spec.layout
         first_rank, last_rank = lay.stage_ranks[0], lay.stage_ranks[-1]
         size_of = _batch_size(batch[0], batch[1]) or 1
@@ -101,7 +136,7 @@ class Feeder:
             c = mesh.coords(rank)  # each replica its share of the batch
             args, kwargs, target = share(batch, c.dp, mesh.dp, size_of)
             msg = Batch(args if c.pp == first_rank else (), kwargs if c.pp == first_rank else {},
-                        target if c.pp == last_rank else None)
+                        target if c.pp == last_rank else None, shape, stages[rank] if stages else None)
             if not self._put(feed, msg):
                 return False
         return True
@@ -114,3 +149,10 @@ class Feeder:
             except queue_mod.Full:
                 continue
         return False
+
+
+def _shape_key(args: tuple[object, ...], kwargs: Mapping[str, object] | None) -> object:
+    """What a traced Pipe depends on in a batch's inputs (``payloads._signature``)."""
+    from pipeviz.runtime.payloads import _signature
+
+    return _signature((tuple(args), dict(kwargs or {})))

@@ -188,11 +188,16 @@ class Failed(Message):
 @dataclass(frozen=True)
 class Batch:
     """A ``data=`` run's next batch for one process: the inputs on the first stage's ranks (else empty), the target
-    on the last stage's (else None); every rank gets one per step, so all run the same number of steps."""
+    on the last stage's (else None); every rank gets one per step, so all run the same number of steps.
+
+    ``shape`` numbers the batch's input shapes in the order the run met them (0: the first batch's); the first batch
+    of a new shape carries ``stages``, this process's stages traced for it (``pipeviz.runtime.shapes``)."""
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     target: Any
+    shape: int = 0
+    stages: bytes | None = None
 
 
 @dataclass(frozen=True)

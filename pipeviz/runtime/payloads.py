@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from pipeviz.weights import StageSource
 
 __all__ = ["PAYLOAD_WAIT", "SHIP_VALUES", "Boot", "RankPayload", "launch_stages", "rank_boots", "rank_payload",
-           "rank_payloads", "spec_stages", "stage_sources"]
+           "rank_payloads", "shape_stages", "spec_stages", "stage_sources"]
 
 
 @dataclass
@@ -243,6 +243,41 @@ def launch_stages(plan: SplitPlan, spec: LaunchSpec) -> tuple[StageSet, dict[str
             while len(_STAGE_CACHE) > _CACHE_SIZE:
                 _STAGE_CACHE.popitem(last=False)
     return stages, tied
+
+
+def shape_stages(plan: SplitPlan, spec: LaunchSpec, args: tuple[object, ...], kwargs: dict[str, object],
+                 ) -> list[bytes]:
+    """Every process's stages traced for a ``data=`` batch of another shape (``launch_stages`` with that batch, so
+    cached per shape), pickled: the structure only, their tensors on the meta device; each process binds them to
+    the parameters and buffers it already trains (``pipeviz.runtime.shapes.rebind``).
+
+    Raises:
+        LaunchError: a layout whose stages are wrapped per process (tensor parallelism, FSDP2, DDP), which a batch
+            of another shape cannot join.
+    """
+    import dataclasses
+    import pickle
+
+    from pipeviz.runtime.stages import rank_stages
+
+    mode = dp_reduce_mode(spec.config)
+    why = ("tp > 1 (each stage's shards are placed once)" if spec.tp > 1 else
+           "dp_shard=True (FSDP2 shards each stage once)" if spec.dp_shard else
+           "dp_reduce='ddp' (DDP wraps each stage once)" if spec.dp > 1 and mode == "ddp" and spec.training
+           else None)
+    if why is not None:
+        raise LaunchError(f"data= gave a batch of another shape ({_shapes(args, kwargs)}; the run started with "
+                          f"{_shapes(spec.args, spec.kwargs)}), which a run with {why} cannot take. Fix: pad every "
+                          "batch to one shape, or a layout without it (batches of several shapes run with pp and dp).")
+    other = dataclasses.replace(spec, args=tuple(args), kwargs=dict(kwargs), sources=None)
+    stages, _ = launch_stages(plan, other)
+    lay = spec.layout
+    return [pickle.dumps(rank_stages(stages, lay.stage_ranks, spec.mesh.coords(rank).pp, None))
+            for rank in range(spec.mesh.world)]
+
+
+def _shapes(args: object, kwargs: object) -> str:
+    return ", ".join(str(tuple(t.shape)) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
 
 
 def _signature(tree: object) -> tuple[str, tuple[object, ...]]:

@@ -114,6 +114,7 @@ class Run(RunResults):
         self._state_dir = tempfile.mkdtemp(prefix=temp_prefix("state"))
         weakref.finalize(self, shutil.rmtree, self._state_dir, True)
         self._files: list[str] = []
+        self._logs: dict[int, str] = {}  # rank -> its stderr file (gloo's own aborts land there)
         self._procs: list[Any] = []
         self._store: Any = None
         self._subscribers: list[Callable[[list[Event]], None]] = []
@@ -186,6 +187,11 @@ class Run(RunResults):
         rank to the next's (optimizer and tied-gradient sync included)."""
         ends = [self._reducer.step_ends[s] for s in sorted(self._reducer.step_ends)]
         return [b - a for a, b in itertools.pairwise(ends)]
+
+    @property
+    def input_shapes(self) -> int:
+        """How many input shapes a ``data=`` run has met (each traced once: ``pipeviz.runtime.shapes``); 1 else."""
+        return len(self._feeder.shapes) if self._feeder is not None else 1
 
     @property
     def batches(self) -> list[FedBatch] | None:
@@ -285,7 +291,11 @@ class Run(RunResults):
             self.status = "running"
             self._notify()
             if streamed:
-                self._feeder = Feeder(self.spec, lambda: self._stop.is_set() or self.done)
+                from pipeviz.runtime.payloads import shape_stages
+
+                plan, spec = self.plan, self.spec
+                self._feeder = Feeder(spec, lambda: self._stop.is_set() or self.done,
+                                      lambda args, kwargs: shape_stages(plan, spec, args, kwargs), self._set_phase)
                 threading.Thread(target=self._feeder.run, args=(feeds,), daemon=True, name="pipeviz-data").start()
             self._watch(q)
         except BaseException as exc:
@@ -308,6 +318,7 @@ class Run(RunResults):
                 fd, log = tempfile.mkstemp(prefix=temp_prefix(f"rank{rank}"), suffix=".log")
                 os.close(fd)
                 self._files.append(log)
+                self._logs[rank] = log
                 proc = ctx.Process(target=worker.main, args=(paths[rank], q, log, feeds[rank], boot, ready),
                                    daemon=True)
                 start_without_main(proc)
@@ -429,8 +440,54 @@ class Run(RunResults):
             if isinstance(msg, Failed | Events):
                 self._apply(msg)
         self.error = self._reducer.failure(self._where, [p.exitcode for p in self._procs])
+        mismatch = self._size_mismatch()
+        if mismatch:
+            self.error = f"{mismatch}\n\n{self.error}"
         self._kill_all()
         self._finish("failed")
+
+    def _size_mismatch(self) -> str | None:
+        """A rank gloo killed for a message larger than its receive buffer, in words: which rank, receiving what
+        from which rank (from its order and the actions finished), and the sizes. torch 2.13 + gloo measured: a
+        hand-off larger than the receiving stage's buffer (built from the example's shapes) aborts the receiver
+        (SIGABRT, "op.preamble.length <= op.nbytes. 40 vs 32") with no Python traceback; a smaller one is received
+        silently into the front of the buffer (the forward computes on stale values; training then fails in the
+        sender's backward with autograd's "Mismatch in shape")."""
+        import re
+
+        for rank, proc in enumerate(self._procs):
+            if proc.exitcode is None or proc.exitcode >= 0 or rank in self._reducer.errors:
+                continue
+            try:
+                with open(self._logs.get(rank, ""), errors="replace") as f:
+                    log = f.read()[-20000:]
+            except OSError:
+                continue
+            found = re.search(r"op\.preamble\.length <= op\.nbytes\. (\d+) vs (\d+)", log)
+            if found is None:
+                continue
+            sent, room = int(found.group(1)), int(found.group(2))
+            where = ""
+            prank = self.mesh.pipeline_rank(rank)
+            try:
+                state = self._hang_report(0.0).ranks[prank]
+            except Exception:  # the diagnosis is a courtesy here: the sizes are the finding
+                state = None
+            if state is not None and state.current is not None:
+                s, kind, mb = sched.parse(state.current)
+                src = s - 1 if kind == "F" else s + 1
+                if 0 <= src < self.layout.num_stages:
+                    what = "activations" if kind == "F" else "gradients"
+                    # a rank killed mid-step loses its last unsent events: this is the earliest it can have been
+                    where = (f" receiving stage {src}'s {what} from rank {self.layout.stage_ranks[src]}, at "
+                             f"{state.current} or later (the first action it had not reported finished; it needs "
+                             f"{src}{'F' if kind == 'F' else 'B'}{mb})")
+            return (f"Shape mismatch between stages: {self._where(rank)} was killed by gloo{where}: {sent} bytes "
+                    f"arrived for a receive buffer of {room} bytes. The receiving stage's buffers are shaped by the "
+                    "example batch; this microbatch's hand-off was larger (an output whose shape depends on the "
+                    "data, or batches shaped unlike the example). Fix: make each stage's output shape depend only "
+                    "on the batch's shape (pad to a fixed length), or launch with batches shaped like the example.")
+        return None
 
     def _where(self, r: int) -> str:
         """A process rank in words, with its coordinates (when the run has replicas or shards) and stages."""

@@ -179,7 +179,8 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
         except StopIteration:
             raise LaunchError("data= gave no batch at all. Fix: pass an iterable with at least one batch.") from None
         inputs, input_kwargs, target = data_batch(first, 0, loss_fn is not None)
-    args, kwargs = _inputs(graph, inputs, input_kwargs)
+    # a data= run traces its stages for each batch's shapes (runtime.shapes): its first batch may differ too
+    args, kwargs = _inputs(graph, inputs, input_kwargs, any_length=stream is not None)
     batch = _batch_size(args, kwargs)
     if batch is None:
         raise LaunchError("inputs hold no tensor with a batch dimension.")
@@ -217,7 +218,11 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
     if target is None or not isinstance(target, torch.Tensor) or target.dim() == 0 or target.shape[0] != batch:
         shape = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
         raise LaunchError(f"target must be a tensor whose dim 0 is the batch ({batch}); got {shape}.")
-    _try_loss(graph, loss_fn, target, batch, microbatches)
+    example = pytree.tree_leaves((tuple(graph.example_args), dict(graph.example_kwargs)))
+    if all(not isinstance(a, torch.Tensor) or not isinstance(e, torch.Tensor) or a.shape[1:] == e.shape[1:]
+           for a, e in zip(pytree.tree_leaves((args, kwargs)), example, strict=False)):
+        _try_loss(graph, loss_fn, target, batch, microbatches)  # (on the traced output's shapes: a data= run's
+        # first batch of another length is checked by its first step)
     if optimizer is None:
         optimizer = _default_optimizer
     _try_optimizer(optimizer)
@@ -508,9 +513,11 @@ def data_batch(item: object, step: int, training: bool) -> tuple[object, dict[st
 
 
 def like_first(batch: tuple[object, Mapping[str, object] | None, object], spec: LaunchSpec, step: int,
-               what: str = "data=") -> FedBatch:
-    """A data= batch as (args, kwargs, target), checked against the first batch: the pipeline's shapes are
-    fixed by it (torch's stages have static shapes)."""
+               what: str = "data=", same_shapes: bool = True) -> FedBatch:
+    """A data= batch as (args, kwargs, target), checked against the first batch: the same inputs, dtypes and number
+    of dimensions, and with ``same_shapes`` the same shapes (torch's stages have static shapes). Without it (a
+    ``data=`` run: ``pipeviz.runtime.shapes`` traces the stages again for each new shape) the sizes may differ, the
+    batch still splitting into the run's microbatches on every replica."""
     inputs, kwargs, target = batch
     args = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs) if isinstance(inputs, tuple | list) \
         else None
@@ -528,16 +535,26 @@ def like_first(batch: tuple[object, Mapping[str, object] | None, object], spec: 
     for label, got, want in pairs:
         if not isinstance(want, torch.Tensor):
             continue
+        if not same_shapes and isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.dim() == want.dim():
+            continue
         if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
             shown = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else type(got).__name__
             raise LaunchError(
                 f"{what} batch {step}: {label} is {shown}, but the run started with {tuple(want.shape)} {want.dtype}: "
                 "a pipeline's shapes are fixed by its first batch (and the batch must split into the "
                 f"{spec.microbatches} microbatches). Fix: equal batches, e.g. DataLoader(..., drop_last=True).")
+    if not same_shapes:
+        from pipeviz.capture import _batch_size
+
+        size, parts = _batch_size(args, kwargs), spec.microbatches * spec.dp
+        if size is not None and size % parts:
+            raise LaunchError(f"{what} batch {step} holds {size} samples, which do not split into the run's "
+                              f"{spec.microbatches} microbatches x {spec.dp} replicas ({parts} equal parts). Fix: "
+                              f"batches of a multiple of {parts} samples, e.g. DataLoader(..., drop_last=True).")
     return args, {k: kwargs[k] for k in spec.kwargs}, target
 
 
-def _inputs(graph: GraphView, inputs: object, input_kwargs: Mapping[str, object] | None,
+def _inputs(graph: GraphView, inputs: object, input_kwargs: Mapping[str, object] | None, any_length: bool = False,
             ) -> tuple[tuple[object, ...], dict[str, object]]:
     """The launch's inputs as (args, kwargs) in the traced order, each checked against the traced example."""
     if inputs is None:
@@ -568,11 +585,11 @@ def _inputs(graph: GraphView, inputs: object, input_kwargs: Mapping[str, object]
     pairs = [(f"inputs[{i}]", a, e) for i, (a, e) in enumerate(zip(args, example, strict=True))]
     pairs += [(f"input_kwargs[{k!r}]", kwargs[k], graph.example_kwargs[k]) for k in kwargs]
     for label, got, want in pairs:
-        _like_example(label, got, want)
+        _like_example(label, got, want, any_length)
     return args, kwargs
 
 
-def _like_example(label: str, got: object, want: object) -> None:
+def _like_example(label: str, got: object, want: object, any_length: bool = False) -> None:
     if not isinstance(want, torch.Tensor):
         return
     retrace = "or re-trace with it: pv.trace(model, example_args=..., example_kwargs=...)."
@@ -582,7 +599,7 @@ def _like_example(label: str, got: object, want: object) -> None:
     if got.dtype != want.dtype:
         raise LaunchError(f"{label} is {got.dtype}, but the model was traced with {want.dtype}. Fix: pass a "
                           f"{want.dtype} tensor (e.g. x.to({want.dtype})), {retrace}")
-    if got.dim() != want.dim() or tuple(got.shape[1:]) != tuple(want.shape[1:]):
+    if got.dim() != want.dim() or (tuple(got.shape[1:]) != tuple(want.shape[1:]) and not any_length):
         raise LaunchError(f"{label} has shape {tuple(got.shape)}, but the model was traced with "
                           f"{tuple(want.shape)} (every dim after the batch must match). Fix: pass a batch shaped like "
                           f"the example, {retrace}")

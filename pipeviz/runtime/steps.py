@@ -20,6 +20,7 @@ import torch
 
 from pipeviz import schedules as sched
 from pipeviz.runtime.clock import Clock
+from pipeviz.runtime.messages import Batch as BatchMessage
 from pipeviz.runtime.messages import (
     End,
     EvalLoss,
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
     from pipeviz.runtime.overlap import OverlappedReduction
+    from pipeviz.runtime.shapes import Shapes
     from pipeviz.runtime.zero import ZeroOne
 
     Schedule = PipelineScheduleSingle | PipelineScheduleMulti
@@ -84,7 +86,7 @@ def _loss_scaled(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Te
 
 
 # One batch's (args, kwargs, target).
-Batch = tuple[tuple[object, ...], dict[str, object], object]
+Batch = tuple[tuple[object, ...], dict[str, object], object, int]  # args, kwargs, target, input shape number
 
 
 def _scaled(p: RankPayload) -> bool:
@@ -173,14 +175,15 @@ def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, 
           step_box: list[int], device: torch.device, dp_group: ProcessGroup | None = None,
           stages: list[PipelineStage] | None = None,
           scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-          reduction: OverlappedReduction | ZeroOne | None = None) -> bool:
+          reduction: OverlappedReduction | ZeroOne | None = None, shapes: Shapes | None = None) -> bool:
     """Run the steps; False when a NaN or inf stopped the run (every rank stops at the same step). A step runs the
     schedule on ``p.accumulate`` batches in turn (``step_box[1]`` counts them), their gradients summed in place;
     the replicas' gradients are reduced once, in the last batch's backward (``sync_replicas``). ``scheduler`` steps
     after each optimizer step; ``reduction`` (``dp_reduce="overlap"`` or ``"zero1"``) is waited for before anything
     reads the gradients (with ZeRO-1 the optimizer steps on its shards, ``ZeroOne.shards``, and the whole parameters
     are gathered after); with ``p.eval_batches`` the held-out batches are evaluated every ``p.eval_every``
-    steps and after the last (``evaluate``)."""
+    steps and after the last (``evaluate``). ``shapes`` holds the schedule of each input shape a ``data=`` run
+    has sent (``pipeviz.runtime.shapes``): each batch runs its own shape's."""
     import torch.distributed as dist
 
     first = any(st.index == 0 for st in p.stages)
@@ -200,22 +203,28 @@ def train(p: RankPayload, schedule: Schedule, optimizer: torch.optim.Optimizer, 
         from pipeviz.runtime.loss_scale import LossScaler
 
         scaler = LossScaler()
-    for step, group in enumerate(_grouped(_batches(p, device), p.accumulate)):
+    for step, group in enumerate(_grouped(_batches(p, device, shapes, clock), p.accumulate)):
         step_box[0] = step
         if scaler is not None:
             _LOSS_SCALE[0] = scaler.scale
         losses: list[torch.Tensor] = []
         if last and _scaled(p):
-            _STEP_SCALE[0] = _step_scale(p, [target for _, _, target in group], dp_group)
-        for r, (args, kwargs, target) in enumerate(group):
+            _STEP_SCALE[0] = _step_scale(p, [target for _, _, target, _ in group], dp_group)
+        for r, (args, kwargs, target, shape) in enumerate(group):
             step_box[1] = r
-            sync_replicas(stages or [], r == len(group) - 1)
+            shaped: Schedule = schedule
+            if shape:  # a data= batch of another shape than the first: its own stages and schedule
+                assert shapes is not None
+                shaped, its_stages = shapes.get(shape)
+                sync_replicas(its_stages, r == len(group) - 1)
+            else:
+                sync_replicas(stages or [], r == len(group) - 1)
             call_kwargs: dict[str, Any] = dict(kwargs) if first else {}
             batch_losses: list[torch.Tensor] = []  # (torch's step clears the list it is given)
             if last:
                 call_kwargs.update(target=target, losses=batch_losses)
             with _loss_parallel(p):
-                schedule.step(*(args if first else ()), **call_kwargs)
+                shaped.step(*(args if first else ()), **call_kwargs)
             losses += batch_losses
         step_box[1] = 0
         if p.tp_placements:
@@ -396,10 +405,12 @@ def sync_replicas(stages: list[PipelineStage], sync: bool) -> None:
         st.sync_replicas = sync  # type: ignore[attr-defined]
 
 
-def _batches(p: RankPayload, device: torch.device) -> Iterator[Batch]:
-    """Each step's (args, kwargs, target) on ``device``: the one batch of the payload ``steps`` times, or the
-    batches the launching process streams from ``data=`` (``messages.Batch``) until it sends ``messages.End``
-    (ranks that need no data get an empty ``Batch`` each step, so every rank runs the same number of steps)."""
+def _batches(p: RankPayload, device: torch.device, shapes: Shapes | None = None,
+             clock: Clock | None = None) -> Iterator[Batch]:
+    """Each step's (args, kwargs, target, input shape number) on ``device``: the one batch of the payload ``steps``
+    times, or the batches the launching process streams from ``data=`` (``messages.Batch``) until it sends
+    ``messages.End`` (ranks that need no data get an empty ``Batch`` each step, so every rank runs the same number
+    of steps). A batch of a new shape comes with this process's stages for it: ``shapes`` builds them here."""
     def moved(x: object) -> object:
         return x.to(device) if isinstance(x, torch.Tensor) else x
 
@@ -407,24 +418,41 @@ def _batches(p: RankPayload, device: torch.device) -> Iterator[Batch]:
         args, kwargs, target = tuple(moved(a) for a in p.args), {k: moved(v) for k, v in p.kwargs.items()}, \
             moved(p.target)
         for _ in range((p.steps or 0) * p.accumulate):
-            yield args, kwargs, target
+            yield args, kwargs, target, 0
         return
     while True:
         msg = p.data.get(timeout=p.timeout_s)
         if isinstance(msg, End):
             return
-        yield tuple(moved(a) for a in msg.args), {k: moved(v) for k, v in msg.kwargs.items()}, moved(msg.target)
+        if msg.stages is not None:
+            if shapes is None:
+                raise RuntimeError("a batch of another shape reached a process that takes one shape only")
+            shapes.add(msg.shape, msg.stages)
+            if clock is not None and p.rank == 0:
+                clock.post(Phase(p.rank, p.coords, f"input shape {msg.shape + 1} of the run "
+                                                   f"({_shape_text(msg)}): stages built in "
+                                                   f"{shapes.build_seconds[msg.shape] * 1e3:.0f} ms on rank 0"))
+        yield (tuple(moved(a) for a in msg.args), {k: moved(v) for k, v in msg.kwargs.items()}, moved(msg.target),
+               msg.shape)
 
 
-def infer(p: RankPayload, schedule: Schedule, clock: Clock, step_box: list[int], device: torch.device) -> bool:
-    """Forward-only steps (no loss_fn): the last stage's rank sends the whole batch's output each step."""
+def _shape_text(msg: BatchMessage) -> str:
+    leaves = [*msg.args, *msg.kwargs.values(), msg.target]
+    return ", ".join(str(tuple(t.shape)) for t in leaves if isinstance(t, torch.Tensor)) or "no data on rank 0"
+
+
+def infer(p: RankPayload, schedule: Schedule, clock: Clock, step_box: list[int], device: torch.device,
+          shapes: Shapes | None = None) -> bool:
+    """Forward-only steps (no loss_fn): the last stage's rank sends the whole batch's output each step (each batch
+    through its input shape's schedule: ``shapes``)."""
     first = any(st.index == 0 for st in p.stages)
     last = any(st.index == len(p.stage_ranks) - 1 for st in p.stages)
-    for step, (args, kwargs, _) in enumerate(_batches(p, device)):
+    for step, (args, kwargs, _, shape) in enumerate(_batches(p, device, shapes, clock)):
         step_box[0] = step
         call_kwargs: dict[str, Any] = dict(kwargs) if first else {}  # the model's keyword inputs
+        shaped = shapes.get(shape)[0] if shapes is not None and shape else schedule
         with torch.no_grad():
-            out = schedule.step(*(args if first else ()), **call_kwargs)
+            out = shaped.step(*(args if first else ()), **call_kwargs)
         if last:
             leaves = out if isinstance(out, tuple | list) else (out,)
             buf = io.BytesIO()

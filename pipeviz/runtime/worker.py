@@ -22,6 +22,7 @@ This module must stay importable without any view library.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import os
 import sys
@@ -47,6 +48,7 @@ from pipeviz.runtime.messages import (
     State,
 )
 from pipeviz.runtime.payloads import PAYLOAD_WAIT, Boot, RankPayload
+from pipeviz.runtime.shapes import Shapes, rebind
 from pipeviz.runtime.stages import StepError
 from pipeviz.runtime.steps import (
     build_schedule,
@@ -66,6 +68,8 @@ if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
 
     from pipeviz.runtime.overlap import OverlappedReduction
+    from pipeviz.runtime.stages import RankStage
+    from pipeviz.runtime.steps import Schedule
     from pipeviz.runtime.zero import ZeroOne
 
 # Boot and RankPayload are built by pipeviz.runtime.payloads (their names here are the ones 0.2 code imports).
@@ -181,6 +185,19 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
         reduction, stepped, names = zero, zero.shards, zero.names
     groups = _tied_groups(p)
     schedule = build_schedule(p, stages)
+
+    def build(new: list[RankStage]) -> tuple[Schedule, list[PipelineStage]]:
+        # A data= batch of a new shape: its stages over this process's parameters and buffers (runtime.shapes),
+        # not wrapped again per replica: the reduction built for the first shape's stages takes theirs too.
+        rebind(new, p.stages)
+        q = dataclasses.replace(p, stages=new)
+        built = _stages(q, clock, step_box, device, compute, pp_group)[0]
+        for st in built:
+            if reduction is not None:
+                st.grads_final = reduction.launch  # type: ignore[attr-defined]
+        return build_schedule(q, built), built
+
+    shapes = Shapes(schedule, stages, build)
     optimizer = p.optimizer(stepped) if p.loss_fn is not None else None
     scheduler = p.lr_scheduler(optimizer) if optimizer is not None and p.lr_scheduler is not None else None
     if p.resume is not None and optimizer is not None:  # resume=: the checkpoint's state for this rank's parameters
@@ -205,10 +222,10 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
     timed_tp = timed_collectives(collective) if tp_mesh is not None else contextlib.nullcontext()
     with timed_waits(comm), exact_split_backward(), clock.meter.counting(), timed_tp:
         if optimizer is None:
-            finished = infer(p, schedule, clock, step_box, device)
+            finished = infer(p, schedule, clock, step_box, device, shapes)
         else:
             finished = train(p, schedule, optimizer, params, local, groups, clock, step_box, device, dp_group,
-                             stages, scheduler, reduction)
+                             stages, scheduler, reduction, shapes)
     with clock.lock:  # the steps are over (their last events sent): nothing after the rank's final messages
         clock.stopped = True
     if finished:
