@@ -14,6 +14,9 @@
 # **You will learn:** how `torchrun` starts pipeline ranks on several machines, how ranks are numbered, and how to
 # export a pipeviz plan and watch it run.
 #
+# **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
+# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
+#
 # ## torchrun, nodes and ranks
 #
 # On each machine (a *node*), one `torchrun` agent starts `--nproc-per-node` worker processes. The agents meet at
@@ -144,28 +147,31 @@ shutil.rmtree(workdir)  # the exports were for this lesson; a kernel's shutdown 
 # ## Exercise
 #
 # Schedules decide which rank holds which stage. Suppose you re-export a **ZBVZeroBubble** plan with **8 stages**
-# and start it on the same **2 nodes × 2 processes**. Which **node** (0 or 1) holds the **last stage**, the one
-# that computes the loss? Set `my_answer` to 0 or 1. (`pv.schedules.layout` answers it, but try to reason first:
-# ZB-V places stages in a V.)
+# and start it on the same **2 nodes × 2 processes**. Which **rank** holds each stage? Set `my_answer` to a list of
+# 8 ranks, stage 0's first. (`pv.schedules.layout` answers it, but reason first: ZB-V places stages in a V; then
+# say which stages' hand-offs cross between the nodes.)
 
 # %%
-my_answer = None  # your answer here: 0 or 1
+my_answer = None  # your answer here: [rank of stage 0, rank of stage 1, ..., rank of stage 7]
 
 
 # %%
 def check(answer):
-    """Node of the rank holding ZBV's last stage, 8 stages on 2 nodes x 2 processes."""
-    last_rank = pv.schedules.layout("ZBVZeroBubble", num_stages=8).stage_ranks[-1]
-    expected = last_rank // 2
+    """The rank of each of ZBV's 8 stages on 2 nodes x 2 processes."""
+    expected = list(pv.schedules.layout("ZBVZeroBubble", num_stages=8).stage_ranks)
     if answer is None:
-        print("❌ Not yet: set my_answer above. Hint: draw the V: stages 0-3 go down ranks 0-3, 4-7 come back.")
-    elif answer == expected:
-        print(f"✅ Correct: stage 7 is on rank {last_rank}, node {expected}: the V turns at rank 3 (stages 3 and 4)"
-              " and comes back, so rank 0 holds the first and the last stage.")
-    elif answer in (0, 1):
-        print("❌ Not yet: hint: with 4 ranks, stage s < 4 is on rank s and stage s >= 4 on rank 7 - s.")
+        print("❌ Not yet: set my_answer above. Hint: draw the V over ranks 0-3: down, then back up.")
+    elif not (isinstance(answer, (list, tuple)) and len(answer) == 8):
+        print(f"❌ Not yet: my_answer should be a list of 8 ranks, got {answer!r}.")
+    elif list(answer) == expected:
+        crossing = [s for s in range(7) if expected[s] // 2 != expected[s + 1] // 2]
+        print(f"✅ Correct: {expected}: rank 0 holds the first and the last stage; only the hand-offs after stages "
+              f"{crossing} cross between the nodes.")
+    elif list(answer) == [s % 4 for s in range(8)]:
+        print("❌ Not yet: that is the looped placement of interleaved schedules. Hint: a V comes back.")
     else:
-        print(f"❌ Not yet: there are only nodes 0 and 1, got {answer!r}.")
+        wrong = [s for s in range(8) if answer[s] != expected[s]]
+        print(f"❌ Not yet: stages {wrong} are elsewhere. Hint: stage s < 4 is on rank s; the V turns at rank 3.")
 
 
 check(my_answer)

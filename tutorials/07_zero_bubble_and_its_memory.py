@@ -14,7 +14,11 @@
 # **You will learn:** what each bubble-shrinking schedule costs in activation memory — interleaving's factor
 # 1 + (*p* − 1)/(*p*·*v*), breadth-first's memory growing with *m*, ZB-V's flat and balanced memory — what is left
 # of the bubble under "zero bubble", and why, under the simulator's assumptions (a dense model, free
-# communication), DualPipeV brings nothing; on the simulator and on real runs.
+# communication), DualPipeV brings nothing, and what DualPipe's own bubble formula says; on the simulator and on
+# real runs.
+#
+# **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
+# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
 #
 # Lesson 4 measured bubbles in time only. Every schedule also decides **how many microbatches' activations each
 # rank keeps alive at once** (lesson 3: GPipe all *m*, 1F1B at most *p* on rank 0): a forward adds a microbatch's
@@ -145,6 +149,46 @@ for m in (8, 16):
     print(f"m = {m}, I frees 1/17:", {s: [round(x, 2) for x in h] for s, h in freed.items()})
     assert freed["ZBVZeroBubble"] == [p] * p and freed["InterleavedZeroBubble"][0] == p
 
+# %% [markdown]
+# ## DualPipe and DualPipeV: the formula and the simulation
+#
+# DeepSeek-V3's **DualPipe** is bidirectional: every device holds two stages, *i* and *PP* − 1 − *i*, so the
+# model's parameters twice (2×), and microbatches enter from both ends at once; it pairs one microbatch's forward
+# chunk with another's backward chunk so that each one's communication (a mixture-of-experts model's all-to-all)
+# hides behind the other's compute. **DualPipeV** is the "cut-in-half" variant in DeepSeek's DualPipe repository,
+# credited there to Sea AI Lab: fold DualPipe's two directions into one V, *PP* stages on *PP*/2 devices, one copy
+# of the parameters. The repository gives both the same bubble, counted on the same *PP* stages:
+#
+# (*PP*/2 − 1)·(*F*&*B* + *B* − 3*W*), against 1F1B's (*PP* − 1)·(*F* + *B*) and ZB-H1's (*PP* − 1)·(*F* + *B* − 2*W*),
+#
+# with *F*, *B*, *W* one chunk's forward, full backward and weight-grad pass and *F*&*B* an overlapped forward and
+# backward pair: between *B* (the forward hidden entirely) and *F* + *B* (no overlap). On this lesson's numbers:
+#
+# - *p* = 4 devices with one stage each (*F* = 1, *B* = 2, *W* = 1): 1F1B 9, ZB-H1 3 (both simulated, below);
+#   DualPipe on those 4 devices, *PP* = 4: (1)·(*F*&*B* − 1), **1 to 2** — the formula only: pipeviz cannot
+#   simulate DualPipe (two copies of each stage and microbatches entering at both ends; torch ships no such
+#   schedule either).
+# - DualPipeV on the same 4 devices, *PP* = 8 chunks of half a stage (*F* = ½, *B* = 1, *W* = ½): (3)·(*F*&*B* −
+#   ½), **1.5 to 3**. pipeviz simulates torch's `ScheduleDualPipeV` order, one action at a time per rank (no
+#   overlap, no all-to-all), and finds **1.5**, the bottom of that range, as ZB-V. What it cannot show is what
+#   DualPipeV is for: the forward-backward overlap hiding a mixture-of-experts model's all-to-all.
+
+# %%
+m = 8
+formula = {"1F1B": (p - 1) * (1 + 2), "ZB-H1": (p - 1) * (1 + 2 - 2 * 1),
+           "DualPipe": [(p // 2 - 1) * (fb + 2 - 3 * 1) for fb in (2, 3)],              # F&B from B to F + B
+           "DualPipeV": [(2 * p // 2 - 1) * (fb + 1 - 3 * 0.5) for fb in (1, 1.5)]}      # PP = 2p chunks
+simulated = {"1F1B": rows["1F1B", 1, m][0],
+             "ZB-H1": pv.simulate(None, "InterleavedZeroBubble", m, costs=pv.Costs.uniform(p, activation_bytes=12),
+                                  num_stages=p, stages_per_rank=1).step_time - 3 * m,   # lesson 10: ZB-H1's bubble
+             "DualPipe": None, "DualPipeV": rows["DualPipeV", 2, m][0]}
+for name, value in formula.items():
+    shown = "not simulated" if simulated[name] is None else f"{simulated[name]:g}"
+    print(f"{name:10} formula {value!s:12} simulated bubble time {shown}")
+assert simulated["1F1B"] == formula["1F1B"] == 9 and simulated["ZB-H1"] == formula["ZB-H1"] == 3
+assert formula["DualPipe"] == [1, 2] and formula["DualPipeV"] == [1.5, 3]
+assert simulated["DualPipeV"] == formula["DualPipeV"][0] == rows["ZBVZeroBubble", 2, m][0]
+
 # %%
 pv.timeline_figure(textbook("ZBVZeroBubble", 2, 8))
 
@@ -239,31 +283,45 @@ assert all(abs(sim / real_bytes - 1) < 0.1 for key in kept
 #
 # ## Exercise
 #
-# With **p = 8** ranks and **v = 2** stages per rank, how many times more activations does **Interleaved1F1B**
-# keep on **rank 0** than plain **1F1B** does (enough microbatches, e.g. m = 16)? Set `my_answer` to the factor.
+# Choosing a schedule is choosing under a memory limit. Take a small transformer split in **2 stages**, trained
+# with **8 microbatches**, and a device that holds only **15.5 MiB**: which schedule fits (every rank's peak
+# memory at most the limit) with the **shortest step**? `pv.compare(plan4, microbatches=8)` simulates every
+# schedule on the same 2 devices and gives each row's `schedule`, `step_time` and `memory_bytes` per rank. Set
+# `my_answer` to the schedule's name.
 
 # %%
-my_answer = None  # your answer here: a number
+from pipeviz.zoo import TinyTransformer
+
+torch.manual_seed(0)
+tiny = TinyTransformer(vocab=256, dim=128, heads=4, depth=4, seq=32)
+plan4 = pv.balance(pv.trace(tiny, example_args=(torch.randint(0, 256, (64, 32)),)), num_stages=2)
+LIMIT = 15.5 * 2**20
+my_answer = None  # your answer here: a schedule name, e.g. "1F1B"
 
 
 # %%
 def check(answer):
-    """Rank 0's simulated peak under Interleaved1F1B (16 stages on 8 ranks) over 1F1B's (8 stages), m = 16."""
-    inter = pv.simulate(None, "Interleaved1F1B", 16, costs=pv.Costs.uniform(16, activation_bytes=1),
-                        num_stages=16, stages_per_rank=2).peak_activation_bytes[0] / 2   # per-rank units
-    plain = pv.simulate(None, "1F1B", 16, costs=pv.Costs.uniform(8, activation_bytes=1),
-                        num_stages=8).peak_activation_bytes[0]
-    expected = inter / plain
+    """The fastest schedule whose every rank fits in LIMIT, by pv.compare on plan4 with 8 microbatches."""
+    table = pv.compare(plan4, microbatches=8)
+    fits = [row for row in table.rows if max(row.memory_bytes) <= LIMIT]
+    best = min(fits, key=lambda row: row.step_time)
+    fastest = min(table.rows, key=lambda row: row.step_time)
+    assert fastest.schedule != best.schedule          # the limit matters: the fastest overall does not fit
+    names = {row.schedule: row for row in table.rows}
     if answer is None:
-        print("❌ Not yet: set my_answer above. Hint: 1 + (p - 1) / (p · v).")
-    elif not isinstance(answer, (int, float)):
-        print(f"❌ Not yet: my_answer should be a number, got {answer!r}.")
-    elif abs(answer - expected) < 1e-6:
-        print(f"✅ Correct: 1 + 7 / 16 = {expected}: rank 0 holds {inter:g} microbatches instead of {plain}.")
-    elif abs(answer - 2) < 1e-6:
-        print("❌ Not yet: v = 2 stages do not double the memory: each stage is half the size.")
+        print("❌ Not yet: set my_answer above. Hint: first drop every row whose largest per-rank memory exceeds "
+              "the limit, then compare steps.")
+    elif answer not in names:
+        print(f"❌ Not yet: choose one of {sorted(names)}, got {answer!r}.")
+    elif answer == best.schedule:
+        print(f"✅ Correct: {best.schedule}, {best.step_time * 1e3:.1f} ms at {max(best.memory_bytes) / 2**20:.2f} "
+              f"MiB; the fastest, {fastest.schedule}, needs {max(fastest.memory_bytes) / 2**20:.2f} MiB.")
+    elif max(names[answer].memory_bytes) > LIMIT:
+        print(f"❌ Not yet: {answer} needs {max(names[answer].memory_bytes) / 2**20:.2f} MiB on its fullest rank, "
+              "above the limit.")
     else:
-        print(f"❌ Not yet: not {answer!r}. Hint: the factor is 1 + (p - 1) / (p · v).")
+        print(f"❌ Not yet: {answer} fits but takes {names[answer].step_time * 1e3:.1f} ms; another schedule that "
+              "fits is faster.")
 
 
 check(my_answer)

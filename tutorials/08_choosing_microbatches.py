@@ -13,7 +13,10 @@
 #
 # **You will learn:** how to pick *m* when the global batch is fixed: more microbatches shrink the bubble and
 # 1F1B's memory, but each microbatch gets smaller, so the hardware works less efficiently and every hand-off pays
-# its latency more often. Measured on real sweeps, and with a link-speed sweep in the simulator.
+# its latency more often. Measured on real sweeps, with a link-speed sweep in the simulator, and on an H100's roofline.
+#
+# **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
+# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
 #
 # ## Three forces
 #
@@ -142,6 +145,52 @@ assert real[32][0] > min(real[2][0], real[8][0]), real
 # not know that; `pv.profile` at the microbatch size you plan to use (lesson 5) does. With 32 microbatches the real
 # step is longer than with fewer, although the bubble formula keeps improving.
 #
+# ## On a GPU: small microbatches fall off the roofline
+#
+# A GPU's matmul reaches its peak only when it does enough arithmetic per byte it moves. pipeviz's GPU presets
+# price each op on a roofline (`pipeviz.cost.roofline`): an (*t* × *k*) @ (*k* × *n*) matmul costs its FLOPs at the
+# achieved rate plus its bytes (both inputs and the output) at the memory bandwidth, so its efficiency
+# (`matmul_efficiency`) rises with the tokens *t* in the microbatch towards the preset's ceiling (55 % of the H100's
+# dense peak). Take a transformer layer of hidden size 4096 (its four matmuls: QKV, the output projection, the
+# MLP's two; attention's score matmuls left out), a stage of 8 such layers on each of *p* = 4 H100s in bf16, and a
+# global batch of 32768 tokens (64 sequences of 512) cut into *m* microbatches:
+
+# %%
+from pipeviz.cost.roofline import matmul_efficiency
+
+h100 = pv.hardware("h100")
+H, LAYERS, P_GPU, TOKENS = 4096, 8, 4, 32768
+SHAPES = ((H, 3 * H), (H, H), (H, 4 * H), (4 * H, H))   # (k, n) of QKV, output projection, MLP up, MLP down
+
+
+def stage_forward(tokens):
+    """Seconds of one stage's forward on a microbatch of ``tokens`` tokens, on the H100's roofline (bf16)."""
+    return LAYERS * sum(2 * tokens * k * n / (h100.peak("bfloat16") * matmul_efficiency(tokens, k, n, h100, "bfloat16"))
+                        for k, n in SHAPES)
+
+
+gpu = {}
+print("   m   tokens/microbatch   matmul efficiency   time per token   simulated 1F1B step")
+for m in (4, 8, 16, 32, 64, 128):
+    t = TOKENS // m
+    fwd = stage_forward(t)
+    step = pv.simulate(None, "1F1B", m, costs=pv.Costs.uniform(P_GPU, forward=fwd, backward=2 * fwd),
+                       num_stages=P_GPU).step_time
+    gpu[m] = (fwd / t, step)
+    print(f"{m:4}   {t:17}   {matmul_efficiency(t, H, H, h100, 'bfloat16'):17.0%}   {fwd / t * 1e6:11.2f} µs"
+          f"   {step * 1e3:14.1f} ms")
+best_gpu = min(gpu, key=lambda m: gpu[m][1])
+print("shortest step: m =", best_gpu)
+assert h100.efficiency == 0.55 and gpu[128][0] > 1.5 * gpu[4][0]   # 256-token microbatches: 1.5x+ per token
+assert all(gpu[a][0] < gpu[b][0] for a, b in itertools.pairwise(sorted(gpu)))   # dearer with every halving
+assert best_gpu not in (4, 128)                      # neither the fewest nor the most microbatches wins
+
+# %% [markdown]
+# With few microbatches the bubble (*p* − 1)/(*m* + *p* − 1) dominates; with many, every token costs more because
+# each microbatch's matmuls fall down the roofline; the shortest step lies between (the cell asserts it). On a real
+# GPU the small end is worse still: each kernel also pays its launch, and the preset's ceiling is only reached by
+# the largest matmuls. Measure with `pv.profile` at your microbatch size before trusting either.
+#
 # **A recipe:** take the largest *m* whose microbatch still keeps the hardware efficient (on GPUs, often a few
 # samples or a few thousand tokens; measure), check that 1F1B's memory fits (it only falls with *m*), and with a
 # slow link between stages prefer fewer, larger microbatches. Schedules that shrink the bubble another way
@@ -149,27 +198,35 @@ assert real[32][0] > min(real[2][0], real[8][0]), real
 #
 # ## Exercise
 #
-# On the slow link (**100 MB/s, 1 ms** latency), which *m* among 2, 4, 8, 16, 32, 64 gives the shortest simulated
-# 1F1B step for `plan`? Set `my_answer` to it (use `pv.simulate(plan, "1F1B", m, bandwidth=..., latency=...)`).
+# Back on the GPU roofline: the same stage of 8 layers on **p = 4 H100s**, but the global batch is only **4096
+# tokens** (8 sequences of 512). Which *m* among 4, 8, 16, 32, 64 gives the shortest simulated 1F1B step? Before
+# computing, guess whether it is more or fewer than the 32 microbatches that won above, and why; then check your
+# guess with the section's tools. Set `my_answer` to that *m*.
 
 # %%
-my_answer = None  # your answer here: one of 2, 4, 8, 16, 32, 64
+my_answer = None  # your answer here: one of 4, 8, 16, 32, 64
 
 
 # %%
 def check(answer):
-    """The m with the shortest simulated 1F1B step on a 100 MB/s, 1 ms link."""
-    steps = {m: pv.simulate(plan, "1F1B", m, bandwidth=1e8, latency=1e-3).step_time for m in MS}
+    """The m with the shortest simulated 1F1B step for 4096 tokens on 4 H100s (the roofline section's stage)."""
+    steps = {}
+    for m in (4, 8, 16, 32, 64):
+        fwd = stage_forward(4096 // m)
+        steps[m] = pv.simulate(None, "1F1B", m, costs=pv.Costs.uniform(4, forward=fwd, backward=2 * fwd),
+                               num_stages=4).step_time
     expected = min(steps, key=steps.get)
     if answer is None:
-        print("❌ Not yet: set my_answer above. Hint: simulate each m and keep the shortest step_time.")
+        print("❌ Not yet: set my_answer above. Hint: the bubble still wants many microbatches, but each one now "
+              "has 8x fewer tokens than at the same m above.")
     elif answer not in steps:
-        print(f"❌ Not yet: choose one of {MS}, got {answer!r}.")
+        print(f"❌ Not yet: choose one of {sorted(steps)}, got {answer!r}.")
     elif answer == expected:
-        print(f"✅ Correct: m = {expected} ({steps[expected] * 1e3:.1f} ms): fewer microbatches pay less latency, "
-              "more shrink the bubble.")
+        print(f"✅ Correct: m = {expected} ({steps[expected] * 1e3:.1f} ms): {4096 // expected} tokens per "
+              "microbatch; a smaller batch reaches the roofline's slope with fewer microbatches.")
     elif answer > expected:
-        print(f"❌ Not yet: m = {answer} takes {steps[answer] * 1e3:.1f} ms: each extra message costs 1 ms here.")
+        print(f"❌ Not yet: m = {answer} takes {steps[answer] * 1e3:.1f} ms: its {4096 // answer}-token "
+              "microbatches fall too far down the roofline.")
     else:
         print(f"❌ Not yet: m = {answer} takes {steps[answer] * 1e3:.1f} ms: the bubble is still large.")
 

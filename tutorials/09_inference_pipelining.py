@@ -11,10 +11,14 @@
 # %% [markdown]
 # # Lesson 9 · Inference pipelining
 #
-# **You will learn:** how a pipeline runs forward only (the seed's own walkthrough), what its bubble and memory
-# are without backwards, why pipelining raises throughput (a batch even finishes sooner) but not the latency of one
-# microbatch or one request, and which schedules
-# can run without a backward.
+# **You will learn:** how a pipeline runs forward only (as the PiPPy walkthrough, PiPPy实战, does: the tutorial
+# notebook 01 redoes, which this project's notes call "the seed"), what its bubble and memory are without
+# backwards, why pipelining raises throughput (a batch even finishes sooner) but not the latency of one microbatch
+# or one request, how autoregressive decode fills a pipeline (and what each request's KV cache costs), and which
+# schedules can run without a backward.
+#
+# **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
+# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
 #
 # ## Forward only
 #
@@ -113,6 +117,75 @@ print("training     (MiB):", [round(b / 2**20, 1) for b in train_mem])
 assert all(3.5 * i < t for i, t in zip(infer_mem, train_mem, strict=True))   # weights vs weights x 4 + acts
 
 # %% [markdown]
+# ## Autoregressive decode: keep *p* requests in flight
+#
+# A language model generates one token at a time: token *t* + 1 of a request needs token *t*, which must leave the
+# last stage first. One request alone therefore keeps one stage busy at a time: a token every *p*·*F*, each rank
+# idle (*p* − 1)/*p* of the time. With **several requests in flight**, one per stage, each stage works on another
+# request's token: **one token per request per pass** through the pipeline, and with *p* requests the pipe is full.
+# More than *p* gains nothing but wait. (pipeviz's simulator treats microbatches as independent, so it cannot hold
+# token *t* + 1 back until token *t* is out; the few lines below play the pipeline with that dependency, each stage
+# serving tokens in arrival order, *F* = 1 per token and stage.)
+
+# %%
+def decode(p, requests, tokens):
+    """Each request generates ``tokens`` tokens through ``p`` stages (1 time unit each, first come first served):
+    (tokens per time unit over the whole run, time between a request's last two tokens)."""
+    free, out = [0] * p, [0] * requests          # when each stage is next free; when each request's token left
+    for _ in range(tokens):
+        before = out[0]
+        for r in range(requests):
+            t = out[r]
+            for s in range(p):
+                t = max(t, free[s]) + 1
+                free[s] = t
+            out[r] = t
+    return requests * tokens / max(out), out[0] - before
+
+
+for requests in (1, 2, p, 2 * p):
+    rate, gap = decode(p, requests, tokens=64)
+    print(f"{requests} request(s) in flight: {rate:.2f} tokens per F, a request's next token every {gap} F")
+assert decode(p, 1, 64) == (1 / p, p)                      # one request: a token every p F
+rate_p, gap_p = decode(p, p, 64)
+assert rate_p > 0.98 and gap_p == p                        # p requests: the pipe full, each still a token per p F
+rate_2p, gap_2p = decode(p, 2 * p, 64)
+assert rate_2p - rate_p < 0.01 and gap_2p == 2 * p         # beyond p: no more throughput, a longer wait per token
+
+# %% [markdown]
+# Each request in flight keeps its **KV cache**: every attention layer's keys and values for every token so far,
+#
+# 2 (keys and values) × layers × kv_heads × head_dim × sequence × bytes per element,
+#
+# and under pipelining each stage keeps the cache of its own layers for every request in flight. A small
+# Llama-shaped model (4 layers, 2 key-value heads of dimension 16, float32) after a 12-token prompt, measured from
+# the cache Hugging Face's model returns:
+
+# %%
+from transformers import LlamaConfig, LlamaForCausalLM
+
+llama_config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=256)
+torch.manual_seed(0)
+llama = LlamaForCausalLM(llama_config).eval()
+with torch.no_grad():
+    cache = llama(torch.randint(0, 256, (1, 12)), use_cache=True)[1]   # the output's cache (its second field)
+measured = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+head_dim = llama_config.hidden_size // llama_config.num_attention_heads
+per_request = 2 * llama_config.num_hidden_layers * llama_config.num_key_value_heads * head_dim * 12 * 4
+print(f"KV cache of one 12-token request: measured {measured} bytes, formula {per_request}")
+assert measured == per_request == 12288
+# A Llama-2-7B-shaped model (32 layers, 32 key-value heads of 128, float16) at 4096 tokens: 2 GiB per request; on
+# p = 4 stages with p requests in flight, each stage holds its 8 layers' share of 4 requests: one request's worth.
+big = 2 * 32 * 32 * 128 * 4096 * 2
+assert big == 2 * 2**30 and big // 4 * 4 == big
+print(f"Llama-2-7B shape, 4096 tokens: {big / 2**30:g} GiB per request; per stage with 4 requests in flight on "
+      f"4 stages: {big / 4 * 4 / 2**30:g} GiB")
+
+# %% [markdown]
+# That cache, not the weights, is what limits how many requests a serving pipeline keeps in flight: filling the
+# pipe takes *p* of them, and each costs its full cache, spread over the stages.
+#
 # ## Which schedules run forward only
 #
 # GPipe and 1F1B are the same without backwards. The V-shaped schedules (ZBVZeroBubble, DualPipeV) are built

@@ -13,7 +13,11 @@
 #
 # **You will learn:** torch's action notation, how to write a schedule as per-rank action lists, how
 # `pipeviz.schedules.validate` and `pv.simulate(..., order=...)` judge and draw it (deadlocks included), and how a
-# zero-bubble order (ZB-H1) comes from 1F1B by splitting each backward.
+# zero-bubble order (ZB-H1) comes from 1F1B by splitting each backward, and what ZB-H2 adds with more
+# memory and optimizer post-validation.
+#
+# **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
+# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
 #
 # ## The notation
 #
@@ -160,6 +164,81 @@ pv.timeline_figure(results["ZB-H1"])
 # after the next forward instead and the step is the same but rank 0 holds 4.5 (the last lines above). torch's
 # `ScheduleInterleavedZeroBubble` with one stage per rank reaches the same step with the same memory per rank.
 #
+# ## ZB-H2: more memory, no bubble
+#
+# ZB-H1 still leaves (*p* − 1)·(*F* + *I* − *W*). Qi et al.'s **ZB-H2** lets rank 0 hold up to **2*p* − 1**
+# microbatches (rank *r*: 2*p* − 1 − *r*): rank 0 runs forwards until the first input gradient returns (after
+# 2*p* − 1 forward times), and every rank runs `I` as soon as it can, then a forward, and a `W` only where it
+# would otherwise wait. Written as a greedy rule over unit-time actions (the paper builds its schedules with a
+# heuristic of the same kind), each rank then computes without a single gap from its first action to its last:
+# rank *r* works from *r*·*F* to 3*m* + *r*·*F*, a **parallelogram**.
+#
+# Its step still measures (*p* − 1)·*F* more than the work, because this step, like every step here, ends in a
+# synchronisation: the optimizer waits for every rank's gradients (for the global gradient norm, the NaN check).
+# The paper removes it by **optimizer post-validation** (lesson 7): each rank steps as soon as its own gradients
+# are ready and the global checks are validated afterwards, rolling the step back in the rare case one fails. Then
+# the next step's forwards start on rank *r* at 3*m* + *r*·*F*, exactly when its previous step ends: consecutive
+# parallelograms tile with **no bubble**. ZB-H1 could not do that: its rank *r* idles *p* − 1 − *r* inside its
+# span (3, 2, 1, 0 below).
+
+# %%
+def zb_h2(p, m):
+    """ZB-H2 by a greedy rule over unit-time actions: each free rank runs an I if one is ready, else a forward
+    (keeping at most 2p - 1 microbatches whose W has not run), else a pending W."""
+    orders, end = [[] for _ in range(p)], {}               # end[(rank, kind, microbatch)]: when it finished
+    free_at, n_f, n_i, n_w, pending = [0] * p, [0] * p, [0] * p, [0] * p, [[] for _ in range(p)]
+    t = 0
+    while any(len(acts) < 3 * m for acts in orders):
+        for r in range(p):
+            if free_at[r] > t or len(orders[r]) == 3 * m:
+                continue
+            b, f = n_i[r], n_f[r]
+            grad_in = (r + 1, "I", b) if r < p - 1 else (r, "F", b)        # what this rank's I of b waits for
+            if b < f and end.get(grad_in, t + 1) <= t:
+                kind, mb = "I", b
+                n_i[r] += 1
+                pending[r].append(b)
+            elif f < m and f - n_w[r] < 2 * p - 1 and (r == 0 or end.get((r - 1, "F", f), t + 1) <= t):
+                kind, mb = "F", f
+                n_f[r] += 1
+            elif pending[r]:
+                kind, mb = "W", pending[r].pop(0)
+                n_w[r] += 1
+            else:
+                continue
+            end[r, kind, mb] = free_at[r] = t + 1
+            orders[r].append(f"{r}{kind}{mb}")
+        t += 1
+    return orders
+
+
+h2 = zb_h2(p, m)
+validate(h2, p, m, stage_ranks)
+results["ZB-H2"] = pv.simulate(None, "1F1B", m, costs=costs, num_stages=p, order=h2)
+print(f"{'schedule':8} step  bubble  held (microbatches)     each rank: [first start, last end], idle inside")
+spans = {}
+for name, tl in results.items():
+    spans[name] = [(min(e.start for e in tl.events if e.rank == r), max(e.end for e in tl.events if e.rank == r))
+                   for r in range(p)]
+    idle = [(b - a) - sum(e.end - e.start for e in tl.events if e.rank == r) for r, (a, b) in enumerate(spans[name])]
+    print(f"{name:8} {tl.step_time:4.0f}  {tl.step_time - 3 * m:6.0f}  {[b / 2 for b in tl.peak_activation_bytes]}   "
+          f"{spans[name]}, {idle}")
+    spans[name, "idle"] = idle
+assert results["ZB-H2"].step_time - 3 * m == (p - 1) * 1                   # the (p - 1) F the boundary leaves
+assert spans["ZB-H2"] == [(r, 3 * m + r) for r in range(p)]               # a parallelogram: rank r from r F ...
+assert spans["ZB-H2", "idle"] == [0] * p                                   # ... with no gap inside
+assert spans["ZB-H1", "idle"] == [p - 1 - r for r in range(p)]           # ZB-H1: rank r idles p-1-r inside
+held_h2 = [b / 2 for b in results["ZB-H2"].peak_activation_bytes]
+assert held_h2 == [2 * p - 1 - r for r in range(p)]                        # [7, 6, 5, 4]: 2p - 1 on rank 0
+assert held_h2[0] / results["1F1B"].peak_activation_bytes[0] * 2 == (2 * p - 1) / p   # 7/4 of 1F1B's peak
+pv.timeline_figure(results["ZB-H2"])
+
+# %% [markdown]
+# ZB-H2's price is memory: rank 0 holds 2*p* − 1 = 7 microbatches, (2*p* − 1)/*p* = 7/4 of 1F1B's peak, each later
+# rank one less ([7, 6, 5, 4]); and a runtime that steps without a global synchronisation, which neither torch's
+# schedules nor pipeviz's simulator provide (both keep the synchronous boundary, so the (*p* − 1)·*F* stays in the
+# measured step). ZB-V (lesson 7) reaches the same bubble with 1F1B's memory, at the price of two stages per rank.
+#
 # ## Running a schedule for real
 #
 # `pv.launch` runs torch's own schedules by name, and a hand-written order as `LaunchConfig(order=...)` (checked
@@ -188,9 +267,11 @@ pv.TimelineView(run)
 # %% [markdown]
 # ## Exercise
 #
-# Write **1F1B for p = 3 stages and m = 4 microbatches** by hand, as a list of three lists of actions (rank 0's
-# first), without calling `one_f_one_b`. Set `my_answer` to it; the check validates it, simulates it and compares
-# it with torch's order.
+# Write **ZB-H1 for p = 3 stages and m = 4 microbatches** by hand, as a list of three lists of actions (rank 0's
+# first), without calling `zb_h1`: start from 1F1B's order (`pv.schedules.orders("1F1B", 3, 4)`), put an `I` where
+# each `B` was, and **place each `W`** so that the step keeps ZB-H1's bubble, (*p* − 1)·1 = 2 with *F* = *I* = *W* =
+# 1 (1F1B's is 6), and **no rank ever holds more than 1F1B's peak**, 3 microbatches (a forward adds one, an `I`
+# and a `W` free half each). Set `my_answer` to it; the check validates it and plays it with `simulate(order=...)`.
 
 # %%
 my_answer = None  # your answer here: [["0F0", ...], ["1F0", ...], ["2F0", ...]]
@@ -198,28 +279,35 @@ my_answer = None  # your answer here: [["0F0", ...], ["1F0", ...], ["2F0", ...]]
 
 # %%
 def check(answer):
-    """Your order against torch's 1F1B for 3 stages and 4 microbatches: rules, deadlocks, then the order."""
-    expected = pv.schedules.orders("1F1B", 3, 4)
+    """Your order, played on F = I = W = 1: valid, no deadlock, ZB-H1's bubble of 2, and no rank above 1F1B's peak."""
+    costs = pv.Costs.uniform(3, activation_bytes=2)
+    plain = pv.simulate(None, "1F1B", 4, costs=costs, num_stages=3)
+    limit = plain.peak_activation_bytes[0] / 2                                 # 1F1B's rank 0: 3 microbatches
     if answer is None:
-        print("❌ Not yet: set my_answer above. Hint: rank r starts with min(m, p - r) forwards.")
+        print("❌ Not yet: set my_answer above. Hint: rank r may keep r weight-grad passes pending.")
         return
     if not (isinstance(answer, list) and len(answer) == 3 and all(isinstance(a, list) for a in answer)):
-        print("❌ Not yet: my_answer should be a list of 3 lists of actions such as '0F0'.")
+        print("❌ Not yet: my_answer should be a list of 3 lists of actions such as '0F0', '0I0', '0W0'.")
+        return
+    if any("B" in action for acts in answer for action in acts):
+        print("❌ Not yet: split every backward: an I where 1F1B runs B, and a W somewhere after it.")
         return
     try:
         validate(answer, 3, 4, (0, 1, 2))
-        pv.simulate(None, "1F1B", 4, costs=pv.Costs.uniform(3), num_stages=3, order=answer)
+        tl = pv.simulate(None, "1F1B", 4, costs=costs, num_stages=3, order=answer)
     except (ScheduleError, ValueError) as err:
         print(f"❌ Not yet: {err}")
         return
-    if answer == expected:
-        print("✅ Correct: that is torch's Schedule1F1B order, action for action.")
-    elif answer == pv.schedules.orders("GPipe", 3, 4):
-        print("❌ Not yet: that is GPipe (all forwards first). Hint: start a backward once the warm-up is done.")
+    bubble, held = tl.step_time - 3 * 4, [b / 2 for b in tl.peak_activation_bytes]
+    if bubble > 2 + 1e-9:
+        print(f"❌ Not yet: a bubble of {bubble:g} (ZB-H1's is 2). Hint: the last ranks finish their I passes first; "
+              "let them keep W passes for the end, where they would otherwise wait.")
+    elif max(held) > limit + 1e-9:
+        print(f"❌ Not yet: the bubble is 2, but the ranks hold {held} microbatches, above 1F1B's {limit:g}. Hint: "
+              "run a W that falls due before the rank's next forward.")
     else:
-        wrong = next(r for r in range(3) if answer[r] != expected[r])
-        print(f"❌ Not yet: a valid schedule, but not 1F1B: rank {wrong} differs. Hint: after the warm-up, one "
-              "backward, then one forward.")
+        print(f"✅ Correct: bubble 2 (1F1B: {plain.step_time - 12:g}), at most {max(held):g} microbatches held "
+              f"({held}): ZB-H1 at 1F1B's peak.")
 
 
 check(my_answer)

@@ -13,7 +13,11 @@
 #
 # **You will learn:** how pipeline parallelism (PP) combines with data parallelism (DP) and tensor parallelism
 # (TP) on a mesh of processes, what each costs (the simulator), that the combination trains exactly like the
-# unsplit model (real runs), and how `plan_cluster` chooses the degrees for a cluster.
+# unsplit model (real runs), the global batch gbs = mbs × m × dp, ZeRO-1 against ZeRO-3 under a pipeline, and how
+# `plan_cluster` chooses the degrees for a cluster.
+#
+# **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
+# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
 #
 # ## Three ways to cut the work
 #
@@ -113,6 +117,46 @@ pv.TimelineView(runs["pp=2 dp=2"])
 # %% [markdown]
 # Each row of the timeline is a process named by its coordinates (`pp1 dp0`: stage 1 of replica 0).
 #
+# ## The global batch, and ZeRO under a pipeline
+#
+# The samples one optimizer step sees are **gbs = mbs × m × dp**: each of the *dp* pipelines runs *m* microbatches
+# of *mbs* samples. At a fixed global batch, doubling *dp* halves *m* × *mbs*: fewer microbatches (a bigger bubble)
+# or smaller ones (lesson 8). The runs above: 64 = 16 × 4 × 1 without replicas, 64 = 8 × 4 × 2 with two.
+#
+# Replicas also multiply the model's state: under plain DP every replica keeps every weight, gradient and
+# optimizer state (4 + 4 + 8 bytes per float32 parameter with Adam). **ZeRO-1** (`dp_reduce="zero1"`, Megatron's
+# distributed optimizer) shards the optimizer state over the *dp* replicas; **ZeRO-3** (`dp_shard=True`, torch's
+# FSDP2) shards weights and gradients too. What each keeps per rank for this plan, at rest, *dp* = 2 (pipeviz's
+# simulated `memory_bytes` does not shard yet: it prices ZeRO's collectives, not its memory, so it shows plain
+# DP's figure for all three; the lesson computes the shares from the same rule):
+
+# %%
+assert 64 == (64 // 4) * 4 * 1 == (64 // 4 // 2) * 4 * 2          # gbs = mbs x m x dp, as launched above
+DP = 2
+layouts = {"DP (DDP)": {"dp": DP}, "ZeRO-1": {"dp": DP, "dp_reduce": "zero1"}, "ZeRO-3": {"dp": DP, "dp_shard": True}}
+state = {}
+for name, options in layouts.items():
+    tl = pv.simulate(plan, "1F1B", 4, **options)
+    params = [stage.param_bytes for stage in plan.stages]                    # float32 weights, bytes
+    share = {"DP (DDP)": (1, 1, 1), "ZeRO-1": (1, 1, 1 / DP), "ZeRO-3": (1 / DP, 1 / DP, 1 / DP)}[name]
+    state[name] = [w * share[0] + w * share[1] + 2 * w * share[2] for w in params]   # weights, grads, Adam's 2
+    print(f"{name:9} weights + gradients + optimizer per rank {[round(b / 2**20, 2) for b in state[name]]} MiB"
+          f"   (simulated memory_bytes {[round(b / 2**20, 2) for b in tl.memory_bytes]} MiB)")
+    assert [m - a for m, a in zip(tl.memory_bytes, tl.peak_activation_bytes, strict=True)] == state["DP (DDP)"]
+assert all(z1 == 0.75 * d and z3 == 0.5 * d for d, z1, z3 in zip(state["DP (DDP)"], state["ZeRO-1"],
+                                                                 state["ZeRO-3"], strict=True))
+
+# %% [markdown]
+# With *dp* = 2, ZeRO-1 keeps 3/4 of plain DP's state per rank and ZeRO-3 half (the asserts; with *dp* → ∞,
+# 1/2 and 0). Under a pipeline ZeRO-3's saving has a price: its weights are sharded at rest, so every forward and
+# every backward of a microbatch needs the stage's whole weights **gathered** first. FSDP frees them after each
+# forward by default (`reshard_after_forward=True`), so a stage running *m* = 4 microbatches gathers its weights
+# for each forward and again for the backwards (torch's pipeline stage keeps them gathered between backwards until
+# the step's last one): up to 2*m* = 8 all-gathers of the stage per step where ZeRO-1 does one, after the
+# optimizer step. Keeping them gathered for the whole step (`reshard_after_forward=False`) makes it one gather again
+# but holds the full weights through the step, giving back most of the saving. That is why pipelines usually pair
+# with ZeRO-1 (Megatron-LM's distributed optimizer), and ZeRO-3 with few microbatches or none.
+#
 # ## Choosing the degrees
 #
 # A common recipe (the Ultra-Scale Playbook, torchtitan): TP inside a node up to its fast-link size, PP across
@@ -154,28 +198,32 @@ print("fastest within 8 GiB:", tight.rows[0].label())
 #
 # ## Exercise
 #
-# On a mesh with **pp = 2, dp = 2, tp = 2**, which **rank** is the second tensor-parallel shard (tp = 1) of stage
-# 1 (pp = 1) in replica 0 (dp = 0)? Set `my_answer` to that rank number.
+# 32 GPUs train with **pp = 4, tp = 2** and the rest data-parallel, on a global batch of **256 sequences** with
+# microbatches of **4 sequences**. Each pipeline runs 1F1B over its share of the batch. What fraction of each
+# step is bubble, (*p* − 1)/(*m* + *p* − 1) with equal stages? Set `my_answer` to that number (work out *dp* and
+# *m* first).
 
 # %%
-my_answer = None  # your answer here: an integer
+my_answer = None  # your answer here: a number between 0 and 1
 
 
 # %%
 def check(answer):
-    """The rank of coordinates (pp=1, dp=0, tp=1) on pipeviz's (pp, dp, tp) mesh."""
-    mesh = pv.Mesh(pp=2, dp=2, tp=2)
-    expected = mesh.rank(pp=1, dp=0, tp=1)
+    """The 1F1B bubble of one pipeline: dp = 32 / (pp x tp), m = gbs / (mbs x dp), simulated on equal stages."""
+    pp, tp, gbs, mbs = 4, 2, 256, 4
+    dp = 32 // (pp * tp)
+    m = gbs // (mbs * dp)
+    expected = pv.simulate(None, "1F1B", m, costs=pv.Costs.uniform(pp), num_stages=pp).bubble_fraction
     if answer is None:
-        print("❌ Not yet: set my_answer above. Hint: rank = (pp · dp_size + dp) · tp_size + tp.")
-    elif not isinstance(answer, int):
-        print(f"❌ Not yet: a rank is a whole number, got {answer!r}.")
-    elif answer == expected:
-        print(f"✅ Correct: rank {expected} = {mesh.label(expected)}: pp outermost, tp innermost.")
-    elif 0 <= answer < mesh.world:
-        print(f"❌ Not yet: rank {answer} is {mesh.label(answer)}. Hint: pp is the outermost dimension.")
+        print("❌ Not yet: set my_answer above. Hint: the 32 GPUs are pp x dp x tp; gbs = mbs x m x dp.")
+    elif not isinstance(answer, (int, float)):
+        print(f"❌ Not yet: my_answer should be a number, got {answer!r}.")
+    elif abs(answer - expected) < 1e-3:
+        print(f"✅ Correct: dp = {dp}, m = {m}, bubble (p - 1)/(m + p - 1) = 3/{m + pp - 1} = {expected:.3f}.")
+    elif abs(answer - 3 / (gbs // mbs + 3)) < 1e-3:
+        print("❌ Not yet: that is one pipeline taking the whole batch. Hint: each of the dp replicas takes 1/dp.")
     else:
-        print(f"❌ Not yet: ranks go from 0 to {mesh.world - 1}.")
+        print(f"❌ Not yet: not {answer!r}. Hint: dp = 32 / (pp · tp), then m = gbs / (mbs · dp).")
 
 
 check(my_answer)
