@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # On a machine without an NVIDIA GPU pin the local CPU build: an unpinned torch pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test compat grid wheel lint bench calibrate render screenshots clean
+.PHONY: setup demo test compat grid wheel lint bench calibrate render docs screenshots clean
 
 setup: $(VENV)/.installed
 
@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[notebook,checkpoints,test]"
+	$(PY) -m pip install -q -e ".[notebook,checkpoints,test,docs]"
 	touch $@
 
 demo: setup
@@ -49,6 +49,15 @@ wheel: setup
 # in build/html/ (gitignored), with an index; exits 1 if a notebook fails. See scripts/render.py.
 render: setup
 	$(PY) scripts/render.py --out build/html
+
+# The documentation site in build/site/ (mkdocs.yml, docs/, scripts/docs_hooks.py; open build/site/index.html): the pages
+# in docs/, the lessons and demos with their outputs, the API reference from the docstrings. Strict: a broken link
+# to a page or an anchor, or any other warning, fails it; links to other sites are not checked (CI reaches no network
+# but the package registries). The notebooks are the executed copies the notebook tests keep in artifacts/notebooks/
+# (nothing runs here); one without such a copy is shown without outputs, with a note. PIPEVIZ_DOCS_EXECUTED=require
+# (.ci/run) fails instead. NO_MKDOCS_2_WARNING: Material's end-of-life notice, recorded in docs/about.md.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # The README's pictures (docs/images/): taken by the real-browser test in JupyterLab, of what it just checked.
 screenshots: setup

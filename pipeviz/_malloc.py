@@ -2,7 +2,7 @@
 
 By default glibc serves allocations of 128 KiB and more with fresh ``mmap`` pages and returns them on
 free, so every backward pass page-faults its gradient buffers again, and a layer's backward time doubles at
-random (README, "What pipeviz fixes"). pipeviz's worker processes (and ``pv.profile``, which must time what
+random (docs/torch-fixes.md, "What pipeviz fixes"). pipeviz's worker processes (and ``pv.profile``, which must time what
 the workers will do) raise the mmap and trim thresholds once; memory freed by tensors then stays in the
 process for reuse. No effect off glibc.
 """

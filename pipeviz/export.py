@@ -84,7 +84,7 @@ def export_torchrun(
 
     Raises:
         LaunchError, ScheduleError, PlanError: what ``pv.launch`` would refuse, and ``devices`` other than
-        ``"auto"`` (torchrun gives each process its ``LOCAL_RANK`` GPU).
+            ``"auto"`` (torchrun gives each process its ``LOCAL_RANK`` GPU).
     """
     import cloudpickle
 

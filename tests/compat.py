@@ -5,7 +5,7 @@ Configs keep each model's own defaults (tied embeddings where the config ties th
 embeddings, ALBERT's one shared layer) and shrink only the sizes. Dropout is set to 0: random masks drawn in
 other processes can never match the unsplit model's.
 
-``tests/test_compat.py`` runs every row; ``python -m tests.compat`` prints the README's table.
+``tests/test_compat.py`` runs every row; ``python -m tests.compat`` prints the table in docs/compatibility.md.
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def compare(run: Any, ref: tuple[list[float], dict[str, torch.Tensor]]) -> tuple
 
 
 def table(results: list[Result]) -> str:
-    """The README's markdown table."""
+    """The markdown table of docs/compatibility.md."""
     head = ("| model | family | layers | params | stages (1F1B) | GPipe | 1F1B | multi-stage | time |\n"
             "|---|---|---|---|---|---|---|---|---|")
     lines = [head]

@@ -1,5 +1,5 @@
 """The compatibility matrix over HF architectures (tests/compat.py): every row trains like the unsplit model
-under GPipe, 1F1B and a multi-stage schedule. The README's table is this test's output
+under GPipe, 1F1B and a multi-stage schedule. The table in docs/compatibility.md is this test's output
 (``python -m tests.compat``)."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def test_architecture_built_on_the_meta_device_trains_from_its_ranks_initialiser
     run = pv.launch(plan, "1F1B", 4, steps=1, inputs=args, input_kwargs=kwargs or None, target=target, loss_fn=lm_loss,
                     optimizer=sgd)
     if int(__import__("transformers").__version__.split(".")[0]) < 5:
-        # A known limit (README, "Supported versions"): transformers 4.x initialisers do not set every tensor one
+        # A known limit (docs/compatibility.md): transformers 4.x initialisers do not set every tensor one
         # module at a time (rotary inv_freq, GPT-2's masked_bias, BERT's token_type_ids, T5's attention weights):
         # a rank names the tensor left unset and the run fails; pass weights= (a checkpoint) instead.
         from pipeviz.weights import WeightsError

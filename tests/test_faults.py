@@ -1,4 +1,4 @@
-"""Failures end visibly, name their real cause, and leave nothing behind (README, "Fault matrix").
+"""Failures end visibly, name their real cause, and leave nothing behind (docs/faults.md, the fault matrix).
 
 How long each takes is measured in benchmarks/speed/soak.py, not asserted here; the waits below only keep a broken
 run from hanging the suite.

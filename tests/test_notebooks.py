@@ -30,7 +30,7 @@ NOTEBOOKS = sorted(p.relative_to(ROOT).as_posix() for folder in ("notebooks", "t
                    for p in (ROOT / folder).glob("*.ipynb"))
 TUTORIALS = [n for n in NOTEBOOKS if n.startswith("tutorials/")]
 CELL_TIMEOUT = 240
-EXECUTED = ROOT / "artifacts" / "notebooks"  # executed copies (git-ignored), for scripts/render.py --executed
+EXECUTED = ROOT / "artifacts" / "notebooks"  # executed copies (git-ignored), for `make docs` and render.py
 
 
 def _builder() -> ModuleType:
@@ -173,8 +173,8 @@ def _execute(name: str, folder: Path) -> tuple[object, float]:
 
 def _keep(name: str, nb, answers: int) -> None:  # an nbformat notebook
     """The executed notebook as a reader meets it (without the appended answers) in artifacts/notebooks/, which
-    `scripts/render.py --executed artifacts/notebooks` turns into HTML pages without running anything again
-    (CI keeps them: the lessons readable without running them)."""
+    the documentation site (`make docs`, scripts/docs_hooks.py) and `scripts/render.py --executed artifacts/notebooks`
+    show without running anything again (CI's docs step: the lessons readable without running them)."""
     import copy
 
     import nbformat

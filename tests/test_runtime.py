@@ -121,7 +121,7 @@ def test_hf_models_train_pipelined(which: str) -> None:
     run = pv.launch(plan, schedule="1F1B", microbatches=4, steps=2, inputs=(ids,), input_kwargs=kwargs,
                     target=target, loss_fn=loss_fn, optimizer=sgd)
     if which == "t5" and _transformers_major() < 5:
-        # A known limit (README, "Supported versions"): transformers 4.57's T5 blocks give torch's unflatten (inside
+        # A known limit (docs/compatibility.md): transformers 4.57's T5 blocks give torch's unflatten (inside
         # pipeline()) a module stack it refuses; the run fails while building its stages, before any rank starts.
         assert run.wait(120) == "failed" and "is not a descendant of parent module" in (run.error or ""), run.error
         return

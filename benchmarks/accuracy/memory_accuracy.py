@@ -2,7 +2,7 @@
 
 Cases: an MLP and a small transformer, each under GPipe, 1F1B (2 stages on 2 ranks), Interleaved1F1B and
 ZBVZeroBubble (4 stages, 2 per rank), plus InterleavedZeroBubble (beyond issue 20's four: its weight-grad passes
-are deferred, so what an input-grad pass frees shows; see the README). For each case the table gives,
+are deferred, so what an input-grad pass frees shows; see docs/memory.md). For each case the table gives,
 per rank, the simulator's peak of live activations (``pv.simulate(...).peak_activation_bytes``) next to the
 measured one: the peak of ``run.activation_memory[rank]``, the bytes autograd holds saved for backward
 (``pipeviz.runtime.memory``). Both count the same thing, so the comparison is exact in kind; neither depends on

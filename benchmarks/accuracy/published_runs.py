@@ -32,7 +32,7 @@ beside the published ones.
 
 ``--attention`` builds every row with one attention instead of its own; ``--cache DIR`` keeps the traced graphs
 (pickled) between runs: tracing is the benchmark's main cost (6 minutes here; 20 s from the cache). Measured:
-README, "Checked against published training runs".
+docs/benchmarks.md, "Checked against published training runs".
 
     python benchmarks/accuracy/published_runs.py [--only N21] [--cache /tmp/pv_graphs]
 

@@ -1,5 +1,5 @@
 """Soak, load and faults: hundreds of launches in one process leave nothing behind, a run on a machine whose
-cores are all busy still ends correctly, and how long each fault takes to surface (README, "Fault matrix").
+cores are all busy still ends correctly, and how long each fault takes to surface (docs/faults.md, the fault matrix).
 
 1. Soak: ``--launches`` runs (default 200), two at a time, cycling through all seven schedules; every fifth
    fails on purpose (its loss raises in the run), every seventh is stopped mid-step. Prints the parent's
