@@ -102,7 +102,7 @@ def launch(
         timeout: seconds without progress before the run is declared hung and stopped.
         pin_cpus: on the CPU, give each rank its own cores (``run.cpus``) when there are enough and no
             other run of this process is going: its compute and gloo's threads then never wait behind
-            another rank's (README, "What pipeviz fixes", has the measured gain).
+            another rank's (docs/torch-fixes.md has the measured gain).
         on_nonfinite: a NaN or inf loss or gradient: ``"stop"`` (the run fails before that step's update,
             naming the step, rank, stage and tensor) or ``"continue"`` (recorded in ``run.nonfinite``).
         dp: data-parallel replicas of the pipeline (``pv.Mesh(pp, dp)``: pp × dp processes). Each replica trains

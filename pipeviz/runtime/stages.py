@@ -3,7 +3,7 @@
 Built once, in the launching process, from torch's ``Pipe`` (the real split), then pickled per rank: each
 rank receives only its own stages as flat ``fx.GraphModule``s (``pipeviz.adapter.flatten_stage``), so no rank
 re-traces the model or imports the model's library. torch 2.13's stage graphs need these fixes
-(README, "What pipeviz fixes"):
+(docs/torch-fixes.md, "What pipeviz fixes in torch's pipelining"):
 
 - a value used two or more stages later is sent directly, which no multi-stage schedule accepts and whose
   backward raises "Backward of skip connections not supported yet": ``StageRunner`` relays every value
