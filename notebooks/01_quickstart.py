@@ -15,11 +15,13 @@
 # `MyNetwork(512, [512, 1024, 256])`: mark split points after `layer0` and `layer1`
 # (`annotate_split_points(mn, {'layer0': SplitPoint.END, 'layer1': SplitPoint.END})`), build the `Pipe` for a batch
 # of 32 in 4 chunks (`pipeline(mn, chunks, example_args=(x,))`), then run its three stages under `torchrun`.
-# This notebook first runs that walkthrough **as the seed wrote it, in today's plain torch**, then does the same
-# from one notebook with pipeviz:
+# That **PiPPy walkthrough** (*PiPPy实战*) is where this project started; the project's own pages call it **the
+# seed**. This notebook first runs the walkthrough **as it was written, in today's plain torch**, then does the
+# same from one notebook with pipeviz:
 #
-# 0. **the seed's own code**: a script under `torchrun`, 3 processes, forward only; its output checked against
-#    the unsplit model and against pipeviz,
+# 0. **the walkthrough's own code**: a script under `torchrun`, 3 processes, forward only; its output checked
+#    against the unsplit model and against pipeviz; then the two other ways today's torch splits a model (a
+#    `pipe_split()` marker in `forward`, and stages you build yourself),
 # 1. **trace** the model once and look at its layers,
 # 2. **split** it and preview every stage (parameters, FLOPs, bytes sent, memory) without building anything,
 # 3. **simulate** a training step,
@@ -54,13 +56,29 @@ x = torch.randn(32, 512)                  # one full batch of inputs
 y = torch.randint(0, 10, (32,))           # its class labels
 
 # %% [markdown]
-# ## 0. The seed's code, in plain torch
+# ## 0. The walkthrough's code, in plain torch
 #
-# Today's torch spells the seed's steps `pipeline(model, mb_args, split_spec=...)` (the split points move from
-# `annotate_split_points` into `split_spec`), `pipe.build_stage(rank, device)` and a schedule object; rank 0 feeds
-# the batch with `schedule.step(x)`, the others call `schedule.step()`, and the last rank gets the output. Forward
-# only: no loss, no backward. Here is the script, written to a temporary folder with this notebook's weights and
-# input so that its output can be compared:
+# Today's torch spells the walkthrough's steps `pipeline(model, mb_args, split_spec=...)` (the split points move
+# from `annotate_split_points` into `split_spec`), `pipe.build_stage(rank, device)` and a schedule object; rank 0
+# feeds the batch with `schedule.step(x)`, the others call `schedule.step()`, and the last rank gets the output.
+# Forward only: no loss, no backward.
+#
+# Two changes trip up code ported from PiPPy:
+#
+# 1. **The example input is now one microbatch.** PiPPy's `pipeline(mn, chunks, example_args=(x,))` took the whole
+#    batch and the number of chunks; torch's `pipeline(model, mb_args=(x_chunk,))` builds every stage for exactly
+#    the shapes it is given, so pass one microbatch, `torch.chunk(x, chunks)[0]`. Given the whole batch,
+#    `pipeline()` still succeeds, with stages that expect 32 rows where the schedule sends 8 (checked below).
+# 2. **`chunks` moved to the schedule.** `pipeline()` no longer takes it; the number of microbatches is the
+#    schedule's `n_microbatches` (`ScheduleGPipe(stage, n_microbatches=chunks)`), and `schedule.step(x)` splits the
+#    whole batch into that many.
+#
+# Here is the script, with the walkthrough's `MyNetwork` written out in it (plain torch: nothing from pipeviz).
+# After the walkthrough's route it runs the same three stages a second way, the one torchtitan uses: no tracing,
+# each rank builds its own stage's module (`model.layer0`, `model.layer1`, `Sequential(model.layer2,
+# model.output_proj)`) and wraps it as `PipelineStage(module, stage_index, num_stages, device)`; the stage learns
+# its input shapes at the first step. The script is written to a temporary folder with this notebook's weights and
+# input so that its outputs can be compared:
 
 # %%
 SEED_SCRIPT = textwrap.dedent("""\
@@ -69,11 +87,37 @@ SEED_SCRIPT = textwrap.dedent("""\
 
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, SplitPoint, pipeline
 
-    from pipeviz.zoo import MyNetwork
 
-    here = sys.argv[1]
+    class MyNetworkBlock(torch.nn.Module):
+        def __init__(self, in_dim, out_dim):
+            super().__init__()
+            self.lin = torch.nn.Linear(in_dim, out_dim)
+
+        def forward(self, x):
+            x = self.lin(x)
+            x = torch.relu(x)
+            return x
+
+
+    class MyNetwork(torch.nn.Module):
+        def __init__(self, in_dim, layer_dims):
+            super().__init__()
+            prev_dim = in_dim
+            for i, dim in enumerate(layer_dims):
+                setattr(self, f"layer{i}", MyNetworkBlock(prev_dim, dim))
+                prev_dim = dim
+            self.num_layers = len(layer_dims)
+            self.output_proj = torch.nn.Linear(layer_dims[-1], 10)  # 10 output classes
+
+        def forward(self, x):
+            for i in range(self.num_layers):
+                x = getattr(self, f"layer{i}")(x)
+            return self.output_proj(x)
+
+
+    here = sys.argv[1]  # the folder with the weights and the input
     in_dim, layer_dims, batch_size, chunks = 512, [512, 1024, 256], 32, 4
 
     rank = int(os.environ["RANK"])
@@ -84,12 +128,14 @@ SEED_SCRIPT = textwrap.dedent("""\
     model = MyNetwork(in_dim, layer_dims)
     model.load_state_dict(torch.load(os.path.join(here, "weights.pt")))
     x = torch.load(os.path.join(here, "x.pt"))
-    x_chunk = torch.chunk(x, chunks)[0]
+    x_chunk = torch.chunk(x, chunks)[0]  # pitfall 1: the example input is ONE microbatch
 
     pipe = pipeline(model, mb_args=(x_chunk,),
                     split_spec={"layer0": SplitPoint.END, "layer1": SplitPoint.END})
+    if rank == 0:
+        print(pipe)
     stage = pipe.build_stage(rank, device)
-    schedule = ScheduleGPipe(stage, n_microbatches=chunks)
+    schedule = ScheduleGPipe(stage, n_microbatches=chunks)  # pitfall 2: chunks is the schedule's
 
     if rank == 0:
         schedule.step(x)
@@ -97,6 +143,14 @@ SEED_SCRIPT = textwrap.dedent("""\
         output = schedule.step()
     if rank == world_size - 1:
         torch.save(output, os.path.join(here, "out.pt"))
+
+    # torchtitan's route: build this rank's stage module by hand (no tracing) and wrap it in a PipelineStage.
+    own = [model.layer0, model.layer1, torch.nn.Sequential(model.layer2, model.output_proj)][rank]
+    stage = PipelineStage(own, stage_index=rank, num_stages=world_size, device=device)
+    schedule = ScheduleGPipe(stage, n_microbatches=chunks)
+    output = schedule.step(x) if rank == 0 else schedule.step()
+    if rank == world_size - 1:
+        torch.save(output, os.path.join(here, "out_manual.pt"))
     dist.destroy_process_group()
 """)
 seed_dir = Path(tempfile.mkdtemp(prefix="pipeviz_seed_"))  # keep the script's files out of the repository
@@ -108,7 +162,8 @@ print(SEED_SCRIPT)
 
 # %% [markdown]
 # `torchrun --nproc-per-node 3 pippy_walkthrough.py` starts three processes, one per stage (here as `python -m
-# torch.distributed.run`, with this kernel's interpreter, on a free local port):
+# torch.distributed.run`, with this kernel's interpreter, on a free local port). Rank 0's `print(pipe)` shows what
+# `pipeline()` made: one `submod_pp_<i>` per stage, and the forward that chains them.
 
 # %%
 def free_port() -> int:
@@ -123,12 +178,17 @@ command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3
 print(" ".join(command[1:]))
 done = subprocess.run(command, cwd=seed_dir, capture_output=True, text=True, timeout=240)
 assert done.returncode == 0, done.stdout + done.stderr
+print(done.stdout)                                    # rank 0's print(pipe)
+assert all(f"submod_pp_{i}" in done.stdout for i in range(3)) and "submod_pp_3" not in done.stdout
 seed_out = torch.load(seed_dir / "out.pt").detach()   # saved from inside the schedule, with its graph
+by_hand_out = torch.load(seed_dir / "out_manual.pt").detach()
 with torch.no_grad():
     expected = model(x)
 seed_gap = float((seed_out - expected).abs().max())
-print(f"the seed's output: {tuple(seed_out.shape)}, max |difference| from model(x): {seed_gap:.1e}")
-assert seed_out.shape == (32, 10) and seed_gap < 1e-5
+by_hand_gap = float((by_hand_out - expected).abs().max())
+print(f"the walkthrough's output: {tuple(seed_out.shape)}, max |difference| from model(x): {seed_gap:.1e}")
+print(f"the stages built by hand: {tuple(by_hand_out.shape)}, max |difference| from model(x): {by_hand_gap:.1e}")
+assert seed_out.shape == by_hand_out.shape == (32, 10) and seed_gap < 1e-5 and by_hand_gap < 1e-5
 shutil.rmtree(seed_dir)
 
 # %% [markdown]
@@ -143,25 +203,29 @@ seed_plan = pv.trace(model, example_args=(x,)).split(["layer0", "layer1"])   # =
 infer = pv.launch(seed_plan, "GPipe", microbatches=4, steps=1, inputs=(x,))   # no loss_fn: forward only
 assert infer.wait(180) == "done", infer.error
 pv_gap = float((infer.outputs[0] - seed_out).abs().max())
-print(f"pipeviz's output: max |difference| from the seed's {pv_gap:.1e}, from model(x) "
+print(f"pipeviz's output: max |difference| from the walkthrough's {pv_gap:.1e}, from model(x) "
       f"{float((infer.outputs[0] - expected).abs().max()):.1e}")
 assert pv_gap < 1e-5
 print(pv.check_numerics(infer))
 assert pv.check_numerics(infer).ok
 
 # %% [markdown]
-# Where each step of the seed lives today, and in pipeviz:
+# Where each step of the walkthrough lives today, and in pipeviz:
 
 # %%
 from IPython.display import Markdown
 
-STEPS = [  # (PiPPy, the seed) -> (torch.distributed.pipelining today) -> (pipeviz)
+STEPS = [  # (PiPPy, the walkthrough) -> (torch.distributed.pipelining today) -> (pipeviz)
     ("`annotate_split_points(mn, {'layer0': SplitPoint.END, ...})`",
      "`split_spec={'layer0': SplitPoint.END, ...}` in `pipeline(...)`",
      "`graph = pv.trace(model, example_args=(x,))`; `graph.split(['layer0', 'layer1'])`"),
-    ("`pipe = pipeline(mn, chunks, example_args=(x,))`",
-     "`pipe = pipeline(model, mb_args=(x_chunk,), split_spec=...)`",
+    ("`pipe_split()` written in `forward`", "the same: `torch.distributed.pipelining.pipe_split()`",
+     "`graph.split([...])` on the traced model: no edit to `forward`"),
+    ("`pipe = pipeline(mn, chunks, example_args=(x,))`: the whole batch",
+     "`pipe = pipeline(model, mb_args=(x_chunk,), split_spec=...)`: **one microbatch**",
      "`plan.pipe(microbatches=4)`: torch's `Pipe`, from a deep copy"),
+    ("—", "`PipelineStage(module, stage_index, num_stages, device)` on a module you built (torchtitan)",
+     "`pv.manual_plan(model, [[names], ...])`"),
     ("`PipelineStage(pipe, rank, device)`", "`stage = pipe.build_stage(rank, device)`",
      "`pv.launch(plan, ...)` builds every stage, one process each"),
     ("`torchrun --nproc-per-node 3`, `init_process_group`", "the same",
@@ -175,8 +239,87 @@ STEPS = [  # (PiPPy, the seed) -> (torch.distributed.pipelining today) -> (pipev
      "`pv.launch(..., target=y, loss_fn=..., optimizer=...)`; `run.losses`"),
     ("—", "—", "`pv.simulate`, `pv.balance`, `pv.check_numerics`, `pv.TimelineView`, `pv.Explorer`"),
 ]
-Markdown("| PiPPy (the seed) | torch today | pipeviz |\n|---|---|---|\n"
+Markdown("| PiPPy (the walkthrough) | torch today | pipeviz |\n|---|---|---|\n"
          + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in STEPS))
+
+# %% [markdown]
+# ### Three ways to say where the stages are
+#
+# `split_spec` names the modules to cut after, from outside the model. torch has two other ways:
+#
+# - **A marker in `forward`:** `torch.distributed.pipelining.pipe_split()` where a stage should end. Run eagerly it
+#   does nothing; `pipeline(model, mb_args=...)` without `split_spec` cuts at each marker.
+# - **Stages built by hand:** what the script's second route did, and what torchtitan does for its models (it
+#   deep-copies the model per stage, prunes the modules other stages own, and wraps the rest as
+#   `PipelineStage(module, stage_index, num_stages, device, group=...)`). Nothing is traced, so it also fits models
+#   `torch.export` cannot capture, as long as each stage's module runs its part of the forward.
+#
+# pipeviz's counterpart of the hand-built route is `pv.manual_plan(model, [[names of stage 0], [names of stage 1],
+# ...])`: per-stage lists of module names (the same data torchtitan keeps). It needs no trace: it runs the listed
+# modules in turn on the example batch, checks that they reproduce `model(x)`, and measures each, so the plan
+# previews, simulates and launches like a traced one. Below, the marker split and the manual plan are checked
+# against the `split_spec` split. (torch's `pipeline()` patches the model's modules in place, so each call here
+# gets a copy, as `plan.pipe()` does.)
+
+# %%
+import copy
+
+from torch.distributed.pipelining import SplitPoint, pipe_split, pipeline
+
+
+class MarkedNetwork(MyNetwork):
+    """The same network with its two split points written into its forward."""
+
+    def forward(self, x):
+        x = self.layer0(x)
+        pipe_split()                # stage 0 ends here
+        x = self.layer1(x)
+        pipe_split()                # stage 1 ends here
+        return self.output_proj(self.layer2(x))
+
+
+marked = MarkedNetwork(512, [512, 1024, 256])
+marked.load_state_dict(model.state_dict())
+assert torch.equal(marked(x), model(x))    # run eagerly, pipe_split() does nothing
+
+x_chunk = torch.chunk(x, 4)[0]             # one microbatch: 8 of the batch's 32 rows
+SPEC = {"layer0": SplitPoint.END, "layer1": SplitPoint.END}
+by_spec = pipeline(copy.deepcopy(model), mb_args=(x_chunk,), split_spec=SPEC)
+by_marker = pipeline(marked, mb_args=(x_chunk,))   # no split_spec: the markers cut
+whole_batch = pipeline(copy.deepcopy(model), mb_args=(x,), split_spec=SPEC)   # pitfall 1, on purpose
+
+
+def stage_params(pipe):
+    return [sum(p.numel() for p in pipe.get_stage_module(i).parameters()) for i in range(pipe.num_stages)]
+
+
+def stage_input_rows(pipe):
+    """The batch rows each stage was built to receive (its traced input's first dimension)."""
+    return [[n.meta["val"].shape[0] for n in pipe.get_stage_module(i).graph.nodes if n.op == "placeholder"]
+            for i in range(pipe.num_stages)]
+
+
+print("parameters per stage: split_spec", stage_params(by_spec), " pipe_split()", stage_params(by_marker))
+print("rows each stage expects: one microbatch as the example", stage_input_rows(by_spec),
+      " the whole batch", stage_input_rows(whole_batch))
+assert by_marker.num_stages == by_spec.num_stages == 3 and stage_params(by_marker) == stage_params(by_spec)
+assert stage_params(by_spec) == [s.params for s in seed_plan.stages]
+# Pitfall 1: the stages are built for the example's shape; the schedule sends 32 / 4 = 8 rows per microbatch.
+assert stage_input_rows(by_spec) == [[8]] * 3 and stage_input_rows(whole_batch) == [[32]] * 3
+
+# %%
+manual = pv.manual_plan(model, [["layer0"], ["layer1"], ["layer2", "output_proj"]], example_args=(x,))
+print(manual)
+stage_mods = manual.stage_modules()        # one module per stage, what a PipelineStage would wrap
+h = x
+for stage_mod in stage_mods:
+    h = stage_mod(h)
+with torch.no_grad():
+    assert torch.allclose(h, model(x), atol=1e-6)      # the stages in turn are the model
+# The same stages as the traced split: parameters, FLOPs and the bytes each sends; so the same simulated step.
+for field in ("params", "flops", "send_bytes"):
+    assert [getattr(s, field) for s in manual.stages] == [getattr(s, field) for s in seed_plan.stages], field
+assert pv.simulate(manual, "1F1B", 4).step_time == pv.simulate(seed_plan, "1F1B", 4).step_time
 
 # %% [markdown]
 # ## 1. Trace once
@@ -286,7 +429,7 @@ assert check.ok
 # | pipeline parallelism | 流水线并行 | `torch.distributed.pipelining` |
 # | stage | 阶段 | `plan.stages`, `PipelineStage` |
 # | rank (a process) | 进程编号 (rank) | `rank`; one process per rank |
-# | microbatch | 微批次 | `microbatches=`, torch's `n_microbatches` (the seed: *chunks*) |
+# | microbatch | 微批次 | `microbatches=`, torch's `n_microbatches` (PiPPy: *chunks*) |
 # | bubble (idle time) | 气泡 (空闲时间) | `tl.bubble_fraction` |
 # | split point | 分割点 | `graph.split([...])`, `SplitPoint.END` / `BEGINNING` |
 # | schedule | 调度 | `schedule="1F1B"`; `pipeviz.schedules.orders` |

@@ -11,9 +11,10 @@
 # %% [markdown]
 # # 06 · LLaMA, mixture of experts, and models too big for one process
 #
-# The seed tutorial's other examples, end to end: a LLaMA (HF `LlamaForCausalLM`: RoPE, grouped-query
-# attention, RMSNorm) and a mixture-of-experts model split and trained pipelined, checked against the unsplit
-# model; a forward-only run (the seed's own walkthrough); and a Llama-3-8B built on the **meta device**, which
+# The other examples of the PiPPy walkthrough (*PiPPy实战*, the tutorial this project grew from; notebook 01 runs
+# its first), end to end: a LLaMA (HF `LlamaForCausalLM`: RoPE, grouped-query attention, RMSNorm) and a
+# mixture-of-experts model split and trained pipelined, checked against the unsplit model; a forward-only run (as
+# the walkthrough itself runs); and a Llama-3-8B built on the **meta device**, which
 # traces, balances and simulates without allocating its 32 GB, then starts from a checkpoint where each rank
 # reads only its own stage. All configs are tiny or meta; weights are random (nothing is downloaded).
 

@@ -41,20 +41,30 @@ SOLUTIONS: dict[str, tuple[str, str]] = {
         "my_answer = [name for name, _ in pv.balance(graph, num_stages=3, by='time').splits]",
         "my_answer = ['layer3', 'layer4']",
     ),
-    "tutorials/06_going_multi_host.ipynb": ("my_answer = 0", "my_answer = 1"),
-    "tutorials/07_zero_bubble_and_its_memory.ipynb": ("my_answer = 1 + 7 / 16", "my_answer = 2"),
+    "tutorials/06_going_multi_host.ipynb": (
+        "my_answer = [0, 1, 2, 3, 3, 2, 1, 0]", "my_answer = [0, 1, 2, 3, 0, 1, 2, 3]",
+    ),
+    "tutorials/07_zero_bubble_and_its_memory.ipynb": (
+        "my_answer = min((r for r in pv.compare(plan4, microbatches=8).rows if max(r.memory_bytes) <= LIMIT),\n"
+        "                key=lambda r: r.step_time).schedule",
+        "my_answer = min(pv.compare(plan4, microbatches=8).rows, key=lambda r: r.step_time).schedule",
+    ),
     "tutorials/08_choosing_microbatches.ipynb": (
-        "my_answer = min(MS, key=lambda m: pv.simulate(plan, '1F1B', m, bandwidth=1e8, latency=1e-3).step_time)",
-        "my_answer = 64",
+        "my_answer = min((4, 8, 16, 32, 64), key=lambda m: pv.simulate(None, '1F1B', m, num_stages=4,\n"
+        "    costs=pv.Costs.uniform(4, forward=stage_forward(4096 // m),\n"
+        "                           backward=2 * stage_forward(4096 // m))).step_time)",
+        "my_answer = 32",
     ),
     "tutorials/09_inference_pipelining.ipynb": ("my_answer = 3 / 11", "my_answer = 3 / 8"),
     "tutorials/10_custom_schedules.ipynb": (
-        "my_answer = [['0F0', '0F1', '0F2', '0B0', '0F3', '0B1', '0B2', '0B3'],\n"
-        "             ['1F0', '1F1', '1B0', '1F2', '1B1', '1F3', '1B2', '1B3'],\n"
-        "             ['2F0', '2B0', '2F1', '2B1', '2F2', '2B2', '2F3', '2B3']]",
-        "my_answer = pv.schedules.orders('GPipe', 3, 4)",
+        "my_answer = [['0F0', '0F1', '0F2', '0I0', '0W0', '0F3', '0I1', '0W1', '0I2', '0W2', '0I3', '0W3'],\n"
+        "             ['1F0', '1F1', '1I0', '1F2', '1I1', '1W0', '1F3', '1I2', '1W1', '1I3', '1W2', '1W3'],\n"
+        "             ['2F0', '2I0', '2F1', '2I1', '2F2', '2I2', '2W0', '2F3', '2I3', '2W1', '2W2', '2W3']]",
+        "my_answer = [['0F0', '0F1', '0F2', '0I0', '0F3', '0W0', '0I1', '0W1', '0I2', '0W2', '0I3', '0W3'],\n"
+        "             ['1F0', '1F1', '1I0', '1F2', '1I1', '1F3', '1W0', '1I2', '1W1', '1I3', '1W2', '1W3'],\n"
+        "             ['2F0', '2I0', '2F1', '2I1', '2F2', '2I2', '2F3', '2W0', '2I3', '2W1', '2W2', '2W3']]",
     ),
-    "tutorials/11_composing_pp_dp_tp.ipynb": ("my_answer = 5", "my_answer = 3"),
+    "tutorials/11_composing_pp_dp_tp.ipynb": ("my_answer = 3 / 19", "my_answer = 3 / 67"),
 }
 
 METADATA = {

@@ -1,4 +1,5 @@
-"""The seed's walkthrough as the seed writes it: the classic PiPPy tutorial, plain torch, under torchrun.
+"""The PiPPy walkthrough (PiPPy实战, the tutorial this project grew from: "the seed") as it is written: the classic
+PiPPy example in plain torch, ``MyNetwork`` written out in the script, under torchrun.
 
 ``MyNetwork`` split at the END of ``layer0`` and ``layer1`` by torch's own ``pipeline()``, three gloo ranks on
 the CPU, each building its stage with ``pipe.build_stage`` and running ``ScheduleGPipe`` forward only. Its
@@ -26,7 +27,8 @@ pytestmark = pytest.mark.slow
 
 IN_DIM, LAYER_DIMS, BATCH, CHUNKS = 512, [512, 1024, 256], 32, 4
 
-# The tutorial's script, unchanged in substance: only the weights and the input come from the test's files.
+# The tutorial's script, unchanged in substance: only the weights and the input come from the test's files (saved
+# from pipeviz.zoo.MyNetwork, whose parameter names are the script's).
 SCRIPT = textwrap.dedent(f"""\
     import os
     import sys
@@ -35,7 +37,33 @@ SCRIPT = textwrap.dedent(f"""\
     import torch.distributed as dist
     from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
 
-    from pipeviz.zoo import MyNetwork
+
+    class MyNetworkBlock(torch.nn.Module):
+        def __init__(self, in_dim, out_dim):
+            super().__init__()
+            self.lin = torch.nn.Linear(in_dim, out_dim)
+
+        def forward(self, x):
+            x = self.lin(x)
+            x = torch.relu(x)
+            return x
+
+
+    class MyNetwork(torch.nn.Module):
+        def __init__(self, in_dim, layer_dims):
+            super().__init__()
+            prev_dim = in_dim
+            for i, dim in enumerate(layer_dims):
+                setattr(self, f"layer{{i}}", MyNetworkBlock(prev_dim, dim))
+                prev_dim = dim
+            self.num_layers = len(layer_dims)
+            self.output_proj = torch.nn.Linear(layer_dims[-1], 10)  # 10 output classes
+
+        def forward(self, x):
+            for i in range(self.num_layers):
+                x = getattr(self, f"layer{{i}}")(x)
+            return self.output_proj(x)
+
 
     here = sys.argv[1]
     in_dim, layer_dims, batch_size, chunks = {IN_DIM}, {LAYER_DIMS}, {BATCH}, {CHUNKS}

@@ -14,6 +14,9 @@
 # **You will learn:** why a model may not fit on one device, how pipeline parallelism splits it into *stages*, and
 # why the naive pipeline leaves most devices idle.
 #
+# **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
+# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
+#
 # ## A model too big for one device
 #
 # Training keeps, for every parameter, the weight, its gradient and the optimizer's state. With Adam in fp32 that

@@ -14,6 +14,9 @@
 # **You will learn:** how GPipe fills the pipeline with microbatches, the formula for its bubble, and how to check
 # it against the simulator and a real run.
 #
+# **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
+# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
+#
 # ## GPipe
 #
 # GPipe (Huang et al., *GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism*, NeurIPS
@@ -113,6 +116,32 @@ pv.TimelineView(measured[4])
 # `pv.simulate(..., cores=N)` with this machine's core count, plays the run as it happens here: with more ranks
 # than cores, a rank ready to compute waits for a free core, and that wait is idle time too.
 #
+# ## Global batch = microbatch size × microbatches × replicas
+#
+# The batch the optimizer steps on, the **global batch** (全局批大小), is
+#
+# $$\text{gbs} = \text{mbs} \times m \times \text{dp},$$
+#
+# the microbatch size times the number of microbatches times *dp*, the number of data-parallel replicas (lesson
+# 11: each replica is a whole pipeline fed its own share of the batch). The runs above had one pipeline (*dp* = 1)
+# and a batch of 256 rows; with *m* = 4, torch's schedule cut it into microbatches of 64. The three trade against
+# each other: at a fixed global batch and microbatch size, twice the replicas leave each pipeline half the
+# microbatches, and its bubble grows; keeping *m* instead halves the microbatch, which uses the hardware less
+# efficiently.
+
+# %%
+gbs, m, dp = x.shape[0], 4, 1
+mbs = torch.chunk(x, m)[0].shape[0]        # how torch's schedule cuts the batch: 256 rows into 4 microbatches
+print(f"gbs = mbs x m x dp: {gbs} = {mbs} x {m} x {dp}")
+assert (gbs, mbs) == (256, 64) and gbs == mbs * m * dp
+# The same 256 rows on dp = 2 replicas of this 3-stage pipeline, each getting 128:
+for dp_, mbs_ in ((1, 64), (2, 64), (2, 32)):
+    m_ = gbs // (dp_ * mbs_)
+    print(f"dp = {dp_}, mbs = {mbs_:2}: m = {m_}, GPipe bubble {gpipe_bubble(3, m_):.0%}")
+assert gbs // (2 * 64) == 2 and gpipe_bubble(3, 2) == 0.5 > gpipe_bubble(3, 4)   # half the microbatches
+assert gbs // (2 * 32) == 4                                                     # or half the microbatch
+
+# %% [markdown]
 # The catch: every stage keeps the activations of all *m* microbatches until their backward. Lesson 3 fixes that.
 #
 # ## Exercise

@@ -14,6 +14,9 @@
 # **You will learn:** why GPipe's memory grows with the number of microbatches, how the 1F1B schedule caps it at
 # the number of stages, and how to see both in pipeviz: simulated, and measured on real runs.
 #
+# **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
+# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
+#
 # ## Activations wait for their backward
 #
 # A stage must keep each microbatch's activations from its forward until its backward. GPipe runs all *m* forwards
@@ -72,6 +75,26 @@ for s in range(p):  # warm-up: the forwards before the first backward, min(m, p 
 pv.timeline_figure(one_f_one_b)
 
 # %% [markdown]
+# ## Rank 0 holds a whole model's activations, whatever *p*
+#
+# Count in a bigger unit: one microbatch's activations for the **whole model**. With *p* balanced stages, each
+# stage keeps 1/*p* of that per microbatch, and 1F1B's rank 0 keeps *p* microbatches at its peak (*m* ≥ *p*):
+# *p* × 1/*p*, one whole model's worth, however many stages there are. More stages spread the parameters over
+# more devices; they do not lower the first rank's activation memory. This is how Korthikanti et al. (*Reducing
+# Activation Recomputation in Large Transformer Models*, 2022, §4.2.3) put it: the first stage stores *p*
+# microbatches of *L*/*p* layers, as much as *L* layers for one microbatch, independent of *p*. The simulator, with
+# the model's activations as 12 units split evenly over *p* stages:
+
+# %%
+WHOLE = 12  # one microbatch's activations for the whole model, in units; each of p stages keeps WHOLE / p
+for stages in (2, 3, 4):
+    tl = pv.simulate(None, "1F1B", microbatches=12, num_stages=stages,
+                     costs=pv.Costs.uniform(stages, activation_bytes=WHOLE // stages))
+    print(f"p = {stages}: each stage keeps {WHOLE // stages:2} per microbatch; peak per rank "
+          f"{tl.peak_activation_bytes}")
+    assert tl.peak_activation_bytes[0] == WHOLE   # p microbatches x 1/p of the model: the whole model's worth
+
+# %% [markdown]
 # ## On a real model
 #
 # With real activation sizes, `peak_activation_bytes` and `memory_bytes` (parameters, gradients, optimizer state
@@ -81,11 +104,32 @@ pv.timeline_figure(one_f_one_b)
 torch.manual_seed(0)
 model = MyNetwork(1024, [1024] * 6)
 x, y = torch.randn(256, 1024), torch.randint(0, 10, (256,))
-plan = pv.balance(pv.trace(model, example_args=(x,)), num_stages=3, by="params")
+graph = pv.trace(model, example_args=(x,))
+plan = pv.balance(graph, num_stages=3, by="params")
 for schedule in ("GPipe", "1F1B"):
     tl = pv.simulate(plan, schedule, microbatches=8)
     print(f"{schedule:5} peak activations (MiB): {[round(b / 2**20, 1) for b in tl.peak_activation_bytes]}"
           f"   total memory (MiB): {[round(b / 2**20, 1) for b in tl.memory_bytes]}")
+
+# %% [markdown]
+# The same count on this model, balanced over 1, 2, 3 and 6 stages (1F1B, 8 microbatches of 32 rows). Its six
+# blocks each keep one tensor of 32 × 1024 floats (128 KiB, its ReLU's output) for the backward, and the first
+# block keeps the input too: 7 such tensors for the whole model and one microbatch. Split, a stage keeps its
+# blocks' tensors *and its own input*, so rank 0 holds *p* × (6/*p* + 1) = 6 + *p* tensors: the six blocks'
+# activations of the whole model, as above, plus an input per microbatch in flight where the unsplit model keeps
+# one. In a
+# transformer layer the input is a small part (a layer keeps at least 17 times its input: *sbh*(34 + 5*as*/*h*)
+# bytes against 2*sbh*, Korthikanti et al. §4.1); in this model, whose blocks keep one tensor each, it is not.
+
+# %%
+tensor = graph.layers[0].out_bytes // 8            # one block's output for one microbatch: 32 x 1024 x 4 bytes
+for stages in (1, 2, 3, 6):
+    rank0 = pv.simulate(pv.balance(graph, num_stages=stages, by="params"), "1F1B", 8).peak_activation_bytes[0]
+    print(f"p = {stages}: rank 0 holds {rank0 / tensor:5.2f} x 128 KiB")
+    if stages == 1:   # the whole model: 7 tensors, and its 32 x 10 output
+        assert rank0 == 7 * tensor + 32 * 10 * 4, rank0
+    else:             # p microbatches x (6 / p blocks + the stage's input)
+        assert rank0 == stages * (6 // stages + 1) * tensor == (6 + stages) * tensor, rank0
 
 
 # %% [markdown]

@@ -15,14 +15,22 @@
 # stages (*interleaved 1F1B*), and split the backward pass so that its weight-gradient half fills the gaps (*zero
 # bubble*).
 #
+# **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
+# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
+#
 # ## Interleaved 1F1B
 #
 # Narayanan et al. (*Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM*, SC 2021)
 # cut the model into *v*·*p* stages and give rank *r* the stages *r*, *r* + *p*, *r* + 2*p*, … (*v* "model chunks"
 # per rank). Each stage is *v* times smaller, so filling and draining the pipeline costs *v* times less: with
 # per-rank forward and backward times *F* and *B*, the bubble time falls from (*p* − 1)·(*F* + *B*) to (*p* −
-# 1)·(*F* + *B*)/*v*. The price: *v* times more sends between ranks, and the schedule needs *m* to suit *p*
-# (torch's rule: *m* % max(1, *m* // *p*) == 0).
+# 1)·(*F* + *B*)/*v*. The price: more messages between ranks, and the schedule needs *m* to suit *p* (torch's rule:
+# *m* % max(1, *m* // *p*) == 0). Each microbatch now crosses from one rank to the next *vp* − 1 times each way
+# instead of *p* − 1 (consecutive stages always sit on different ranks), so a step sends (*vp* − 1)/(*p* − 1)
+# times as many activations and gradients: at least *v* times, and close to *v* when *p* is large. Each message
+# is as big as before (the activation at a boundary has the same shape wherever the boundary is). The cell
+# counts them in the simulation: every forward whose next stage lives on another rank sends its output, every
+# backward whose previous stage does sends its input gradient.
 
 # %%
 import warnings
@@ -38,15 +46,30 @@ from pipeviz.zoo import MyNetwork
 
 p, m = 4, 8      # 4 ranks, 8 microbatches; each rank's work per microbatch: F = 1, B = 2
 ideal = m * 3    # time a rank spends computing
-print(" v  schedule          step   bubble time")
-bubble_time = {}
+
+
+def sends_per_step(tl):
+    """Messages from one rank to another in a step of a simulated timeline: a forward whose next stage is on
+    another rank sends its output; a backward whose previous stage is on another rank sends its input gradient."""
+    rank_of = {e.stage: e.rank for e in tl.events}
+    last = max(rank_of)
+    return sum(1 for e in tl.events
+               if (e.kind == "F" and e.stage < last and rank_of[e.stage + 1] != e.rank)
+               or (e.kind in ("B", "I") and e.stage > 0 and rank_of[e.stage - 1] != e.rank))
+
+
+print(" v  schedule          step   bubble time   sends per step")
+bubble_time, sends = {}, {}
 for v in (1, 2, 4):
     schedule = "1F1B" if v == 1 else "Interleaved1F1B"
     tl = pv.simulate(None, schedule, m, costs=pv.Costs.uniform(p * v, forward=1 / v, backward=2 / v),
                      num_stages=p * v, stages_per_rank=None if v == 1 else v)
-    bubble_time[v] = tl.step_time - ideal
-    print(f"{v:2}  {schedule:16} {tl.step_time:5.2f}  {bubble_time[v]:5.2f}")
+    bubble_time[v], sends[v] = tl.step_time - ideal, sends_per_step(tl)
+    print(f"{v:2}  {schedule:16} {tl.step_time:5.2f}  {bubble_time[v]:5.2f}         {sends[v]:4}"
+          f"  ({sends[v] / sends[1]:.2f}x 1F1B's)")
 assert abs(bubble_time[2] - bubble_time[1] / 2) < 1e-9 and abs(bubble_time[4] - bubble_time[1] / 4) < 1e-9
+# Each microbatch crosses vp - 1 rank boundaries each way: 48, 112 and 240 messages, (vp - 1) / (p - 1) >= v times.
+assert all(sends[v] == 2 * m * (v * p - 1) and sends[v] / sends[1] >= v for v in (1, 2, 4)), sends
 
 # %%
 print("Interleaved1F1B, 8 stages on 4 ranks:", pv.schedules.layout("Interleaved1F1B", 8, 2).stage_ranks)

@@ -12,7 +12,10 @@
 # # Lesson 5 · Balancing stages
 #
 # **You will learn:** why the slowest stage sets the pace, how to measure per-layer times with `pv.profile`, and
-# how `pv.balance` finds the best contiguous split.
+# how `pv.balance` finds the best contiguous split, and why a language model's end stages get fewer blocks.
+#
+# **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
+# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
 #
 # ## The slowest stage sets the pace
 #
@@ -135,11 +138,76 @@ pv.TimelineView(measured["naive"])
 # the model), so more stages eventually stop helping; `graph.expand(name)` offers finer split points inside a
 # block. Memory matters too: `pv.balance(..., memory_limit=...)` only accepts splits whose stages fit.
 #
+# ## A real transformer: heavy ends
+#
+# A language model's first and last stages carry more than blocks: the token embedding (vocabulary × hidden
+# parameters) sits on the first, the output head (another vocabulary × hidden, unless tied to the embedding) and
+# the loss on the last. With a vocabulary large against the hidden size each weighs several blocks: Llama-3-8B's
+# embedding, 128,256 × 4,096 = 525 M parameters, is 2.4 of its 218 M-parameter blocks, and so is its head. Below,
+# a tiny LLaMA with the same proportions (hidden 64, vocabulary 2,048, grouped-query attention with 4 heads to 1,
+# MLP 3.5× wide; 12 blocks; built from a config with random weights) on 4 stages. An even split gives every stage
+# 3 blocks; `pv.balance` gives the end stages fewer.
+#
+# Which end is heavy depends on what you balance. In **parameters** (and so in the memory of weights, gradients
+# and optimizer state) both ends are: the embedding and the head. In **FLOPs** only the last is: an embedding is a
+# table lookup with no arithmetic, while the head is a matrix multiply with the weights of 2.4 blocks. Megatron-LM
+# offers the same choice by hand: `account_for_embedding_in_pipeline_split` and
+# `account_for_loss_in_pipeline_split` count the embedding and the loss as one more layer each when dividing the
+# layers, and `num_layers_in_first_pipeline_stage` / `num_layers_in_last_pipeline_stage` set the end stages'
+# share directly.
+
+# %%
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+
+transformers.logging.set_verbosity_error()
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=224, num_hidden_layers=12,
+                     num_attention_heads=4, num_key_value_heads=1)   # Llama-3-8B's proportions, tiny
+tokens = torch.randint(0, config.vocab_size, (2, 16))
+llama_graph = pv.trace(LlamaForCausalLM(config), example_args=(tokens,))
+size = {layer.name: layer.params for layer in llama_graph.layers}
+print(f"parameters: embedding {size['model.embed_tokens']:,}, head {size['lm_head']:,}, "
+      f"a block {size['model.layers.0']:,} ({size['model.embed_tokens'] / size['model.layers.0']:.2f} blocks)")
+assert size["model.embed_tokens"] == size["lm_head"] and 2.4 < size["lm_head"] / size["model.layers.0"] < 2.5
+
+
+def blocks(plan):
+    """Transformer blocks per stage."""
+    return [sum(name.startswith("model.layers.") for name in stage.layers) for stage in plan.stages]
+
+
+even = llama_graph.split(["model.layers.2", "model.layers.5", "model.layers.8"])
+by_params = pv.balance(llama_graph, num_stages=4, by="params")
+by_flops = pv.balance(llama_graph, num_stages=4, by="flops")
+for name, plan in (("even", even), ("by params", by_params), ("by FLOPs", by_flops)):
+    print(f"{name:9}  blocks per stage {blocks(plan)}   thousand parameters "
+          f"{[round(s.params / 1e3) for s in plan.stages]}   MFLOPs {[round(s.flops / 1e6, 1) for s in plan.stages]}")
+middle = min(blocks(by_params)[1:3])
+assert blocks(even) == [3, 3, 3, 3]
+assert blocks(by_params)[0] < middle and blocks(by_params)[3] < middle     # both ends: embedding and head
+assert blocks(by_flops)[3] < min(blocks(by_flops)[:3])                   # the head's end only
+heaviest = {name: max(getattr(s, field) for s in plan.stages)
+            for name, plan, field in (("params, even", even, "params"), ("params, balanced", by_params, "params"),
+                                      ("FLOPs, even", even, "flops"), ("FLOPs, balanced", by_flops, "flops"))}
+print(f"heaviest stage, balanced / even: parameters {heaviest['params, balanced'] / heaviest['params, even']:.2f},"
+      f" FLOPs {heaviest['FLOPs, balanced'] / heaviest['FLOPs, even']:.2f}")
+assert heaviest["params, balanced"] < 0.85 * heaviest["params, even"]   # the fullest device holds 18 % less
+assert heaviest["FLOPs, balanced"] < 0.8 * heaviest["FLOPs, even"]      # the pace-setting stage does 25 % less
+
+# %% [markdown]
 # ## Exercise
 #
 # Using the measured times (`prof`, or `cost[name]` above: forward + backward per layer), choose where to split
 # this model into **3 stages** so that the **slowest stage is as fast as possible**. Set `my_answer` to the list
 # of the two layer names to split after, e.g. `["layer0", "layer3"]`.
+#
+# Work from the measured times, not from FLOPs. `layer0` + `layer1` (512 × 2048 + 2048 × 2048 multiply-adds per
+# row) and `layer2` + `layer3` (2048 × 2048 + 2048 × 512) do exactly the same arithmetic, so in FLOPs two splits
+# tie for the best. The check compares measured times, in which one of those two groups comes out a little
+# slower than the other, by noise that changes from run to run (which core, what else runs): the split that ties
+# only in FLOPs passes on one run and fails on the next. If the check turns down a split that is optimal in FLOPs,
+# this is why: compare the candidates' sums of `cost[name]`.
 
 # %%
 my_answer = None  # your answer here: a list of two layer names
@@ -152,6 +220,9 @@ def check(answer):
 
     def slowest(plan):
         return max(sum(per_layer[layer] for layer in stage.layers) for stage in plan.stages)
+
+    def heaviest_flops(plan):
+        return max(stage.flops for stage in plan.stages)
 
     best = slowest(pv.balance(graph, num_stages=3, by="time"))
     if answer is None:
@@ -168,6 +239,10 @@ def check(answer):
         print(f"❌ Not yet: that makes {mine.num_stages} stages; name exactly two layers to split after.")
     elif slowest(mine) <= best * (1 + 1e-9):
         print(f"✅ Correct: your slowest stage takes {slowest(mine) * 1e3:.2f} ms per microbatch, the optimum.")
+    elif heaviest_flops(mine) <= heaviest_flops(pv.balance(graph, num_stages=3, by="flops")):
+        print(f"❌ Not yet: in FLOPs your split ties the best, but in this run's measured times its slowest stage "
+              f"takes {slowest(mine) * 1e3:.2f} ms against {best * 1e3:.2f} ms: the measurement breaks the tie (see "
+              "the note above). Hint: compare the tied candidates' sums of cost[name].")
     else:
         print(f"❌ Not yet: your slowest stage takes {slowest(mine) * 1e3:.2f} ms; {best * 1e3:.2f} ms is possible."
               " Hint: give the heaviest layers a stage each.")
