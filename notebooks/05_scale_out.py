@@ -101,4 +101,4 @@ shutil.rmtree(workdir)  # the exports were for this demo; a kernel's shutdown wo
 # ```
 #
 # and point `pv.watch` at the events folder (a shared filesystem, or copy the `rank*.jsonl` files back).
-# `tutorials/06_going_multi_host` walks through two nodes.
+# `tutorials/10_going_multi_host` walks through two nodes.

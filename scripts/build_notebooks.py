@@ -37,14 +37,14 @@ SOLUTIONS: dict[str, tuple[str, str]] = {
     "tutorials/02_microbatches_and_the_bubble.ipynb": ("my_answer = 35", "my_answer = 34"),
     "tutorials/03_1f1b_and_memory.ipynb": ("my_answer = 3", "my_answer = 8"),
     "tutorials/04_interleaving_and_zero_bubble.ipynb": ("my_answer = 2.25", "my_answer = 4.5"),
-    "tutorials/05_balancing_stages.ipynb": (
+    "tutorials/07_balancing_stages.ipynb": (
         "my_answer = [name for name, _ in pv.balance(graph, num_stages=3, by='time').splits]",
         "my_answer = ['layer3', 'layer4']",
     ),
-    "tutorials/06_going_multi_host.ipynb": (
+    "tutorials/10_going_multi_host.ipynb": (
         "my_answer = [0, 1, 2, 3, 3, 2, 1, 0]", "my_answer = [0, 1, 2, 3, 0, 1, 2, 3]",
     ),
-    "tutorials/07_zero_bubble_and_its_memory.ipynb": (
+    "tutorials/05_zero_bubble_and_its_memory.ipynb": (
         "my_answer = min((r for r in pv.compare(plan4, microbatches=8).rows if max(r.memory_bytes) <= LIMIT),\n"
         "                key=lambda r: r.step_time).schedule",
         "my_answer = min(pv.compare(plan4, microbatches=8).rows, key=lambda r: r.step_time).schedule",
@@ -56,7 +56,7 @@ SOLUTIONS: dict[str, tuple[str, str]] = {
         "my_answer = 32",
     ),
     "tutorials/09_inference_pipelining.ipynb": ("my_answer = 3 / 11", "my_answer = 3 / 8"),
-    "tutorials/10_custom_schedules.ipynb": (
+    "tutorials/06_custom_schedules.ipynb": (
         "my_answer = [['0F0', '0F1', '0F2', '0I0', '0W0', '0F3', '0I1', '0W1', '0I2', '0W2', '0I3', '0W3'],\n"
         "             ['1F0', '1F1', '1I0', '1F2', '1I1', '1W0', '1F3', '1I2', '1W1', '1I3', '1W2', '1W3'],\n"
         "             ['2F0', '2I0', '2F1', '2I1', '2F2', '2I2', '2W0', '2F3', '2I3', '2W1', '2W2', '2W3']]",

@@ -102,13 +102,13 @@ def test_tutorial_ends_with_exercise_and_self_check(name: str) -> None:
 
 PARALLEL = 2  # notebooks executed at once: much of a notebook is one busy thread (kernel start, imports, tracing)
 # Lessons whose asserted claims rest on per-layer times they measure run with no other notebook beside them.
-# Lesson 5 profiles each layer, balances on those times and asserts the predicted speed-up (1.22-1.28x alone on
+# Lesson 7 profiles each layer, balances on those times and asserts the predicted speed-up (1.22-1.28x alone on
 # 2 cores, 12 tries): beside another notebook's processes each layer's median of 7 picks up a random share of
 # time slices, and one CI run predicted 1.03x.
 # Lesson 9 asserts that 4 microbatches leave less of its 3 ranks idle than 1 on a real run (measured bubble): beside
 # another notebook's processes one CI run of 2026-12-03 measured 74 % against 69 % (its 4-microbatch step took 204
 # ms, twice its 1-microbatch step) where two runs before it passed.
-SOLO = {"tutorials/05_balancing_stages.ipynb", "tutorials/09_inference_pipelining.ipynb"}
+SOLO = {"tutorials/07_balancing_stages.ipynb", "tutorials/09_inference_pipelining.ipynb"}
 
 
 class _Gate:
@@ -229,7 +229,7 @@ def notebook_runs(request: pytest.FixtureRequest,
 
 
 # Run by `make compat` (CI runs both), keeping `make test` within its 10 minutes on 2 cores: the demos that scale
-# out or build big models and the lessons from the fourth on (each 20-50 s of real runs; with lesson 6 in it,
+# out or build big models and the lessons from the fourth on (each 20-50 s of real runs; with lesson 10 in it,
 # `make test`'s pytest took 10 min 13-23 s here, and 9 min 16 s with lesson 4 on a clean clone, where ruff, mypy
 # and the notebook check add 1 min 17 s).
 COMPAT_NOTEBOOKS = {"notebooks/05_scale_out.ipynb", "notebooks/06_llama_moe_and_big_models.ipynb",

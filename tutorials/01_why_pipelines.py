@@ -17,6 +17,8 @@
 # **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
 # and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
 #
+# **Lessons:** [Lesson 2 · Microbatches and the bubble](02_microbatches_and_the_bubble.ipynb) →
+#
 # ## A model too big for one device
 #
 # Training keeps, for every parameter, the weight, its gradient and the optimizer's state. With Adam in fp32 that

@@ -17,6 +17,9 @@
 # **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
 # and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
 #
+# **Lessons:** ← [Lesson 1 · Why pipelines?](01_why_pipelines.ipynb) ·
+# [Lesson 3 · 1F1B and memory](03_1f1b_and_memory.ipynb) →
+#
 # ## GPipe
 #
 # GPipe (Huang et al., *GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism*, NeurIPS

@@ -17,6 +17,9 @@
 # **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
 # and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
 #
+# **Lessons:** ← [Lesson 2 · Microbatches and the bubble](02_microbatches_and_the_bubble.ipynb) ·
+# [Lesson 4 · Interleaving and zero bubble](04_interleaving_and_zero_bubble.ipynb) →
+#
 # ## Activations wait for their backward
 #
 # A stage must keep each microbatch's activations from its forward until its backward. GPipe runs all *m* forwards

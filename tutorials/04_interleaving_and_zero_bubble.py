@@ -18,6 +18,9 @@
 # **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
 # and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
 #
+# **Lessons:** ← [Lesson 3 · 1F1B and memory](03_1f1b_and_memory.ipynb) ·
+# [Lesson 5 · Zero bubble and its memory price](05_zero_bubble_and_its_memory.ipynb) →
+#
 # ## Interleaved 1F1B
 #
 # Narayanan et al. (*Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM*, SC 2021)

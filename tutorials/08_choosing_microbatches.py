@@ -18,6 +18,9 @@
 # **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
 # and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
 #
+# **Lessons:** ← [Lesson 7 · Balancing stages](07_balancing_stages.ipynb) ·
+# [Lesson 9 · Inference pipelining](09_inference_pipelining.ipynb) →
+#
 # ## Three forces
 #
 # The optimizer wants a **global batch** of *B* samples per step; the pipeline cuts it into *m* microbatches of
@@ -142,7 +145,7 @@ assert real[32][0] > min(real[2][0], real[8][0]), real
 # %% [markdown]
 # On the real runs the computing time grows as the microbatches shrink (the cell asserts more than 1.5× from 64 to
 # 4 samples): each operation has a fixed cost that a small microbatch cannot hide. The simulator from FLOPs does
-# not know that; `pv.profile` at the microbatch size you plan to use (lesson 5) does. With 32 microbatches the real
+# not know that; `pv.profile` at the microbatch size you plan to use (lesson 7) does. With 32 microbatches the real
 # step is longer than with fewer, although the bubble formula keeps improving.
 #
 # ## On a GPU: small microbatches fall off the roofline
@@ -194,7 +197,7 @@ assert best_gpu not in (4, 128)                      # neither the fewest nor th
 # **A recipe:** take the largest *m* whose microbatch still keeps the hardware efficient (on GPUs, often a few
 # samples or a few thousand tokens; measure), check that 1F1B's memory fits (it only falls with *m*), and with a
 # slow link between stages prefer fewer, larger microbatches. Schedules that shrink the bubble another way
-# (interleaving, zero bubble: lessons 4 and 7) need less *m* for the same bubble.
+# (interleaving, zero bubble: lessons 4 and 5) need less *m* for the same bubble.
 #
 # ## Exercise
 #

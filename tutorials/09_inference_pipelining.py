@@ -20,6 +20,9 @@
 # **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
 # and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
 #
+# **Lessons:** ← [Lesson 8 · Choosing the number of microbatches](08_choosing_microbatches.ipynb) ·
+# [Lesson 10 · Going multi-host](10_going_multi_host.ipynb) →
+#
 # ## Forward only
 #
 # Serving a model too big for one device splits it the same way training does, but each microbatch only flows

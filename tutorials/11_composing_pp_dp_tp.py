@@ -19,6 +19,8 @@
 # **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
 # and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
 #
+# **Lessons:** ← [Lesson 10 · Going multi-host](10_going_multi_host.ipynb)
+#
 # ## Three ways to cut the work
 #
 # - **PP** cuts the model by layers: stages talk once per microbatch and boundary (one activation forward, one

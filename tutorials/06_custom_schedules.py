@@ -9,7 +9,7 @@
 # ---
 
 # %% [markdown]
-# # Lesson 10 · Write your own schedule
+# # Lesson 6 · Write your own schedule
 #
 # **You will learn:** torch's action notation, how to write a schedule as per-rank action lists, how
 # `pipeviz.schedules.validate` and `pv.simulate(..., order=...)` judge and draw it (deadlocks included), and how a
@@ -18,6 +18,9 @@
 #
 # **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
 # and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
+#
+# **Lessons:** ← [Lesson 5 · Zero bubble and its memory price](05_zero_bubble_and_its_memory.ipynb) ·
+# [Lesson 7 · Balancing stages](07_balancing_stages.ipynb) →
 #
 # ## The notation
 #
@@ -175,7 +178,7 @@ pv.timeline_figure(results["ZB-H1"])
 #
 # Its step still measures (*p* − 1)·*F* more than the work, because this step, like every step here, ends in a
 # synchronisation: the optimizer waits for every rank's gradients (for the global gradient norm, the NaN check).
-# The paper removes it by **optimizer post-validation** (lesson 7): each rank steps as soon as its own gradients
+# The paper removes it by **optimizer post-validation** (lesson 5): each rank steps as soon as its own gradients
 # are ready and the global checks are validated afterwards, rolling the step back in the rare case one fails. Then
 # the next step's forwards start on rank *r* at 3*m* + *r*·*F*, exactly when its previous step ends: consecutive
 # parallelograms tile with **no bubble**. ZB-H1 could not do that: its rank *r* idles *p* − 1 − *r* inside its
@@ -237,7 +240,7 @@ pv.timeline_figure(results["ZB-H2"])
 # ZB-H2's price is memory: rank 0 holds 2*p* − 1 = 7 microbatches, (2*p* − 1)/*p* = 7/4 of 1F1B's peak, each later
 # rank one less ([7, 6, 5, 4]); and a runtime that steps without a global synchronisation, which neither torch's
 # schedules nor pipeviz's simulator provide (both keep the synchronous boundary, so the (*p* − 1)·*F* stays in the
-# measured step). ZB-V (lesson 7) reaches the same bubble with 1F1B's memory, at the price of two stages per rank.
+# measured step). ZB-V (lesson 5) reaches the same bubble with 1F1B's memory, at the price of two stages per rank.
 #
 # ## Running a schedule for real
 #

@@ -9,7 +9,7 @@
 # ---
 
 # %% [markdown]
-# # Lesson 7 · Zero bubble and its memory price
+# # Lesson 5 · Zero bubble and its memory price
 #
 # **You will learn:** what each bubble-shrinking schedule costs in activation memory — interleaving's factor
 # 1 + (*p* − 1)/(*p*·*v*), breadth-first's memory growing with *m*, ZB-V's flat and balanced memory — what is left
@@ -19,6 +19,9 @@
 #
 # **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
 # and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
+#
+# **Lessons:** ← [Lesson 4 · Interleaving and zero bubble](04_interleaving_and_zero_bubble.ipynb) ·
+# [Lesson 6 · Write your own schedule](06_custom_schedules.ipynb) →
 #
 # Lesson 4 measured bubbles in time only. Every schedule also decides **how many microbatches' activations each
 # rank keeps alive at once** (lesson 3: GPipe all *m*, 1F1B at most *p* on rank 0): a forward adds a microbatch's
@@ -180,7 +183,7 @@ formula = {"1F1B": (p - 1) * (1 + 2), "ZB-H1": (p - 1) * (1 + 2 - 2 * 1),
            "DualPipeV": [(2 * p // 2 - 1) * (fb + 1 - 3 * 0.5) for fb in (1, 1.5)]}      # PP = 2p chunks
 simulated = {"1F1B": rows["1F1B", 1, m][0],
              "ZB-H1": pv.simulate(None, "InterleavedZeroBubble", m, costs=pv.Costs.uniform(p, activation_bytes=12),
-                                  num_stages=p, stages_per_rank=1).step_time - 3 * m,   # lesson 10: ZB-H1's bubble
+                                  num_stages=p, stages_per_rank=1).step_time - 3 * m,   # lesson 6: ZB-H1's bubble
              "DualPipe": None, "DualPipeV": rows["DualPipeV", 2, m][0]}
 for name, value in formula.items():
     shown = "not simulated" if simulated[name] is None else f"{simulated[name]:g}"

@@ -9,13 +9,16 @@
 # ---
 
 # %% [markdown]
-# # Lesson 5 · Balancing stages
+# # Lesson 7 · Balancing stages
 #
 # **You will learn:** why the slowest stage sets the pace, how to measure per-layer times with `pv.profile`, and
 # how `pv.balance` finds the best contiguous split, and why a language model's end stages get fewer blocks.
 #
 # **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
 # and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
+#
+# **Lessons:** ← [Lesson 6 · Write your own schedule](06_custom_schedules.ipynb) ·
+# [Lesson 8 · Choosing the number of microbatches](08_choosing_microbatches.ipynb) →
 #
 # ## The slowest stage sets the pace
 #

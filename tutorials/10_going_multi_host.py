@@ -9,13 +9,16 @@
 # ---
 
 # %% [markdown]
-# # Lesson 6 · Going multi-host
+# # Lesson 10 · Going multi-host
 #
 # **You will learn:** how `torchrun` starts pipeline ranks on several machines, how ranks are numbered, and how to
 # export a pipeviz plan and watch it run.
 #
 # **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
 # and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
+#
+# **Lessons:** ← [Lesson 9 · Inference pipelining](09_inference_pipelining.ipynb) ·
+# [Lesson 11 · Composing pipeline, data and tensor parallelism](11_composing_pp_dp_tp.ipynb) →
 #
 # ## torchrun, nodes and ranks
 #
