@@ -38,10 +38,12 @@ def _launch_losses(plan: pv.SplitPlan, x: torch.Tensor, y: torch.Tensor, steps: 
 
 def test_exported_script_matches_launch_and_is_watched_live(tmp_path: Path) -> None:
     plan, x, y = _plan(3)
-    script = pv.export_torchrun(plan, tmp_path / "train_pp.py", schedule="1F1B", microbatches=4, steps=40,
+    # 120 steps (0.8 s of running here) read every 20 ms: the ranks write every 0.1 s (SEND_INTERVAL), so the watch
+    # sees several batches. With 40 steps (0.25 s) and the default 0.2 s poll a clean CI run saw them all at once.
+    script = pv.export_torchrun(plan, tmp_path / "train_pp.py", schedule="1F1B", microbatches=4, steps=120,
                                 inputs=(x,), target=y, loss_fn=F.cross_entropy)
     assert script.read_text().startswith("#!/usr/bin/env python")
-    watch = pv.watch(tmp_path / "train_pp_events", timeout=240)
+    watch = pv.watch(tmp_path / "train_pp_events", poll=0.02, timeout=240)
     seen: list[int] = []
     watch.subscribe(lambda batch: seen.append(len(batch)))
     proc = _torchrun(script, "--nproc-per-node", "3", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()))
@@ -49,7 +51,7 @@ def test_exported_script_matches_launch_and_is_watched_live(tmp_path: Path) -> N
     assert proc.returncode == 0, out
     assert watch.wait(30) == "done", watch.error
     assert len(seen) > 2  # events arrived in several batches while the run went
-    assert watch.losses == pytest.approx(_launch_losses(plan, x, y, 40), abs=1e-6)
+    assert watch.losses == pytest.approx(_launch_losses(plan, x, y, 120), abs=1e-6)
     tl = watch.timeline()
     assert tl.num_ranks == 3 and {e.kind for e in tl.events} >= {"F", "B"}
     assert tl.order(0, step=0) == pv.schedules.orders("1F1B", 3, 4)[0]
