@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -36,8 +37,8 @@ from typing import NamedTuple
 from pipeviz import schedules as sched
 from pipeviz.hang import HangReport, RankState, _cycle
 
-__all__ = ["COMM_KINDS", "Step", "check_comm_order", "check_comms", "check_order_comms", "programs",
-           "runtime_programs"]
+__all__ = ["COMM_KINDS", "Step", "check_comm_order", "check_comms", "check_order_comms", "check_schedule_comms",
+           "programs", "runtime_programs"]
 
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 _ACTION = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
@@ -217,6 +218,14 @@ def check_comms(schedule: str, num_stages: int, microbatches: int, stages_per_ra
     """
     lay = sched.layout(schedule, num_stages, stages_per_rank)
     _play(programs(schedule, num_stages, microbatches, stages_per_rank, order), lay.stage_ranks)
+
+
+@functools.lru_cache(maxsize=256)
+def check_schedule_comms(schedule: str, num_stages: int, microbatches: int, stages_per_rank: int | None = None) -> None:
+    """``check_comms`` for one of torch's schedules, remembered per layout: ``validate_launch`` calls it for every
+    launch and every Explorer control change, and a layout that played once plays again (up to 77 ms for 16
+    stages x 64 microbatches). A refusal is not remembered: it raises again, with its report."""
+    check_comms(schedule, num_stages, microbatches, stages_per_rank)
 
 
 def check_order_comms(order: Sequence[Sequence[str]], stage_ranks: Sequence[int], microbatches: int) -> None:

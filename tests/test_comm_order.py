@@ -72,3 +72,17 @@ def test_too_few_microbatches_names_the_starved_ranks_and_numbers() -> None:
     assert "microbatches=2 does not work: 1F1B needs at least as many microbatches as stages (4)" in text
     assert "rank 0 (stage 0) runs 4 forwards before its first backward, rank 1 (stage 1) 3" in text
     assert "rank 2" not in text and "Valid: 4, 5" in text
+
+
+def test_a_layout_is_played_once_and_a_refusal_every_time() -> None:
+    """validate_launch's check is remembered per layout (every Explorer control change validates a launch); a refused
+    layout raises again, naming the same ranks."""
+    from pipeviz.comm_order import check_schedule_comms
+
+    check_schedule_comms.cache_clear()
+    check_schedule_comms("Interleaved1F1B", 8, 16, 2)
+    check_schedule_comms("Interleaved1F1B", 8, 16, 2)
+    assert check_schedule_comms.cache_info().hits == 1
+    for _ in range(2):
+        with pytest.raises(sched.ScheduleError, match="rank 0 \\(stage 0\\) runs 4 forwards before its first backward"):
+            check_schedule_comms("1F1B", 4, 2)

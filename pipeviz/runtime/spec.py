@@ -200,9 +200,9 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
         exc.setting = "microbatches"  # type: ignore[attr-defined]
         raise exc from None
     if config.order is None:  # torch's own sends and receives played for deadlock (a custom order: check_order's)
-        from pipeviz.comm_order import check_comms
+        from pipeviz.comm_order import check_schedule_comms
 
-        check_comms(name, plan.num_stages, microbatches, stages_per_rank)
+        check_schedule_comms(name, plan.num_stages, microbatches, stages_per_rank)
     if loss_fn is None:  # a forward-only run: run.outputs
         if target is not None:
             raise LaunchError("target= was given without a loss_fn. Fix: pass loss_fn=... to train, or drop target "
