@@ -33,6 +33,7 @@ import torch.nn.functional as F
 import pipeviz as pv
 from pipeviz import zoo
 from pipeviz.runtime.loss import LOSS_REDUCTIONS
+from pipeviz.schedule import traits as sched
 
 if TYPE_CHECKING:
     from pipeviz.widgets.report import Section
@@ -106,7 +107,7 @@ def _section(name: str, a: argparse.Namespace) -> Section:
     print(f"  simulated schedules, every one on {plan.num_stages} ranks (2 stages per rank: a "
           f"{2 * plan.num_stages}-stage split balanced the same way):\n"
           + "\n".join("    " + line for line in cmp.table().splitlines()))
-    spr = pv.schedules.info(a.schedule).stages_per_rank if pv.schedules.info(a.schedule).multi else None
+    spr = sched.info(a.schedule).stages_per_rank if sched.info(a.schedule).multi else None
     run_plan = plan
     row = cmp.row(a.schedule)
     if spr is not None and row is not None:
@@ -163,7 +164,7 @@ def demo(a: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore")
     from pipeviz.widgets.report import write_report
 
-    a.schedule = pv.schedules.canonical(a.schedule)  # bad options fail before any work
+    a.schedule = sched.canonical(a.schedule)  # bad options fail before any work
 
     names = list(MODELS) if a.model == "all" else [a.model]
     if importlib.util.find_spec("transformers") is None and any(n in NEEDS_TRANSFORMERS for n in names):
@@ -218,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--model", default="all", choices=[*MODELS, "all"])
     d.add_argument("--stages", type=int, default=None, help="default: 3 for classic, 4 for gpt2")
     launch = pv.LaunchConfig()  # the one set of defaults pv.launch, export_torchrun and the Explorer share
-    d.add_argument("--schedule", default=launch.schedule, help=f"one of {', '.join(pv.schedules.ALL)}")
+    d.add_argument("--schedule", default=launch.schedule, help=f"one of {', '.join(sched.ALL)}")
     d.add_argument("--microbatches", type=int, default=launch.microbatches)
     d.add_argument("--steps", type=int, default=5, help="optimizer steps of the demo run (default 5: a timeline "
                    "with steady steps to compare with the simulation)")

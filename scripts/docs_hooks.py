@@ -49,13 +49,15 @@ FOREIGN = {"SplitPoint": "torch's `torch.distributed.pipelining.SplitPoint`, re-
 # The API reference's sections, by the module a name is imported from (first match wins); a new module's names land
 # under "More" until it is given a section here.
 SECTIONS = [
-    ("Tracing and plans", ("pipeviz.graph", "pipeviz.capture", "pipeviz.plan", "pipeviz.manual")),
-    ("Running", ("pipeviz.runtime", "pipeviz.training", "pipeviz.numerics", "pipeviz.weights", "pipeviz.live",
-                 "pipeviz.export")),
-    ("Simulating, balancing and planning", ("pipeviz.simulate", "pipeviz.balance", "pipeviz.planner",
-                                            "pipeviz.timeline", "pipeviz.why", "pipeviz.trace_import")),
+    ("Tracing and plans", ("pipeviz.graph.model", "pipeviz.capture.export", "pipeviz.plan.split",
+    "pipeviz.graph.manual")),
+    ("Running", ("pipeviz.runtime", "pipeviz.schedule.training", "pipeviz.runtime.numerics",
+                 "pipeviz.capture.weights", "pipeviz.runtime.live", "pipeviz.runtime.export")),
+    ("Simulating, balancing and planning", ("pipeviz.sim.simulate", "pipeviz.planner.balance",
+                                            "pipeviz.planner.search", "pipeviz.schedule.timeline",
+                                            "pipeviz.sim.why", "pipeviz.sim.trace_import")),
     ("Costs and hardware", ("pipeviz.cost", "pipeviz.hardware", "pipeviz.profile")),
-    ("Layouts and schedules", ("pipeviz.mesh", "pipeviz.schedules")),
+    ("Layouts and schedules", ("pipeviz.schedule.mesh", "pipeviz.schedule.traits")),
 ]
 
 

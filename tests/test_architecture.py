@@ -105,6 +105,51 @@ def test_the_core_never_imports_a_view_library() -> None:
     assert "importlib.import_module(\"pipeviz.widgets\")" in root and "import plotly" not in root
 
 
+# The parts, bottom up (docs/development.md, "Layout"): a module imports only from its own part or parts below it.
+LAYERS = ("base", "adapter", "capture", "plan", "graph", "schedule", "cost", "sim", "planner", "runtime", "face",
+          "widgets", "cli")
+# The modules under every part: a module's error types and its deprecation helper, and the version.
+BASE = {"pipeviz.errors", "pipeviz._compat", "pipeviz.version"}
+
+
+def layer(name: str) -> str:
+    """The part a module belongs to: its folder under ``pipeviz/``, else the package's face (the root, ``zoo`` and
+    the old import paths kept working)."""
+    if name in BASE:
+        return "base"
+    if name == "pipeviz.cli":
+        return "cli"
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else "face"
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for name, deps in sorted(graph.items()):
+        for dep in sorted(deps):
+            # A leaf (a module importing nothing of pipeviz: a formula, constants) adds no tangle wherever it sits;
+            # two do: the memory rule a StageInfo's figure uses (cost.rule) and the machine's measured constants
+            # a Profile defaults to (cost.calibration).
+            if LAYERS.index(layer(dep)) > LAYERS.index(layer(name)) and graph[dep]:
+                out.append(f"{name} ({layer(name)}) imports {dep} ({layer(dep)})")
+    return out
+
+
+def test_imports_point_down_the_layers() -> None:
+    graph = _graph()
+    assert _upward(graph) == []
+    # and the check can fail: an import of the runtime from the capture part is one
+    planted = {**graph, "pipeviz.capture.export": graph["pipeviz.capture.export"] | {"pipeviz.runtime.run"}}
+    assert _upward(planted) == ["pipeviz.capture.export (capture) imports pipeviz.runtime.run (runtime)"]
+
+
+def test_every_module_is_in_a_part_and_few_lie_flat() -> None:
+    flat = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(flat) <= 16, flat
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(LAYERS) - {"base", "face", "cli"}
+
+
 def test_core_modules_importing_the_package_root() -> None:
     # A core module importing ``pipeviz`` itself would close a cycle through the root's re-exports.
     graph = _graph()
@@ -136,7 +181,7 @@ def test_run_and_watch_satisfy_the_one_interface_the_views_use(tmp_path: Path) -
     import typing
 
     import pipeviz as pv
-    from pipeviz.export import Watch
+    from pipeviz.runtime.export import Watch
     from pipeviz.runtime.run import Run
 
     watch = pv.watch(tmp_path, timeout=0.1)

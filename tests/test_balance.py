@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import pipeviz as pv
-from pipeviz.balance import partition
-from pipeviz.simulate import estimate_costs
+from pipeviz.planner.balance import partition
+from pipeviz.sim.simulate import estimate_costs
 from pipeviz.zoo import MyNetwork
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import pipeviz as pv
-from pipeviz.mesh import Coords, Mesh, MeshError
-from pipeviz.training import cross_entropy
+from pipeviz.schedule.mesh import Coords, Mesh, MeshError
+from pipeviz.schedule.training import cross_entropy
 from tests.models import TiedSkipBN
 from tests.schedule_sets import SCHEDULES, train_exactly
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import pipeviz as pv
-from pipeviz.runtime.config import UNSET, LaunchOptions, launch_config
+from pipeviz.schedule.config import UNSET, LaunchOptions, launch_config
 from pipeviz.zoo import MyNetwork
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import pipeviz as pv
-from pipeviz import schedules
+from pipeviz.schedule import traits as schedules
 from tests.models import TiedSkipBN
 
 

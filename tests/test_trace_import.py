@@ -15,8 +15,8 @@ import torch
 
 import pipeviz as pv
 from pipeviz.runtime.procs import free_port
-from pipeviz.timeline import Event
-from pipeviz.trace_import import trace_costs
+from pipeviz.schedule.timeline import Event
+from pipeviz.sim.trace_import import trace_costs
 from tests.test_seed_walkthrough import SCRIPT, _kill_tree, _model
 
 PROFILED = SCRIPT.replace(

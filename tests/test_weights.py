@@ -47,7 +47,7 @@ def test_a_meta_model_is_explored_without_memory() -> None:
         assert all(s.memory_bytes > 0 for s in plan.stages)
     # the default target is sized by the traced output (a forward of a meta model cannot run: HF's mask calls
     # .item()), so the Explorer opens on it and checks its settings as Launch would
-    from pipeviz.training import default_target
+    from pipeviz.schedule.training import default_target
 
     assert default_target(graph).shape == IDS.shape
     pytest.importorskip("ipywidgets")

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import pipeviz as pv
-from pipeviz.schedules import ALL
-from pipeviz.timeline import Event, Timeline
+from pipeviz.schedule.timeline import Event, Timeline
+from pipeviz.schedule.traits import ALL
 from pipeviz.widgets import panels
 from pipeviz.widgets.figures import KIND_COLORS
 
@@ -270,7 +270,7 @@ def test_many_skip_arcs_stay_inside_the_graph_and_off_the_stage_labels() -> None
 @pytest.mark.slow
 @needs_sim
 def test_launch_fills_the_timeline_live_and_checks_numerics(explorer: pv.Explorer) -> None:
-    from pipeviz.training import cross_entropy
+    from pipeviz.schedule.training import cross_entropy
 
     explorer.plan = ["layer0", "layer1"]
     explorer.steps.value = 30
@@ -454,7 +454,7 @@ def test_a_setting_that_cannot_launch_is_refused_at_its_control(explorer: pv.Exp
 def test_the_memory_column_is_the_simulated_peak_and_sends_are_per_microbatch(explorer: pv.Explorer) -> None:
     """The stage table's memory followed neither the schedule nor dp while "memory per rank" under it did, and its
     sends were a whole batch's beside a time per microbatch."""
-    from pipeviz.plan import human_bytes
+    from pipeviz.plan.split import human_bytes
 
     explorer.plan = ["layer1"]  # 2 stages on 2 ranks
     for control, value in (("schedule", "1F1B"), ("schedule", "GPipe"), ("dp", 2)):
@@ -602,7 +602,7 @@ def test_static_fallback_for_nbconvert(explorer: pv.Explorer) -> None:
 
 @pytest.mark.slow
 def test_views_load_only_on_use() -> None:
-    code = ("import sys, pipeviz, pipeviz.widgets, pipeviz.training; "
+    code = ("import sys, pipeviz, pipeviz.widgets, pipeviz.schedule.training; "
             "print([m for m in ('ipywidgets', 'plotly', 'anywidget') if m in sys.modules]); "
             "pipeviz.TimelineView(None); print(all(m in sys.modules for m in ('ipywidgets', 'plotly', 'anywidget')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()

@@ -56,7 +56,7 @@ import torch
 
 import pipeviz as pv
 from pipeviz.costs import CostOptions
-from pipeviz.simulate import Collectives
+from pipeviz.sim.simulate import Collectives
 
 try:  # run as a script (python benchmarks/accuracy/published_runs.py) or as a module
     from published_runs_data import CALIBRATION, GPU_TYPES, RUNS, PublishedRun
@@ -179,7 +179,7 @@ def calibrate(plan: pv.SplitPlan, row: PublishedRun, hw: pv.Hardware) -> pv.Hard
 
 def traced(row: PublishedRun, attention: str, cache: str | None) -> tuple[pv.ModelGraph, str]:
     """The row's model traced (``build``), or read from ``cache`` (a folder of pickled graphs, one per shape and
-    attention; delete it after changing ``pipeviz.capture`` or ``pipeviz.graph``)."""
+    attention; delete it after changing ``pipeviz.capture.export`` or ``pipeviz.graph.model``)."""
     shape = (row.family, row.layers, row.hidden, row.heads, row.kv_heads, row.ffn, row.vocab, row.seq_len)
     path = None
     if cache:

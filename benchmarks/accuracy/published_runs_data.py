@@ -54,7 +54,7 @@ class PublishedRun:
         attention: HF ``attn_implementation`` matching the run's attention kernel: ``"eager"`` for Megatron-LM
             2021 (scores materialised, its fused scale-mask-softmax kernel), ``"sdpa"`` for flash attention.
         dp_reduce, grad_dtype, tp_overlap, scatter_gather: how the run did its collectives
-            (``pipeviz.simulate.Collectives``), as its framework version did them; ``framework`` says why.
+            (``pipeviz.sim.simulate.Collectives``), as its framework version did them; ``framework`` says why.
         framework: the framework settings the four above are read from.
         split: how the blocks are split over the stages: ``"even"`` (Megatron-LM: every stage as many blocks; the
             benchmark gives a remainder to the later stages) or ``"torchtitan"`` (torchtitan's

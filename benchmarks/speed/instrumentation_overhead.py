@@ -44,7 +44,7 @@ def _plain_worker(rank: int, world: int, port: int, schedule: str, mb: int, step
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     warnings.filterwarnings("ignore")
-    from pipeviz._malloc import keep_heap
+    from pipeviz.adapter.malloc import keep_heap
 
     keep_heap()  # the same allocator setting pipeviz's workers use: this compares instrumentation only
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))

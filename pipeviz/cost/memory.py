@@ -30,16 +30,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Unpack
 
-from pipeviz import schedules as sched
 from pipeviz.cost.model import Costs, stage_costs
 from pipeviz.cost.options import CostChanges, CostOptions, LinkOptions
 from pipeviz.cost.rule import OPTIMIZER_STATES, stage_bytes
-from pipeviz.plan import register_pricer
+from pipeviz.plan.split import register_pricer
+from pipeviz.schedule import traits as sched
 
 if TYPE_CHECKING:
     from pipeviz.cost.machine import Hardware
-    from pipeviz.plan import SplitPlan, StageInfo
-    from pipeviz.timeline import Event
+    from pipeviz.plan.split import SplitPlan, StageInfo
+    from pipeviz.schedule.timeline import Event
 
 __all__ = [
     "activation_curve",

@@ -5,10 +5,10 @@ payload, ``procs`` starts rank processes, ``worker`` is one rank, ``stages`` bui
 watches a launch.
 """
 
-from pipeviz.runtime.config import LaunchConfig
 from pipeviz.runtime.launch import launch
 from pipeviz.runtime.reference import train_reference
 from pipeviz.runtime.run import Run
 from pipeviz.runtime.spec import LaunchError
+from pipeviz.schedule.config import LaunchConfig
 
 __all__ = ["LaunchConfig", "LaunchError", "Run", "launch", "train_reference"]

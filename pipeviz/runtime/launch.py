@@ -16,19 +16,19 @@ from typing import Unpack
 import torch
 
 from pipeviz._compat import positional_legacy
-from pipeviz.plan import SplitPlan
-from pipeviz.runtime.config import UNSET, LaunchConfig, LaunchOptions, launch_config
+from pipeviz.plan.split import SplitPlan
 from pipeviz.runtime.payloads import rank_boots, rank_payloads
 from pipeviz.runtime.procs import rendezvous, temp_prefix
-from pipeviz.runtime.run import _LIVE, Run
+from pipeviz.runtime.run import LIVE_RUNS, Run
 from pipeviz.runtime.spec import (
     LaunchError,
-    _default_optimizer,
     check_weights,
     cpu_sets,
+    default_optimizer,
     resolve_devices,
     validate_launch,
 )
+from pipeviz.schedule.config import UNSET, LaunchConfig, LaunchOptions, launch_config
 
 __all__ = ["launch"]
 
@@ -113,7 +113,7 @@ def launch(
         dp_shard: with ``dp`` > 1, each stage sharded across the replicas by torch's FSDP2 ``fully_shard``
             (parameters, gradients and optimizer state: 1/dp per process) instead of replicated under DDP.
         tp: tensor-parallel shards of every stage (pp × dp × tp processes): each stage's projections sharded with
-            DTensor (``pipeviz.runtime.tensor_parallel``), column-wise then row-wise, as Megatron-LM shards a
+            DTensor (``pipeviz.schedule.tensor_parallel``), column-wise then row-wise, as Megatron-LM shards a
             transformer: the attention by heads, the MLP by hidden units, the vocabulary's embedding and LM head
             by tokens (``pv.cross_entropy`` then takes each shard's logits: no process holds them whole).
         tp_plan: ``{module name: "colwise" | "rowwise"}`` for ``nn.Linear`` (and ``"rowwise"`` for
@@ -135,7 +135,7 @@ def launch(
             raise LaunchError("resume= reads the weights from its checkpoint; weights= was given too. Fix: drop "
                               "weights= (or resume=, to start a new optimizer from those weights).", setting="resume")
         if isinstance(plan, SplitPlan):
-            checkpoint = read_resume(plan, resume, cfg, cfg.optimizer or _default_optimizer)
+            checkpoint = read_resume(plan, resume, cfg, cfg.optimizer or default_optimizer)
             weights = resume
             if data is not None:
                 data = itertools.islice(iter(data), checkpoint.batches, None)
@@ -147,7 +147,7 @@ def launch(
     stage_devices, backend, compute = resolve_devices(cfg.devices, world)
     on_cpu = all(d == "cpu" for d in stage_devices) and not any(compute)
     # Two runs at once would be pinned to the same cores: the second one is left to the scheduler.
-    alone = not any(r.status in ("starting", "running") for r in list(_LIVE))
+    alone = not any(r.status in ("starting", "running") for r in list(LIVE_RUNS))
     threads, cpus = cpu_sets(world, cfg.pin_cpus and on_cpu and alone)
 
     run = Run(plan, spec, cfg.timeout, cfg.on_nonfinite)

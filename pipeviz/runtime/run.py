@@ -22,8 +22,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pipeviz import schedules as sched
-from pipeviz.plan import SplitPlan
+from pipeviz.plan.split import SplitPlan
 from pipeviz.runtime.feed import FedBatch, Feeder
 from pipeviz.runtime.messages import (
     Events,
@@ -38,19 +37,20 @@ from pipeviz.runtime.spec import (
     LaunchError,
     LaunchSpec,
 )
-from pipeviz.timeline import COMPUTE, Event, Timeline
+from pipeviz.schedule import traits as sched
+from pipeviz.schedule.timeline import COMPUTE, Event, Timeline
 
 if TYPE_CHECKING:
     from multiprocessing.context import ForkServerContext
     from multiprocessing.queues import Queue
     from multiprocessing.synchronize import Event as MpEvent
 
-    from pipeviz.hang import HangReport
     from pipeviz.runtime.payloads import Boot
+    from pipeviz.schedule.hang import HangReport
 
 __all__ = ["Run"]
 
-_LIVE: weakref.WeakSet[Run] = weakref.WeakSet()
+LIVE_RUNS: weakref.WeakSet[Run] = weakref.WeakSet()
 
 
 class Run(RunResults):
@@ -99,7 +99,8 @@ class Run(RunResults):
         self.eval_losses: list[tuple[int, float]] = self._reducer.eval_losses
         self.outputs: list[Any] = []
         self.error: str | None = None
-        self.hang: HangReport | None = None  # a run stopped for no progress: where each rank was (pipeviz.hang)
+        # a run stopped for no progress: where each rank was (pipeviz.schedule.hang)
+        self.hang: HangReport | None = None
         self._feeder: Feeder | None = None  # a data= run's batches, streamed to the ranks (runtime.feed)
         self.nonfinite: list[tuple[int, str]] = self._reducer.nonfinite
         self.memory: dict[int, list[tuple[float, int]]] = self._reducer.memory
@@ -127,9 +128,9 @@ class Run(RunResults):
         self._fds: list[int] = []  # payload files reserved, not yet written
         self._shipped_bytes = 0  # the model's values the ranks map (pipeviz.runtime.ship)
         # per stage, random ops in one forward (dropout): each rank seeded them per step and microbatch, so
-        # check_numerics' reference can draw the same (pipeviz.rng)
+        # check_numerics' reference can draw the same (pipeviz.runtime.rng)
         self.random_draws: tuple[int, ...] = ()
-        _LIVE.add(self)
+        LIVE_RUNS.add(self)
 
     # ----------------------------------------------------------------- public
     def subscribe(self, callback: Callable[[list[Event]], None]) -> None:
@@ -408,9 +409,10 @@ class Run(RunResults):
                 return self._finish("failed")
 
     def _hang_report(self, idle: float) -> HangReport:
-        """Where each pipeline rank is stuck (``pipeviz.hang.diagnose``), from its schedule's order and the actions
+        """Where each pipeline rank is stuck (``pipeviz.schedule.hang.diagnose``), from its schedule's order and the
+        actions
         replica 0's first shard reported finished in the batch it was on."""
-        from pipeviz.hang import diagnose
+        from pipeviz.schedule.hang import diagnose
 
         cfg, lay = self.spec.config, self.layout
         m = self.spec.microbatches
@@ -540,7 +542,7 @@ class Run(RunResults):
 
 @atexit.register
 def _reap_all() -> None:
-    for run in list(_LIVE):
+    for run in list(LIVE_RUNS):
         run._stop.set()
         run._kill_all()
         run._join_monitor()

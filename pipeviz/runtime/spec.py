@@ -21,17 +21,17 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch.utils import _pytree as pytree
 
-from pipeviz import schedules as sched
-from pipeviz.capture import _batch_size
+from pipeviz.capture.export import batch_size_of
 from pipeviz.errors import LaunchError
-from pipeviz.mesh import Mesh
-from pipeviz.plan import SplitPlan
-from pipeviz.runtime.config import LaunchConfig
+from pipeviz.plan.split import SplitPlan
+from pipeviz.schedule import traits as sched
+from pipeviz.schedule.config import LaunchConfig
+from pipeviz.schedule.mesh import Mesh
 
 if TYPE_CHECKING:
-    from pipeviz.capture import Capture
-    from pipeviz.graphview import GraphView
-    from pipeviz.weights import Source
+    from pipeviz.capture.export import Capture
+    from pipeviz.capture.view import GraphView
+    from pipeviz.capture.weights import Source
 
 __all__ = ["FedBatch", "LaunchError", "LaunchSpec", "check_weights", "cpu_sets", "data_batch", "like_first",
            "resolve_devices", "share", "validate_launch"]
@@ -144,7 +144,7 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
             raise LaunchError("order= is a training step's actions (forwards and backwards); a run without loss_fn "
                               "only runs forwards. Fix: pass loss_fn=... to train with this order, or drop order "
                               "for a forward-only run.")
-        from pipeviz.sim_engine import check_order
+        from pipeviz.sim.engine import check_order
 
         with _setting("order"):
             check_order(config.order, lay, microbatches)
@@ -181,7 +181,7 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
         inputs, input_kwargs, target = data_batch(first, 0, loss_fn is not None)
     # a data= run traces its stages for each batch's shapes (runtime.shapes): its first batch may differ too
     args, kwargs = _inputs(graph, inputs, input_kwargs, any_length=stream is not None)
-    batch = _batch_size(args, kwargs)
+    batch = batch_size_of(args, kwargs)
     if batch is None:
         raise LaunchError("inputs hold no tensor with a batch dimension.")
     for leaf in pytree.tree_leaves((args, kwargs)):
@@ -200,7 +200,7 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
         exc.setting = "microbatches"  # type: ignore[attr-defined]
         raise exc from None
     if config.order is None:  # torch's own sends and receives played for deadlock (a custom order: check_order's)
-        from pipeviz.comm_order import check_schedule_comms
+        from pipeviz.schedule.comm_order import check_schedule_comms
 
         check_schedule_comms(name, plan.num_stages, microbatches, stages_per_rank)
     if loss_fn is None:  # a forward-only run: run.outputs
@@ -228,7 +228,7 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
         _try_loss(graph, loss_fn, target, batch, microbatches)  # (on the traced output's shapes: a data= run's
         # first batch of another length is checked by its first step)
     if optimizer is None:
-        optimizer = _default_optimizer
+        optimizer = default_optimizer
     _try_optimizer(optimizer)
     for label, obj in (("loss_fn", loss_fn), ("optimizer", optimizer)):
         try:
@@ -274,12 +274,12 @@ def _training_checks() -> tuple[tuple[str, Callable[[LaunchConfig], None]], ...]
 def _check_model_unchanged(plan: SplitPlan) -> None:
     """Every tensor the trace saw is still in the model with the same number of elements and bytes: a launch ships
     the model's values as they are now (``pipeviz.runtime.ship``) into stages traced from it then."""
-    from pipeviz.weights import _lookup
+    from pipeviz.capture.weights import lookup_tensor
 
     cap = plan.graph.capture
     for canon, numel in cap.param_numel.items():
         try:
-            t = _lookup(cap.model, canon)
+            t = lookup_tensor(cap.model, canon)
         except (KeyError, AttributeError):
             t = None
         if t is None or t.numel() != numel or t.numel() * t.element_size() != cap.param_bytes.get(canon):
@@ -291,7 +291,7 @@ def _check_model_unchanged(plan: SplitPlan) -> None:
 
 def _check_loss_reduction(config: LaunchConfig) -> None:
     from pipeviz.runtime.loss import LOSS_REDUCTIONS
-    from pipeviz.training import cross_entropy
+    from pipeviz.schedule.training import cross_entropy
 
     value = config.loss_reduction
     if not isinstance(value, str) or value not in LOSS_REDUCTIONS:
@@ -327,8 +327,8 @@ def _check_mixed_precision(config: LaunchConfig) -> None:
 
 
 def _check_recompute(plan: SplitPlan, config: LaunchConfig) -> None:
-    """``recompute``: a mode, or one per stage (``pipeviz.runtime.recompute``), on a traced plan, not compiled."""
-    from pipeviz.runtime.recompute import recompute_modes
+    """``recompute``: a mode, or one per stage (``pipeviz.schedule.recompute``), on a traced plan, not compiled."""
+    from pipeviz.schedule.recompute import recompute_modes
 
     try:
         modes = recompute_modes(config.recompute, plan.num_stages)
@@ -384,7 +384,7 @@ def _check_lr_scheduler(config: LaunchConfig) -> None:
     if not callable(factory) or isinstance(factory, torch.optim.lr_scheduler.LRScheduler):
         raise LaunchError(f"lr_scheduler must be a factory optimizer -> LRScheduler, got {factory!r}. {fix}")
     try:
-        built = factory((config.optimizer or _default_optimizer)([torch.nn.Parameter(torch.zeros(1))]))
+        built = factory((config.optimizer or default_optimizer)([torch.nn.Parameter(torch.zeros(1))]))
     except Exception as exc:
         raise LaunchError(f"lr_scheduler(optimizer) fails on a dummy optimizer: {type(exc).__name__}: {exc}. "
                           f"{fix}") from exc
@@ -411,7 +411,7 @@ def _check_clip(config: LaunchConfig) -> None:
 
 
 def _check_sequence_parallel(plan: SplitPlan, config: LaunchConfig) -> None:
-    from pipeviz.runtime.tensor_parallel import check_sequence_parallel, sharded_modules
+    from pipeviz.schedule.tensor_parallel import check_sequence_parallel, sharded_modules
 
     if not isinstance(config.sequence_parallel, bool):
         raise LaunchError(f"sequence_parallel must be True or False, got {config.sequence_parallel!r}.")
@@ -444,7 +444,7 @@ def _check_dp_shard(config: LaunchConfig) -> None:
 
 def _check_dp_reduce(config: LaunchConfig, split_backward: bool) -> None:
     """``dp_reduce``: one of ``DP_REDUCE_MODES`` or None, and a mode this layout can run."""
-    from pipeviz.runtime.config import DP_REDUCE_MODES
+    from pipeviz.schedule.config import DP_REDUCE_MODES
 
     value = config.dp_reduce
     if value is None:
@@ -470,7 +470,7 @@ def _check_dp_reduce(config: LaunchConfig, split_backward: bool) -> None:
 def _tensor_parallel(plan: SplitPlan, tp: int, tp_plan: Mapping[str, str] | None) -> dict[str, str]:
     """The placements of a tensor-parallel launch's parameters (canonical names), checked: ``tp_plan`` (module
     name -> ``"colwise"`` / ``"rowwise"``) or Megatron's layout (``default_tp_plan``)."""
-    from pipeviz.runtime.tensor_parallel import check_tp_plan, sharded_modules
+    from pipeviz.schedule.tensor_parallel import check_tp_plan, sharded_modules
 
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise LaunchError(f"tp must be a positive int (tensor-parallel shards of every stage), got {tp!r}. Fix: tp=1 "
@@ -548,9 +548,9 @@ def like_first(batch: tuple[object, Mapping[str, object] | None, object], spec: 
                 "a pipeline's shapes are fixed by its first batch (and the batch must split into the "
                 f"{spec.microbatches} microbatches). Fix: equal batches, e.g. DataLoader(..., drop_last=True).")
     if not same_shapes:
-        from pipeviz.capture import _batch_size
+        from pipeviz.capture.export import batch_size_of
 
-        size, parts = _batch_size(args, kwargs), spec.microbatches * spec.dp
+        size, parts = batch_size_of(args, kwargs), spec.microbatches * spec.dp
         if size is not None and size % parts:
             raise LaunchError(f"{what} batch {step} holds {size} samples, which do not split into the run's "
                               f"{spec.microbatches} microbatches x {spec.dp} replicas ({parts} equal parts). Fix: "
@@ -717,9 +717,9 @@ def resolve_devices(devices: str | Sequence[str], num_ranks: int) -> tuple[list[
 
 
 def check_weights(plan: SplitPlan, weights: str | os.PathLike[str] | None, init_seed: int) -> dict[str, Source] | None:
-    """Where each tensor of the plan's stages comes from (``pipeviz.weights.plan_sources``), checked now:
+    """Where each tensor of the plan's stages comes from (``pipeviz.capture.weights.plan_sources``), checked now:
     a checkpoint's missing tensors and wrong shapes, and meta tensors nothing can initialise, are named."""
-    from pipeviz.weights import WeightsError, plan_sources
+    from pipeviz.capture.weights import WeightsError, plan_sources
 
     if not isinstance(init_seed, int) or isinstance(init_seed, bool):
         raise LaunchError(f"init_seed must be an int, got {init_seed!r}.")
@@ -745,5 +745,5 @@ def cpu_sets(ranks: int, pin: bool) -> tuple[int, list[tuple[int, ...]] | None]:
     return threads, [tuple(allowed[r * threads:(r + 1) * threads]) for r in range(ranks)]
 
 
-def _default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1)

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipeviz import schedules as sched
 from pipeviz.runtime.clock import Clock
 from pipeviz.runtime.messages import Batch as BatchMessage
 from pipeviz.runtime.messages import (
@@ -34,6 +33,7 @@ from pipeviz.runtime.messages import (
 )
 from pipeviz.runtime.payloads import RankPayload
 from pipeviz.runtime.stages import StepError
+from pipeviz.schedule import traits as sched
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

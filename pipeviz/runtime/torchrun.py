@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from pipeviz.mesh import DIMS, Coords
 from pipeviz.runtime.messages import Done, Failed, Message, State
+from pipeviz.schedule.mesh import DIMS, Coords
 
 __all__ = ["run_rank"]
 

@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipeviz.mesh import Coords
 from pipeviz.runtime.clock import SEND_INTERVAL, Clock, Sink
 from pipeviz.runtime.messages import (
     Done,
@@ -58,6 +57,7 @@ from pipeviz.runtime.steps import (
     rank_state,
     train,
 )
+from pipeviz.schedule.mesh import Coords
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
@@ -270,7 +270,7 @@ def _connect(p: Boot | RankPayload, queue: Sink) -> tuple[Clock, torch.device, t
     """Join the process group, take this rank's cores, agree on one clock."""
     import torch.distributed as dist
 
-    from pipeviz._malloc import keep_heap
+    from pipeviz.adapter.malloc import keep_heap
 
     keep_heap()
     torch.set_num_threads(max(1, p.threads))
@@ -345,7 +345,7 @@ def _stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch.dev
     runner is sharded across the replicas by FSDP2's ``fully_shard`` instead (torch's stage unshards, reshards and
     reduce-scatters it)."""
     from pipeviz.adapter import timed_stage_class
-    from pipeviz.rng import EVAL_SEED, seed_device, stage_seed
+    from pipeviz.runtime.rng import EVAL_SEED, seed_device, stage_seed
 
     drawing = {st.index for st in p.stages if st.draws}  # stages whose forward draws random numbers (dropout)
     first_mb = p.coords.dp * p.microbatches  # this replica's microbatches, counted across replicas
@@ -379,7 +379,7 @@ def _stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch.dev
     local: dict[str, list[torch.Tensor]] = {}
     for st in p.stages:
         if st.source is not None:  # weights= or a meta model: this rank's tensors, read or initialised here
-            from pipeviz.weights import materialize_stage
+            from pipeviz.capture.weights import materialize_stage
 
             materialize_stage(st.runner.stage, {**st.params, **st.buffers}, st.source, compute)
         retarget = getattr(st.runner.stage, "retarget", None)
@@ -394,13 +394,13 @@ def _stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch.dev
         ins = tuple(_like(t, device, grad=st.index > 0 and t.is_floating_point()) for t in st.inputs)
         outs = tuple(_like(t, device, grad=t.is_floating_point()) for t in st.outputs)
         if tp_mesh is not None:
-            from pipeviz.runtime.tensor_parallel import shard_stage
+            from pipeviz.schedule.tensor_parallel import shard_stage
 
             shard_stage(runner.stage, st.params, p.tp_placements, tp_mesh, p.sequence_parallel)
             runner.tp_mesh = tp_mesh
             # pv.cross_entropy takes logits sharded by vocabulary as they are (torch's loss_parallel): no shard
             # gathers the whole logits. Another loss gets them whole.
-            from pipeviz.training import cross_entropy
+            from pipeviz.schedule.training import cross_entropy
 
             runner.vocab_parallel_loss = st.index == num_stages - 1 and p.loss_fn is cross_entropy
         if p.compile is not None:

@@ -20,11 +20,11 @@ from typing import Protocol
 import ipywidgets as W
 
 import pipeviz as pv
-from pipeviz.cluster_plan import row_summary
-from pipeviz.graph import ModelGraph
-from pipeviz.plan import SplitPlan
-from pipeviz.planner import ClusterPlan, LayoutOption
-from pipeviz.runtime.config import LaunchConfig
+from pipeviz.graph.model import ModelGraph
+from pipeviz.plan.split import SplitPlan
+from pipeviz.planner.cluster import row_summary
+from pipeviz.planner.search import ClusterPlan, LayoutOption
+from pipeviz.schedule.config import LaunchConfig
 from pipeviz.widgets.panels import Change, error_html
 
 __all__ = ["ClusterPanel", "cluster_accordion", "launch_scaled", "load_layout"]

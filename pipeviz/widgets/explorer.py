@@ -29,14 +29,14 @@ import torch
 import traitlets
 
 import pipeviz as pv
-from pipeviz import schedules as sched
+from pipeviz.capture.view import GraphView
 from pipeviz.cost.options import RECOMPUTE
-from pipeviz.graph import ModelGraph
-from pipeviz.graphview import GraphView
-from pipeviz.plan import SplitPlan
-from pipeviz.runtime.config import UNSET, launch_config
-from pipeviz.timeline import Timeline
-from pipeviz.training import cross_entropy, default_target
+from pipeviz.graph.model import ModelGraph
+from pipeviz.plan.split import SplitPlan
+from pipeviz.schedule import traits as sched
+from pipeviz.schedule.config import UNSET, launch_config
+from pipeviz.schedule.timeline import Timeline
+from pipeviz.schedule.training import cross_entropy, default_target
 from pipeviz.widgets import panels
 from pipeviz.widgets.figures import graph_figure, graph_layout, graph_traces, plural, timeline_figure
 from pipeviz.widgets.live_figure import LiveFigure, plotly_bundle
@@ -47,7 +47,7 @@ from pipeviz.widgets.timeline_view import TimelineView
 if TYPE_CHECKING:
     from plotly.callbacks import InputDeviceState, Points
 
-    from pipeviz.cluster_plan import LayoutOption
+    from pipeviz.planner.cluster import LayoutOption
 
 __all__ = ["Explorer"]
 
@@ -485,7 +485,7 @@ class Explorer(W.VBox):
 
     def launch_config(self) -> pv.LaunchConfig:
         """The ``pv.LaunchConfig`` Launch runs: the Explorer's ``config`` with the controls' schedule, microbatches,
-        steps, dp, tp and recomputation (run as the simulation costs it: ``pipeviz.runtime.recompute``; in infer
+        steps, dp, tp and recomputation (run as the simulation costs it: ``pipeviz.schedule.recompute``; in infer
         mode, no loss, optimizer or recomputation); ``pv.export_torchrun(plan, path,
         config=explorer.launch_config(), ...)`` writes the same run for torchrun."""
         schedule = self.schedule.value
@@ -905,8 +905,8 @@ def _load() -> float:
 def _warm_up_launches(model: torch.nn.Module) -> None:
     """Start the rank processes' fork server in the background (it imports torch once, for seconds), so the
     first Launch does not wait for it."""
+    from pipeviz.capture.weights import is_meta
     from pipeviz.runtime.procs import context
-    from pipeviz.weights import is_meta
 
     preload = model if is_meta(model) else None  # a meta model's ranks build their stages from its modules
     threading.Thread(target=lambda: _quietly(lambda: context(preload)), daemon=True, name="pipeviz-warm-up").start()
