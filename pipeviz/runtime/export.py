@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Unpack
 
 import torch
 
@@ -24,7 +23,7 @@ from pipeviz._compat import positional_legacy
 from pipeviz.plan.split import SplitPlan
 from pipeviz.runtime.torchrun import run_rank
 from pipeviz.runtime.watch import Watch, watch
-from pipeviz.schedule.config import UNSET, LaunchConfig, LaunchOptions, launch_config
+from pipeviz.schedule.config import UNSET, LaunchConfig, launch_config
 
 # run_rank, Watch and watch live in pipeviz.runtime; their names here are the ones scripts exported before 0.3 import.
 __all__ = ["Watch", "export_torchrun", "run_rank", "watch"]
@@ -53,24 +52,23 @@ if __name__ == "__main__":
 
 @positional_legacy("microbatches", "steps")
 def export_torchrun(
-    plan: SplitPlan, path: str | os.PathLike[str], schedule: str = UNSET, *, microbatches: int = UNSET,
-    steps: int = UNSET, inputs: tuple[object, ...] | None = None, target: torch.Tensor | None = None,
-    input_kwargs: Mapping[str, object] | None = None, events_dir: str | None = None, config: LaunchConfig | None = None,
-    eval_data: Iterable[object] | None = None, resume: str | os.PathLike[str] | None = None,
-    **options: Unpack[LaunchOptions],
+    plan: SplitPlan, path: str | os.PathLike[str], config: LaunchConfig | str | None = None, *,
+    microbatches: int = UNSET, steps: int = UNSET, inputs: tuple[object, ...] | None = None,
+    target: torch.Tensor | None = None, input_kwargs: Mapping[str, object] | None = None, events_dir: str | None = None,
+    eval_data: Iterable[object] | None = None, resume: str | os.PathLike[str] | None = None, **options: object,
 ) -> Path:
     """Write a torchrun script that trains ``plan`` as ``pv.launch`` would (and its payload beside it).
 
-    Takes the one launch configuration ``pv.launch`` takes (``config=pv.LaunchConfig(...)`` and/or its fields as
-    keywords, the same defaults), and everything is validated here, as ``pv.launch`` validates, before a script
-    exists. The script uses NCCL when every process has its own GPU (``LOCAL_RANK``), else gloo (CPU or a shared
-    GPU). With ``dp`` replicas and ``tp`` shards the processes are laid out as ``pv.launch`` lays them out
-    (``pv.Mesh``: pipeline ranks × replicas × shards, numbered pp-major then dp then tp, so a host's
-    ``--nproc-per-node`` consecutive ranks hold a stage's shards and replicas).
+    Takes the one launch configuration ``pv.launch`` takes (a ``pv.LaunchConfig``, or a schedule's name, third,
+    and/or its fields as keywords, the same defaults), and everything is validated here, as ``pv.launch``
+    validates, before a script exists. The script uses NCCL when every process has its own GPU (``LOCAL_RANK``),
+    else gloo (CPU or a shared GPU). With ``dp`` replicas and ``tp`` shards the processes are laid out as
+    ``pv.launch`` lays them out (``pv.Mesh``: pipeline ranks × replicas × shards, numbered pp-major then dp then
+    tp, so a host's ``--nproc-per-node`` consecutive ranks hold a stage's shards and replicas).
 
     Example:
         >>> cfg = pv.LaunchConfig(schedule="1F1B", microbatches=4, steps=100, loss_fn=pv.cross_entropy, dp=2)
-        >>> pv.export_torchrun(plan, "train.py", config=cfg, inputs=(x,), target=y)
+        >>> pv.export_torchrun(plan, "train.py", cfg, inputs=(x,), target=y)
 
     ``eval_data``: held-out batches, as ``pv.launch`` takes them (shipped in the payload; every process evaluates
     its share every ``eval_every`` steps and after the last, and ``pv.watch(folder).eval_losses`` reads them).
@@ -91,7 +89,7 @@ def export_torchrun(
     from pipeviz.runtime.payloads import spec_stages
     from pipeviz.runtime.spec import LaunchError, validate_launch
 
-    cfg = launch_config(config, schedule=schedule, microbatches=microbatches, steps=steps, **options)
+    cfg = launch_config(config, microbatches=microbatches, steps=steps, **options)
     if cfg.devices != "auto":
         raise LaunchError(f"devices={cfg.devices!r} cannot be exported: under torchrun each process takes its "
                           "LOCAL_RANK GPU (or the CPU without GPUs). Fix: devices='auto' (the default).")

@@ -1,8 +1,9 @@
 """``launch()`` a plan as real processes running torch's schedule; returns the ``Run`` that watches them.
 
 Example:
-    >>> run = pv.launch(plan, schedule="1F1B", microbatches=8, steps=5, inputs=(x,), target=y,
-    ...                 loss_fn=pv.cross_entropy, optimizer=pv.sgd(lr=0.1))      # returns at once
+    >>> cfg = pv.LaunchConfig(schedule="1F1B", microbatches=8, steps=5, loss_fn=pv.cross_entropy,
+    ...                       optimizer=pv.sgd(lr=0.1))
+    >>> run = pv.launch(plan, cfg, inputs=(x,), target=y)      # checked, then returns at once
     >>> run.wait(timeout=60); run.losses; run.timeline(); run.state_dict()
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Unpack
 
 import torch
 
@@ -28,7 +28,7 @@ from pipeviz.runtime.spec import (
     resolve_devices,
     validate_launch,
 )
-from pipeviz.schedule.config import UNSET, LaunchConfig, LaunchOptions, launch_config
+from pipeviz.schedule.config import UNSET, LaunchConfig, launch_config
 
 __all__ = ["launch"]
 
@@ -36,7 +36,7 @@ __all__ = ["launch"]
 @positional_legacy("steps")
 def launch(
     plan: SplitPlan,
-    schedule: str = UNSET,
+    config: LaunchConfig | str | None = None,
     microbatches: int = UNSET,
     *,
     steps: int | None = UNSET,
@@ -47,8 +47,7 @@ def launch(
     eval_data: Iterable[object] | None = None,
     resume: str | os.PathLike[str] | None = None,
     weights: str | os.PathLike[str] | None = None,
-    config: LaunchConfig | None = None,
-    **options: Unpack[LaunchOptions],
+    **options: object,
 ) -> Run:
     """Start the plan's stages as processes running torch's ``schedule``; returns a ``Run`` at once.
 
@@ -58,18 +57,19 @@ def launch(
     weights' gradients are summed across the stages holding them, so the run trains like the unsplit model
     (same microbatching, mean loss per microbatch).
 
-    How to run is one ``pv.LaunchConfig`` (``config=``), the same object ``pv.export_torchrun``, the CLI and the
-    Explorer take, or its fields as keywords (they override ``config``'s); ``schedule``, ``microbatches`` and
-    ``steps`` may also come first, by position. Defaults: ``LaunchConfig()``'s.
+    How to run is one ``pv.LaunchConfig`` (second, or ``config=``), the same object ``pv.simulate``,
+    ``pv.export_torchrun``, the CLI and the Explorer take, or its fields as keywords (they override ``config``'s);
+    in its place a schedule's name, then ``microbatches``, may come by position. Defaults: ``LaunchConfig()``'s.
 
     Example:
-        >>> run = pv.launch(plan, "1F1B", 4, 3, inputs=(x,), target=y, loss_fn=pv.cross_entropy)
-        >>> run = pv.launch(plan, config=pv.LaunchConfig(schedule="GPipe", dp=2, loss_fn=pv.cross_entropy),
-        ...                 inputs=(x,), target=y)
+        >>> cfg = pv.LaunchConfig(schedule="GPipe", microbatches=4, steps=3, dp=2, loss_fn=pv.cross_entropy)
+        >>> run = pv.launch(plan, cfg, inputs=(x,), target=y)
+        >>> run = pv.launch(plan, "1F1B", 4, steps=3, inputs=(x,), target=y, loss_fn=pv.cross_entropy)
 
     Args:
         plan: the ``SplitPlan``.
-        schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV.
+        config: the ``pv.LaunchConfig``, or a schedule's name: GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
+            InterleavedZeroBubble, ZBVZeroBubble, DualPipeV.
         microbatches: microbatches per step; must divide the batch.
         steps: optimizer steps (``None`` with ``data``: until it runs out).
         inputs / input_kwargs: the full batch (defaults: the graph's example inputs): a tensor or a tuple or
@@ -126,7 +126,7 @@ def launch(
     Raises:
         LaunchError, ScheduleError, PlanError: before any process starts, naming the bad value and the fix.
     """
-    cfg = launch_config(config, schedule=schedule, microbatches=microbatches, steps=steps, **options)
+    cfg = launch_config(config, microbatches=microbatches, steps=steps, **options)
     checkpoint = None
     if resume is not None:  # the weights from the checkpoint; data= goes on after the batches it consumed
         from pipeviz.runtime.checkpoint import read_resume

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, TypedDict, cast
+from typing import Any, cast
 
 import torch
 
@@ -25,7 +25,7 @@ from pipeviz.schedule import traits as sched
 from pipeviz.schedule.mesh import Mesh, check_degree
 from pipeviz.schedule.traits import Layout
 
-__all__ = ["DP_REDUCE_MODES", "UNSET", "LaunchConfig", "LaunchOptions", "dp_reduce_mode", "launch_config"]
+__all__ = ["DP_REDUCE_MODES", "UNSET", "LaunchConfig", "dp_reduce_mode", "launch_config"]
 
 
 class _Unset:
@@ -181,36 +181,6 @@ class LaunchConfig:
         return dataclasses.replace(self, **cast("dict[str, Any]", changes))
 
 
-class LaunchOptions(TypedDict, total=False):
-    """The keyword options ``pv.launch`` and ``pv.export_torchrun`` take beside ``schedule``, ``microbatches`` and
-    ``steps`` (their own parameters): ``LaunchConfig``'s other fields."""
-
-    stages_per_rank: int | None
-    loss_fn: Callable[..., torch.Tensor] | None
-    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None
-    devices: str | Sequence[str]
-    timeout: float
-    pin_cpus: bool
-    on_nonfinite: str
-    clip_grad_norm: float | None
-    loss_reduction: str
-    accumulate: int
-    lr_scheduler: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None
-    eval_every: int | None
-    mixed_precision: str | None
-    compile: bool | str
-    recompute: str | Sequence[str]
-    init_seed: int
-    dp: int
-    dp_shard: bool
-    dp_reduce: str | None
-    tp: int
-    tp_plan: Mapping[str, str] | None
-    sequence_parallel: bool
-    cp: int
-    order: Sequence[Sequence[str]] | None
-
-
 DP_REDUCE_MODES = ("overlap", "zero1", "ddp", "after_flush")
 
 
@@ -233,9 +203,15 @@ def _check_names(changes: Mapping[str, object]) -> None:
                         "those, or pass data as inputs=, input_kwargs=, target=, data= or weights=.")
 
 
-def launch_config(config: LaunchConfig | None, **given: object) -> LaunchConfig:
-    """``config`` (default ``LaunchConfig()``) with the options given at the call (``UNSET`` ones left out)."""
+def launch_config(config: LaunchConfig | str | None, **given: object) -> LaunchConfig:
+    """``config`` (default ``LaunchConfig()``; a schedule's name stands for ``LaunchConfig(schedule=name)``) with the
+    options given at the call (``UNSET`` ones left out)."""
+    if isinstance(config, str):
+        if given.get("schedule", UNSET) is not UNSET:
+            raise TypeError(f"The schedule came twice: {config!r} by position and schedule={given['schedule']!r}. "
+                            "Fix: give it once.")
+        config, given = None, {**given, "schedule": config}
     if config is not None and not isinstance(config, LaunchConfig):
-        raise TypeError(f"config must be a pv.LaunchConfig, got {type(config).__name__}. Fix: "
-                        "config=pv.LaunchConfig(schedule='1F1B', microbatches=4, ...), or the options as keywords.")
+        raise TypeError(f"config must be a pv.LaunchConfig or a schedule's name, got {type(config).__name__}. Fix: "
+                        "pv.LaunchConfig(schedule='1F1B', microbatches=4, ...), or the options as keywords.")
     return (config or LaunchConfig()).replace(**{k: v for k, v in given.items() if v is not UNSET})
