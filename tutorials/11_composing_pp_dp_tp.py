@@ -233,6 +233,10 @@ roomy = plan_cluster(llama_graph, gpus=32, hardware="h100-sxm", global_batch=256
 print(roomy.table())
 
 # %% [markdown]
+# Each row's `reduce` says how it averages its replicas' gradients (the planner searches the modes above per row;
+# `distributed`, Megatron's distributed optimizer, launches as `dp_reduce="zero1"`), and `exposed` is the part of
+# that reduction the step waits for, which no computation hides.
+#
 # A model this small fits on one GPU, so the planner may need no pipeline at all. Give each device only 8 GiB
 # (a bigger model, in effect): the fastest layout that fitted no longer does, and the fastest one that fits
 # pipelines (the assert checks that; a layout without pipelining may still fit lower in the table).
