@@ -26,6 +26,9 @@
 #
 # DualPipeV is the V-shaped variant in DeepSeek's DualPipe repository, credited there to Sea AI Lab; the DeepSeek-V3
 # report describes DualPipe itself, bidirectional, which holds two copies of the parameters.
+#
+# Each one's bubble formula, peak memory, pipeline traffic and needs are on one page: the
+# [schedules cheat sheet](../docs/schedules.md).
 
 # %%
 import warnings

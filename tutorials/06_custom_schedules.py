@@ -17,7 +17,8 @@
 # memory and optimizer post-validation.
 #
 # **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
-# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
+# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese); the
+# [schedules cheat sheet](../docs/schedules.md) (every schedule's bubble, memory and traffic on one page).
 #
 # **Lessons:** ← [Lesson 5 · Zero bubble and its memory price](05_zero_bubble_and_its_memory.ipynb) ·
 # [Lesson 7 · Balancing stages](07_balancing_stages.ipynb) →
@@ -240,8 +241,21 @@ pv.timeline_figure(results["ZB-H2"])
 # ZB-H2's price is memory: rank 0 holds 2*p* − 1 = 7 microbatches, (2*p* − 1)/*p* = 7/4 of 1F1B's peak, each later
 # rank one less ([7, 6, 5, 4]); and a runtime that steps without a global synchronisation, which neither torch's
 # schedules nor pipeviz's simulator provide (both keep the synchronous boundary, so the (*p* − 1)·*F* stays in the
-# measured step). ZB-V (lesson 5) reaches the same bubble with 1F1B's memory, at the price of two stages per rank.
-#
+# measured step). ZB-V (lesson 5) keeps 1F1B's memory, at the price of two stages per rank (and twice the pipeline
+# traffic); **with optimizer post-validation** it too reaches the bubble-free step ZB-H2 does, as Qi et al.
+# report. Without it, as here, neither does: each leaves its fill-up, ZB-H2 (*p* − 1)·*F* = 3 and ZB-V (*p* −
+# 1)·*F*/2 = 1.5, its stages being half a rank's work (the cell below, on the same costs).
+
+# %%
+zbv = pv.simulate(None, "ZBVZeroBubble", m, costs=pv.Costs.uniform(2 * p, forward=0.5, backward=1.0,
+                                                                      activation_bytes=1), num_stages=2 * p)
+print(f"ZB-V, same work per rank: bubble time {zbv.step_time - 3 * m:.1f}, "
+      f"activations held {[b / 2 for b in zbv.peak_activation_bytes]}   "
+      f"(ZB-H2: {results['ZB-H2'].step_time - 3 * m:.0f}, {held_h2})")
+assert results["ZB-H2"].step_time - 3 * m == (p - 1) * 1 and zbv.step_time - 3 * m == (p - 1) * 0.5
+assert [b / 2 for b in zbv.peak_activation_bytes] == [p] * p == [results["1F1B"].peak_activation_bytes[0] / 2] * p
+
+# %% [markdown]
 # ## Running a schedule for real
 #
 # `pv.launch` runs torch's own schedules by name, and a hand-written order as `LaunchConfig(order=...)` (checked

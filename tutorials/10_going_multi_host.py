@@ -15,7 +15,8 @@
 # export a pipeviz plan and watch it run.
 #
 # **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
-# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
+# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese); the
+# [schedules cheat sheet](../docs/schedules.md) (every schedule's bubble, memory and traffic on one page).
 #
 # **Lessons:** ← [Lesson 9 · Inference pipelining](09_inference_pipelining.ipynb) ·
 # [Lesson 11 · Composing pipeline, data and tensor parallelism](11_composing_pp_dp_tp.ipynb) →
