@@ -482,7 +482,7 @@ assert check.ok
 # | microbatch | 微批次 | `microbatches=`, torch's `n_microbatches` (PiPPy: *chunks*) |
 # | bubble (idle time) | 气泡 (空闲时间) | `tl.bubble_fraction` |
 # | split point | 分割点 | `graph.split([...])`, `SplitPoint.END` / `BEGINNING` |
-# | schedule | 调度 | `schedule="1F1B"`; `pipeviz.schedules.orders` |
+# | schedule | 调度 | `schedule="1F1B"`; `pipeviz.schedule.traits.orders` |
 # | warm-up / cool-down (drain) | 预热 / 冷却 | the forwards before the first backward; the last backwards |
 # | interleaved (virtual stages) | 交错 (虚拟阶段) | `Interleaved1F1B`, `stages_per_rank=` |
 # | activations | 激活值 | `peak_activation_bytes` |

@@ -72,7 +72,7 @@ pv.comparison_figure(cmp)
 
 # %%
 p, m = 4, 8
-for schedule in pv.schedules.ALL:
+for schedule in pv.schedule.ALL:
     v = 1 if schedule in ("GPipe", "1F1B") else 2
     tl = pv.simulate(None, schedule, m, costs=pv.Costs.uniform(p * v, forward=1 / v, backward=2 / v),
                      num_stages=p * v, stages_per_rank=None if v == 1 else v)

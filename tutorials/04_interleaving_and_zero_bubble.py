@@ -76,7 +76,7 @@ assert abs(bubble_time[2] - bubble_time[1] / 2) < 1e-9 and abs(bubble_time[4] - 
 assert all(sends[v] == 2 * m * (v * p - 1) and sends[v] / sends[1] >= v for v in (1, 2, 4)), sends
 
 # %%
-print("Interleaved1F1B, 8 stages on 4 ranks:", pv.schedules.layout("Interleaved1F1B", 8, 2).stage_ranks)
+print("Interleaved1F1B, 8 stages on 4 ranks:", pv.schedule.layout("Interleaved1F1B", 8, 2).stage_ranks)
 interleaved = pv.simulate(None, "Interleaved1F1B", m, costs=pv.Costs.uniform(8, forward=0.5, backward=1.0),
                           num_stages=8, stages_per_rank=2)
 pv.timeline_figure(interleaved)
@@ -124,8 +124,8 @@ print(f"{'ZB-H1 (1 stage/rank)':22} bubble time {bubbles['ZB-H1']:5.2f}   idle s
 assert bubbles["1F1B"] == (p - 1) * (1 + 1 + 1) and bubbles["ZB-H1"] == (p - 1) * (1 + 1 - 1)   # 9 and 3
 assert abs(bubbles["ZB-H1"] / bubbles["1F1B"] - 1 / 3) < 1e-9                                       # a third
 zbv = textbook("ZBVZeroBubble", 2)
-print("ZBV stage -> rank:", pv.schedules.layout("ZBVZeroBubble", 8).stage_ranks)
-assert pv.schedules.layout("ZBVZeroBubble", 8).stage_ranks == (0, 1, 2, 3, 3, 2, 1, 0)  # the V, as the text says
+print("ZBV stage -> rank:", pv.schedule.layout("ZBVZeroBubble", 8).stage_ranks)
+assert pv.schedule.layout("ZBVZeroBubble", 8).stage_ranks == (0, 1, 2, 3, 3, 2, 1, 0)  # the V, as the text says
 print("ZBV rank 0:", " ".join(zbv.order(0)))
 pv.timeline_figure(zbv)
 

@@ -12,7 +12,7 @@
 # # Lesson 6 · Write your own schedule
 #
 # **You will learn:** torch's action notation, how to write a schedule as per-rank action lists, how
-# `pipeviz.schedules.validate` and `pv.simulate(..., order=...)` judge and draw it (deadlocks included), and how a
+# `pipeviz.schedule.traits.validate` and `pv.simulate(..., order=...)` judge and draw it (deadlocks included), and how a
 # zero-bubble order (ZB-H1) comes from 1F1B by splitting each backward, and what ZB-H2 adds with more
 # memory and optimizer post-validation.
 #
@@ -41,10 +41,10 @@ import torch
 import torch.nn.functional as F
 
 import pipeviz as pv
-from pipeviz.schedules import ScheduleError, validate
+from pipeviz.schedule.traits import ScheduleError, validate
 from pipeviz.zoo import MyNetwork
 
-print(pv.schedules.orders("1F1B", 2, 3))   # what torch's Schedule1F1B runs: 2 stages (= ranks), 3 microbatches
+print(pv.schedule.orders("1F1B", 2, 3))   # what torch's Schedule1F1B runs: 2 stages (= ranks), 3 microbatches
 
 # %% [markdown]
 # ## 1F1B by hand
@@ -71,7 +71,7 @@ def one_f_one_b(p, m):
 
 p, m = 4, 8
 mine = one_f_one_b(p, m)
-assert mine == pv.schedules.orders("1F1B", p, m)   # the same order torch runs
+assert mine == pv.schedule.orders("1F1B", p, m)   # the same order torch runs
 for r, acts in enumerate(mine):
     print(f"rank {r}:", " ".join(acts))
 
@@ -275,7 +275,7 @@ assert run.wait(180) == "done", run.error
 measured = run.timeline()
 for rank in range(2):
     print(f"rank {rank}:", " ".join(measured.order(rank, step=1)))
-    assert measured.order(rank, step=1) == pv.schedules.orders("InterleavedZeroBubble", 2, 4, 1)[rank]
+    assert measured.order(rank, step=1) == pv.schedule.orders("InterleavedZeroBubble", 2, 4, 1)[rank]
 numerics = pv.check_numerics(run)
 print(numerics)
 assert numerics.ok
@@ -285,7 +285,7 @@ pv.TimelineView(run)
 # ## Exercise
 #
 # Write **ZB-H1 for p = 3 stages and m = 4 microbatches** by hand, as a list of three lists of actions (rank 0's
-# first), without calling `zb_h1`: start from 1F1B's order (`pv.schedules.orders("1F1B", 3, 4)`), put an `I` where
+# first), without calling `zb_h1`: start from 1F1B's order (`pv.schedule.orders("1F1B", 3, 4)`), put an `I` where
 # each `B` was, and **place each `W`** so that the step keeps ZB-H1's bubble, (*p* − 1)·1 = 2 with *F* = *I* = *W* =
 # 1 (1F1B's is 6), and **no rank ever holds more than 1F1B's peak**, 3 microbatches (a forward adds one, an `I`
 # and a `W` free half each). Set `my_answer` to it; the check validates it and plays it with `simulate(order=...)`.

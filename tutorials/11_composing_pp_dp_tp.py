@@ -125,7 +125,7 @@ assert sims["pp=2 tp=2"].step_time > base.step_time
 # ## Real runs: exact, whatever the layout
 #
 # `pv.launch(..., dp=2)` starts 2 replicas of the 2-stage pipeline (4 processes). How the replicas average their
-# gradients is the launch option `dp_reduce` (`pipeviz.runtime.config`):
+# gradients is the launch option `dp_reduce` (`pipeviz.schedule.config`):
 #
 # - `"overlap"`, the default: pipeviz's own overlapped all-reduce (`pipeviz.runtime.overlap`). As soon as a
 #   stage's last backward of the step has run, its gradients start an asynchronous all-reduce, in DDP-sized
@@ -144,7 +144,7 @@ assert sims["pp=2 tp=2"].step_time > base.step_time
 # at another moment or into other shards.
 
 # %%
-from pipeviz.runtime.config import DP_REDUCE_MODES, dp_reduce_mode
+from pipeviz.schedule.config import DP_REDUCE_MODES, dp_reduce_mode
 
 print("dp_reduce:", DP_REDUCE_MODES, "  default with dp=2:", dp_reduce_mode(pv.LaunchConfig(dp=2)),
       "  with dp=2, tp=2:", dp_reduce_mode(pv.LaunchConfig(dp=2, tp=2)))
@@ -214,7 +214,7 @@ assert all(z1 == 0.75 * d and z3 == 0.5 * d for d, z1, z3 in zip(state["DP"], st
 # nodes until each stage's weights and activations fit, DP for everything left, to grow the global batch. The
 # simulator prices each choice before any process starts.
 #
-# `plan_cluster` (`pipeviz.planner`) searches them all for a GPU count, a hardware preset and a global batch:
+# `plan_cluster` (`pipeviz.planner.search`) searches them all for a GPU count, a hardware preset and a global batch:
 # every *pp* × *dp* × *tp* (TP within a node), schedule, microbatch size and recomputation mode, each balanced and
 # simulated on the hardware's roofline, keeping only what fits in memory, fastest first. A 0.6 B-parameter
 # Llama-shaped model on the meta device (no memory), 32 H100s, 256 sequences of 2048 tokens per step:
@@ -222,7 +222,7 @@ assert all(z1 == 0.75 * d and z3 == 0.5 * d for d, z1, z3 in zip(state["DP"], st
 # %%
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipeviz.planner import plan_cluster
+from pipeviz.planner.search import plan_cluster
 
 config = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=8, num_attention_heads=16,
                      num_key_value_heads=8, vocab_size=32000)

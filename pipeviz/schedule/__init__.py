@@ -7,3 +7,8 @@ deadlock), ``recompute`` and ``tensor_parallel`` (what recomputation and tp chan
 (the default loss, target and optimizer), ``config`` (``LaunchConfig``: the one configuration ``launch``,
 ``simulate``, the exports, the CLI and the Explorer share).
 """
+
+from pipeviz.schedule.traits import ALL, info, layout, orders
+
+# pv.schedule.orders("1F1B", 2, 3), pv.schedule.layout("ZBVZeroBubble", 8).stage_ranks: what the lessons read.
+__all__ = ["ALL", "info", "layout", "orders"]
