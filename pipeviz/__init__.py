@@ -26,35 +26,24 @@ from pipeviz.graph.model import Layer, ModelGraph, trace
 from pipeviz.hardware import HARDWARE, Hardware, HardwareError, hardware
 from pipeviz.plan.split import PlanError, SplitPlan, StageInfo
 from pipeviz.planner.balance import balance, compare
-from pipeviz.planner.lengths import (
-    BucketComparison,
-    BucketRow,
-    buckets,
-    compare_buckets,
-    padding_waste,
-    plan_cluster_lengths,
-)
-from pipeviz.planner.search import ClusterPlan, LayoutOption, plan_cluster
+from pipeviz.planner.search import ClusterPlan, plan_cluster
 from pipeviz.profile import Profile, profile
 from pipeviz.runtime import LaunchConfig, LaunchError, Run, launch, train_reference
-from pipeviz.runtime.export import Watch, export_torchrun, watch
+from pipeviz.runtime.export import export_torchrun, watch
 from pipeviz.runtime.live import Live
 from pipeviz.runtime.numerics import NumericsCheck, check_numerics
 from pipeviz.schedule.mesh import Mesh, MeshError
 from pipeviz.schedule.timeline import Event, Timeline
 from pipeviz.schedule.training import cross_entropy, sgd, warmup_cosine
 from pipeviz.schedule.traits import ScheduleError
-from pipeviz.sim.simulate import Comparison, estimate_costs, simulate
+from pipeviz.sim.simulate import simulate
 from pipeviz.sim.trace_import import import_trace
 from pipeviz.sim.why import critical_path, idle_gaps
 from pipeviz.version import __version__ as __version__
 
 __all__ = [
     "HARDWARE",
-    "BucketComparison",
-    "BucketRow",
     "ClusterPlan",
-    "Comparison",
     "CostOptions",
     "Costs",
     "Event",
@@ -63,7 +52,6 @@ __all__ = [
     "LaunchConfig",
     "LaunchError",
     "Layer",
-    "LayoutOption",
     "Live",
     "Mesh",
     "MeshError",
@@ -79,15 +67,11 @@ __all__ = [
     "StageInfo",
     "Timeline",
     "TraceError",
-    "Watch",
     "balance",
-    "buckets",
     "check_numerics",
     "compare",
-    "compare_buckets",
     "critical_path",
     "cross_entropy",
-    "estimate_costs",
     "export_torchrun",
     "hardware",
     "idle_gaps",
@@ -95,9 +79,7 @@ __all__ = [
     "launch",
     "manual_plan",
     "materialize",
-    "padding_waste",
     "plan_cluster",
-    "plan_cluster_lengths",
     "profile",
     "sgd",
     "simulate",
@@ -112,6 +94,16 @@ _VIEWS = ("Explorer", "TimelineView", "comparison_figure", "graph_figure", "play
 
 
 # Modules reached as attributes before 0.4 (pv.schedules, pv.timeline, pv.training; pv.costs from 0.2).
+_MOVED = {"estimate_costs": "pipeviz.sim.simulate",
+          "Comparison": "pipeviz.sim.simulate",
+          "BucketComparison": "pipeviz.planner.lengths",
+          "BucketRow": "pipeviz.planner.lengths",
+          "buckets": "pipeviz.planner.lengths",
+          "padding_waste": "pipeviz.planner.lengths",
+          "compare_buckets": "pipeviz.planner.lengths",
+          "plan_cluster_lengths": "pipeviz.planner.lengths",
+          "Watch": "pipeviz.runtime.export",
+          "LayoutOption": "pipeviz.planner.cluster"}
 _OLD_MODULES = ("schedules", "timeline", "training", "costs")
 
 
@@ -122,6 +114,12 @@ def __getattr__(name: str) -> object:
 
     if name in _VIEWS:
         return getattr(importlib.import_module("pipeviz.widgets"), name)
+    if name in _MOVED:  # names on pipeviz before 0.4, now in the module of their part
+        import warnings
+
+        warnings.warn(f"pv.{name} is deprecated since pipeviz 0.4: from {_MOVED[name]} import {name}",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(_MOVED[name]), name)
     if name in _OLD_MODULES:  # pv.schedules.orders(...) as lessons before 0.4 wrote it: the module, with a warning
         return importlib.import_module(f"pipeviz.{name}")
     raise AttributeError(f"module 'pipeviz' has no attribute {name!r}")

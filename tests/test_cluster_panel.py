@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import pipeviz as pv
+from pipeviz.planner.cluster import LayoutOption
 from pipeviz.zoo import TinyTransformer
 
 pytest.importorskip("ipywidgets")
@@ -24,7 +25,7 @@ def tiny() -> pv.ModelGraph:
 
 
 def test_plan_then_pick_a_row(tiny: pv.ModelGraph) -> None:
-    chosen: list[pv.LayoutOption] = []
+    chosen: list[LayoutOption] = []
     panel = ClusterPanel(tiny, on_select=chosen.append, top=5)
     assert panel.rows.layout.display == "none"  # no empty box before the first Plan
     assert list(panel.hardware.options) == list(pv.HARDWARE) and panel.global_batch.value == 64
@@ -86,7 +87,7 @@ def test_the_panel_lists_rows_in_the_planners_units(tiny: pv.ModelGraph) -> None
 
 
 def test_errors_are_shown_not_swallowed(tiny: pv.ModelGraph) -> None:
-    def broken(option: pv.LayoutOption) -> None:
+    def broken(option: LayoutOption) -> None:
         raise RuntimeError("callback failed")
 
     panel = ClusterPanel(tiny, on_select=broken, gpus=2, global_batch=8)

@@ -10,6 +10,7 @@ import torch
 
 import pipeviz as pv
 from pipeviz.costs import CostOptions
+from pipeviz.planner.cluster import LayoutOption
 from pipeviz.schedule import traits as sched
 from pipeviz.sim.collectives import Collectives
 from pipeviz.zoo import TinyTransformer
@@ -68,7 +69,7 @@ def _brute_force(graph: pv.ModelGraph, gpus: int, hw: pv.Hardware, batch: int, l
     return sorted(out, key=lambda r: r[0])
 
 
-def _key(row: pv.LayoutOption, reduce: bool = True) -> tuple[object, ...]:
+def _key(row: LayoutOption, reduce: bool = True) -> tuple[object, ...]:
     return (row.pp, row.dp, row.tp, row.schedule, row.stages_per_rank, row.microbatch_size, row.microbatches,
             row.recompute, *((row.dp_reduce,) if reduce else ()))
 

@@ -23,7 +23,7 @@ from pipeviz.capture.view import GraphView
 from pipeviz.cost.machine import Hardware
 from pipeviz.cost.memory import in_flight
 from pipeviz.cost.model import layer_activation_bytes, layer_times
-from pipeviz.cost.options import CostOptions, LinkOptions
+from pipeviz.cost.options import CostChanges, CostOptions, LinkOptions
 from pipeviz.cost.rule import stage_bytes
 from pipeviz.plan.split import PlanError, SplitPlan
 from pipeviz.schedule import traits as sched
@@ -45,8 +45,12 @@ __all__ = ["BY", "balance", "compare", "layer_costs", "optimal_partitions", "par
 
 
 class CompareOptions(LinkOptions, total=False):
-    """``pv.compare``'s other keywords: the rest of ``pv.simulate``'s (``dp``, ``tp``, ``forward_only``, ``cores``,
-    ...)."""
+    """``pv.compare``'s other keywords: ``CostOptions``' ``hardware``, ``dtype`` and ``recompute``, and the rest of
+    ``pv.simulate``'s (``dp``, ``tp``, ``forward_only``, ``cores``, ...)."""
+
+    hardware: Hardware | str | None
+    dtype: str | None
+    recompute: str | None
 
     loss_fn: Callable[..., torch.Tensor] | None
     dp: int
@@ -216,8 +220,7 @@ def layer_costs(graph: GraphView, by: str = "time", options: CostOptions | None 
 def balance(
     graph: GraphView, num_stages: int, *, by: str = "time", memory_limit: float | None = None,
     schedule: str | None = None, microbatches: int = 1, stages_per_rank: int = 1,
-    optimizer_states: int | None = None, hardware: Hardware | str | None = None, dtype: str | None = None,
-    recompute: str | None = None, options: CostOptions | None = None,
+    options: CostOptions | None = None, **cost: Unpack[CostChanges],
 ) -> SplitPlan:
     """The contiguous split of ``graph`` into ``num_stages`` stages that minimises the slowest stage.
 
@@ -234,16 +237,15 @@ def balance(
             under ``schedule`` (default GPipe: all of them; 1F1B: p - stage). With v stages per rank each stage
             gets limit / v.
         schedule, microbatches: for the in-flight activation count.
-        optimizer_states: default ``options.optimizer_states`` (Adam's 2).
-        hardware, dtype, recompute, options: the cost model's settings (``pipeviz.costs.CostOptions``), the same
-            ``pv.simulate`` takes: times on a ``Hardware``'s roofline, activations kept under recomputation.
+        options, cost: the cost model's settings, a ``pv.CostOptions`` and/or its fields as keywords (``hardware``,
+            ``dtype``, ``recompute``, ``optimizer_states``: default Adam's 2), the same ``pv.simulate`` takes: times
+            on a ``Hardware``'s roofline, activations kept under recomputation.
 
     Raises:
         PlanError: more stages than layers, or no split fits the limit (the message gives the smallest
             limit that fits).
     """
-    opts = CostOptions.of(options, hardware=hardware, dtype=dtype, recompute=recompute,
-                          optimizer_states=optimizer_states)
+    opts = CostOptions.of(options, **cost)
     layers = graph.layers
     if not isinstance(num_stages, int) or num_stages < 1:
         raise PlanError(f"num_stages must be a positive int, got {num_stages!r}.")
@@ -380,7 +382,6 @@ def _groups(graph: GraphView, ends: list[int]) -> list[list[str]]:
 @positional_legacy("stages_per_rank")
 def compare(plan: SplitPlan, schedules: Sequence[str] | None = None, microbatches: int = 8, *,
             stages_per_rank: int | None = None, by: str = "time", config: LaunchConfig | None = None,
-            hardware: Hardware | str | None = None, dtype: str | None = None, recompute: str | None = None,
             options: CostOptions | None = None, **simulate_options: Unpack[CompareOptions]) -> Comparison:
     """Simulate ``plan`` under several schedules (default: all 7) on the same number of devices, and tabulate
     step time, bubble and memory.
@@ -408,10 +409,12 @@ def compare(plan: SplitPlan, schedules: Sequence[str] | None = None, microbatche
         by: how the multi-stage splits are balanced (``pv.balance``'s ``by``).
         config: the rest of the run (``dp``, ``cp``, ``tp``, ``loss_fn``: without one, forward only), as
             ``pv.launch`` takes it; each row's schedule, microbatches and stages per rank replace its own.
-        hardware, dtype, recompute, options: cost options (``pipeviz.costs.CostOptions``).
+        options: cost options (a ``pv.CostOptions``); its fields ``hardware``, ``dtype`` and ``recompute`` may come
+            as keywords too.
         simulate_options: the rest of ``pv.simulate``'s keywords (``dp``, ``tp``, ``forward_only``, ``cores``, ...).
     """
-    opts = CostOptions.of(options, hardware=hardware, dtype=dtype, recompute=recompute)
+    opts = CostOptions.of(options, hardware=simulate_options.pop("hardware", None),
+                          dtype=simulate_options.pop("dtype", None), recompute=simulate_options.pop("recompute", None))
     ranks = plan.num_stages
     base = config or LaunchConfig(loss_fn=cross_entropy)  # a training run unless the config says otherwise
     forward_only = simulate_options.pop("forward_only", base.loss_fn is None)

@@ -9,9 +9,9 @@ batches are padded to its length.
 
 Example:
     >>> lengths = [int(n) for n in torch.randint(16, 129, (1000,))]
-    >>> pv.buckets(lengths, 3)                                 # (64, 96, 128): the bucket lengths that pad least
-    >>> pv.padding_waste(lengths, (128,)), pv.padding_waste(lengths, (64, 96, 128))
-    >>> for row in pv.compare_buckets(plan, lengths, cfg, max_buckets=4).rows: print(row)
+    >>> buckets(lengths, 3)                                 # (64, 96, 128): the bucket lengths that pad least
+    >>> padding_waste(lengths, (128,)), padding_waste(lengths, (64, 96, 128))
+    >>> for row in compare_buckets(plan, lengths, cfg, max_buckets=4).rows: print(row)
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def _bucket_of(length: int, bucket_lengths: Sequence[int]) -> int:
     fit = [b for b in sorted(bucket_lengths) if b >= length]
     if not fit:
         raise ValueError(f"a sequence of {length} tokens is longer than every bucket {tuple(bucket_lengths)}. Fix: a "
-                         "last bucket at least the longest sequence (pv.buckets chooses them).")
+                         "last bucket at least the longest sequence (buckets chooses them).")
     return fit[0]
 
 
@@ -224,7 +224,7 @@ def plan_cluster_lengths(graph: GraphView, gpus: int, hardware: Hardware | str, 
 
     Args:
         lengths: each sequence's length (a sample), or ``{bucket length: share of sequences}`` already bucketed.
-        buckets: how many buckets (chosen by ``pv.buckets``), or the bucket lengths.
+        buckets: how many buckets (chosen by ``buckets``), or the bucket lengths.
         options: ``plan_cluster``'s other arguments (``memory_limit``, ``schedules``, ...).
     """
     import dataclasses

@@ -181,7 +181,7 @@ def plan_cluster(
             if t > 1 or c > 1:
                 tp_s = (tp_collectives(plan, 1, c, t, base.link(t, allreduce=True), scale) if t > 1
                         else (0.0,) * n)
-                cp_s = (cp_collectives(plan, 1, mesh, base.link(mesh.rank(0, 0, 0, c - 1) + 1, allreduce=True),
+                cp_s = (cp_collectives(plan, 1, mesh, base.link(mesh.rank(0, cp=c - 1) + 1, allreduce=True),
                                        scale) if c > 1 else (0.0,) * n)
                 coll = tuple(x + y for x, y in zip(tp_s, cp_s, strict=True))
             rank_cache[key] = parallel_costs(costs_for(n, b, mode), mesh, collective=coll)

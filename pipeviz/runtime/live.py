@@ -1,5 +1,5 @@
 """``Live``: what a view needs from a run it follows — a ``pv.Run`` (processes started by ``pv.launch``) and a
-``pv.Watch`` (an exported torchrun job's event files) both satisfy it, and the views use nothing else.
+``Watch`` (``pv.watch``) (an exported torchrun job's event files) both satisfy it, and the views use nothing else.
 
 Example:
     >>> isinstance(run, pv.Live), isinstance(pv.watch("train_events"), pv.Live)

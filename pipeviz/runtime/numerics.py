@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pipeviz._compat import positional_legacy
 from pipeviz.runtime.rng import RunDraws
 
 if TYPE_CHECKING:
@@ -81,7 +82,8 @@ class NumericsCheck:
 REFERENCES = ("same microbatching", "whole batch")
 
 
-def check_numerics(run: Run, tolerance: float | None = None, device: str | torch.device = "cpu",
+@positional_legacy("tolerance", "device", "reference")
+def check_numerics(run: Run, *, tolerance: float | None = None, device: str | torch.device = "cpu",
                    reference: str = "same microbatching") -> NumericsCheck:
     """Train the unsplit model as ``run`` trained its pipeline and compare.
 

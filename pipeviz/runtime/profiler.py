@@ -32,10 +32,14 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-@positional_legacy("device", "microbatches", "repeats", "warmup", "loss_fn", "threads", "busy_cores", "clock")
+# Seconds now, read after synchronising the device: a module attribute, so a test can make time a counter.
+CLOCK: Callable[[], float] = time.perf_counter
+
+
+@positional_legacy("device", "microbatches", "repeats", "warmup", "loss_fn", "threads", "busy_cores")
 def profile(graph: ModelGraph, *, device: str = "cpu", microbatches: int = 1, repeats: int = 7,
             warmup: int = 2, loss_fn: Callable[..., torch.Tensor] | None = None, threads: int | None = None,
-            busy_cores: bool = True, clock: Callable[[], float] = time.perf_counter) -> Profile:
+            busy_cores: bool = True) -> Profile:
     """Time every layer's forward and backward for one microbatch on ``device`` and calibrate ``graph``.
 
     A deep copy of the model runs ``warmup + repeats`` forward/backward passes on one microbatch of the
@@ -53,7 +57,6 @@ def profile(graph: ModelGraph, *, device: str = "cpu", microbatches: int = 1, re
         busy_cores: on the CPU, keep the other cores busy with matrix products while timing, as the other
             ranks of a run do (they share caches and memory bandwidth, so an action takes longer than on an
             idle machine).
-        clock: seconds now (default ``time.perf_counter``); read after synchronising the device.
 
     Returns:
         The ``Profile``; ``graph.with_profile(prof)`` gives a view that ``simulate``/``balance`` calibrate with.
@@ -73,7 +76,7 @@ def profile(graph: ModelGraph, *, device: str = "cpu", microbatches: int = 1, re
 
     def now() -> float:
         sync()
-        return clock()
+        return CLOCK()
 
     fwd: dict[str, list[float]] = {n: [] for n in graph.layer_names}
     bwd: dict[str, list[float]] = {n: [] for n in graph.layer_names}

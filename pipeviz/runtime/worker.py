@@ -319,7 +319,7 @@ def _tied_groups(p: RankPayload) -> dict[str, ProcessGroup | None]:
     out: dict[str, ProcessGroup | None] = {}
     for name, holders in sorted(p.tied.items()):
         for d, t in pipelines:
-            ranks = [p.mesh.rank(h, d, t) for h in holders] if p.mesh is not None else list(holders)
+            ranks = [p.mesh.rank(h, dp=d, tp=t) for h in holders] if p.mesh is not None else list(holders)
             group = dist.new_group(ranks) if len(ranks) > 1 else None
             if me is None or (me.dp, me.tp) == (d, t):
                 out[name] = group

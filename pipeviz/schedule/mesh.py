@@ -127,12 +127,12 @@ class Mesh:
             f"Fix: degrees whose product is {world}{' (' + ', '.join(fits) + ')' if fits else ''}."
         )
 
-    def rank(self, pp: int, dp: int = 0, tp: int = 0, cp: int = 0) -> ProcessRank:
+    def rank(self, pp: int, *, dp: int = 0, tp: int = 0, cp: int = 0) -> ProcessRank:
         """The process rank at these coordinates."""
         return ProcessRank(((pp * self.dp + dp) * self.cp + cp) * self.tp + tp)
 
     def rank_of(self, coords: Coords) -> ProcessRank:
-        return self.rank(coords.pp, coords.dp, coords.tp, coords.cp)
+        return self.rank(coords.pp, dp=coords.dp, tp=coords.tp, cp=coords.cp)
 
     def coords(self, rank: int) -> Coords:
         """The coordinates of process ``rank``."""
@@ -149,7 +149,7 @@ class Mesh:
 
     def pipeline(self, dp: int = 0, tp: int = 0, cp: int = 0) -> tuple[ProcessRank, ...]:
         """The process ranks of one pipeline (replica ``dp``, share ``cp``, shard ``tp``), in pipeline order."""
-        return tuple(self.rank(p, dp, tp, cp) for p in range(self.pp))
+        return tuple(self.rank(p, dp=dp, tp=tp, cp=cp) for p in range(self.pp))
 
     def pipelines(self) -> list[tuple[int, int, int]]:
         """Every pipeline's ``(dp, tp, cp)``, in rank order: the pipelines a process group is made for once each."""
@@ -157,15 +157,15 @@ class Mesh:
 
     def replicas(self, pp: int, tp: int = 0, cp: int = 0) -> tuple[ProcessRank, ...]:
         """The process ranks holding the same stages and shard in every replica (a data-parallel group)."""
-        return tuple(self.rank(pp, d, tp, cp) for d in range(self.dp))
+        return tuple(self.rank(pp, dp=d, tp=tp, cp=cp) for d in range(self.dp))
 
     def shards(self, pp: int, dp: int = 0, cp: int = 0) -> tuple[ProcessRank, ...]:
         """The process ranks sharing one stage's tensors (a tensor-parallel group)."""
-        return tuple(self.rank(pp, dp, t, cp) for t in range(self.tp))
+        return tuple(self.rank(pp, dp=dp, tp=t, cp=cp) for t in range(self.tp))
 
     def shares(self, pp: int, dp: int = 0, tp: int = 0) -> tuple[ProcessRank, ...]:
         """The process ranks splitting one sequence (a context-parallel group)."""
-        return tuple(self.rank(pp, dp, tp, c) for c in range(self.cp))
+        return tuple(self.rank(pp, dp=dp, tp=tp, cp=c) for c in range(self.cp))
 
     def label(self, rank: int) -> str:
         """A process's coordinates in words, dims of degree one left out: ``"pp1 dp0"`` (``"pp1"`` for a pure

@@ -383,10 +383,10 @@ def _links(mesh: Mesh, opts: CostOptions, x: _Extras) -> dict[str, tuple[float, 
     out = {"dp": (bw, lat), "tp": (bw, lat), "cp": (bw, lat)}
     if hw is not None:
         out["tp"] = opts.link(mesh.tp, allreduce=True)
-        out["cp"] = opts.link(mesh.rank(0, 0, 0, mesh.cp - 1) + 1, allreduce=True)
+        out["cp"] = opts.link(mesh.rank(0, cp=mesh.cp - 1) + 1, allreduce=True)
         # The replicas of one shard sit cp x tp ranks apart: a node holds devices_per_node / (cp x tp) of them,
         # each with its own NIC, and NCCL rings over all of those NICs at once (Hardware.link's rails).
-        span = mesh.rank(0, mesh.dp - 1, 0, mesh.cp - 1) + 1
+        span = mesh.rank(0, dp=mesh.dp - 1, cp=mesh.cp - 1) + 1
         dbw, dlat = hw.link(span, rails=min(mesh.dp * mesh.cp, max(1, hw.devices_per_node // mesh.tp)),
                             allreduce=True)
         out["dp"] = (opts.bandwidth or dbw, dlat if opts.latency is None else opts.latency)

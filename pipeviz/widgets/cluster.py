@@ -1,7 +1,7 @@
 """``ClusterPanel``: plan the model for a named cluster (``pv.plan_cluster``) and pick a row.
 
 A thin view over the core: a hardware dropdown, a GPU count, a global batch and a Plan button; the ranked
-layouts as a list; choosing a row calls ``on_select(option)`` with its ``pv.LayoutOption`` (the Explorer loads
+layouts as a list; choosing a row calls ``on_select(option)`` with its ``LayoutOption`` (the Explorer loads
 its plan, schedule, microbatches, dp and tp). Testable headless: call ``plan()``, set ``rows.value``.
 
 Example:
@@ -37,7 +37,7 @@ class ClusterPanel(W.VBox):
     Args:
         graph: the traced model (meta-device models work), or a function returning it when Plan is pressed (the
             Explorer's current view).
-        on_select: called with the chosen ``pv.LayoutOption``.
+        on_select: called with the chosen ``LayoutOption``.
         hardware, gpus, global_batch: initial values (default global batch: 8 x the traced batch).
         top: rows listed.
 

@@ -37,6 +37,7 @@ from pipeviz.schedule import traits as sched
 from pipeviz.schedule.config import UNSET, launch_config
 from pipeviz.schedule.timeline import Timeline
 from pipeviz.schedule.training import cross_entropy, default_target
+from pipeviz.sim.simulate import Comparison
 from pipeviz.widgets import panels
 from pipeviz.widgets.figures import graph_figure, graph_layout, graph_traces, plural, timeline_figure
 from pipeviz.widgets.live_figure import LiveFigure, plotly_bundle
@@ -286,7 +287,7 @@ class Explorer(W.VBox):
                                    "pv.compare on these ranks: every schedule's simulated step on one time axis, its "
                                    "memory per rank on one memory axis", self._show_side_by_side)
         self.side_figure: LiveFigure | None = None
-        self.comparison: pv.Comparison | None = None
+        self.comparison: Comparison | None = None
         self.side_box = W.VBox(layout=W.Layout(max_width="100%"))
         self.player_section = W.VBox([W.HBox([self.player_button, self.side_button]), self.player_box,
                                       self.side_box], layout=W.Layout(display="none", max_width="100%"))

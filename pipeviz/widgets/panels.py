@@ -314,7 +314,7 @@ def mesh_html(plan: SplitPlan, config: pv.LaunchConfig) -> str:
     for p in lay.ranks:
         held = lay.stages_of(p)
         swatches = " ".join(f"<span style='color:{stage_color(s)}'>■</span>{s}" for s in held)
-        ranks = [mesh.rank(p, c.dp, c.tp, c.cp) for c in columns] if inner else [mesh.rank(p)]
+        ranks = [mesh.rank(p, dp=c.dp, tp=c.tp, cp=c.cp) for c in columns] if inner else [mesh.rank(p)]
         cells = "".join(f"<td style='{cell}' title='process {r}: {html.escape(mesh.label(r))}'>{r}</td>"
                         for r in ranks)
         rows.append(f"<tr class='pipeviz-mesh-row'><th style='{cell};text-align:left'>pp{p}: stage"
