@@ -11,13 +11,15 @@ to hook (Megatron's *f* and *g*). Each fix is here once; the tests that pin them
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 __all__ = ["prepare_graph", "replicated", "replicated_input", "token_sharded"]
+
+_Rule = Callable[..., Any]  # a sharding rule torch's register_sharding takes
 
 
 def prepare_graph(stage: nn.Module, params: Mapping[str, str], placements: Mapping[str, str],
@@ -113,8 +115,8 @@ def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, paddin
                              scale_grad_by_freq: bool = False, sparse: bool = False) -> torch.Tensor:
     """``aten.embedding`` of a vocabulary-sharded weight, as Megatron computes it (``_VocabParallelEmbedding``):
     partial sums out, this shard's rows of the gradient back."""
-    out: torch.Tensor = _VocabParallelEmbedding.apply(weight, indices, padding_idx, scale_grad_by_freq, sparse)
-    return out
+    apply: Callable[..., torch.Tensor] = _VocabParallelEmbedding.apply  # (autograd's apply is untyped)
+    return apply(weight, indices, padding_idx, scale_grad_by_freq, sparse)
 
 
 def replicated_input(value: object) -> object:
@@ -128,7 +130,8 @@ def replicated_input(value: object) -> object:
         return replicated(value)
     value = replicated(value)
     if isinstance(value, DTensor) and value.requires_grad:
-        return _ReplicatedGrad.apply(value)
+        apply: Callable[..., torch.Tensor] = _ReplicatedGrad.apply  # (autograd's apply is untyped)
+        return apply(value)
     return value
 
 
@@ -222,7 +225,9 @@ def _register_cpu_attention() -> None:
     if _REGISTERED:
         return
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.experimental import register_sharding
+    from torch.distributed.tensor.experimental import register_sharding as untyped
+
+    register_sharding: Callable[[Any], Callable[[_Rule], _Rule]] = untyped  # (torch leaves it untyped)
 
     aten = torch.ops.aten
     ways = (Replicate(), Shard(1), Shard(0))

@@ -90,15 +90,15 @@ class CallTree:
         modules, elementwise = cap.modules, cap.elementwise
         self.units: dict[str, Unit] = {}
         n_ops = len(cap.ops)
-        for key, children in kids.items():
-            name = name_of[key]
-            fqn = "" if key == ("root",) else key[1]
-            first, last = span.get(key, [0, n_ops - 1])
+        for node, children in kids.items():
+            name = name_of[node]
+            fqn = "" if node == ("root",) else node[1]
+            first, last = span.get(node, [0, n_ops - 1])
             ordered = sorted(children, key=lambda k: span[k][0])
             self.units[name] = Unit(
                 name=name, fqn=fqn, kind=modules.get(fqn, ("?", ()))[0], first=first, last=last,
-                children=tuple(name_of[k] for k in ordered), parent="", called=key[0] != "c",
-                calls=len(occurrences.get(fqn, [key])), elementwise=fqn in elementwise,
+                children=tuple(name_of[k] for k in ordered), parent="", called=node[0] != "c",
+                calls=len(occurrences.get(fqn, [node])), elementwise=fqn in elementwise,
             )
         for unit in list(self.units.values()):
             for child in unit.children:

@@ -30,8 +30,8 @@ from pipeviz.capture.export import (
     elementwise_modules,
     frozen_names,
     module_table,
-    tensor_bytes,
 )
+from pipeviz.capture.ops import tensor_bytes
 from pipeviz.graph.model import ModelGraph
 from pipeviz.plan.sequence import SequenceStage
 from pipeviz.plan.split import PlanError, SplitPlan

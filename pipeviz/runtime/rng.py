@@ -86,7 +86,7 @@ class CountDraws(TorchDispatchMode):
     """Count the random ops that run inside (under fake tensors too: nothing is drawn there)."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # (torch leaves it untyped)
         self.count = 0
 
     def __torch_dispatch__(self, func: torch._ops.OpOverload, types: Sequence[type],
@@ -103,7 +103,7 @@ class StageSeeds(TorchDispatchMode):
     draws to line up (``aligned``)."""
 
     def __init__(self, seed: int, step: int, microbatch: int, draws: Sequence[int]) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # (torch leaves it untyped)
         self.count = 0
         self.draws = tuple(draws)
         self._seed_at: dict[int, int] = {}  # random op number in the forward -> the seed before it

@@ -26,7 +26,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -258,7 +258,8 @@ class Recomputed:
         # stay as they are (a zero-bubble schedule detaches the stage's outputs in place, which a view refuses).
         carrier = next((i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.requires_grad), None)
         if carrier is not None:
-            values[carrier] = _Keep.apply(values[carrier], *kept)
+            keep: Callable[..., torch.Tensor] = _Keep.apply  # (autograd's apply is untyped)
+            values[carrier] = keep(values[carrier], *kept)
         outs = checkpoint(body, *values, use_reentrant=False)
         for n, v in zip(region.outputs, outs, strict=True):
             env[n] = v

@@ -59,7 +59,7 @@ def guarded(method: Callable[Concatenate[W_, P], R]) -> Callable[Concatenate[W_,
     """Run a UI handler; any exception goes to the widget's error area (observers would swallow it), and the
     handler returns None."""
 
-    def wrapper(self: W_, *args: P.args, **kwargs: P.kwargs) -> R | None:
+    def wrapper(self: W_, /, *args: P.args, **kwargs: P.kwargs) -> R | None:
         try:
             return method(self, *args, **kwargs)
         except Exception as exc:  # shown, never swallowed
