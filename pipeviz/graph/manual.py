@@ -33,8 +33,9 @@ from pipeviz.capture.export import (
     tensor_bytes,
 )
 from pipeviz.graph.model import ModelGraph
+from pipeviz.plan.errors import PlanError
 from pipeviz.plan.sequence import SequenceStage
-from pipeviz.plan.split import PlanError, SplitPlan
+from pipeviz.plan.split import SplitPlan
 
 __all__ = ["SequenceStage", "manual_plan"]
 
