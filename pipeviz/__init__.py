@@ -24,7 +24,9 @@ from pipeviz.graph.model import Layer, ModelGraph, trace
 # pv.hardware and pv.profile are functions; their modules' names (kept from 0.2) are imported here first, so that
 # a later `import pipeviz.hardware` does not replace the function on the package.
 from pipeviz.hardware import HARDWARE, Hardware, HardwareError, hardware
-from pipeviz.plan.split import PlanError, SplitPlan, StageInfo
+from pipeviz.plan.errors import PlanError
+from pipeviz.plan.preview import StageInfo
+from pipeviz.plan.split import SplitPlan
 from pipeviz.planner.balance import balance, compare
 from pipeviz.planner.search import ClusterPlan, plan_cluster
 from pipeviz.profile import Profile, profile

@@ -49,7 +49,7 @@ FOREIGN = {"SplitPoint": "torch's `torch.distributed.pipelining.SplitPoint`, re-
 # The API reference's sections, by the module a name is imported from (first match wins); a new module's names land
 # under "More" until it is given a section here.
 SECTIONS = [
-    ("Tracing and plans", ("pipeviz.graph.model", "pipeviz.capture.export", "pipeviz.plan.split",
+    ("Tracing and plans", ("pipeviz.graph.model", "pipeviz.capture.export", "pipeviz.plan",
     "pipeviz.graph.manual")),
     ("Running", ("pipeviz.runtime", "pipeviz.schedule.training", "pipeviz.runtime.numerics",
                  "pipeviz.capture.weights", "pipeviz.runtime.live", "pipeviz.runtime.export")),

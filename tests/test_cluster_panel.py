@@ -125,7 +125,7 @@ def test_every_listed_row_simulates_in_the_explorer_as_listed(tiny: pv.ModelGrap
     """One set of figures, every row: loaded into the Explorer a row simulates at the step and peak memory the
     panel lists, with its microbatches -- also a row whose microbatches do not divide this notebook's example
     batch (16 of size 1 against a traced batch of 8): the cluster's step is shown, Launch is refused and says why."""
-    from pipeviz.plan.split import human_bytes
+    from pipeviz.plan.preview import human_bytes
 
     ex = pv.Explorer(tiny)
     panel = ClusterPanel(ex.graph, on_select=lambda option: load_layout(ex, option), gpus=4, global_batch=16,
@@ -159,7 +159,7 @@ def test_the_explorer_costs_on_the_hardware_chosen(tiny: pv.ModelGraph) -> None:
     expected = pv.simulate(ex.plan, ex.schedule.value, ex.microbatches.value, options=options)
     assert ex.sim.step_time == pytest.approx(expected.step_time) and ex.sim.step_time < here_step / 10
     from pipeviz.costs import stage_costs
-    from pipeviz.plan.split import human_bytes
+    from pipeviz.plan.preview import human_bytes
 
     # the memory column is the simulated peak per rank: in the hardware's dtype, with what recomputation keeps
     for mem in ex.sim.meta["memory_bytes"]:

@@ -10,7 +10,7 @@ import torch
 
 import pipeviz as pv
 from pipeviz.adapter.regions import REGION_META, inline_regions
-from pipeviz.plan.split import PlanError
+from pipeviz.plan.errors import PlanError
 from tests.models import Regions
 from tests.schedule_sets import SCHEDULES, train_exactly
 

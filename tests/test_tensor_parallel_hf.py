@@ -230,7 +230,7 @@ def test_the_explorer_shows_what_each_shard_holds() -> None:
     """tp = 2 on Llama in the Explorer: the mesh says which heads, which slice of the MLP and what stays whole;
     the memory column is the simulated peak of one shard, which the layout's cut sets (not a uniform half)."""
     pytest.importorskip("ipywidgets")
-    from pipeviz.plan.split import human_bytes
+    from pipeviz.plan.preview import human_bytes
 
     model = _model("llama")
     ids = torch.randint(0, 128, (8, 16))

@@ -454,7 +454,7 @@ def test_a_setting_that_cannot_launch_is_refused_at_its_control(explorer: pv.Exp
 def test_the_memory_column_is_the_simulated_peak_and_sends_are_per_microbatch(explorer: pv.Explorer) -> None:
     """The stage table's memory followed neither the schedule nor dp while "memory per rank" under it did, and its
     sends were a whole batch's beside a time per microbatch."""
-    from pipeviz.plan.split import human_bytes
+    from pipeviz.plan.preview import human_bytes
 
     explorer.plan = ["layer1"]  # 2 stages on 2 ranks
     for control, value in (("schedule", "1F1B"), ("schedule", "GPipe"), ("dp", 2)):

@@ -15,7 +15,7 @@ import logging
 import re
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -39,13 +39,21 @@ from pipeviz.capture.ops import (
     tensor_bytes,
     unsupported_ops,
 )
+from pipeviz.capture.structure import (
+    alias_groups,
+    buffer_names,
+    elementwise_modules,
+    frozen_names,
+    module_table,
+    tensor_sizes,
+)
 from pipeviz.capture.support import model_notes
 
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-__all__ = ["TRACE_LOCK", "Capture", "Op", "SavedTensors", "TraceError", "apply_fixups", "buffer_names", "capture",
-           "elementwise_modules", "loss_input_bytes", "op_saved_bytes"]
+__all__ = ["TRACE_LOCK", "Capture", "Op", "SavedTensors", "TraceError", "apply_fixups", "batch_size_of", "capture",
+           "loss_input_bytes", "op_saved_bytes"]
 
 
 # torch.export keeps global tracing state: traces from two threads (a run starting in the background while a
@@ -67,10 +75,6 @@ class TraceError(ValueError):
         super().__init__(message)
         self.torch_error = torch_error
         self.torch_output = ""  # what torch printed while failing (the partial graph), held back from stderr
-
-
-
-
 
 
 @dataclass
@@ -127,10 +131,6 @@ def apply_fixups(model: nn.Module, fixups: Mapping[str, object]) -> None:
 def _needs_cache_fix(model: nn.Module) -> bool:
     cfg = getattr(model, "config", None)
     return bool(getattr(cfg, "use_cache", False))
-
-
-
-
 
 
 def batch_size_of(args: tuple[object, ...], kwargs: Mapping[str, object]) -> int | None:
@@ -241,28 +241,6 @@ def _inputs_do_not_fit(model: nn.Module, args: tuple[object, ...], kwargs: Mappi
     return None
 
 
-def module_table(model: nn.Module) -> dict[str, tuple[str, tuple[str, ...]]]:
-    table: dict[str, tuple[str, tuple[str, ...]]] = {}
-    for fqn, mod in model.named_modules(remove_duplicate=False):
-        children = tuple(f"{fqn}.{n}" if fqn else n for n, _ in mod.named_children())
-        table.setdefault(fqn, (type(mod).__name__, children))
-    return table
-
-
-def alias_groups(model: nn.Module) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
-    """Map every parameter/buffer FQN to a canonical name (its first FQN) and list each group."""
-    by_id: dict[int, list[str]] = {}
-    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        by_id.setdefault(id(t), []).append(name)
-    canonical: dict[str, str] = {}
-    groups: dict[str, tuple[str, ...]] = {}
-    for names in by_id.values():
-        for n in names:
-            canonical[n] = names[0]
-        groups[names[0]] = tuple(names)
-    return canonical, groups
-
-
 _CALL_SUFFIX = re.compile(r"@(\d+)$")
 
 
@@ -270,22 +248,18 @@ def capture(
     model: nn.Module, example_args: tuple[object, ...] | torch.Tensor = (),
     example_kwargs: Mapping[str, object] | None = None,
 ) -> Capture:
-    """Export a deep copy of ``model`` and measure every op (see ``pipeviz.trace`` for the public entry)."""
+    """Export a deep copy of ``model`` and measure every op (see ``pipeviz.trace`` for the public entry).
+
+    The steps: settle the config fixes a trace needs (``_fixups``), export a fixed copy (on fake CPU tensors for a
+    meta model), inline its ``no_grad`` / ``autocast`` regions, run the graph once to count FLOPs, bytes and what
+    autograd saves (``_measure``), then read one ``Op`` per ATen call (``_read_ops``).
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"trace() needs a torch.nn.Module, got {type(model).__name__}. Fix: pass the model itself.")
     if not isinstance(example_args, tuple):
         example_args = (example_args,)
     kwargs = dict(example_kwargs or {})
-    fixups: dict[str, object] = {}
-    notes: list[str] = []
-    if _needs_cache_fix(model) and "use_cache" not in kwargs:
-        fixups["use_cache"] = False
-        note = (
-            f"{type(model).__name__}: set config.use_cache=False on pipeviz's copies (a KV cache cannot cross "
-            "pipeline stages or be exported); your model is unchanged."
-        )
-        notes.append(note)  # shown where the user looks (graph.notes, the Explorer), not as a Python warning
-    notes += model_notes(model)  # a transformers release newer than CI has tested: said, not refused
+    fixups, notes = _fixups(model, kwargs)
     # Trace a copy: export runs forward, which would update BatchNorm statistics of the user's model.
     traced = copy.deepcopy(model)
     apply_fixups(traced, fixups)
@@ -299,12 +273,70 @@ def capture(
     # parameters, modules) where they run, and each op knows its region, inside which no split may fall.
     inline_regions(gm)
     canonical, groups = alias_groups(model)
-    output_index = _logits_index(ep.call_spec.out_spec)
-    out_node = next(n for n in ep.graph.nodes if n.op == "output")
-    outputs = [(tuple(int(d) for d in v.shape), v.dtype) for leaf in pytree.tree_leaves(out_node.args[0])
-               if isinstance(v := getattr(leaf, "meta", {}).get("val"), torch.Tensor)]
+    measured = _measure(gm, mode, pytree.tree_leaves((trace_args, trace_kwargs)),
+                        lambda: _inputs_do_not_fit(traced, example_args, kwargs))
+    # Whatever the forward updated in place (running statistics, counters) is state a pipeline must keep
+    # exactly where the unsplit model keeps it: what export recorded as mutated, and (real tensors) what
+    # running the graph changed.
+    changed = measured.changed | set(ep.graph_signature.buffers_to_mutate.values())
+    ops = _read_ops(gm, measured, canonical, batch_size_of(example_args, kwargs))
+    unsupported = unsupported_ops(gm)
+    if unsupported:
+        notes.append(unsupported[0])
+    numel, nbytes = tensor_sizes(model, groups)
+    return Capture(
+        model=model, example_args=example_args, example_kwargs=kwargs, ops=ops, modules=module_table(model),
+        param_numel=numel, param_bytes=nbytes, aliases=groups,
+        batch_size=batch_size_of(example_args, kwargs), fixups=fixups, notes=notes,
+        output_index=_logits_index(ep.call_spec.out_spec), outputs=_output_leaves(ep), out_spec=ep.call_spec.out_spec,
+        buffers=buffer_names(model), mutated=frozenset(canonical.get(name, name) for name in changed),
+        elementwise=elementwise_modules(model), frozen=frozen_names(model, groups),
+        unsupported=unsupported,
+        input_bytes={n.name: tensor_bytes(n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder"},
+    )
 
-    flat_inputs = pytree.tree_leaves((trace_args, trace_kwargs))
+
+def _fixups(model: nn.Module, kwargs: Mapping[str, object]) -> tuple[dict[str, object], list[str]]:
+    """The config attributes pipeviz sets on its copies of ``model`` (HF ``use_cache=False``), and the notes that
+    say so and what else a user should know about the model."""
+    fixups: dict[str, object] = {}
+    notes: list[str] = []
+    if _needs_cache_fix(model) and "use_cache" not in kwargs:
+        fixups["use_cache"] = False
+        note = (
+            f"{type(model).__name__}: set config.use_cache=False on pipeviz's copies (a KV cache cannot cross "
+            "pipeline stages or be exported); your model is unchanged."
+        )
+        notes.append(note)  # shown where the user looks (graph.notes, the Explorer), not as a Python warning
+    notes += model_notes(model)  # a transformers release newer than CI has tested: said, not refused
+    return fixups, notes
+
+
+def _output_leaves(ep: torch.export.ExportedProgram) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of every tensor leaf of the exported forward's output."""
+    out_node = next(n for n in ep.graph.nodes if n.op == "output")
+    return [(tuple(int(d) for d in v.shape), v.dtype) for leaf in pytree.tree_leaves(out_node.args[0])
+            if isinstance(v := getattr(leaf, "meta", {}).get("val"), torch.Tensor)]
+
+
+@dataclass
+class _Measured:
+    """What one run of the exported graph measured, by node name."""
+
+    flops: dict[str, int]
+    ran_bytes: dict[str, int] | None  # output bytes as the nodes ran (real tensors only; a fake run has none)
+    saved: SavedTensors  # what autograd saved for backward
+    changed: set[str]  # buffers the run changed in place (real tensors only)
+
+
+def _measure(gm: torch.fx.GraphModule, mode: FakeTensorMode | contextlib.nullcontext[None],
+             flat_inputs: list[Any], unfit: Callable[[], TraceError | None]) -> _Measured:
+    """Run ``gm`` once under ``mode`` to count every node's FLOPs, output bytes and saved tensors.
+
+    Raises:
+        TraceError: the graph does not run on the inputs (``unfit()`` says why: they do not fit the model), or a
+            meta model runs an op whose output size depends on the data.
+    """
     fake = not isinstance(mode, contextlib.nullcontext)
     before = {} if fake else {name: b.detach().clone() for name, b in gm.named_buffers()}
     ran_bytes: dict[str, int] | None = None if fake else {}
@@ -321,34 +353,40 @@ def capture(
                 "data to size it by, so its FLOPs and activations cannot be counted. Fix: build the model on the "
                 "CPU (real tensors; small configs trace in seconds), or use transformers 5.x, whose experts have "
                 "no such op.", exc) from None
-        unfit = None if fake else _inputs_do_not_fit(traced, example_args, kwargs)
-        if unfit is not None:
-            raise unfit from exc
+        error = None if fake else unfit()
+        if error is not None:
+            raise error from exc
         raise
-    # Whatever the forward updated in place (running statistics, counters) is state a pipeline must keep
-    # exactly where the unsplit model keeps it: what export recorded as mutated, and (real tensors) what
-    # running the graph changed.
     changed = {name for name, b in gm.named_buffers() if name in before and not torch.equal(before[name], b)}
-    changed |= set(ep.graph_signature.buffers_to_mutate.values())
-    mutated = frozenset(canonical.get(name, name) for name in changed)
+    return _Measured(flops, ran_bytes, saved, changed)
 
+
+def _module_stack(node: torch.fx.Node) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The FQNs of the modules ``node`` runs in, outermost first, and which call of each (``fqn@k``: the k-th)."""
+    stack: list[str] = []
+    calls: list[int] = []
+    for key, (fqn, _cls) in (node.meta.get("nn_module_stack") or {}).items():
+        if not fqn:
+            continue
+        m = _CALL_SUFFIX.search(key)
+        stack.append(fqn)
+        calls.append(int(m.group(1)) if m else 0)
+    return tuple(stack), tuple(calls)
+
+
+def _read_ops(gm: torch.fx.GraphModule, measured: _Measured, canonical: Mapping[str, str],
+              batch_size: int | None) -> list[Op]:
+    """One ``Op`` per ATen call of ``gm``, in execution order, with what ``measured`` counted for it."""
     ops: list[Op] = []
     index_of: dict[str, int] = {}
     gm_buffers = frozenset(name for name, _ in gm.named_buffers())  # get_attr targets that train no gradient
-    batched = batched_nodes(gm, batch_size_of(example_args, kwargs))
+    batched = batched_nodes(gm, batch_size)
     grads = grad_nodes(gm, gm_buffers)
+    saved = measured.saved
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        stack_meta = node.meta.get("nn_module_stack") or {}
-        stack: list[str] = []
-        calls: list[int] = []
-        for key, (fqn, _cls) in stack_meta.items():
-            if not fqn:
-                continue
-            m = _CALL_SUFFIX.search(key)
-            stack.append(fqn)
-            calls.append(int(m.group(1)) if m else 0)
+        stack, calls = _module_stack(node)
         inputs, model_inputs, params = [], [], []
         for arg in node.all_input_nodes:
             if arg.op == "call_function" and arg.name in index_of:
@@ -360,11 +398,11 @@ def capture(
         index_of[node.name] = len(ops)
         ops.append(
             Op(
-                index=len(ops), name=node.name, target=str(node.target), stack=tuple(stack), calls=tuple(calls),
-                flops=flops.get(node.name, 0),
+                index=len(ops), name=node.name, target=str(node.target), stack=stack, calls=calls,
+                flops=measured.flops.get(node.name, 0),
                 # a region's leave call passes its results on: their bytes are the body's, counted there
                 out_bytes=0 if node.target is leave_region else
-                (ran_bytes or {}).get(node.name, tensor_bytes(node.meta.get("val"))),
+                (measured.ran_bytes or {}).get(node.name, tensor_bytes(node.meta.get("val"))),
                 inputs=tuple(dict.fromkeys(inputs)), model_inputs=tuple(dict.fromkeys(model_inputs)),
                 params=tuple(dict.fromkeys(params)), region=node.meta.get(REGION_META, ""),
                 saved_bytes=saved.first.get(node.name, 0) if saved.ok else None,
@@ -373,33 +411,7 @@ def capture(
                 spec=op_spec(node, grads, batched),
             )
         )
-    unsupported = unsupported_ops(gm)
-    if unsupported:
-        notes.append(unsupported[0])
-    numel = {g: _lookup(model, g).numel() for g in groups}
-    nbytes = {g: _lookup(model, g).numel() * _lookup(model, g).element_size() for g in groups}
-    return Capture(
-        model=model, example_args=example_args, example_kwargs=kwargs, ops=ops, modules=module_table(model),
-        param_numel=numel, param_bytes=nbytes, aliases=groups,
-        batch_size=batch_size_of(example_args, kwargs), fixups=fixups, notes=notes, output_index=output_index,
-        outputs=outputs, out_spec=ep.call_spec.out_spec,
-        buffers=buffer_names(model), mutated=mutated, elementwise=elementwise_modules(model),
-        frozen=frozen_names(model, groups),
-        unsupported=unsupported,
-        input_bytes={n.name: tensor_bytes(n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder"},
-    )
-
-
-
-
-
-
-
-
-
-
-
-
+    return ops
 
 
 def _is_meta(model: nn.Module) -> bool:
@@ -413,38 +425,6 @@ def _faked(mode: FakeTensorMode | contextlib.nullcontext[None], tree: _T) -> _T:
     return pytree.tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, tree)
 
 
-def buffer_names(model: nn.Module) -> frozenset[str]:
-    """Canonical names of the model's buffers (every alias group whose tensor is a buffer)."""
-    canonical, _ = alias_groups(model)
-    return frozenset(canonical[name] for name, _ in model.named_buffers(remove_duplicate=False))
-
-
-_ELEMENTWISE_HOMES = ("torch.nn.modules.activation", "torch.nn.modules.dropout")
-
-
-def frozen_names(model: nn.Module, groups: dict[str, tuple[str, ...]]) -> frozenset[str]:
-    """Canonical names of the parameters that do not train (``requires_grad=False``: a frozen base under a LoRA-style
-    adapter): they get no gradient and no optimizer state."""
-    frozen = {id(p) for p in model.parameters() if not p.requires_grad}
-    return frozenset(g for g in groups if id(_lookup(model, g)) in frozen)
-
-
-def elementwise_modules(model: nn.Module) -> frozenset[str]:
-    """FQNs of parameter-free elementwise modules (activations, dropout, identity): glue between layers,
-    never a layer of their own in the default view (they stay valid split points)."""
-    out = set()
-    for fqn, mod in model.named_modules(remove_duplicate=False):
-        if not fqn or next(mod.children(), None) is not None:
-            continue
-        if next(mod.parameters(), None) is not None or next(mod.buffers(), None) is not None:
-            continue
-        home = type(mod).__module__
-        if (isinstance(mod, nn.Identity) or home in _ELEMENTWISE_HOMES
-                or home.rsplit(".", 1)[-1] in ("activations", "activation")) and "attention" not in home.lower():
-            out.add(fqn)
-    return frozenset(out)
-
-
 def _logits_index(spec: pytree.TreeSpec | None) -> int | None:
     """Leaf index of ``logits`` in an HF ModelOutput's flattened output, else None."""
     keys = getattr(spec, "context", None)
@@ -452,19 +432,6 @@ def _logits_index(spec: pytree.TreeSpec | None) -> int | None:
         return None
     k = list(keys).index("logits")
     return sum(child.num_leaves for child in list(spec.children())[:k])
-
-
-def _lookup(model: nn.Module, fqn: str) -> torch.Tensor:
-    mod_name, _, attr = fqn.rpartition(".")
-    return getattr(model.get_submodule(mod_name), attr)
-
-
-
-
-
-
-
-
 
 
 # torch's FLOP counter knows SDPA's GPU kernels and meta, not the CPU kernel a model traced on CPU tensors runs:

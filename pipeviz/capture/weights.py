@@ -341,7 +341,7 @@ def materialize(model: nn.Module, weights: str | os.PathLike[str] | None = None,
     """A real (CPU) copy of ``model`` with every meta tensor given the value a ``pv.launch`` of it gets:
     read from ``weights``, else initialised exactly as the ranks do (seeded per module). For models that fit
     one process: the reference a meta model's run is checked against. Real tensors are copied as they are."""
-    from pipeviz.capture.export import alias_groups
+    from pipeviz.capture.structure import alias_groups
 
     canonical, groups = alias_groups(model)
     ckpt = open_checkpoint(weights) if weights is not None else None

@@ -38,7 +38,8 @@ from pipeviz.schedule import traits as sched
 
 if TYPE_CHECKING:
     from pipeviz.cost.machine import Hardware
-    from pipeviz.plan.split import SplitPlan, StageInfo
+    from pipeviz.plan.preview import StageInfo
+    from pipeviz.plan.split import SplitPlan
     from pipeviz.schedule.timeline import Event
 
 __all__ = [

@@ -21,20 +21,20 @@ from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipeviz._compat import positional_legacy
-from pipeviz.capture.export import (
-    Capture,
-    Op,
+from pipeviz.capture.export import Capture, batch_size_of
+from pipeviz.capture.ops import Op, tensor_bytes
+from pipeviz.capture.structure import (
     alias_groups,
-    batch_size_of,
     buffer_names,
     elementwise_modules,
     frozen_names,
     module_table,
+    tensor_sizes,
 )
-from pipeviz.capture.ops import tensor_bytes
 from pipeviz.graph.model import ModelGraph
+from pipeviz.plan.errors import PlanError
 from pipeviz.plan.sequence import SequenceStage
-from pipeviz.plan.split import PlanError, SplitPlan
+from pipeviz.plan.split import SplitPlan
 
 __all__ = ["SequenceStage", "manual_plan"]
 
@@ -121,15 +121,10 @@ def _capture_sequence(model: nn.Module, names: list[str], args: tuple[object, ..
             "more than call these modules in turn. Fix: list every module the forward calls, in order, or make "
             "the model traceable for pv.trace."
         )
-
-    def tensor(fqn: str) -> torch.Tensor:
-        mod, _, attr = fqn.rpartition(".")
-        return getattr(model.get_submodule(mod), attr)
-
+    numel, nbytes = tensor_sizes(model, groups)
     return Capture(
         model=model, example_args=args, example_kwargs=kwargs, ops=ops, modules=module_table(model),
-        param_numel={g: tensor(g).numel() for g in groups},
-        param_bytes={g: tensor(g).numel() * tensor(g).element_size() for g in groups},
+        param_numel=numel, param_bytes=nbytes,
         aliases=groups, batch_size=batch_size_of(args, kwargs), traced=False, buffers=buffer_names(model),
         elementwise=elementwise_modules(model), frozen=frozen_names(model, groups),
         outputs=[(tuple(t.shape), t.dtype) for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)],

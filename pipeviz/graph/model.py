@@ -23,7 +23,8 @@ from pipeviz.capture.export import Capture, capture, loss_input_bytes, op_saved_
 from pipeviz.capture.names import listed, suggest
 from pipeviz.capture.units import ROOT, CallTree, Unit
 from pipeviz.capture.view import GraphIndex, Layer
-from pipeviz.plan.split import PlanError, SplitPlan
+from pipeviz.plan.errors import PlanError
+from pipeviz.plan.split import SplitPlan
 
 if TYPE_CHECKING:
     from pipeviz.capture.measured import Profile

@@ -15,24 +15,16 @@ Example:
 
 from __future__ import annotations
 
-import bisect
-import contextlib
 import json
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import torch
 from torch.distributed.pipelining import SplitPoint
-from torch.utils import _pytree as pytree
 
-from pipeviz._compat import deprecated
-from pipeviz.adapter import defake, fake_cpu, regions_inlined
-from pipeviz.capture.export import TRACE_LOCK
-from pipeviz.capture.view import GraphIndex
-from pipeviz.cost.rule import stage_bytes
+from pipeviz.plan.errors import PlanError
+from pipeviz.plan.pipe import build_pipe, microbatch_inputs
+from pipeviz.plan.preview import Preview, StageInfo, stage_table
 
 if TYPE_CHECKING:
     from torch import nn
@@ -40,8 +32,7 @@ if TYPE_CHECKING:
 
     from pipeviz.capture.view import GraphView as ModelGraph  # the graph module makes plans: named by its protocol
 
-__all__ = ["GraphIndex", "PlanError", "SplitPlan", "StageInfo", "check_batch_split", "check_microbatches",
-           "human_bytes"]
+__all__ = ["SplitPlan", "register_pricer"]
 
 
 # Who prices a plan (stage_memory, table with cost options): the cost model registers itself here when imported
@@ -52,58 +43,6 @@ _PRICERS: list[Callable[..., list[int]]] = []
 def register_pricer(pricer: Callable[..., list[int]]) -> None:
     """Make ``pricer(plan, options, **cost_options) -> bytes per stage`` what ``SplitPlan.stage_memory`` calls."""
     _PRICERS.append(pricer)
-
-
-class PlanError(ValueError):
-    """An invalid split plan; the message names the bad value, the valid choices and the fix."""
-
-
-@dataclass(frozen=True)
-class StageInfo:
-    """Preview of one pipeline stage, computed from the graph (no tracing).
-
-    Attributes:
-        index: stage number.
-        layers: layer names in execution order.
-        params: parameter elements the stage owns (buffers excluded; a tensor shared with an earlier stage
-            counts there).
-        flops: forward FLOPs for the example batch.
-        send_bytes: bytes this stage sends to the next one per example batch: every activation
-            produced here or earlier that a later stage reads (skip connections included).
-        recv_bytes: bytes arriving from earlier stages.
-        inputs: model inputs (placeholder names) this stage reads.
-        shared_params: parameters this stage holds a copy of that other stages hold too (tied or reused).
-        param_bytes: bytes of every parameter the stage holds (shared copies included).
-        frozen_bytes: the part of ``param_bytes`` that does not train (``requires_grad=False``): no gradient, no
-            optimizer state.
-        activation_bytes: bytes autograd saves for the stage's backward, for the example batch: what a
-            pipelined run keeps alive from each forward to its backward (``Op.saved_bytes`` over the stage's
-            ops, a tensor received from an earlier stage counted here too, and on the last stage what the loss
-            saves, one output-sized tensor). ``pipeviz.runtime.memory`` measures the same thing on a run.
-        buffer_bytes: bytes of the buffers the stage holds (running statistics, ``inv_freq``, ...).
-        memory_bytes: the stage's training footprint on a rank of its own (``pipeviz.costs``): parameters,
-            gradients and Adam's two states, buffers, and every microbatch's activations in flight (GPipe, the
-            most any schedule keeps). ``pv.simulate(...).memory_bytes`` gives it per rank for a schedule.
-    """
-
-    index: int
-    layers: tuple[str, ...]
-    params: int
-    flops: int
-    send_bytes: int
-    recv_bytes: int
-    inputs: tuple[str, ...]
-    shared_params: tuple[str, ...]
-    param_bytes: int
-    activation_bytes: int
-    buffer_bytes: int = 0
-    frozen_bytes: int = 0
-
-    @property
-    def memory_bytes(self) -> int:
-        # on a rank of its own with every microbatch in flight (GPipe, the most any schedule keeps)
-        return stage_bytes(self.param_bytes, self.buffer_bytes, self.activation_bytes,
-                           frozen_bytes=self.frozen_bytes)
 
 
 _POINTS = {"end": SplitPoint.END, "beginning": SplitPoint.BEGINNING}
@@ -136,7 +75,8 @@ class SplitPlan:
 
     graph: ModelGraph
     splits: tuple[tuple[str, SplitPoint], ...]
-    _positions: list[float] = field(init=False, repr=False, compare=False, default_factory=list)
+    # the per-stage arithmetic over the splits' positions (pipeviz.plan.preview), set on construction
+    _preview: Preview = field(init=False, repr=False, compare=False)
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -209,7 +149,8 @@ class SplitPlan:
         refined = g.refine([p for p, _, _ in placed])
         object.__setattr__(self, "graph", refined)
         object.__setattr__(self, "splits", tuple((n, p) for _, n, p in placed))
-        object.__setattr__(self, "_positions", [p for p, _, _ in placed])
+        object.__setattr__(self, "_preview", Preview(refined.index, refined.capture.frozen,
+                                                     tuple(p for p, _, _ in placed)))
         self._check_state()
 
     def _check_state(self) -> None:
@@ -254,7 +195,7 @@ class SplitPlan:
         i = idx.layer_names.index(name)
         lo = idx.layer_last[i]
         hi = idx.layer_first[i + 1] if i + 1 < len(idx.layer_names) else idx.num_ops
-        kept = tuple(s for s, p in zip(self.splits, self._positions, strict=True) if not lo < p < hi)
+        kept = tuple(s for s, p in zip(self.splits, self._preview.positions, strict=True) if not lo < p < hi)
         if len(kept) != len(self.splits):
             return SplitPlan(g, kept)
         return SplitPlan(g, (*self.splits, (name, SplitPoint.END)))
@@ -267,7 +208,7 @@ class SplitPlan:
     @property
     def positions(self) -> list[float]:
         """Op positions of the splits (``k + 0.5``: between ops ``k`` and ``k + 1``), in order."""
-        return list(self._positions)
+        return list(self._preview.positions)
 
     @property
     def split_spec(self) -> dict[str, SplitPoint]:
@@ -276,90 +217,25 @@ class SplitPlan:
         return dict(self.splits)
 
     def _stage_of_op(self, op: int) -> int:
-        return bisect.bisect_left(self._positions, op)
+        # the cost model (pipeviz.cost) asks a plan for an op's stage by this name
+        return self._preview.stage_of_op(op)
 
-    @cached_property
+    @property
     def received_saved_bytes(self) -> list[int]:
-        """Per stage, bytes it saves for backward of tensors it received from an earlier stage that the sender
-        saves too (an MLP block's ReLU output: saved by the ReLU and by the next Linear). In the unsplit model
-        that is one tensor; in a pipelined run it is two (the receiver saves its own copy), so it counts once
-        in each stage that saves it (part of ``StageInfo.activation_bytes``)."""
-        stage = self._stage_of_op
-        out = [0] * self.num_stages
-        again: set[tuple[int, int, int]] = set()
-        for op, first, slot, nbytes in self.graph.index.resaved:
-            s = stage(op)
-            if stage(first) != s and (s, first, slot) not in again:
-                again.add((s, first, slot))
-                out[s] += nbytes
-        return out
+        """Per stage, bytes it saves for backward of tensors received from an earlier stage that the sender saves
+        too: counted in each stage that saves one (``Preview.received_saved_bytes``)."""
+        return self._preview.received_saved_bytes
 
-    @cached_property
+    @property
     def input_grad_freed_bytes(self) -> list[int]:
-        """Per stage, the saved bytes (``StageInfo.activation_bytes``' units) its input-grad pass frees under a
-        zero-bubble schedule: what the ops after the stage's last op using a parameter saved (a stage without
-        parameters: all of it). torch's ``stage_backward_input`` keeps the graph below the weight ops for the
-        weight-grad pass and detaches the stage's outputs, which frees only the part above them."""
-        idx = self.graph.index
-        stage = self._stage_of_op
-        cuts = [0, *(int(p + 0.5) for p in self.positions), idx.num_ops]
-        last = [cuts[s] - 1 for s in range(self.num_stages)]  # before the stage's first op: no parameter
-        for uses in idx.param_uses.values():
-            for u in uses:
-                last[stage(u)] = max(last[stage(u)], u)
-        prefix = idx.saved_prefix or idx.act_prefix
-        freed = [prefix[cuts[s + 1]] - prefix[last[s] + 1] for s in range(self.num_stages)]
-        op, loss = idx.loss_saved
-        if loss and op <= last[stage(op)]:  # the loss runs after the output op, whatever weights that op reads
-            freed[stage(op)] += loss
-        return freed
+        """Per stage, the saved bytes its input-grad pass frees under a zero-bubble schedule
+        (``Preview.input_grad_freed_bytes``)."""
+        return self._preview.input_grad_freed_bytes
 
-    @cached_property
+    @property
     def stages(self) -> list[StageInfo]:
         """Per-stage preview (layers, params, FLOPs, bytes sent), computed from the graph's index."""
-        idx = self.graph.index
-        n = self.num_stages
-        stage = self._stage_of_op
-        frozen = self.graph.capture.frozen
-        layers: list[list[str]] = [[] for _ in range(n)]
-        for name, first in zip(idx.layer_names, idx.layer_first, strict=True):
-            layers[stage(first)].append(name)
-        cuts = [0, *(int(p + 0.5) for p in self.positions), idx.num_ops]
-        flops = [idx.flops_prefix[cuts[s + 1]] - idx.flops_prefix[cuts[s]] for s in range(n)]
-        act = [idx.saved_prefix[cuts[s + 1]] - idx.saved_prefix[cuts[s]] for s in range(n)] if idx.saved_prefix \
-            else [idx.act_prefix[cuts[s + 1]] - idx.act_prefix[cuts[s]] for s in range(n)]
-        act = [a + r for a, r in zip(act, self.received_saved_bytes, strict=True)]
-        send, recv = [0] * n, [0] * n
-        for src, end, nbytes in idx.values:
-            for s in range(stage(src), stage(end)):  # relayed through every stage in between
-                send[s] += nbytes
-                recv[s + 1] += nbytes
-        owned = [0] * n
-        held: list[set[str]] = [set() for _ in range(n)]
-        bufs: list[set[str]] = [set() for _ in range(n)]
-        for p, uses in idx.param_uses.items():
-            using = {stage(u) for u in uses}
-            owned[min(using)] += idx.numel.get(p, 0)
-            for s in using:
-                held[s].add(p)
-        for b, uses in idx.buffer_uses.items():
-            for s in {stage(u) for u in uses}:
-                bufs[s].add(b)
-        inputs: list[list[str]] = [[] for _ in range(n)]
-        for x, uses in idx.input_uses.items():
-            for s in sorted({stage(u) for u in uses}):
-                inputs[s].append(x)
-        return [
-            StageInfo(
-                index=s, layers=tuple(layers[s]), params=owned[s], flops=flops[s], send_bytes=send[s],
-                recv_bytes=recv[s], inputs=tuple(inputs[s]),
-                shared_params=tuple(sorted(p for p in held[s] if any(p in held[t] for t in range(n) if t != s))),
-                param_bytes=sum(idx.nbytes.get(p, 0) for p in held[s]), activation_bytes=act[s],
-                buffer_bytes=sum(idx.nbytes.get(b, 0) for b in bufs[s]),
-                frozen_bytes=sum(idx.nbytes.get(p, 0) for p in held[s] if p in frozen),
-            )
-            for s in range(n)
-        ]
+        return self._preview.stages
 
     def stage_of(self, layer: str) -> int:
         """Stage index holding ``layer``."""
@@ -382,16 +258,10 @@ class SplitPlan:
     def table(self, options: object = None, *, memory: list[int] | None = None, **cost_options: object) -> str:
         """The stage preview as a plain-text table: ``memory`` per stage, else ``StageInfo.memory_bytes``, or, with
         cost options, in their settings (``stage_memory``)."""
-        rows = [("stage", "layers", "params", "GFLOPs", "sends", "memory")]
         if memory is None:
             memory = (self.stage_memory(options, **cost_options) if options is not None or cost_options
                       else [s.memory_bytes for s in self.stages])
-        for s, mem in zip(self.stages, memory, strict=True):
-            names = ", ".join(s.layers) if len(s.layers) <= 4 else f"{s.layers[0]} … {s.layers[-1]} ({len(s.layers)})"
-            rows.append((str(s.index), names, f"{s.params:,}", f"{s.flops / 1e9:.3f}", human_bytes(s.send_bytes),
-                         human_bytes(mem)))
-        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-        return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+        return stage_table(self.stages, memory)
 
     def __str__(self) -> str:
         return self.table()
@@ -430,24 +300,14 @@ class SplitPlan:
     # ----------------------------------------------------------------- the real Pipe
     def stage_tensors(self) -> list[frozenset[str]]:
         """Canonical names of the parameters and buffers each stage holds (a shared one in every holder)."""
-        idx = self.graph.index
-        held: list[set[str]] = [set() for _ in range(self.num_stages)]
-        for uses_of in (idx.param_uses, idx.buffer_uses):
-            for name, uses in uses_of.items():
-                for s in {self._stage_of_op(u) for u in uses}:
-                    held[s].add(name)
-        return [frozenset(h) for h in held]
+        return self._preview.stage_tensors()
 
     def microbatch_inputs(self, microbatches: int) -> tuple[tuple[object, ...], dict[str, object]]:
         """The example inputs cut into ``microbatches`` chunks along dim 0; returns the first chunk."""
-        from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
-
-        check_batch_split(self.graph.batch_size, microbatches)
-        args, kwargs = split_args_kwargs_into_chunks(self.graph.example_args, self.graph.example_kwargs, microbatches)
-        return args[0], kwargs[0]
+        return microbatch_inputs(self.graph, microbatches)
 
     def pipe(self, microbatches: int = 1) -> Pipe:
-        """Build torch's ``Pipe`` for this plan from a fresh deep copy of the model.
+        """Build torch's ``Pipe`` for this plan from a fresh deep copy of the model (``pipeviz.plan.pipe``).
 
         The user's model is never patched (torch's ``pipeline()`` patches ``forward`` in place, so calling
         it twice on one model adds stale split markers). The Pipe is traced with one microbatch of the
@@ -461,60 +321,12 @@ class SplitPlan:
             PlanError: ``microbatches`` does not divide the example batch, a manual plan, or a model holding an op
                 torch cannot split (``torch.cond``: ``graph.notes`` says so at trace time).
         """
-        from torch.distributed.pipelining import pipeline
-
-        from pipeviz.plan.marks import mark_calls
-
-        if not self.graph.capture.traced:
-            raise PlanError(
-                "This plan comes from pv.manual_plan: there is no traced graph to build a Pipe from. "
-                "Fix: use plan.stage_modules() (one nn.Module per stage) with torch's PipelineStage."
-            )
-        if self.graph.capture.unsupported:
-            raise PlanError(self.graph.capture.unsupported[0])
-        mb_args, mb_kwargs = self.microbatch_inputs(microbatches)
-        model = self.graph.capture.fresh_copy()
-        spec, per_call = self._torch_splits()
-        mark_calls(model, per_call)
-        # A meta model is split on fake CPU tensors (the CPU's code paths, no memory); its stages hold meta
-        # tensors, which the ranks load or initialise (pipeviz.capture.weights).
-        meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-        mode: Any = fake_cpu(model) if meta else contextlib.nullcontext()
-        if meta:
-            mb_args, mb_kwargs = pytree.tree_map(
-                lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, (mb_args, mb_kwargs))
-        with TRACE_LOCK, warnings.catch_warnings(), mode:
-            # torch 2.13's own pytree deprecation notice, raised inside pipeline(): nothing a user can act on.
-            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            # A fake model: torch's split deep-copies constant tensors (GPT-2's), and Tensor.__deepcopy__ asks a
-            # FakeTensor for its data pointer, which warns; the copies are fake, and defake() replaces them.
-            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor", category=UserWarning)
-            with regions_inlined():  # torch's split loses no_grad / autocast regions' bodies (pipeviz.adapter.regions)
-                pipe = pipeline(model, mb_args=mb_args, mb_kwargs=mb_kwargs or None, split_spec=spec or None)
-        if meta:
-            defake(pipe.split_gm)
+        pipe = build_pipe(self.graph, self.splits, microbatches)
         if pipe.num_stages != self.num_stages:  # a disagreement would be a pipeviz bug, never silently accepted
             raise RuntimeError(
                 f"torch built {pipe.num_stages} stages for a {self.num_stages}-stage plan {self!r}; please report."
             )
         return pipe
-
-    def _torch_splits(self) -> tuple[dict[str, SplitPoint], list[tuple[str, int, SplitPoint]]]:
-        """torch's ``split_spec`` for modules called once, and (fqn, call, point) marks for the others.
-        A container (never called itself) is marked at its last (END) or first (BEGINNING) called module."""
-        g = self.graph
-        spec: dict[str, SplitPoint] = {}
-        per_call: list[tuple[str, int, SplitPoint]] = []
-        for name, point in self.splits:
-            unit = g.unit(name)
-            while not unit.called:
-                unit = g.unit(unit.children[-1] if point is SplitPoint.END else unit.children[0])
-            if unit.calls == 1:
-                spec[unit.fqn] = point
-            else:
-                call = int(unit.name.rpartition("@")[2])
-                per_call.append((unit.fqn, call, point))
-        return spec, per_call
 
     def stage_modules(self, microbatches: int = 1) -> list[nn.Module]:
         """One ``nn.Module`` per stage, built from fresh copies: the Pipe's submodules for a traced plan (run as
@@ -528,35 +340,4 @@ class SplitPlan:
         from pipeviz.plan.sequence import SequenceStage
 
         return [SequenceStage(self.graph.model, s.layers) for s in self.stages]
-
-
-def check_batch_split(batch_size: int | None, microbatches: object) -> None:
-    """Raise ``PlanError`` unless ``microbatches`` is a positive divisor of ``batch_size`` (the schedule's own rule
-    on microbatches is ``pipeviz.schedule.traits.check_microbatches``)."""
-    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-        raise PlanError(f"microbatches must be a positive int, got {microbatches!r}.")
-    if batch_size is not None and batch_size % microbatches:
-        divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
-        raise PlanError(
-            f"microbatches={microbatches} does not divide the batch of {batch_size}. "
-            f"Valid: {', '.join(map(str, divisors))}; or change the batch size."
-        )
-
-
-def check_microbatches(batch_size: int | None, microbatches: object) -> None:
-    """0.2's name of ``check_batch_split`` (deprecated: ``pipeviz.schedule.traits.check_microbatches`` is the schedule's
-    rule, a different check)."""
-    deprecated("pipeviz.plan.check_microbatches is deprecated since pipeviz 0.3: call check_batch_split (the same "
-               "check); pipeviz.schedule.traits.check_microbatches is the schedule's rule.")
-    check_batch_split(batch_size, microbatches)
-
-
-def human_bytes(n: float) -> str:
-    """Bytes in IEC units: ``65536`` -> ``"64.0 KiB"``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
 

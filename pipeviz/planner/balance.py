@@ -25,7 +25,8 @@ from pipeviz.cost.memory import in_flight
 from pipeviz.cost.model import layer_activation_bytes, layer_times
 from pipeviz.cost.options import CostChanges, CostOptions, LinkOptions
 from pipeviz.cost.rule import stage_bytes
-from pipeviz.plan.split import PlanError, SplitPlan
+from pipeviz.plan.errors import PlanError
+from pipeviz.plan.split import SplitPlan
 from pipeviz.schedule import traits as sched
 from pipeviz.schedule.config import LaunchConfig
 from pipeviz.schedule.training import cross_entropy

@@ -14,7 +14,9 @@ from typing import TypedDict
 from pipeviz._compat import deprecated
 from pipeviz.cost.machine import Hardware
 from pipeviz.cost.options import CostOptions
-from pipeviz.plan.split import PlanError, SplitPlan, human_bytes
+from pipeviz.plan.errors import PlanError
+from pipeviz.plan.preview import human_bytes
+from pipeviz.plan.split import SplitPlan
 from pipeviz.schedule.config import LaunchConfig
 from pipeviz.schedule.mesh import DIMS, Mesh
 from pipeviz.schedule.training import cross_entropy
@@ -129,7 +131,7 @@ class LayoutOption:
         Raises:
             PlanError: the row's pipeline alone needs more than ``processes`` processes, or no microbatch count
                 fits the batch (the message says which and the fix)."""
-        from pipeviz.plan.split import PlanError
+        from pipeviz.plan.errors import PlanError
         from pipeviz.schedule import traits as sched
 
         if self.pp > processes:

@@ -28,7 +28,8 @@ from pipeviz.cost.memory import memory_per_rank, static_memory
 from pipeviz.cost.model import Costs, parallel_costs, stage_costs
 from pipeviz.cost.options import RECOMPUTE, CostOptions
 from pipeviz.cost.roofline import op_table
-from pipeviz.plan.split import PlanError, SplitPlan
+from pipeviz.plan.errors import PlanError
+from pipeviz.plan.split import SplitPlan
 from pipeviz.planner.balance import balance
 from pipeviz.planner.cluster import ClusterPlan, LayoutOption
 from pipeviz.schedule import traits as sched

@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 from pipeviz._compat import positional_legacy
 from pipeviz.capture.measured import CPU_ACTION_OVERHEAD, Profile
 from pipeviz.graph.model import ModelGraph
-from pipeviz.plan.split import check_batch_split
+from pipeviz.plan.pipe import check_batch_split
 
 __all__ = ["CPU_ACTION_OVERHEAD", "Profile", "profile"]
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 import numpy as np
 import plotly.graph_objects as go
 
-from pipeviz.plan.split import human_bytes
+from pipeviz.plan.preview import human_bytes
 from pipeviz.schedule.timeline import COMPUTE, KINDS, Event, Timeline
 
 if TYPE_CHECKING:

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Concatenate, Generic, ParamSpec, Protocol, Typ
 import pipeviz as pv
 from pipeviz.cost.model import selective_saves_nothing, stage_costs, time_source
 from pipeviz.cost.options import CostOptions
-from pipeviz.plan.split import SplitPlan, human_bytes
+from pipeviz.plan.preview import human_bytes
+from pipeviz.plan.split import SplitPlan
 from pipeviz.planner.balance import slowest_stage
 from pipeviz.schedule.timeline import COMPUTE, Timeline
 from pipeviz.widgets.figures import plural, stage_color

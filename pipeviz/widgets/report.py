@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeviz.plan.split import SplitPlan, human_bytes
+from pipeviz.plan.preview import human_bytes
+from pipeviz.plan.split import SplitPlan
 from pipeviz.planner.search import ClusterPlan
 from pipeviz.runtime.numerics import NumericsCheck
 from pipeviz.schedule.timeline import Timeline
