@@ -109,7 +109,7 @@ def diagnose(orders: Sequence[Sequence[str]], stage_ranks: Sequence[int], done: 
             continue
         ms, mk, mmb = missing[0]
         peer = stage_ranks[ms]
-        need = str(sched.Action(ms, mk, mmb))
+        need = str(sched.Action(ms, sched.Kind(mk), mmb))
         verb = "forward" if mk == "F" else "backward"
         if peer == rank:
             what = (f"is at {cur} ({after}), which needs its own {need}, later in its order: its order cannot run "

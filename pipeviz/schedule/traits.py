@@ -15,13 +15,32 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import NamedTuple
 
 from pipeviz.schedule.mesh import PipelineRank
 
-__all__ = ["ALL", "KINDS", "MULTI", "SCHEDULES", "SINGLE", "V_SHAPED", "ZERO_BUBBLE", "Action", "Layout",
-           "ScheduleError", "ScheduleInfo", "canonical", "check_microbatches", "info", "layout", "orders", "parse",
-           "validate"]
+__all__ = [
+    "ALL",
+    "KINDS",
+    "MULTI",
+    "SCHEDULES",
+    "SINGLE",
+    "V_SHAPED",
+    "ZERO_BUBBLE",
+    "Action",
+    "Kind",
+    "Layout",
+    "ScheduleError",
+    "ScheduleInfo",
+    "canonical",
+    "check_microbatches",
+    "info",
+    "layout",
+    "orders",
+    "parse",
+    "validate",
+]
 
 
 class ScheduleError(ValueError):
@@ -75,19 +94,28 @@ MULTI = tuple(n for n, i in SCHEDULES.items() if i.multi)
 V_SHAPED = tuple(n for n, i in SCHEDULES.items() if i.v_shape)
 ZERO_BUBBLE = tuple(n for n, i in SCHEDULES.items() if i.split_backward)
 
-KINDS = ("F", "B", "I", "W")  # forward, full backward, input-grad pass, weight-grad pass
+class Kind(StrEnum):
+    """What a compute action does: its letter in torch's notation (a ``str``: ``Kind.F == "F"``)."""
+
+    F = "F"  # forward
+    B = "B"  # full backward
+    I = "I"  # input-grad pass of a split backward (zero bubble)  # noqa: E741
+    W = "W"  # weight-grad pass of a split backward
+
+
+KINDS = tuple(k.value for k in Kind)  # ("F", "B", "I", "W")
 
 
 class Action(NamedTuple):
     """One compute action of a schedule: stage, kind (``KINDS``), microbatch. Its text form is torch's: ``2F0``.
 
     Example:
-        >>> Action.parse("2I3"), str(Action(2, "F", 0))
-        (Action(stage=2, kind='I', mb=3), '2F0')
+        >>> Action.parse("2I3"), str(Action(2, Kind.F, 0))
+        (Action(stage=2, kind=<Kind.I: 'I'>, mb=3), '2F0')
     """
 
     stage: int
-    kind: str
+    kind: Kind
     mb: int
 
     def __str__(self) -> str:
@@ -103,7 +131,7 @@ class Action(NamedTuple):
         for i, ch in enumerate(text):
             if ch.isalpha():
                 if i and ch in KINDS and text[:i].isdigit() and text[i + 1:].isdigit():
-                    return cls(int(text[:i]), ch, int(text[i + 1:]))
+                    return cls(int(text[:i]), Kind(ch), int(text[i + 1:]))
                 break
         raise ScheduleError(f"Not an action: {text!r}; expected <stage><kind><microbatch> such as '2F0', with a kind "
                             f"among {', '.join(KINDS)} (forward, backward, input-grad, weight-grad).")
