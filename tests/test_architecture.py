@@ -203,3 +203,36 @@ def _init_attributes(cls: type) -> set[str]:
                for t in (node.targets if isinstance(node, ast.Assign) else [node.target])]
     flat = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
     return {t.attr for t in flat if isinstance(t, ast.Attribute)}
+
+
+def _long_functions() -> list[str]:
+    """Functions over 80 lines, their docstrings aside."""
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                first = node.body[0]
+                doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(
+                    first.value.value, str)
+                start = (first.end_lineno or first.lineno) + 1 if doc else node.lineno
+                if (node.end_lineno or start) - start + 1 > 80:
+                    out.append(f"{path.relative_to(PACKAGE.parent)}:{node.name}")
+    return out
+
+
+def test_modules_and_functions_stay_small() -> None:
+    # Split a long module by collaborating classes or functions over a value (docs/development.md).
+    long_modules = sorted(str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py")
+                          if len(p.read_text().splitlines()) > 500)
+    assert len(long_modules) <= 3, long_modules
+    assert len(_long_functions()) <= 4, _long_functions()
+
+
+def test_no_private_name_crosses_a_module() -> None:
+    crossing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pipeviz"):
+                crossing += [f"{path.relative_to(PACKAGE.parent)}: {node.module}.{a.name}" for a in node.names
+                             if a.name.startswith("_") and not a.name.startswith("__")]
+    assert crossing == []
