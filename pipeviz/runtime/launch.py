@@ -16,18 +16,14 @@ from typing import Unpack
 import torch
 
 from pipeviz._compat import positional_legacy
+from pipeviz.errors import LaunchError
 from pipeviz.plan.split import SplitPlan
+from pipeviz.runtime.checks import check_weights, validate_launch
+from pipeviz.runtime.devices import cpu_sets, resolve_devices
 from pipeviz.runtime.payloads import rank_boots, rank_payloads
 from pipeviz.runtime.procs import rendezvous, temp_prefix
 from pipeviz.runtime.run import LIVE_RUNS, Run
-from pipeviz.runtime.spec import (
-    LaunchError,
-    check_weights,
-    cpu_sets,
-    default_optimizer,
-    resolve_devices,
-    validate_launch,
-)
+from pipeviz.runtime.spec import default_optimizer
 from pipeviz.schedule.config import UNSET, LaunchConfig, LaunchOptions, launch_config
 
 __all__ = ["launch"]

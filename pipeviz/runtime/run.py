@@ -22,6 +22,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from pipeviz.errors import LaunchError
 from pipeviz.plan.split import SplitPlan
 from pipeviz.runtime.feed import FedBatch, Feeder
 from pipeviz.runtime.messages import (
@@ -33,10 +34,7 @@ from pipeviz.runtime.messages import (
 from pipeviz.runtime.procs import context, server_running, start_without_main, sweep_stale, temp_prefix
 from pipeviz.runtime.reducer import Reducer
 from pipeviz.runtime.results import RunResults
-from pipeviz.runtime.spec import (
-    LaunchError,
-    LaunchSpec,
-)
+from pipeviz.runtime.spec import LaunchSpec
 from pipeviz.schedule import traits as sched
 from pipeviz.schedule.timeline import COMPUTE, Event, Timeline
 
