@@ -32,11 +32,12 @@ import traceback
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from pipeviz.runtime.clock import SEND_INTERVAL, Clock, Sink
+from pipeviz.runtime.grads import local_tensor
 from pipeviz.runtime.messages import (
     Done,
     Failed,
@@ -47,16 +48,10 @@ from pipeviz.runtime.messages import (
     State,
 )
 from pipeviz.runtime.payloads import PAYLOAD_WAIT, Boot, RankPayload
+from pipeviz.runtime.rank_schedule import build_schedule
 from pipeviz.runtime.shapes import Shapes, rebind
 from pipeviz.runtime.stages import StepError
-from pipeviz.runtime.steps import (
-    build_schedule,
-    infer,
-    local_tensor,
-    param_names,
-    rank_state,
-    train,
-)
+from pipeviz.runtime.steps import StepContext, infer, param_names, rank_state, train
 from pipeviz.schedule.mesh import Coords
 
 if TYPE_CHECKING:
@@ -68,8 +63,8 @@ if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
 
     from pipeviz.runtime.overlap import OverlappedReduction
-    from pipeviz.runtime.stages import RankStage
-    from pipeviz.runtime.steps import Schedule
+    from pipeviz.runtime.rank_schedule import Schedule
+    from pipeviz.runtime.stages import RankStage, StageRunner
     from pipeviz.runtime.zero import ZeroOne
 
 # Boot and RankPayload are built by pipeviz.runtime.payloads (their names here are the ones 0.2 code imports).
@@ -220,12 +215,11 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
     clock.meter.watch(params)
     clock.meter.count_static(params)
     timed_tp = timed_collectives(collective) if tp_mesh is not None else contextlib.nullcontext()
+    ctx = StepContext(p, schedule, clock, device, step_box, stages=stages, shapes=shapes, dp_group=dp_group,
+                      optimizer=optimizer, params=params, local=local, groups=groups, scheduler=scheduler,
+                      reduction=reduction)
     with timed_waits(comm), exact_split_backward(), clock.meter.counting(), timed_tp:
-        if optimizer is None:
-            finished = infer(p, schedule, clock, step_box, device, shapes)
-        else:
-            finished = train(p, schedule, optimizer, params, local, groups, clock, step_box, device, dp_group,
-                             stages, scheduler, reduction, shapes)
+        finished = infer(ctx) if optimizer is None else train(ctx)
     with clock.lock:  # the steps are over (their last events sent): nothing after the rank's final messages
         clock.stopped = True
     if finished:
@@ -345,6 +339,48 @@ def _stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch.dev
     runner is sharded across the replicas by FSDP2's ``fully_shard`` instead (torch's stage unshards, reshards and
     reduce-scatters it)."""
     from pipeviz.adapter import timed_stage_class
+
+    Stage = timed_stage_class(_timed_span(p, clock, step_box, compute))
+    reduction = None
+    if dp_group is not None and p.loss_fn is not None and p.dp_reduce == "overlap" and p.mesh is not None:
+        from pipeviz.runtime.overlap import OverlappedReduction
+
+        def reduced(stage: int, start: float, end: float) -> None:
+            clock.record_async((p.rank, stage, "DP", -1, start - clock.t0, end - clock.t0, step_box[0]))
+
+        reduction = OverlappedReduction(dp_group, p.mesh.dp, reduced)
+
+    num_stages = len(p.stage_ranks)
+    stages = []
+    params: list[torch.nn.Parameter] = []
+    local: dict[str, list[torch.Tensor]] = {}
+    for st in p.stages:
+        runner = _runner(p, st, device, compute, tp_mesh)
+        # Static shapes, so torch never runs its shape inference (an extra forward/backward in step 1).
+        # Activations from another stage need grads; model inputs and integer tensors (masks) do not.
+        ins = tuple(_like(t, device, grad=st.index > 0 and t.is_floating_point()) for t in st.inputs)
+        outs = tuple(_like(t, device, grad=t.is_floating_point()) for t in st.outputs)
+        submod = _replicated(p, runner, st.index, clock, step_box, dp_group, shard_mesh)
+        stages.append(Stage(submod, st.index, num_stages, device, input_args=ins, output_args=outs,
+                            group=pp_group))
+        stages[-1].recomputes = runner.recomputed is not None  # type: ignore[attr-defined]
+        if reduction is not None:  # dp_reduce="overlap": the stage's average starts when its gradients are final
+            reduction.add_stage(st.index, list(runner.parameters()))
+            stages[-1].grads_final = reduction.launch  # type: ignore[attr-defined]
+        named = dict(runner.stage.named_parameters(remove_duplicate=False))
+        for canon, inner in st.params.items():
+            t = named[inner]
+            if all(t is not q for q in params):
+                params.append(t)
+            if canon in p.tied:
+                local.setdefault(canon, []).append(t)
+    return stages, params, local, reduction
+
+
+def _timed_span(p: RankPayload, clock: Clock, step_box: list[int], compute: torch.device,
+                ) -> Callable[[int, str, int], AbstractContextManager[object]]:
+    """The span each stage action is timed in (an ``Event``), seeding a forward's random draws first as the
+    reference does (``pipeviz.runtime.rng``)."""
     from pipeviz.runtime.rng import EVAL_SEED, seed_device, stage_seed
 
     drawing = {st.index for st in p.stages if st.draws}  # stages whose forward draws random numbers (dropout)
@@ -363,86 +399,69 @@ def _stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch.dev
         return clock.span(p.rank, stage, "EVAL" if evaluating else kind, step_box[1] * p.microbatches + mb,
                           step_box[0])
 
-    Stage = timed_stage_class(span)
-    reduction = None
-    if dp_group is not None and p.loss_fn is not None and p.dp_reduce == "overlap" and p.mesh is not None:
-        from pipeviz.runtime.overlap import OverlappedReduction
+    return span
 
-        def reduced(stage: int, start: float, end: float) -> None:
-            clock.record_async((p.rank, stage, "DP", -1, start - clock.t0, end - clock.t0, step_box[0]))
 
-        reduction = OverlappedReduction(dp_group, p.mesh.dp, reduced)
+def _runner(p: RankPayload, st: RankStage, device: torch.device, compute: torch.device,
+            tp_mesh: DeviceMesh | None) -> StageRunner:
+    """The stage's runner on its compute device: its tensors read or initialised here (weights=, a meta model),
+    sharded over ``tp_mesh``, compiled, its layers recomputed, as the payload asks."""
+    if st.source is not None:  # weights= or a meta model: this rank's tensors, read or initialised here
+        from pipeviz.capture.weights import materialize_stage
 
-    num_stages = len(p.stage_ranks)
-    stages = []
-    params: list[torch.nn.Parameter] = []
-    local: dict[str, list[torch.Tensor]] = {}
-    for st in p.stages:
-        if st.source is not None:  # weights= or a meta model: this rank's tensors, read or initialised here
-            from pipeviz.capture.weights import materialize_stage
+        materialize_stage(st.runner.stage, {**st.params, **st.buffers}, st.source, compute)
+    retarget = getattr(st.runner.stage, "retarget", None)
+    if callable(retarget):  # devices baked in by the trace (the meta device, or the CPU on a GPU run)
+        retarget(compute)
+    runner = st.runner.to(compute)
+    runner.compute_device = compute if compute != device else None
+    runner.autocast_device = compute.type  # (mixed precision: autocast where the stage computes)
+    runner.fresh_outputs = p.split_backward
+    if tp_mesh is not None:
+        from pipeviz.schedule.tensor_parallel import shard_stage
 
-            materialize_stage(st.runner.stage, {**st.params, **st.buffers}, st.source, compute)
-        retarget = getattr(st.runner.stage, "retarget", None)
-        if callable(retarget):  # devices baked in by the trace (the meta device, or the CPU on a GPU run)
-            retarget(compute)
-        runner = st.runner.to(compute)
-        runner.compute_device = compute if compute != device else None
-        runner.autocast_device = compute.type  # (mixed precision: autocast where the stage computes)
-        runner.fresh_outputs = p.split_backward
-        # Static shapes, so torch never runs its shape inference (an extra forward/backward in step 1).
-        # Activations from another stage need grads; model inputs and integer tensors (masks) do not.
-        ins = tuple(_like(t, device, grad=st.index > 0 and t.is_floating_point()) for t in st.inputs)
-        outs = tuple(_like(t, device, grad=t.is_floating_point()) for t in st.outputs)
-        if tp_mesh is not None:
-            from pipeviz.schedule.tensor_parallel import shard_stage
+        shard_stage(runner.stage, st.params, p.tp_placements, tp_mesh, p.sequence_parallel)
+        runner.tp_mesh = tp_mesh
+        # pv.cross_entropy takes logits sharded by vocabulary as they are (torch's loss_parallel): no shard
+        # gathers the whole logits. Another loss gets them whole.
+        from pipeviz.schedule.training import cross_entropy
 
-            shard_stage(runner.stage, st.params, p.tp_placements, tp_mesh, p.sequence_parallel)
-            runner.tp_mesh = tp_mesh
-            # pv.cross_entropy takes logits sharded by vocabulary as they are (torch's loss_parallel): no shard
-            # gathers the whole logits. Another loss gets them whole.
-            from pipeviz.schedule.training import cross_entropy
+        runner.vocab_parallel_loss = st.index == len(p.stage_ranks) - 1 and p.loss_fn is cross_entropy
+    if p.compile is not None:
+        if p.split_backward:
+            # A split backward runs the stage's backward twice (input grads, then weight grads), keeping its
+            # graph in between; torch 2.13-2.15 compile the backward with donated buffers, which it refuses to
+            # keep: "This backward function was compiled with non-empty donated buffers which requires
+            # create_graph=False and retain_graph=False ... or set torch._functorch.config.donated_buffer=False"
+            # (DualPipeV's I passes). Its own fix, for this process.
+            import torch._functorch.config as functorch_config
 
-            runner.vocab_parallel_loss = st.index == num_stages - 1 and p.loss_fn is cross_entropy
-        if p.compile is not None:
-            if p.split_backward:
-                # A split backward runs the stage's backward twice (input grads, then weight grads), keeping its
-                # graph in between; torch 2.13-2.15 compile the backward with donated buffers, which it refuses to
-                # keep: "This backward function was compiled with non-empty donated buffers which requires
-                # create_graph=False and retain_graph=False ... or set torch._functorch.config.donated_buffer=False"
-                # (DualPipeV's I passes). Its own fix, for this process.
-                import torch._functorch.config as functorch_config
+            functorch_config.donated_buffer = False
+        runner.compile_stage(p.compile)
+    if p.recompute and p.recompute[st.index] != "none":
+        runner.recompute(p.recompute[st.index])
+    return runner
 
-                functorch_config.donated_buffer = False
-            runner.compile_stage(p.compile)
-        if p.recompute and p.recompute[st.index] != "none":
-            runner.recompute(p.recompute[st.index])
-        submod = runner
-        if shard_mesh is not None:
-            from torch.distributed.fsdp import fully_shard
 
-            submod = fully_shard(runner, mesh=shard_mesh)
-        elif dp_group is not None and p.loss_fn is not None and p.dp_reduce == "ddp":
-            from torch.nn.parallel import DistributedDataParallel
+def _replicated(p: RankPayload, runner: StageRunner, stage: int, clock: Clock, step_box: list[int],
+                dp_group: ProcessGroup | None, shard_mesh: DeviceMesh | None) -> torch.nn.Module:
+    """The runner as its replicas run it: sharded by FSDP2 (``shard_mesh``), wrapped in DDP (``dp_reduce="ddp"``),
+    or as it is."""
+    if shard_mesh is not None:
+        from torch.distributed.fsdp import fully_shard
 
-            # broadcast_buffers=False: running statistics stay each replica's own (replica 0's are reported);
-            # find_unused_parameters: a parameter used only under no_grad gets no gradient in any replica.
-            submod = DistributedDataParallel(runner, process_group=dp_group, broadcast_buffers=False,
-                                             find_unused_parameters=True)
-            submod.register_comm_hook(dp_group, _timed_allreduce(clock, p.rank, st.index, step_box))
-        stages.append(Stage(submod, st.index, num_stages, device, input_args=ins, output_args=outs,
-                            group=pp_group))
-        stages[-1].recomputes = runner.recomputed is not None  # type: ignore[attr-defined]
-        if reduction is not None:  # dp_reduce="overlap": the stage's average starts when its gradients are final
-            reduction.add_stage(st.index, list(runner.parameters()))
-            stages[-1].grads_final = reduction.launch  # type: ignore[attr-defined]
-        named = dict(runner.stage.named_parameters(remove_duplicate=False))
-        for canon, inner in st.params.items():
-            t = named[inner]
-            if all(t is not q for q in params):
-                params.append(t)
-            if canon in p.tied:
-                local.setdefault(canon, []).append(t)
-    return stages, params, local, reduction
+        # (the same module, its class swapped for one deriving from both FSDPModule and the runner's)
+        return cast("torch.nn.Module", fully_shard(runner, mesh=shard_mesh))
+    if dp_group is not None and p.loss_fn is not None and p.dp_reduce == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        # broadcast_buffers=False: running statistics stay each replica's own (replica 0's are reported);
+        # find_unused_parameters: a parameter used only under no_grad gets no gradient in any replica.
+        submod = DistributedDataParallel(runner, process_group=dp_group, broadcast_buffers=False,
+                                         find_unused_parameters=True)
+        submod.register_comm_hook(dp_group, _timed_allreduce(clock, p.rank, stage, step_box))
+        return submod
+    return runner
 
 
 def _timed_allreduce(clock: Clock, rank: int, stage: int, step_box: list[int],
