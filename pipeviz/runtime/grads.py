@@ -60,7 +60,7 @@ def averaged_after_step(p: RankPayload) -> bool:
 def average_replicas(params: list[torch.nn.Parameter], group: ProcessGroup | None, replicas: int, clock: Clock,
                      rank: int, step: int) -> None:
     """Average this rank's gradients across its replicas in one all-reduce (timed as a ``DP`` action): for
-    the schedules whose split backward DDP's reducer cannot follow (see ``pipeviz.runtime.worker._stages``)."""
+    the schedules whose split backward DDP's reducer cannot follow (see ``pipeviz.runtime.rank_stages``)."""
     import torch.distributed as dist
 
     grads = [local_tensor(t.grad) for t in params if t.grad is not None]
