@@ -86,8 +86,9 @@ def export_torchrun(
     """
     import cloudpickle
 
+    from pipeviz.errors import LaunchError
+    from pipeviz.runtime.checks import validate_launch
     from pipeviz.runtime.payloads import spec_stages
-    from pipeviz.runtime.spec import LaunchError, validate_launch
 
     cfg = launch_config(config, microbatches=microbatches, steps=steps, **options)
     if cfg.devices != "auto":
@@ -108,8 +109,8 @@ def export_torchrun(
     stages, tied = spec_stages(plan, spec)
     sources = None
     if checkpoint is not None:
+        from pipeviz.runtime.checks import check_weights
         from pipeviz.runtime.payloads import stage_sources
-        from pipeviz.runtime.spec import check_weights
 
         spec.sources, spec.init_seed = check_weights(plan, resume, cfg.init_seed), cfg.init_seed
         spec.resume = checkpoint

@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pipeviz.capture.export import batch_size_of
+from pipeviz.errors import LaunchError
+from pipeviz.runtime.batches import data_batch, like_first, share
 from pipeviz.runtime.messages import Batch, End, Feed
-from pipeviz.runtime.spec import FedBatch, LaunchError, LaunchSpec, data_batch, like_first, share
+from pipeviz.runtime.spec import FedBatch, LaunchSpec
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue

@@ -16,18 +16,14 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from pipeviz._compat import positional_legacy
+from pipeviz.errors import LaunchError
 from pipeviz.plan.split import SplitPlan
+from pipeviz.runtime.checks import check_weights, validate_launch
+from pipeviz.runtime.devices import cpu_sets, resolve_devices
 from pipeviz.runtime.payloads import rank_boots, rank_payloads
 from pipeviz.runtime.procs import rendezvous, temp_prefix
 from pipeviz.runtime.run import LIVE_RUNS, Run
-from pipeviz.runtime.spec import (
-    LaunchError,
-    check_weights,
-    cpu_sets,
-    default_optimizer,
-    resolve_devices,
-    validate_launch,
-)
+from pipeviz.runtime.spec import default_optimizer
 from pipeviz.schedule.config import UNSET, LaunchConfig, launch_config
 
 __all__ = ["launch"]
@@ -150,7 +146,7 @@ def launch(
     alone = not any(r.status in ("starting", "running") for r in list(LIVE_RUNS))
     threads, cpus = cpu_sets(world, cfg.pin_cpus and on_cpu and alone)
 
-    run = Run(plan, spec, cfg.timeout, cfg.on_nonfinite)
+    run = Run(plan, spec, timeout=cfg.timeout, on_nonfinite=cfg.on_nonfinite)
     run.weights = weights
     run.devices = [c or d for c, d in zip(compute, stage_devices, strict=True)]
     run.cpus = cpus

@@ -20,9 +20,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 from pipeviz.capture.export import TRACE_LOCK, batch_size_of
+from pipeviz.errors import LaunchError
 from pipeviz.plan.split import SplitPlan
+from pipeviz.runtime.batches import share
 from pipeviz.runtime.ship import Shipment
-from pipeviz.runtime.spec import LaunchError, LaunchSpec, share
+from pipeviz.runtime.spec import LaunchSpec
 from pipeviz.schedule import traits as sched
 from pipeviz.schedule.config import dp_reduce_mode
 from pipeviz.schedule.mesh import Coords

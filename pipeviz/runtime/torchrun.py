@@ -49,8 +49,8 @@ def run_rank(payload_path: str, events_dir: str) -> int:
 
     import cloudpickle
 
+    from pipeviz.runtime.devices import resolve_devices
     from pipeviz.runtime.payloads import rank_payload
-    from pipeviz.runtime.spec import resolve_devices
     from pipeviz.runtime.worker import run_payload
 
     warnings.filterwarnings("ignore", category=FutureWarning)

@@ -710,7 +710,7 @@ class Explorer(W.VBox):
         """Why Launch would refuse these settings (``pv.launch``'s own checks, run now: a few ms), else None."""
         if self._plan.num_stages < 2:
             return None  # nothing to launch yet; the preview says so
-        from pipeviz.runtime.spec import validate_launch
+        from pipeviz.runtime.checks import validate_launch
 
         args, kwargs = self.graph.example_args, dict(self.graph.example_kwargs)
         try:  # (the default target inside too: a model with several outputs has none)
