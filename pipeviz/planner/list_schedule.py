@@ -176,18 +176,21 @@ class ListScheduler:
         p, pol, last = self.p, self.pol, self.p.n - 1
         nf, nb, tf, tb, comm = self.nf, self.nb, self.tf, self.tb, p.comm
         soonest = math.inf
-        bs: list[tuple[float, int, int]] = []
+        bs: list[tuple[float, int, int]] = []  # ready backwards, in the policy's preference
         for s in self.bpref[r]:
             m = nb[s]
             if m < nf[s]:
                 if s == last:
                     ready = tf[s][m]
                 elif nb[s + 1] > m:
-                    ready = max(tf[s][m], tb[s + 1][m] + comm[s])
+                    ready = tb[s + 1][m] + comm[s]
+                    if tf[s][m] > ready:
+                        ready = tf[s][m]
                 else:
                     continue
                 bs.append((ready, s, m))
-                soonest = min(soonest, ready)
+                if ready < soonest:
+                    soonest = ready
         fs: list[tuple[float, int, int]] = []
         blocked = False
         for s in self.fpref[r]:
@@ -196,29 +199,34 @@ class ListScheduler:
                 if self.admits(r, s):
                     ready = 0.0 if s == 0 else tf[s - 1][m] + comm[s - 1]
                     fs.append((ready, s, m))
-                    soonest = min(soonest, ready)
+                    if ready < soonest:
+                        soonest = ready
                 else:
                     blocked = True
         wq, t = self.wq[r], self.free[r]
         forced = len(wq) > pol.lag[r]
         w_ok = bool(wq) and (pol.fill or forced or blocked or self.fb_left[r] == 0)
-        if w_ok:
-            soonest = min(soonest, t)
-        elif math.isinf(soonest):
+        if not w_ok and soonest == math.inf:
             return None
-        t = max(t, soonest)
-        rb = next((x for x in bs if x[0] <= t), None)
-        rf = next((x for x in fs if x[0] <= t), None)
-        w = (t, wq[0][0], WGRAD, wq[0][1]) if w_ok else None
-        back = (t, rb[1], IGRAD if pol.split else BWD, rb[2]) if rb else None
-        fwd = (t, rf[1], FWD, rf[2]) if rf else None
-        order = (back, w if forced else None, fwd, w) if pol.bwd_first else (w if forced else None, fwd, back, w)
-        choice = next(c for c in order if c is not None)
-        if pol.patience and choice[2] != (IGRAD if pol.split else BWD) and bs:
-            soon = min(x[0] for x in bs)  # a backward already under way downstream: its gradient lands then
-            if soon < t + pol.patience * p.dur[choice[1]][choice[2]]:
-                first = next(x for x in bs if x[0] == soon)
-                return (soon, first[1], IGRAD if pol.split else BWD, first[2])
+        if soonest > t and not w_ok:
+            t = soonest
+        back = fwd = w = None
+        for ready, s, m in bs:
+            if ready <= t:
+                back = (t, s, IGRAD if pol.split else BWD, m)
+                break
+        for ready, s, m in fs:
+            if ready <= t:
+                fwd = (t, s, FWD, m)
+                break
+        if w_ok:
+            w = (t, wq[0][0], WGRAD, wq[0][1])
+        due = w if forced else None
+        choice = ((back or due or fwd or w) if pol.bwd_first else (due or fwd or back or w))
+        if pol.patience and back is None and bs:
+            soon, s, m = min(bs)  # a backward already under way downstream: its gradient lands then
+            if soon < t + pol.patience * p.dur[choice[1]][choice[2]]:  # type: ignore[index]
+                return (soon, s, IGRAD if pol.split else BWD, m)
         return choice
 
     def apply(self, r: int, t: float, s: int, k: int, m: int) -> None:
