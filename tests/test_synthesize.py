@@ -179,7 +179,7 @@ def test_recovers_zb_h1_and_zb_h2(weight_share: float) -> None:
     assert h2.peak_activation_bytes[0] / 2 == 2 * p - 1  # ZB-H2's memory: rank 0 holds 2p - 1 microbatches
     for known in (h1, h2):
         limit = max(known.meta["memory_bytes"])
-        syn = pv.synthesize_schedule(None, cfg, limit, costs=costs, num_stages=p)
+        syn = pv.synthesize_schedule(None, cfg, limit, costs=costs)
         assert syn.step_time <= known.step_time + TOL and max(syn.memory_bytes) <= limit
         if weight_share == 0.5:
             assert syn.step_time == 3 * m + (p - 1)  # the bound: rank p - 1 starts (p - 1) F late
@@ -187,7 +187,7 @@ def test_recovers_zb_h1_and_zb_h2(weight_share: float) -> None:
     assert h1.step_time == 3 * m + (p - 1) * (1 + i - w)  # the paper's ZB-H1 bubble, (p - 1)(F + I - W)
     assert one_f_one_b.step_time == 3 * m + (p - 1) * 3
     if weight_share == 0.25:  # where W is cheaper than I, ZB-H2's memory buys time over ZB-H1: found too
-        at_h2 = pv.synthesize_schedule(None, cfg, max(h2.meta["memory_bytes"]), costs=costs, num_stages=p)
+        at_h2 = pv.synthesize_schedule(None, cfg, max(h2.meta["memory_bytes"]), costs=costs)
         assert at_h2.step_time < h1.step_time
 
 
@@ -200,7 +200,7 @@ def test_recovers_the_v_shaped_points(p: int, units: int, bubble: float) -> None
     m = 2 * p
     costs = pv.Costs.uniform(2 * p, forward=0.5, backward=1.0, activation_bytes=1)
     cfg = pv.LaunchConfig(schedule="ZBVZeroBubble", microbatches=m)
-    syn = pv.synthesize_schedule(None, cfg, 2 * units, costs=costs, num_stages=2 * p, placement="v")
+    syn = pv.synthesize_schedule(None, cfg, 2 * units, costs=costs, placement="v")
     assert syn.placement == "v" and syn.config.schedule == "ZBVZeroBubble"
     assert syn.step_time - 3 * m <= bubble + TOL
     assert max(syn.timeline.peak_activation_bytes) <= 2 * units
@@ -241,7 +241,7 @@ def test_bad_arguments_are_named(graph: pv.ModelGraph) -> None:
         pv.synthesize_schedule(plan, cfg, placement="v")
     with pytest.raises(ValueError, match="memory_limit must be a positive number of bytes"):
         pv.synthesize_schedule(plan, cfg, memory_limit=-5)
-    with pytest.raises(ValueError, match="needs a plan, or num_stages with costs"):
+    with pytest.raises(ValueError, match=r"needs a plan, or costs=pv\.Costs"):
         pv.synthesize_schedule(None, cfg)
     # split backwards off (as torch.compile'd stages need): only F and B in the order
     syn = pv.synthesize_schedule(plan, cfg, split_backward=False)
@@ -271,3 +271,26 @@ def test_the_synthesized_order_trains_exactly_within_the_limit() -> None:
     for rank in range(2):
         saved = max(b for _, b in run.activation_memory[rank])  # the tensors saved for backward, measured
         assert saved <= planned[rank] * 1.01 and max(b for _, b in run.memory[rank]) <= limit
+
+
+@pytest.mark.slow
+def test_the_cli_planner_offers_a_synthesized_schedule(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    import json
+
+    from transformers import LlamaConfig
+
+    from pipeviz.cli import main
+
+    cfg = LlamaConfig(num_hidden_layers=4, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,
+                      architectures=["LlamaForCausalLM"])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    args = ["plan", "--config", str(path), "--gpus", "8", "--hardware", "H100", "--global-batch", "32", "--top", "3"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "synthesized schedule for #1 (pp2 " in out and "pv.synthesize_schedule(row.plan, row.config" in out
+    assert "both simulated in full at 8 microbatches" in out
+    assert main([*args, "--no-synthesize"]) == 0
+    assert "synthesized schedule" not in capsys.readouterr().out

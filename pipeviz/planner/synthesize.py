@@ -37,11 +37,11 @@ from __future__ import annotations
 import csv
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeviz.cost.memory import static_memory
-from pipeviz.cost.model import Costs, parallel_costs, stage_costs
+from pipeviz.cost.model import Costs
 from pipeviz.cost.options import CostOptions
 from pipeviz.plan.split import SplitPlan
 from pipeviz.planner.list_schedule import (
@@ -55,9 +55,9 @@ from pipeviz.planner.list_schedule import (
     torch_orders,
 )
 from pipeviz.schedule import traits as sched
-from pipeviz.schedule.config import LaunchConfig
+from pipeviz.schedule.config import LaunchConfig, launch_config
 from pipeviz.schedule.timeline import Timeline
-from pipeviz.sim.engine import runtime_actions
+from pipeviz.sim.collectives import Collectives
 from pipeviz.sim.simulate import simulate
 
 __all__ = ["PLACEMENTS", "MemoryLimitError", "Synthesis", "smallest_limit", "synthesize_schedule"]
@@ -131,22 +131,6 @@ class Synthesis:
         return self.table()
 
 
-def _costs(plan: SplitPlan | None, cfg: LaunchConfig, opts: CostOptions, costs: Costs | None,
-           lay: sched.Layout) -> Costs:
-    """The per-stage costs ``pv.simulate`` prices this layout with (one pipeline's process; the runtime's send and
-    receive actions where torch's multi-stage runtime runs the order)."""
-    if costs is None:
-        assert plan is not None
-        mesh = cfg.mesh(plan.num_stages)
-        per_replica = opts.hw is not None
-        copts = replace(opts, batch_scale=opts.batch_scale / (mesh.dp * mesh.cp)) if per_replica else opts
-        costs = parallel_costs(stage_costs(plan, cfg.microbatches, options=copts),
-                               replace(mesh, dp=1, cp=1) if per_replica else mesh)
-    if costs.overhead and not costs.runtime and lay.info.multi:
-        costs = replace(costs, runtime=runtime_actions(lay, costs.overhead))
-    return costs
-
-
 def smallest_limit(problem_or_costs: Costs, layout: sched.Layout, optimizer_states: int = 2) -> int:
     """The least ``memory_limit`` (bytes per rank) any order of ``layout`` fits: each rank's weights, gradients,
     optimizer state and buffers, plus one microbatch's activations on every stage it holds (a microbatch's forward
@@ -161,8 +145,8 @@ def smallest_limit(problem_or_costs: Costs, layout: sched.Layout, optimizer_stat
 # ------------------------------------------------------------------------------------------- the front door
 def synthesize_schedule(
     plan: SplitPlan | None, config: LaunchConfig | str | None = None, memory_limit: float | None = None, *,
-    options: CostOptions | None = None, placement: str = "auto", split_backward: bool | None = None,
-    costs: Costs | None = None, num_stages: int | None = None,
+    options: CostOptions | None = None, collectives: Collectives | None = None, placement: str = "auto",
+    split_backward: bool | None = None, costs: Costs | None = None,
 ) -> Synthesis:
     """The fastest order found for ``plan`` under ``config`` within ``memory_limit`` bytes per rank.
 
@@ -174,18 +158,18 @@ def synthesize_schedule(
         >>> syn.to_csv("zb_custom.csv")
 
     Args:
-        plan: the ``SplitPlan`` (or None for a what-if with ``costs`` and ``num_stages``, as ``pv.simulate``).
+        plan: the ``SplitPlan`` (or None for a what-if with ``costs``, as ``pv.simulate``).
         config: the ``pv.LaunchConfig`` (or a schedule's name): its microbatches, its stages per rank, and the
             rest of the run as ``pv.simulate`` reads it. Its schedule only places the stages (one per rank, looped,
             or V-shaped).
         memory_limit: bytes per rank, in the one memory rule (``pv.simulate(...).meta["memory_bytes"]``: weights,
             gradients, optimizer state, buffers and the live activations of the order); None: no limit.
-        options: how it is costed (``pv.CostOptions``), as ``pv.simulate`` takes it.
+        options, collectives: how it is costed (``pv.CostOptions``, ``Collectives``), as ``pv.simulate`` takes them.
         placement: ``"auto"`` (with 2 stages per rank both ``"loop"``, as Interleaved1F1B places them, and ``"v"``,
             as ZBVZeroBubble does; else the config's), ``"loop"`` or ``"v"``.
         split_backward: allow input-grad / weight-grad passes (``I``/``W``); default: unless the config refuses
             them (``compile``, ``dp_reduce="ddp"``).
-        costs, num_stages: a what-if without a plan (``pv.Costs.uniform(4)``, 4).
+        costs: per-stage ``pv.Costs`` of a what-if without a plan (``pv.Costs.uniform(4)``: 4 stages).
 
     Returns:
         A ``Synthesis``: ``order``, ``timeline``, ``config`` (launchable with a ``loss_fn``), ``baselines``.
@@ -194,47 +178,41 @@ def synthesize_schedule(
         MemoryLimitError: no order fits the limit; ``err.smallest`` (also in the message) is the least that does.
         ScheduleError: an unknown placement, or one the stage count cannot take.
     """
-    from pipeviz.schedule.config import launch_config
-
     cfg = launch_config(config)
-    n = plan.num_stages if plan is not None else num_stages
-    if n is None or (plan is None and costs is None):
-        raise ValueError("synthesize_schedule() needs a plan, or num_stages with costs=Costs(...).")
-    opts = options or CostOptions()
-    if isinstance(cfg.recompute, str) and cfg.recompute != "none" and opts.recompute == "none":
-        opts = replace(opts, recompute=cfg.recompute)  # as pv.simulate reads the run's own recomputation
+    if plan is None and costs is None:
+        raise ValueError("synthesize_schedule() needs a plan, or costs=pv.Costs(...) for a what-if without one.")
+    n = plan.num_stages if plan is not None else len(costs.forward)  # type: ignore[union-attr]
     limit = None if memory_limit is None else _check_limit(memory_limit)
     split = split_backward if split_backward is not None else not (cfg.compile or cfg.dp_reduce == "ddp")
-    problems, smallest = [], {}
+
+    def sim(c: LaunchConfig) -> Timeline:  # a training step, as pv.launch would run it
+        return simulate(plan, c, options=options, collectives=collectives, costs=costs,
+                        num_stages=None if plan is not None else n, forward_only=False)
+
+    states = (options or CostOptions()).optimizer_states
+    problems, baselines, smallest = [], {}, {}
     for name, spr in _placements(cfg, n, placement):
         pcfg = cfg.replace(schedule=name, stages_per_rank=spr_arg(name, spr), order=None)
-        lay = pcfg.layout(n)
-        pcosts = _costs(plan, pcfg, opts, costs, lay)
-        smallest[name] = smallest_limit(pcosts, lay, opts.optimizer_states)
+        probe = sim(pcfg)  # the placement's own schedule: what every action on this placement is priced at
+        lay, pcosts = pcfg.layout(n), probe.meta["stage_costs"]
+        smallest[name] = smallest_limit(pcosts, lay, states)
+        p = build_problem(pcosts, lay, "v" if lay.info.v_shape else "loop", cfg.microbatches, limit, split, states)
+        baselines.update({t: probe if t == name else sim(pcfg.replace(schedule=t, stages_per_rank=spr_arg(t, spr)))
+                          for t in torch_names(p)})
         if limit is None or limit >= smallest[name]:
-            problems.append((build_problem(pcosts, lay, "v" if lay.info.v_shape else "loop", cfg.microbatches, limit,
-                                      split, opts.optimizer_states), pcfg))
+            problems.append((p, pcfg))
     if not problems:
         raise _too_small(limit or 0, smallest, n, cfg.microbatches)
     pool: list[Candidate] = []
-    baselines: dict[str, Timeline] = {}
     evaluated = 0
-
-    def sim(c: LaunchConfig) -> Timeline:
-        return simulate(plan, c, options=opts, costs=costs, num_stages=None if plan is not None else n,
-                        forward_only=False)
-
-    for p, pcfg in problems:
+    for p, _ in problems:
         search = Search(p)
         for name, order in torch_orders(p).items():
             search.consider(order, f"torch's {name} order")
         search.consider(sequential(p), "one microbatch at a time (the least memory)")
         ranked = search.run()
         evaluated += search.evaluated
-        torch_best = [c for c in ranked if c.policy.startswith("torch's")][:1]
-        pool += ranked[:_FINALISTS] + [c for c in torch_best if c not in ranked[:_FINALISTS]]
-        for name in torch_names(p):
-            baselines[name] = sim(pcfg.replace(schedule=name, stages_per_rank=spr_arg(name, p.spr)))
+        pool += ranked[:_FINALISTS] + [c for c in ranked[_FINALISTS:] if c.policy.startswith("torch's")][:1]
     return _finish(pool, {p.placement: c for p, c in problems}, sim, limit, baselines, evaluated)
 
 
