@@ -26,10 +26,12 @@ Why this method: the ranks' idle time comes from waiting on each other, which a 
 the known good schedules are such greedy rules (1F1B, ZB-H1 and ZB-H2 are "backward first, defer W" under
 different memory windows; Qi et al. built ZB's automatic schedules with the same kind of heuristic), so a small
 grid over the rules contains them; every candidate costs one pass over the actions (milliseconds), so a few hundred
-fit in an interactive second, where a MILP over the same decisions (OptPipe) takes minutes and a solver dependency.
+fit in an interactive second, where a MILP over the same decisions (OptPipe's approach) needs a solver dependency and
+grows quickly with ranks x microbatches.
 The search is not exhaustive: what it guarantees is that torch's orders are in the pool (the answer is never slower
 than any torch schedule that fits) and that an order exists whenever the limit is at least the smallest feasible one
-(``MemoryLimitError`` names it otherwise).
+(``MemoryLimitError`` names it otherwise). On the textbook costs it recovers ZB-H1, ZB-H2, ZB-V and V-Half at their
+memory (and beats ZB-H2's rule where ``W`` is cheaper than ``I``), not V-Min (docs/synthesis.md).
 """
 
 from __future__ import annotations
