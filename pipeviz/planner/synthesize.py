@@ -120,11 +120,11 @@ class Synthesis:
     def table(self) -> str:
         """The synthesized order beside each torch schedule: step, and peak memory per rank."""
         def line(name: str, tl: Timeline, note: str = "") -> str:
-            mem = ", ".join(f"{b / 2**20:.2f}" for b in tl.meta["memory_bytes"])
-            return f"{name:<24}{tl.step_time * 1e3:>11.3f} ms  [{mem}] MiB{note}"
+            mem = ", ".join(_bytes(b) for b in tl.meta["memory_bytes"])
+            return f"{name:<24}{_secs(tl.step_time):>12}  [{mem}]{note}"
 
-        lim = "no limit" if self.memory_limit is None else f"limit {self.memory_limit / 2**20:.2f} MiB per rank"
-        rows = [f"{'schedule':<24}{'step':>14}  memory per rank ({lim})",
+        lim = "no limit" if self.memory_limit is None else f"limit {_bytes(self.memory_limit)} per rank"
+        rows = [f"{'schedule':<24}{'step':>12}  memory per rank ({lim})",
                 line(f"synthesized ({self.placement})", self.timeline)]
         rows += [line(k, t, "" if k in self.fits else "  over the limit") for k, t in self.baselines.items()]
         return "\n".join(rows)
@@ -250,6 +250,19 @@ def _finish(pool: list[Candidate], cfgs: dict[str, LaunchConfig], sim: Callable[
     assert cfg.order is not None
     return Synthesis(tuple(tuple(r) for r in cfg.order), tl, cfg, limit, cand.problem.placement, cand.policy,
                      baselines, evaluated)
+
+
+def _secs(t: float) -> str:
+    return f"{t:.3f} s" if t >= 1 else f"{t * 1e3:.3f} ms" if t >= 1e-3 else f"{t * 1e6:.1f} us"
+
+
+def _bytes(n: float) -> str:
+    """Bytes in IEC units with 2 decimals: a limit and a peak a few KiB apart stay apart."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
 
 
 def _check_limit(limit: float) -> int:
