@@ -29,6 +29,7 @@ from pipeviz.plan.preview import StageInfo
 from pipeviz.plan.split import SplitPlan
 from pipeviz.planner.balance import balance, compare
 from pipeviz.planner.search import ClusterPlan, plan_cluster
+from pipeviz.planner.synthesize import synthesize_schedule
 from pipeviz.profile import Profile, profile
 from pipeviz.runtime import LaunchConfig, LaunchError, Run, launch, train_reference
 from pipeviz.runtime.export import export_torchrun, watch
@@ -85,6 +86,7 @@ __all__ = [
     "profile",
     "sgd",
     "simulate",
+    "synthesize_schedule",
     "trace",
     "train_reference",
     "warmup_cosine",

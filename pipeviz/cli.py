@@ -6,12 +6,13 @@
     pipeviz lab  [notebook]      # JupyterLab on the notebooks and tutorials
     pipeviz plan --model llama-3-8b --gpus 64 --hardware h100 --global-batch 512 [--seq-len 8192]
                  [--config path/to/config.json] [--memory-gib 80] [--dtype bfloat16] [--efficiency 0.55] [--top 10]
-                 [--full-trace]
+                 [--full-trace] [--no-synthesize]
 
 ``pipeviz demo`` is the headless main job: trace, auto-balance, simulate every schedule, launch a real
 run with a progress bar, check numerics against the unsplit model, write one HTML report.
 ``pipeviz plan`` builds a well-known model (or any HF config) on the meta device, traces it without weights and
-prints ``pv.plan_cluster``'s ranked layouts for a cluster.
+prints ``pv.plan_cluster``'s ranked layouts for a cluster, then the best pipelined layout with a synthesized schedule
+(``pv.synthesize_schedule``: the fastest order found within the memory limit) as one more candidate.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 
 import pipeviz as pv
 from pipeviz import zoo
+from pipeviz.plan.split import human_bytes
 from pipeviz.runtime.loss import LOSS_REDUCTIONS
 from pipeviz.schedule import traits as sched
 
@@ -202,7 +204,42 @@ def plan(a: argparse.Namespace) -> int:
                          dp_reduce=a.dp_reduce)
     print(f"planned in {time.time() - t:.1f} s\n")
     print(cp.table(a.top))
+    if not a.no_synthesize:
+        _synthesized(cp)
     return 0 if cp.rows else 1
+
+
+SYNTHESIS_ACTIONS = 12_000  # a larger layout takes the search tens of seconds: it is offered as a call instead
+
+
+def _synthesized(cp: pv.ClusterPlan) -> None:
+    """The best pipelined row's layout with a synthesized order in place of its schedule: one more candidate."""
+    found = next(((i, r) for i, r in enumerate(cp.rows, 1) if r.pp > 1), None)
+    if found is None:
+        return
+    i, row = found
+    call = ("pv.synthesize_schedule(row.plan, row.config, memory_limit, options=row.options, "
+            "collectives=row.collectives)")
+    actions = row.plan.num_stages * row.microbatches * 3
+    if actions > SYNTHESIS_ACTIONS:
+        print(f"\nsynthesized schedule for #{i}: not searched here ({actions:,} actions); {call} finds it.")
+        return
+    t = time.time()
+    syn = pv.synthesize_schedule(row.plan, row.config, cp.memory_limit, options=row.options,
+                                 collectives=row.collectives)
+    took = time.time() - t
+    own = syn.baselines.get(row.schedule)
+    versus = (f"{row.schedule}'s {_secs(own.step_time)} ({syn.step_time / own.step_time - 1:+.1%}; both simulated "
+              f"in full at {row.microbatches} microbatches)" if own is not None else row.schedule)
+    placed = "in a V" if syn.placement == "v" else "looped"
+    print(f"\nsynthesized schedule for #{i} ({row.label()}): {_secs(syn.step_time)} per step against {versus}, "
+          f"peak memory {human_bytes(max(syn.memory_bytes))}, stages placed {placed}; {syn.evaluated} candidate "
+          f"orders searched in {took:.1f} s. {call} returns it, launchable (.config) and as torch's schedule CSV "
+          "(.to_csv(path)).")
+
+
+def _secs(t: float) -> str:
+    return f"{t:.3f} s" if t >= 1 else f"{t * 1e3:.3f} ms" if t >= 1e-3 else f"{t * 1e6:.1f} us"
 
 
 def lab(a: argparse.Namespace) -> int:
@@ -259,6 +296,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dp-reduce", nargs="+", default=None, choices=["ddp", "overlap", "after_flush", "distributed"],
                    help="how replicas may reduce their gradients, searched per row (default: ddp overlap)")
     p.add_argument("--full-trace", action="store_true", help="trace every block (default: 2, the last repeated)")
+    p.add_argument("--no-synthesize", action="store_true",
+                   help="skip the synthesized schedule for the best pipelined layout (pv.synthesize_schedule)")
     p.set_defaults(func=plan)
     lb = sub.add_parser("lab", help="JupyterLab on the notebooks")
     lb.add_argument("path", nargs="?")

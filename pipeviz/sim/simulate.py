@@ -178,10 +178,11 @@ def simulate(
     Returns:
         A simulated ``Timeline`` (``ranks == "pipeline"``, ``mesh`` the run's); ``meta`` holds
         ``peak_activation_bytes`` and ``memory_bytes`` per rank, ``config`` (the ``LaunchConfig`` simulated),
-        ``mesh`` ``(pp, dp, tp)``, and with replicas ``dp_bytes`` / ``dp_seconds`` / ``dp_exposed``: per rank, the
-        gradient bytes it all-reduces, the all-reduce seconds, and the part of them the rank waits for (not hidden
-        by its compute: a DDP backward's wait, the tail after its last action). The reduction follows the config's
-        ``dp_reduce`` (``pv.launch``'s default: ``"overlap"``) unless ``collectives=`` says otherwise.
+        ``stage_costs`` (the ``Costs`` each action was priced at), ``mesh`` ``(pp, dp, tp)``, and with replicas
+        ``dp_bytes`` / ``dp_seconds`` / ``dp_exposed``: per rank, the gradient bytes it all-reduces, the all-reduce
+        seconds, and the part of them the rank waits for (not hidden by its compute: a DDP backward's wait, the tail
+        after its last action). The reduction follows the config's ``dp_reduce`` (``pv.launch``'s default:
+        ``"overlap"``) unless ``collectives=`` says otherwise.
 
     Raises:
         MeshError: ``dp``, ``cp`` or ``tp`` not a positive int.
@@ -363,7 +364,7 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
                                 [e for e in events if e.step == 0], costs.activation_bytes, costs.weight_fraction,
                                 costs.input_freed),
                             "cores": cores, "forward_only": forward_only, "mesh": (lay.num_ranks, dp, tp),
-                            "config": cfg}
+                            "config": cfg, "stage_costs": costs}  # what each action was priced at (pre-contention)
     if hw is not None:
         meta["hardware"], meta["dtype"], meta["recompute"] = hw.name, opts.dtype, opts.recompute
     if mesh.world > mesh.pp:
