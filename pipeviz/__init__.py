@@ -18,14 +18,13 @@ from pipeviz.capture.export import TraceError
 from pipeviz.capture.weights import materialize
 from pipeviz.cost.model import Costs
 from pipeviz.cost.options import CostOptions
-from pipeviz.graph.manual import SequenceStage, manual_plan
-from pipeviz.graph.model import Layer, ModelGraph, trace
+from pipeviz.graph.manual import manual_plan
+from pipeviz.graph.model import ModelGraph, trace
 
 # pv.hardware and pv.profile are functions; their modules' names (kept from 0.2) are imported here first, so that
 # a later `import pipeviz.hardware` does not replace the function on the package.
 from pipeviz.hardware import HARDWARE, Hardware, HardwareError, hardware
 from pipeviz.plan.errors import PlanError
-from pipeviz.plan.preview import StageInfo
 from pipeviz.plan.split import SplitPlan
 from pipeviz.planner.balance import balance, compare
 from pipeviz.planner.search import ClusterPlan, plan_cluster
@@ -34,7 +33,7 @@ from pipeviz.profile import Profile, profile
 from pipeviz.runtime import LaunchConfig, LaunchError, Run, launch, train_reference
 from pipeviz.runtime.export import export_torchrun, watch
 from pipeviz.runtime.live import Live
-from pipeviz.runtime.numerics import NumericsCheck, check_numerics
+from pipeviz.runtime.numerics import check_numerics
 from pipeviz.schedule.mesh import Mesh, MeshError
 from pipeviz.schedule.timeline import Event, Timeline
 from pipeviz.schedule.training import cross_entropy, sgd, warmup_cosine
@@ -54,20 +53,16 @@ __all__ = [
     "HardwareError",
     "LaunchConfig",
     "LaunchError",
-    "Layer",
     "Live",
     "Mesh",
     "MeshError",
     "ModelGraph",
-    "NumericsCheck",
     "PlanError",
     "Profile",
     "Run",
     "ScheduleError",
-    "SequenceStage",
     "SplitPlan",
     "SplitPoint",
-    "StageInfo",
     "Timeline",
     "TraceError",
     "balance",
@@ -98,7 +93,9 @@ _VIEWS = ("Explorer", "TimelineView", "comparison_figure", "graph_figure", "play
 
 
 # Modules reached as attributes before 0.4 (pv.schedules, pv.timeline, pv.training; pv.costs from 0.2).
-_MOVED = {"estimate_costs": "pipeviz.sim.simulate",
+_MOVED = {"Layer": "pipeviz.capture.view", "NumericsCheck": "pipeviz.runtime.numerics",
+          "SequenceStage": "pipeviz.plan.sequence", "StageInfo": "pipeviz.plan.preview",
+          "estimate_costs": "pipeviz.sim.simulate",
           "Comparison": "pipeviz.sim.simulate",
           "BucketComparison": "pipeviz.planner.lengths",
           "BucketRow": "pipeviz.planner.lengths",

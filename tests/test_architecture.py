@@ -236,3 +236,27 @@ def test_no_private_name_crosses_a_module() -> None:
                 crossing += [f"{path.relative_to(PACKAGE.parent)}: {node.module}.{a.name}" for a in node.names
                              if a.name.startswith("_") and not a.name.startswith("__")]
     assert crossing == []
+
+
+def test_the_public_surface_is_narrow() -> None:
+    """At most 45 public names; no public function or method takes more than 3 positional parameters, and at most 5
+    public functions take more than 8 (the configuration types carry the rest)."""
+    import inspect
+
+    import pipeviz as pv
+
+    assert len(pv.__all__) <= 45, len(pv.__all__)
+    wide, positional = [], []
+    for name in pv.__all__:
+        obj = getattr(pv, name)
+        members = [(name, obj)] if inspect.isfunction(obj) else [
+            (f"{name}.{m}", f) for m, f in vars(obj).items() if inspect.isfunction(f) and not m.startswith("_")
+        ] if inspect.isclass(obj) and obj.__module__.startswith("pipeviz") else []
+        for label, fn in members:
+            params = [p for p in inspect.signature(fn).parameters.values() if p.name not in ("self", "cls")]
+            if sum(p.kind is p.POSITIONAL_OR_KEYWORD for p in params) > 3:
+                positional.append(label)
+            if sum(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params) > 8:
+                wide.append(label)
+    assert positional == []
+    assert len(wide) <= 5, wide
