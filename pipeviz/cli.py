@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 import pipeviz as pv
 from pipeviz import zoo
-from pipeviz.plan.split import human_bytes
+from pipeviz.plan.preview import human_bytes
 from pipeviz.runtime.loss import LOSS_REDUCTIONS
 from pipeviz.schedule import traits as sched
 
