@@ -16,25 +16,20 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from dataclasses import dataclass, replace
 
 from pipeviz import schedules as sched
 from pipeviz._compat import positional_legacy
-from pipeviz.balance import balance
-from pipeviz.cluster_plan import ClusterPlan, LayoutOption
-from pipeviz.collectives import reduction_floor
-from pipeviz.cost.comm import cp_collectives, tp_collectives
+from pipeviz.cluster_plan import ClusterPlan, LayoutOption, SearchOption, SearchPricing
 from pipeviz.cost.machine import Hardware
 from pipeviz.cost.machine import hardware as find_hardware
-from pipeviz.cost.memory import memory_per_rank, static_memory
-from pipeviz.cost.model import Costs, overlapped, parallel_costs, stage_costs
+from pipeviz.cost.memory import memory_per_rank
+from pipeviz.cost.model import Costs
 from pipeviz.cost.options import RECOMPUTE, CostOptions
 from pipeviz.cost.roofline import op_table
 from pipeviz.graphview import GraphView
-from pipeviz.mesh import Mesh, check_degree
-from pipeviz.plan import PlanError, SplitPlan
-from pipeviz.simulate import Collectives, gradient_bytes, replica_link, schedule_orders, simulate
+from pipeviz.mesh import check_degree
+from pipeviz.simulate import Collectives, schedule_orders, simulate
 
 __all__ = ["ClusterPlan", "LayoutOption", "plan_cluster"]  # the first two: pipeviz.cluster_plan
 
@@ -127,31 +122,7 @@ def plan_cluster(
     rows, counts = _rank(search, space, candidates, top, max_actions)
     return ClusterPlan(tuple(rows[:top]), search.hw, gpus, global_batch, space.seq, search.dtype, search.limit,
                        considered, counts["simulated"], pruned + counts["pruned"], counts["too_big"],
-                       counts["too_long"], tuple(space.notes))
-
-
-class _Option(NamedTuple):
-    """One option of the search: a layout (degrees, schedule, stages per rank, microbatch size and count,
-    recomputation) and how its replicas reduce their gradients."""
-
-    tp: int
-    cp: int
-    pp: int
-    dp: int
-    schedule: str
-    v: int
-    b: int
-    m: int
-    mode: str
-    reduce: str
-
-    @property
-    def stages(self) -> int:
-        return self.pp * self.v
-
-    @property
-    def layout(self) -> sched.Layout:
-        return sched.layout(self.schedule, self.stages, self.v if self.v > 1 else None)
+                       counts["too_long"], tuple(space.notes), search.collectives.tp_layout)
 
 
 @dataclass
@@ -172,115 +143,11 @@ class _Space:
     notes: list[str]
 
 
-@dataclass
-class _Search:
-    """What every option is priced with (the hardware, dtype, memory limit, collectives, the batch's scale per
-    sequence) and what the options share, remembered: balanced plans per stage count, stage costs, one device's
-    costs, and each layout's peak memory (the same for every reduction)."""
-
-    graph: GraphView
-    hw: Hardware
-    dtype: str
-    base: CostOptions
-    per_token: float
-    limit: int
-    optimizer_states: int
-    collectives: Collectives
-    plans: dict[int, SplitPlan | None] = field(default_factory=dict)
-    _stage: dict[tuple[int, int, str], Costs] = field(default_factory=dict)
-    _device: dict[tuple[int, int, str, int, int], Costs] = field(default_factory=dict)
-    _memory: dict[tuple[object, ...], float] = field(default_factory=dict)
-    _bounds: dict[tuple[object, ...], int] = field(default_factory=dict)
-    _floors: dict[tuple[object, ...], tuple[float, ...]] = field(default_factory=dict)
-
-    def plan(self, n: int) -> SplitPlan | None:
-        """``pv.balance``'s optimum into ``n`` stages, or None when the graph has too few split points."""
-        if n not in self.plans:
-            try:
-                self.plans[n] = balance(self.graph, n, options=self.base)
-            except PlanError:
-                self.plans[n] = None
-        return self.plans[n]
-
-    def stage_costs(self, n: int, b: int, mode: str) -> Costs:
-        key = (n, b, mode)
-        if key not in self._stage:
-            plan = self.plan(n)
-            assert plan is not None
-            self._stage[key] = stage_costs(plan, 1, options=replace(self.base, recompute=mode,
-                                                                    batch_scale=b * self.per_token))
-        return self._stage[key]
-
-    def device_costs(self, n: int, b: int, mode: str, t: int, c: int = 1) -> Costs:
-        """One device's costs per microbatch of ``b`` sequences: its shard of each stage and its share of each
-        sequence, with the shards' all-reduces and the shares' key/value gathers (``pv.simulate``'s), overlapped
-        with the compute where the collectives say so (``tp_overlap``)."""
-        key = (n, b, mode, t, c)
-        if key not in self._device:
-            plan = self.plan(n)
-            assert plan is not None
-            mesh = Mesh(1, 1, t, c)
-            coll = None
-            scale = self.base.byte_scale(plan.graph) * b * self.per_token
-            if t > 1 or c > 1:
-                tp_s = (tp_collectives(plan, 1, c, t, self.base.link(t, allreduce=True), scale) if t > 1
-                        else (0.0,) * n)
-                cp_s = (cp_collectives(plan, 1, mesh, self.base.link(mesh.rank(0, 0, 0, c - 1) + 1, allreduce=True),
-                                       scale) if c > 1 else (0.0,) * n)
-                coll = tuple(x + y for x, y in zip(tp_s, cp_s, strict=True))
-            costs = parallel_costs(self.stage_costs(n, b, mode), mesh, collective=coll)
-            # (pv.simulate overlaps them the same way: the bound below must not exceed its step)
-            self._device[key] = overlapped(costs) if self.collectives.tp_overlap else costs
-        return self._device[key]
-
-    def memory(self, o: _Option) -> float:
-        """The option's peak bytes per device (``_memory``), once per layout: the reduction does not change it."""
-        key = o[:-1]
-        if key not in self._memory:
-            self._memory[key] = _memory(self.device_costs(o.stages, o.b, o.mode, o.tp, o.cp), o.schedule, o.stages,
-                                        o.m, o.v, self.optimizer_states, self.limit)
-        return self._memory[key]
-
-    def memory_bound(self, tp: int, cp: int, pp: int, schedule: str, v: int, b: int, mode: str) -> int:
-        """A lower bound on the peak bytes of the options of this layout (any microbatch count and reduction): each
-        rank's weights, gradients, optimizer state and one microbatch's activations."""
-        key = (tp, cp, pp, schedule, v, b, mode)
-        if key not in self._bounds:
-            self._bounds[key] = self._memory_bound(tp, cp, pp, schedule, v, b, mode)
-        return self._bounds[key]
-
-    def _memory_bound(self, tp: int, cp: int, pp: int, schedule: str, v: int, b: int, mode: str) -> int:
-        rc, lay = self.device_costs(pp * v, b, mode, tp, cp), sched.layout(schedule, pp * v, v if v > 1 else None)
-        return max(static_memory(rc, lay.stages_of(r), self.optimizer_states)
-                   + max(rc.activation_bytes[s] for s in lay.stages_of(r)) for r in lay.ranks)
-
-    def reduction_floors(self, tp: int, cp: int, pp: int, dp: int, schedule: str, v: int, b: int, mode: str,
-                         reduce: str) -> tuple[float, ...]:
-        """Per pipeline rank, the least the replicas' gradient reduction adds after its last action
-        (``pipeviz.collectives.reduction_floor``, on ``pv.simulate``'s link and gradient bytes)."""
-        key = (tp, cp, pp, dp, schedule, v, b, mode, reduce)
-        if key not in self._floors:
-            self._floors[key] = self._reduction_floors(*key)
-        return self._floors[key]
-
-    def _reduction_floors(self, tp: int, cp: int, pp: int, dp: int, schedule: str, v: int, b: int, mode: str,
-                          reduce: str) -> tuple[float, ...]:
-        lay = sched.layout(schedule, pp * v, v if v > 1 else None)
-        if dp * cp <= 1:
-            return (0.0,) * lay.num_ranks
-        plan = self.plan(pp * v)
-        rc = self.device_costs(pp * v, b, mode, tp, cp)
-        scale, element = gradient_bytes(plan, replace(self.collectives, dp_reduce=reduce))
-        via = replica_link(Mesh(pp, dp, tp, cp), self.base)
-        return tuple(reduction_floor([rc.param_bytes[s] * scale for s in lay.stages_of(r)], reduce, dp * cp, via,
-                                     lay.info.split_backward, element) for r in lay.ranks)
-
-
 def _ask(graph: GraphView, gpus: int, hardware: Hardware | str, global_batch: int, seq_len: int | None,
          memory_limit: float | None, schedules: Sequence[str] | None, recompute: Sequence[str] | str | None,
          dtype: str | None, tp: Sequence[int] | None, cp: Sequence[int] | None,
          microbatch_sizes: Sequence[int] | None, stages_per_rank: Sequence[int], optimizer_states: int,
-         collectives: Collectives | None, dp_reduce: Sequence[str] | str | None) -> tuple[_Search, _Space]:
+         collectives: Collectives | None, dp_reduce: Sequence[str] | str | None) -> tuple[SearchPricing, _Space]:
     """``plan_cluster``'s arguments checked and resolved (the errors it documents are raised here)."""
     hw = find_hardware(hardware)
     for name, value in (("gpus", gpus), ("global_batch", global_batch)):
@@ -307,7 +174,7 @@ def _ask(graph: GraphView, gpus: int, hardware: Hardware | str, global_batch: in
     base = CostOptions(hardware=hw, dtype=dt, optimizer_states=optimizer_states)
     limit = int(memory_limit if memory_limit is not None else hw.memory_bytes)
     # one sequence of seq tokens, relative to the traced example batch
-    search = _Search(graph, hw, dt, base, seq / ex_seq / (graph.batch_size or 1), limit, optimizer_states,
+    search = SearchPricing(graph, hw, dt, base, seq / ex_seq / (graph.batch_size or 1), limit, optimizer_states,
                      collectives)
     # Selective recomputation drops attention's stored scores; a fused attention (SDPA) stores none, so there it
     # is "none" again: one of the two is enough.
@@ -329,7 +196,7 @@ def _ask(graph: GraphView, gpus: int, hardware: Hardware | str, global_batch: in
                           stages_per_rank, len(_split_blocks(graph)), notes)
 
 
-def _layouts(search: _Search, space: _Space) -> Iterator[_Option]:
+def _layouts(search: SearchPricing, space: _Space) -> Iterator[SearchOption]:
     """Every option of the search space whose split exists and whose microbatch count the schedule accepts."""
     for t, c in [(t, c) for t in space.tps for c in space.cps]:
         if space.gpus % (t * c):
@@ -357,13 +224,13 @@ def _layouts(search: _Search, space: _Space) -> Iterator[_Option]:
                             continue
                         for mode in space.modes:
                             for red in space.reductions if dp > 1 else space.reductions[:1]:
-                                yield _Option(t, c, pp, dp, name, v, b, m, mode, red)
+                                yield SearchOption(t, c, pp, dp, name, v, b, m, mode, red)
 
 
-def _candidates(search: _Search, space: _Space) -> tuple[list[tuple[float, _Option]], int, int]:
+def _candidates(search: SearchPricing, space: _Space) -> tuple[list[tuple[float, SearchOption]], int, int]:
     """The options with their step's lower bound, in its order, less those whose memory lower bound is over the
     limit; how many were considered and how many that bound dropped."""
-    out: list[tuple[float, _Option]] = []
+    out: list[tuple[float, SearchOption]] = []
     considered = pruned = 0
     compute: dict[tuple[object, ...], tuple[list[float], list[float]]] = {}
     for o in _layouts(search, space):
@@ -383,7 +250,7 @@ def _candidates(search: _Search, space: _Space) -> tuple[list[tuple[float, _Opti
     return out, considered, pruned
 
 
-def _rank(search: _Search, space: _Space, candidates: list[tuple[float, _Option]], top: int,
+def _rank(search: SearchPricing, space: _Space, candidates: list[tuple[float, SearchOption]], top: int,
           max_actions: int) -> tuple[list[LayoutOption], dict[str, int]]:
     """Simulate the candidates in their bound's order until the ``top``-th best step is below the next bound; the
     rows fastest first, and how many were simulated, pruned, over the memory limit, too long to simulate."""
@@ -399,7 +266,7 @@ def _rank(search: _Search, space: _Space, candidates: list[tuple[float, _Option]
         if _actions(o.schedule, o.pp, o.v, o.m) > max_actions:
             counts["too_long"] += 1
             continue
-        if search.memory(o) > search.limit:
+        if _peak(search, o) > search.limit:
             counts["too_big"] += 1
             continue
         plan = search.plan(o.stages)
@@ -419,6 +286,15 @@ def _rank(search: _Search, space: _Space, candidates: list[tuple[float, _Option]
                             extrapolated=extrapolated, exposed_reduction=exposed))
         rows.sort(key=lambda r: r.step_time)
     return rows, counts
+
+
+def _peak(search: SearchPricing, o: SearchOption) -> float:
+    """The option's peak bytes per device (``_memory``), once per layout: the reduction does not change it."""
+    key = o[:-1]
+    if key not in search.memory:
+        search.memory[key] = _memory(search.device_costs(o.stages, o.b, o.mode, o.tp, o.cp), o.schedule, o.stages,
+                                     o.m, o.v, search.optimizer_states, search.limit)
+    return search.memory[key]
 
 
 def _simulate(row: LayoutOption) -> tuple[float, float, float, bool, float]:
