@@ -62,10 +62,16 @@ def plan_cluster(
     Bound (why the ranking is exact): the ``top`` rows are the true best ``top`` options of the search space.
     An option is dropped unsimulated only when a lower bound already rules it out: its memory lower bound
     (parameters, gradients, optimizer state and one microbatch's activations of the rank's stages) exceeds the
-    limit, or its step lower bound (the busiest rank's compute, ``microbatches x sum of F + B`` over its
-    stages, plus the forwards before its first stage and, without a split backward, the backwards after its
-    last; no communication) is slower than the ``top``-th best simulated step. Options are simulated in order of
-    that lower bound.
+    limit, or its step lower bound is slower than the ``top``-th best simulated step. The step bound, per rank: the
+    forwards before its first stage, then ``microbatches x`` its stages' F + B (F + I + W where the schedule
+    splits every backward, each pass paying the recomputation), then the larger of the backwards after its last
+    stage (without a split backward) and the least its replicas' gradient reduction still adds after its last
+    action (``pipeviz.collectives.reduction_floor``); hand-offs on the fastest link. Options are simulated in order
+    of that bound, and stop once the next bound is slower than the ``top``-th row. An option that passes the
+    bounds is checked against the memory limit at ``2 x pp`` microbatches first (a cheap order: activations in
+    flight do not fall as microbatches are added past it), then at its own count. Its memory is computed once
+    for all its reductions, and torch's schedule orders once per schedule, stage and microbatch count
+    (``pipeviz.simulate.schedule_orders``).
 
     Sequence length: costs are scaled from the traced example by tokens (``global_batch x seq_len`` over the
     example's), which is exact for everything but attention's quadratic part; trace at the target sequence
