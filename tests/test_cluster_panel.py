@@ -51,9 +51,16 @@ def test_the_panel_lists_rows_in_the_planners_units(tiny: pv.ModelGraph) -> None
     for i in range(min(3, len(result.rows))):
         text = panel.rows.options[i][0]
         cells = dict(zip(columns, re.split(r"\s{2,}", table[2 + i].strip()), strict=True))
-        assert f"mb size {cells['mb size']} × {cells['mbs']}" in text, (text, table[2 + i])
+        assert f"mb size {cells['mb size']} · m {cells['m']}" in text, (text, table[2 + i])
         assert f"MFU {cells['MFU']}" in text and cells["MFU"] != "0.0%"
         assert f"· {cells['step'].rstrip('*')} ·" in text and text.endswith(f"· {cells['peak memory']}")
+    # the number of microbatches is m, not mbs (the lessons' microbatch size): a legend under the table and the rows
+    assert "mbs" not in table[1].split() and "m" in columns and "mb size" in columns
+    legend = result.legend()
+    assert any("m: microbatches per step" in line for line in legend) and legend == table[2 + len(result.rows[:3]):][
+        :len(legend)]
+    assert panel.legend.layout.display == "" and "m: microbatches per step" in panel.legend.value
+    assert "tp priced in Megatron-LM&#x27;s layout" in panel.legend.value and result.tp_layout == "megatron"
     # the demo's report shows the same cells (its HTML table, parsed back)
     from html.parser import HTMLParser
 

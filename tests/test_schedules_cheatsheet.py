@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import pipeviz as pv
-from pipeviz import schedules as sched
+from pipeviz.schedule import traits as sched
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "schedules.md"
 # (p, m): m a multiple of p and at least 2p, where the page says its formulas hold

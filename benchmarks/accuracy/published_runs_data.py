@@ -62,6 +62,11 @@ class PublishedRun:
             while a remainder lasts, the rest ``layers // stages``; the embedding and the head get lighter stages).
         dropout: hidden and attention dropout (Megatron-LM's defaults, ``--hidden-dropout 0.1
             --attention-dropout 0.1``, where the scripts set none): element-wise ops the roofline charges.
+        tp_layout: what tensor parallelism sharded (``Collectives.tp_layout``): ``"megatron"`` for every row, as
+            each of these frameworks shards a block: Megatron-LM and Megatron-Core's column- and row-parallel
+            attention and MLP with a vocabulary-parallel embedding and output (2 all-reduces per block, or their
+            reduce-scatter / all-gather halves under sequence parallelism), torchtitan's ``parallelize_llama`` the
+            same (colwise q/k/v and w1/w3, rowwise o and w2, rowwise embedding, colwise output).
     """
 
     key: str
@@ -98,6 +103,7 @@ class PublishedRun:
     framework: str = ""
     dropout: float = 0.0
     split: str = "even"
+    tp_layout: str = "megatron"
 
     @property
     def dp(self) -> int:

@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from pipeviz.cost.sharding import TpShares
     from pipeviz.plan.split import SplitPlan
 
-__all__ = ["BACKWARD_PER_FORWARD", "Costs", "layer_activation_bytes", "layer_times", "measured_here", "parallel_costs",
-           "selective_saves_nothing", "stage_costs", "time_source"]
+__all__ = ["BACKWARD_PER_FORWARD", "Costs", "layer_activation_bytes", "layer_times", "measured_here", "overlapped",
+           "parallel_costs", "selective_saves_nothing", "stage_costs", "time_source"]
 
 
 BACKWARD_PER_FORWARD = 2.0  # a backward computes two matmuls per forward matmul (input and weight grads)
@@ -368,6 +368,24 @@ def parallel_costs(costs: Costs, mesh: Mesh | int = 1, tp: int | None = None,
         recompute_bytes=kept(costs.recompute_bytes, shares.activations if shares else None, k),
         send_bytes=tuple(b / rows for b in costs.send_bytes),
     )
+
+
+def overlapped(costs: Costs) -> Costs:
+    """``costs`` with its collectives overlapping the matmuls they feed (``Collectives.tp_overlap``: Megatron-Core's
+    ``--tp-comm-overlap``, torchtitan's async TP): a forward pays only what its collectives outlast the stage's
+    forward compute by, a backward (and input-grad pass) what they outlast its backward compute by. The backward's
+    own collectives where the layout has them (``collective_backward``: the launch's), else the forward's (Megatron's
+    layout: as many in the backward). Never slower: each action's seconds become ``max(compute, collectives)``.
+
+    Example:
+        >>> overlapped(parallel_costs(costs, Mesh(1, 1, 8), collective=tp_s)).duration(0, "F")   # max(F, tp_s[0])
+    """
+    if not costs.collective:
+        return costs
+    back = costs.collective_backward or costs.collective
+    return replace(costs,
+                   collective=tuple(max(0.0, c - f) for c, f in zip(costs.collective, costs.forward, strict=True)),
+                   collective_backward=tuple(max(0.0, c - b) for c, b in zip(back, costs.backward, strict=True)))
 
 
 def selective_saves_nothing(graph: GraphView, options: CostOptions | None = None) -> bool:

@@ -1,5 +1,7 @@
 """What ``pv.plan_cluster`` answers: ``LayoutOption`` (one layout with its predicted step, throughput and memory, and
-the ``LaunchConfig`` that runs it) and ``ClusterPlan`` (the ranked options and how the search went).
+the ``LaunchConfig`` that runs it) and ``ClusterPlan`` (the ranked options and how the search went); and how one
+option of its search is priced before it is simulated (``SearchOption``, ``SearchPricing``: its split, costs and
+lower bounds, remembered across the options that share them).
 
 Example:
     >>> best = pv.plan_cluster(graph, 64, "h100", global_batch=512).best
@@ -8,21 +10,30 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TypedDict
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, NamedTuple, TypedDict
 
 from pipeviz._compat import deprecated
+from pipeviz.cost.comm import cp_collectives, tp_collectives
 from pipeviz.cost.machine import Hardware
+from pipeviz.cost.memory import static_memory
+from pipeviz.cost.model import Costs, overlapped, parallel_costs, stage_costs
 from pipeviz.cost.options import CostOptions
 from pipeviz.plan.errors import PlanError
 from pipeviz.plan.preview import human_bytes
 from pipeviz.plan.split import SplitPlan
+from pipeviz.planner.balance import balance
+from pipeviz.schedule import traits as sched
 from pipeviz.schedule.config import LaunchConfig
 from pipeviz.schedule.mesh import DIMS, Mesh
 from pipeviz.schedule.training import cross_entropy
-from pipeviz.sim.collectives import Collectives
+from pipeviz.sim.collectives import Collectives, reduction_floor
+from pipeviz.sim.simulate import gradient_bytes, replica_link
 
-__all__ = ["ClusterPlan", "LayoutOption", "row_summary"]
+if TYPE_CHECKING:
+    from pipeviz.capture.view import GraphView
+
+__all__ = ["TP_LAYOUT_WORDS", "ClusterPlan", "LayoutOption", "row_summary"]
 
 
 class _RowOptions(TypedDict):
@@ -184,6 +195,9 @@ class ClusterPlan:
             step time) without simulating; too_big: those found over the memory limit; too_long: those left out
             because simulating them would take more than ``max_actions`` actions.
         notes: what the search assumed (sequence-length scaling, selective recomputation with fused attention).
+        tp_layout: the tensor-parallel layout every row was priced in (``Collectives.tp_layout``): ``"megatron"``,
+            Megatron-LM's (every block's attention and MLP and the vocabulary sharded, 2 all-reduces per block), as a
+            cluster's run shards a large model; ``table`` says so under the rows.
     """
 
     rows: tuple[LayoutOption, ...]
@@ -199,6 +213,7 @@ class ClusterPlan:
     too_big: int = 0
     too_long: int = 0
     notes: tuple[str, ...] = ()
+    tp_layout: str = "megatron"
 
     @property
     def best(self) -> LayoutOption:
@@ -221,7 +236,7 @@ class ClusterPlan:
         (one set of figures in one set of units)."""
         cps = any(r.cp > 1 for r in self.rows[:top])  # a cp column only where the sequence is split
         rows: list[tuple[str, ...]] = [
-            ("#", "pp", "dp", *(("cp",) if cps else ()), "tp", "schedule", "v", "mb size", "mbs", "recompute",
+            ("#", "pp", "dp", *(("cp",) if cps else ()), "tp", "schedule", "v", "mb size", "m", "recompute",
              "reduce", "exposed", "step", "tokens/s", "TFLOP/s/GPU", "MFU", "bubble", "peak memory")]
         for i, r in enumerate(self.rows[:top], 1):
             rows.append((str(i), str(r.pp), str(r.dp), *((str(r.cp),) if cps else ()), str(r.tp), r.schedule,
@@ -247,10 +262,152 @@ class ClusterPlan:
                 + (f", {self.too_long} left out as too long to simulate (max_actions)." if self.too_long else ".")]
         if any(r.extrapolated for r in self.rows[:top]):
             tail.append("* extrapolated from two shorter simulations (the step grows linearly in microbatches).")
-        return "\n".join([head, *lines, *tail, *self.notes])
+        return "\n".join([head, *lines, *self.legend(), *tail, *self.notes])
+
+    def legend(self) -> list[str]:
+        """What the table's columns mean, and the tensor-parallel layout the rows were priced in (lines under the
+        table; the Explorer's cluster panel shows the same)."""
+        cp = ", cp: context-parallel shares of each sequence" if any(r.cp > 1 for r in self.rows) else ""
+        return [
+            f"pp, dp, tp: pipeline ranks, data-parallel replicas, tensor-parallel shards{cp}; v: stages per pipeline "
+            "rank;",
+            f"mb size: sequences per microbatch; m: microbatches per step (global batch {self.global_batch} = dp x m x "
+            "mb size);",
+            "reduce: how the replicas reduce their gradients (dp_reduce); exposed: the seconds of it the step waits "
+            "for;",
+            f"tp priced in {TP_LAYOUT_WORDS.get(self.tp_layout, self.tp_layout)}: tp_layout={self.tp_layout!r}.",
+        ]
 
     def __str__(self) -> str:
         return self.table()
+
+
+class SearchOption(NamedTuple):
+    """One option of the search: a layout (degrees, schedule, stages per rank, microbatch size and count,
+    recomputation) and how its replicas reduce their gradients."""
+
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    schedule: str
+    v: int
+    b: int
+    m: int
+    mode: str
+    reduce: str
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.v
+
+    @property
+    def layout(self) -> sched.Layout:
+        return sched.layout(self.schedule, self.stages, self.v if self.v > 1 else None)
+
+
+@dataclass
+class SearchPricing:
+    """What every option of ``pv.plan_cluster``'s search is priced with (the hardware, dtype, memory limit,
+    collectives, the batch's scale per sequence) and what the options share, remembered: balanced plans per stage
+    count, stage costs, one device's costs, the bounds, and each layout's peak memory (the same for every
+    reduction)."""
+
+    graph: GraphView
+    hw: Hardware
+    dtype: str
+    base: CostOptions
+    per_token: float
+    limit: int
+    optimizer_states: int
+    collectives: Collectives
+    plans: dict[int, SplitPlan | None] = field(default_factory=dict)
+    _stage: dict[tuple[int, int, str], Costs] = field(default_factory=dict)
+    _device: dict[tuple[int, int, str, int, int], Costs] = field(default_factory=dict)
+    memory: dict[tuple[object, ...], float] = field(default_factory=dict)  # peak bytes per layout (the planner's)
+    _bounds: dict[tuple[object, ...], int] = field(default_factory=dict)
+    _floors: dict[tuple[object, ...], tuple[float, ...]] = field(default_factory=dict)
+
+    def plan(self, n: int) -> SplitPlan | None:
+        """``pv.balance``'s optimum into ``n`` stages, or None when the graph has too few split points."""
+        if n not in self.plans:
+            try:
+                self.plans[n] = balance(self.graph, n, options=self.base)
+            except PlanError:
+                self.plans[n] = None
+        return self.plans[n]
+
+    def stage_costs(self, n: int, b: int, mode: str) -> Costs:
+        key = (n, b, mode)
+        if key not in self._stage:
+            plan = self.plan(n)
+            assert plan is not None
+            self._stage[key] = stage_costs(plan, 1, options=replace(self.base, recompute=mode,
+                                                                    batch_scale=b * self.per_token))
+        return self._stage[key]
+
+    def device_costs(self, n: int, b: int, mode: str, t: int, c: int = 1) -> Costs:
+        """One device's costs per microbatch of ``b`` sequences: its shard of each stage and its share of each
+        sequence, with the shards' all-reduces and the shares' key/value gathers (``pv.simulate``'s), overlapped
+        with the compute where the collectives say so (``tp_overlap``)."""
+        key = (n, b, mode, t, c)
+        if key not in self._device:
+            plan = self.plan(n)
+            assert plan is not None
+            mesh = Mesh(1, 1, t, c)
+            coll = None
+            scale = self.base.byte_scale(plan.graph) * b * self.per_token
+            if t > 1 or c > 1:
+                tp_s = (tp_collectives(plan, 1, c, t, self.base.link(t, allreduce=True), scale) if t > 1
+                        else (0.0,) * n)
+                cp_s = (cp_collectives(plan, 1, mesh, self.base.link(mesh.rank(0, cp=c - 1) + 1, allreduce=True),
+                                       scale) if c > 1 else (0.0,) * n)
+                coll = tuple(x + y for x, y in zip(tp_s, cp_s, strict=True))
+            costs = parallel_costs(self.stage_costs(n, b, mode), mesh, collective=coll)
+            # (pv.simulate overlaps them the same way: the bound below must not exceed its step)
+            self._device[key] = overlapped(costs) if self.collectives.tp_overlap else costs
+        return self._device[key]
+
+    def memory_bound(self, tp: int, cp: int, pp: int, schedule: str, v: int, b: int, mode: str) -> int:
+        """A lower bound on the peak bytes of the options of this layout (any microbatch count and reduction): each
+        rank's weights, gradients, optimizer state and one microbatch's activations."""
+        key = (tp, cp, pp, schedule, v, b, mode)
+        if key not in self._bounds:
+            self._bounds[key] = self._memory_bound(tp, cp, pp, schedule, v, b, mode)
+        return self._bounds[key]
+
+    def _memory_bound(self, tp: int, cp: int, pp: int, schedule: str, v: int, b: int, mode: str) -> int:
+        rc, lay = self.device_costs(pp * v, b, mode, tp, cp), sched.layout(schedule, pp * v, v if v > 1 else None)
+        return max(static_memory(rc, lay.stages_of(r), self.optimizer_states)
+                   + max(rc.activation_bytes[s] for s in lay.stages_of(r)) for r in lay.ranks)
+
+    def reduction_floors(self, tp: int, cp: int, pp: int, dp: int, schedule: str, v: int, b: int, mode: str,
+                         reduce: str) -> tuple[float, ...]:
+        """Per pipeline rank, the least the replicas' gradient reduction adds after its last action
+        (``pipeviz.sim.collectives.reduction_floor``, on ``pv.simulate``'s link and gradient bytes)."""
+        key = (tp, cp, pp, dp, schedule, v, b, mode, reduce)
+        if key not in self._floors:
+            self._floors[key] = self._reduction_floors(*key)
+        return self._floors[key]
+
+    def _reduction_floors(self, tp: int, cp: int, pp: int, dp: int, schedule: str, v: int, b: int, mode: str,
+                          reduce: str) -> tuple[float, ...]:
+        lay = sched.layout(schedule, pp * v, v if v > 1 else None)
+        if dp * cp <= 1:
+            return (0.0,) * lay.num_ranks
+        plan = self.plan(pp * v)
+        rc = self.device_costs(pp * v, b, mode, tp, cp)
+        scale, element = gradient_bytes(plan, replace(self.collectives, dp_reduce=reduce))
+        via = replica_link(Mesh(pp, dp, tp, cp), self.base)
+        return tuple(reduction_floor([rc.param_bytes[s] * scale for s in lay.stages_of(r)], reduce, dp * cp, via,
+                                     lay.info.split_backward, element) for r in lay.ranks)
+
+
+# How each tensor-parallel layout is named under a table (Collectives.tp_layout)
+TP_LAYOUT_WORDS = {
+    "megatron": "Megatron-LM's layout (attention, MLP and vocabulary sharded; 2 all-reduces per block)",
+    "launch": "pv.launch's layout (what default_tp_plan, or the config's tp_plan, shards)",
+}
 
 
 def _seconds(t: float) -> str:
@@ -263,11 +420,11 @@ def _share(x: float) -> str:
 
 
 def row_summary(i: int, r: LayoutOption) -> str:
-    """One planner row on a line, in ``table``'s units and order (microbatch size, then microbatches): what the
-    cluster panel lists."""
+    """One planner row on a line, in ``table``'s units, order and names (``mb size``, then ``m`` microbatches): what
+    the cluster panel lists."""
     v = f" v{r.stages_per_rank}" if r.stages_per_rank > 1 else ""
     cp = f" cp{r.cp}" if r.cp > 1 else ""
     reduce = f" · {r.dp_reduce}" if r.dp > 1 else ""
-    return (f"{i + 1}. pp{r.pp} dp{r.dp}{cp} tp{r.tp} {r.schedule}{v} · mb size {r.microbatch_size} × "
+    return (f"{i + 1}. pp{r.pp} dp{r.dp}{cp} tp{r.tp} {r.schedule}{v} · mb size {r.microbatch_size} · m "
             f"{r.microbatches} · {r.recompute}{reduce} · {_seconds(r.step_time)} · MFU {_share(r.mfu)} · "
             f"{human_bytes(r.peak_memory)}")

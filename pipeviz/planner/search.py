@@ -15,26 +15,21 @@ Example:
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from dataclasses import replace
-from typing import Any
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 
 from pipeviz._compat import positional_legacy
 from pipeviz.capture.view import GraphView
-from pipeviz.cost.comm import cp_collectives, tp_collectives
 from pipeviz.cost.machine import Hardware
 from pipeviz.cost.machine import hardware as find_hardware
-from pipeviz.cost.memory import memory_per_rank, static_memory
-from pipeviz.cost.model import Costs, parallel_costs, stage_costs
+from pipeviz.cost.memory import memory_per_rank
+from pipeviz.cost.model import Costs
 from pipeviz.cost.options import RECOMPUTE, CostOptions
 from pipeviz.cost.roofline import op_table
-from pipeviz.plan.errors import PlanError
-from pipeviz.plan.split import SplitPlan
-from pipeviz.planner.balance import balance
-from pipeviz.planner.cluster import ClusterPlan, LayoutOption
+from pipeviz.planner.cluster import ClusterPlan, LayoutOption, SearchOption, SearchPricing
 from pipeviz.schedule import traits as sched
-from pipeviz.schedule.mesh import Mesh, check_degree
-from pipeviz.sim.simulate import Collectives, simulate
+from pipeviz.schedule.mesh import check_degree
+from pipeviz.sim.simulate import Collectives, schedule_orders, simulate
 
 __all__ = ["ClusterPlan", "LayoutOption", "plan_cluster"]  # the first two: pipeviz.planner.cluster
 
@@ -67,10 +62,16 @@ def plan_cluster(
     Bound (why the ranking is exact): the ``top`` rows are the true best ``top`` options of the search space.
     An option is dropped unsimulated only when a lower bound already rules it out: its memory lower bound
     (parameters, gradients, optimizer state and one microbatch's activations of the rank's stages) exceeds the
-    limit, or its step lower bound (the busiest rank's compute, ``microbatches x sum of F + B`` over its
-    stages, plus the forwards before its first stage and, without a split backward, the backwards after its
-    last; no communication) is slower than the ``top``-th best simulated step. Options are simulated in order of
-    that lower bound.
+    limit, or its step lower bound is slower than the ``top``-th best simulated step. The step bound, per rank: the
+    forwards before its first stage, then ``microbatches x`` its stages' F + B (F + I + W where the schedule
+    splits every backward, each pass paying the recomputation), then the larger of the backwards after its last
+    stage (without a split backward) and the least its replicas' gradient reduction still adds after its last
+    action (``pipeviz.sim.collectives.reduction_floor``); hand-offs on the fastest link. Options are simulated in order
+    of that bound, and stop once the next bound is slower than the ``top``-th row. An option that passes the
+    bounds is checked against the memory limit at ``2 x pp`` microbatches first (a cheap order: activations in
+    flight do not fall as microbatches are added past it), then at its own count. Its memory is computed once
+    for all its reductions, and torch's schedule orders once per schedule, stage and microbatch count
+    (``pipeviz.sim.simulate.schedule_orders``).
 
     Sequence length: costs are scaled from the traced example by tokens (``global_batch x seq_len`` over the
     example's), which is exact for everything but attention's quadratic part; trace at the target sequence
@@ -121,79 +122,71 @@ def plan_cluster(
         ValueError: a non-positive ``gpus`` / ``global_batch``, a ``tp`` wider than a node, an unknown hardware,
             dtype, schedule or mode.
     """
+    search, space = _ask(graph, gpus, hardware, global_batch, seq_len, memory_limit, schedules, recompute, dtype,
+                         tp, cp, microbatch_sizes, stages_per_rank, optimizer_states, collectives, dp_reduce)
+    candidates, considered, pruned = _candidates(search, space)
+    rows, counts = _rank(search, space, candidates, top, max_actions)
+    return ClusterPlan(tuple(rows[:top]), search.hw, gpus, global_batch, space.seq, search.dtype, search.limit,
+                       considered, counts["simulated"], pruned + counts["pruned"], counts["too_big"],
+                       counts["too_long"], tuple(space.notes), search.collectives.tp_layout)
+
+
+@dataclass
+class _Space:
+    """The values searched (``plan_cluster``'s arguments, resolved and checked) and the notes on them."""
+
+    gpus: int
+    global_batch: int
+    seq: int
+    names: list[str]
+    modes: list[str]
+    reductions: list[str]
+    tps: list[int]
+    cps: list[int]
+    microbatch_sizes: Sequence[int] | None
+    stages_per_rank: Sequence[int]
+    blocks: int
+    notes: list[str]
+
+
+def _ask(graph: GraphView, gpus: int, hardware: Hardware | str, global_batch: int, seq_len: int | None,
+         memory_limit: float | None, schedules: Sequence[str] | None, recompute: Sequence[str] | str | None,
+         dtype: str | None, tp: Sequence[int] | None, cp: Sequence[int] | None,
+         microbatch_sizes: Sequence[int] | None, stages_per_rank: Sequence[int], optimizer_states: int,
+         collectives: Collectives | None, dp_reduce: Sequence[str] | str | None) -> tuple[SearchPricing, _Space]:
+    """``plan_cluster``'s arguments checked and resolved (the errors it documents are raised here)."""
     hw = find_hardware(hardware)
     for name, value in (("gpus", gpus), ("global_batch", global_batch)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}.")
     dt = hw.dtype(dtype)
     # a cluster's run shards as Megatron-LM does (every block's attention and MLP, the vocabulary): the rows'
-    # simulations cost that layout, as the bounds below do
+    # simulations cost that layout, as the bounds do
     reductions = ([dp_reduce] if isinstance(dp_reduce, str) else list(dp_reduce) if dp_reduce is not None
                   else [collectives.dp_reduce] if collectives is not None else ["ddp", "overlap"])
     collectives = replace(collectives or Collectives(), tp_layout="megatron")
     for red in reductions:
         replace(collectives, dp_reduce=red)  # validates the name
-    limit = int(memory_limit if memory_limit is not None else hw.memory_bytes)
     names = [sched.canonical(s) for s in (schedules or sched.ALL)]
     modes = [recompute] if isinstance(recompute, str) else list(recompute or RECOMPUTE)
     for mode in modes:
         CostOptions(recompute=mode)  # validates the name
-    ex_batch = graph.batch_size or 1
     ex_seq = _example_seq_len(graph)
     seq = seq_len or ex_seq
-    per_token = seq / ex_seq / ex_batch  # one sequence of seq tokens, relative to the traced example batch
     notes = []
     if seq != ex_seq:
         notes.append(f"Costs scaled from the traced {ex_seq} tokens to {seq} by tokens (attention's quadratic part "
                      "is not rescaled): trace at the target length to include it.")
-    blocks = _split_blocks(graph)
     base = CostOptions(hardware=hw, dtype=dt, optimizer_states=optimizer_states)
-    plans: dict[int, SplitPlan | None] = {}
-    costs_cache: dict[tuple[int, int, str], Costs] = {}
-
-    def plan_for(n: int) -> SplitPlan | None:
-        if n not in plans:
-            try:
-                plans[n] = balance(graph, n, options=base)
-            except PlanError:
-                plans[n] = None
-        return plans[n]
-
-    def costs_for(n: int, b: int, mode: str) -> Costs:
-        key = (n, b, mode)
-        if key not in costs_cache:
-            plan = plans[n]
-            assert plan is not None
-            costs_cache[key] = stage_costs(plan, 1, options=replace(base, recompute=mode, batch_scale=b * per_token))
-        return costs_cache[key]
-
-    rank_cache: dict[tuple[int, int, str, int, int], Costs] = {}
-
-    def rank_costs(n: int, b: int, mode: str, t: int, c: int = 1) -> Costs:
-        """One device's costs per microbatch of ``b`` sequences: its shard of each stage and its share of each
-        sequence, with the shards' all-reduces and the shares' key/value gathers (``pv.simulate``'s)."""
-        key = (n, b, mode, t, c)
-        if key not in rank_cache:
-            plan = plans[n]
-            assert plan is not None
-            mesh = Mesh(1, 1, t, c)
-            coll = None
-            scale = base.byte_scale(plan.graph) * b * per_token
-            if t > 1 or c > 1:
-                tp_s = (tp_collectives(plan, 1, c, t, base.link(t, allreduce=True), scale) if t > 1
-                        else (0.0,) * n)
-                cp_s = (cp_collectives(plan, 1, mesh, base.link(mesh.rank(0, cp=c - 1) + 1, allreduce=True),
-                                       scale) if c > 1 else (0.0,) * n)
-                coll = tuple(x + y for x, y in zip(tp_s, cp_s, strict=True))
-            rank_cache[key] = parallel_costs(costs_for(n, b, mode), mesh, collective=coll)
-        return rank_cache[key]
-
+    limit = int(memory_limit if memory_limit is not None else hw.memory_bytes)
+    # one sequence of seq tokens, relative to the traced example batch
+    search = SearchPricing(graph, hw, dt, base, seq / ex_seq / (graph.batch_size or 1), limit, optimizer_states,
+                     collectives)
     # Selective recomputation drops attention's stored scores; a fused attention (SDPA) stores none, so there it
     # is "none" again: one of the two is enough.
     if "selective" in modes and "none" in modes and _no_scores(graph, base):
         modes.remove("selective")
         notes.append("selective recomputation = none here: the model's attention is fused (no stored scores).")
-
     tps = list(tp) if tp is not None else [t for t in (1, 2, 4, 8, 16) if t <= hw.devices_per_node]
     wide = [t for t in tps if not isinstance(t, int) or t < 1 or t > hw.devices_per_node]
     if wide:
@@ -205,95 +198,123 @@ def plan_cluster(
         check_degree("cp", c)
     if any(c > 1 for c in cps):
         notes.append("Context parallelism (cp > 1): keys and values all-gathered per attention op, not overlapped.")
-    candidates: list[tuple[float, tuple[Any, ...]]] = []
-    considered = pruned = 0
-    # Model FLOPs: forward + backward (2x), no recomputation; attention's too where torch's counter missed them.
-    model_flops = 3 * max(graph.total_flops, sum(op_table(graph.capture).flops)) * per_token * global_batch
-    for t, c in [(t, c) for t in tps for c in cps]:
-        if gpus % (t * c):
+    return search, _Space(gpus, global_batch, seq, names, modes, reductions, tps, cps, microbatch_sizes,
+                          stages_per_rank, len(_split_blocks(graph)), notes)
+
+
+def _layouts(search: SearchPricing, space: _Space) -> Iterator[SearchOption]:
+    """Every option of the search space whose split exists and whose microbatch count the schedule accepts."""
+    for t, c in [(t, c) for t in space.tps for c in space.cps]:
+        if space.gpus % (t * c):
             continue
-        for pp in [d for d in range(1, gpus // (t * c) + 1) if (gpus // (t * c)) % d == 0 and d <= len(blocks)]:
-            dp = gpus // (t * c * pp)
-            if global_batch % dp:
+        rest = space.gpus // (t * c)
+        for pp in [d for d in range(1, rest + 1) if rest % d == 0 and d <= space.blocks]:
+            dp = rest // pp
+            if space.global_batch % dp:
                 continue
-            per_replica = global_batch // dp
-            sizes = [b for b in (microbatch_sizes or [2**i for i in range(7)]) if per_replica % b == 0]
-            for name in names:
-                trait = sched.SCHEDULES[name]
-                vs = [1] if not trait.multi else [v for v in stages_per_rank if pp > 1 and pp * v <= len(blocks)]
-                if trait.v_shape:
-                    vs = [v for v in vs if v == trait.stages_per_rank]
+            per_replica = space.global_batch // dp
+            sizes = [b for b in (space.microbatch_sizes or [2**i for i in range(7)]) if per_replica % b == 0]
+            for name in space.names:
                 if pp == 1 and name != "1F1B":
                     continue  # one stage: every schedule is the same sequence of forwards and backwards
-                for v in vs:
-                    n = pp * v
-                    if plan_for(n) is None:
+                trait = sched.SCHEDULES[name]
+                vs = [1] if not trait.multi else [v for v in space.stages_per_rank if pp > 1 and pp * v <= space.blocks]
+                for v in [v for v in vs if not trait.v_shape or v == trait.stages_per_rank]:
+                    if search.plan(pp * v) is None:
                         continue
                     for b in sizes:
                         m = per_replica // b
                         try:
-                            sched.check_microbatches(name, n, m, v if v > 1 else None)
+                            sched.check_microbatches(name, pp * v, m, v if v > 1 else None)
                         except sched.ScheduleError:
                             continue
-                        for mode, red in [(mo, r) for mo in modes for r in (reductions if dp > 1 else reductions[:1])]:
-                            considered += 1
-                            rc = rank_costs(n, b, mode, t, c)
-                            lay = sched.layout(name, n, v if v > 1 else None)
-                            work = _step_bound(rc, lay, m)
-                            mem_lb = max(static_memory(rc, lay.stages_of(r), optimizer_states)
-                                         + max(rc.activation_bytes[s] for s in lay.stages_of(r))
-                                         for r in lay.ranks)
-                            if mem_lb > limit:
-                                pruned += 1
-                                continue
-                            candidates.append((work, (t, c, pp, dp, name, v, b, m, mode, red)))
-    candidates.sort(key=lambda c: c[0])
-    rows: list[LayoutOption] = []
-    simulated = too_big = too_long = 0
-    for bound, (t, c, pp, dp, name, v, b, m, mode, red) in candidates:
-        if len(rows) >= top and bound > rows[top - 1].step_time:
+                        for mode in space.modes:
+                            for red in space.reductions if dp > 1 else space.reductions[:1]:
+                                yield SearchOption(t, c, pp, dp, name, v, b, m, mode, red)
+
+
+def _candidates(search: SearchPricing, space: _Space) -> tuple[list[tuple[float, SearchOption]], int, int]:
+    """The options with their step's lower bound, in its order, less those whose memory lower bound is over the
+    limit; how many were considered and how many that bound dropped."""
+    out: list[tuple[float, SearchOption]] = []
+    considered = pruned = 0
+    compute: dict[tuple[object, ...], tuple[list[float], list[float]]] = {}
+    for o in _layouts(search, space):
+        considered += 1
+        if search.memory_bound(o.tp, o.cp, o.pp, o.schedule, o.v, o.b, o.mode) > search.limit:
             pruned += 1
             continue
-        if _actions(name, pp, v, m) > max_actions:
-            too_long += 1
+        key = o[:-1]
+        if key not in compute:
+            compute[key] = _step_bound(search.device_costs(o.stages, o.b, o.mode, o.tp, o.cp), o.layout, o.m)
+        busy, tail = compute[key]
+        floors = search.reduction_floors(*o[:7], o.mode, o.reduce)
+        # (a hair below: the simulation adds the same seconds in another order, and a bound must never exceed it)
+        bound = max(b + max(t, f) for b, t, f in zip(busy, tail, floors, strict=True)) * (1 - 1e-9)
+        out.append((bound, o))
+    out.sort(key=lambda c: c[0])
+    return out, considered, pruned
+
+
+def _rank(search: SearchPricing, space: _Space, candidates: list[tuple[float, SearchOption]], top: int,
+          max_actions: int) -> tuple[list[LayoutOption], dict[str, int]]:
+    """Simulate the candidates in their bound's order until the ``top``-th best step is below the next bound; the
+    rows fastest first, and how many were simulated, pruned, over the memory limit, too long to simulate."""
+    # Model FLOPs: forward + backward (2x), no recomputation; attention's too where torch's counter missed them.
+    graph = search.graph
+    model_flops = 3 * max(graph.total_flops, sum(op_table(graph.capture).flops)) * search.per_token * space.global_batch
+    rows: list[LayoutOption] = []
+    counts = dict.fromkeys(("simulated", "pruned", "too_big", "too_long"), 0)
+    for i, (bound, o) in enumerate(candidates):
+        if len(rows) >= top and bound > rows[top - 1].step_time:
+            counts["pruned"] += len(candidates) - i  # sorted: every later bound is larger still
+            break
+        if _actions(o.schedule, o.pp, o.v, o.m) > max_actions:
+            counts["too_long"] += 1
             continue
-        plan = plans[pp * v]
+        if _peak(search, o) > search.limit:
+            counts["too_big"] += 1
+            continue
+        plan = search.plan(o.stages)
         assert plan is not None
-        if _memory(rank_costs(pp * v, b, mode, t, c), name, pp * v, m, v, optimizer_states, limit) > limit:
-            too_big += 1
-            continue
-        opts = replace(base, recompute=mode, batch_scale=b * per_token * dp * m)
+        opts = replace(search.base, recompute=o.mode, batch_scale=o.b * search.per_token * o.dp * o.m)
         row = LayoutOption(
-            pp=pp, dp=dp, tp=t, cp=c, schedule=name, stages_per_rank=v, microbatch_size=b, microbatches=m,
-            recompute=mode, plan=plan, step_time=0.0, tokens_per_s=0.0, tflops_per_gpu=0.0, mfu=0.0, bubble=0.0,
-            peak_memory=0, options=opts, collectives=replace(collectives, dp_reduce=red))
+            pp=o.pp, dp=o.dp, tp=o.tp, cp=o.cp, schedule=o.schedule, stages_per_rank=o.v, microbatch_size=o.b,
+            microbatches=o.m, recompute=o.mode, plan=plan, step_time=0.0, tokens_per_s=0.0, tflops_per_gpu=0.0,
+            mfu=0.0, bubble=0.0, peak_memory=0, options=opts,
+            collectives=replace(search.collectives, dp_reduce=o.reduce))
         step, busy, memory, extrapolated, exposed = _simulate(row)
-        simulated += 1
-        rows.append(replace(row, step_time=step, tokens_per_s=global_batch * seq / step,
-                            tflops_per_gpu=model_flops / step / gpus / 1e12,
-                            mfu=model_flops / step / gpus / hw.peak(dt),
-                            bubble=max(0.0, 1 - busy / (pp * step)), peak_memory=int(memory),
+        counts["simulated"] += 1
+        rows.append(replace(row, step_time=step, tokens_per_s=space.global_batch * space.seq / step,
+                            tflops_per_gpu=model_flops / step / space.gpus / 1e12,
+                            mfu=model_flops / step / space.gpus / search.hw.peak(search.dtype),
+                            bubble=max(0.0, 1 - busy / (o.pp * step)), peak_memory=int(memory),
                             extrapolated=extrapolated, exposed_reduction=exposed))
         rows.sort(key=lambda r: r.step_time)
-    return ClusterPlan(tuple(rows[:top]), hw, gpus, global_batch, seq, dt, limit, considered, simulated, pruned,
-                       too_big, too_long, tuple(notes))
+    return rows, counts
+
+
+def _peak(search: SearchPricing, o: SearchOption) -> float:
+    """The option's peak bytes per device (``_memory``), once per layout: the reduction does not change it."""
+    key = o[:-1]
+    if key not in search.memory:
+        search.memory[key] = _memory(search.device_costs(o.stages, o.b, o.mode, o.tp, o.cp), o.schedule, o.stages,
+                                     o.m, o.v, search.optimizer_states, search.limit)
+    return search.memory[key]
 
 
 def _simulate(row: LayoutOption) -> tuple[float, float, float, bool, float]:
     """(step seconds, busy seconds summed over pipeline ranks, peak bytes per device, extrapolated, the reduction's
     exposed seconds) of the row's own ``config`` (``pv.simulate``, as a user reproduces it; the exposed reduction,
     a step's end, is the longer simulation's when extrapolated)."""
-    plan, name, m, v = row.plan, row.schedule, row.microbatches, row.stages_per_rank
+    plan, m, v = row.plan, row.microbatches, row.stages_per_rank
     n = plan.num_stages
-    spr = v if v > 1 else None
-
     exposed = [0.0]
 
     def run(count: int) -> tuple[float, float, float]:
         # batch_scale is the whole step's; with fewer microbatches each keeps its size.
         o = replace(row.options, batch_scale=row.options.batch_scale * count / m)
-        tl = simulate(plan, row.config.replace(microbatches=count), options=o, order=_orders(name, n, count, spr),
-                      collectives=row.collectives)
+        tl = simulate(plan, row.config.replace(microbatches=count), options=o, collectives=row.collectives)
         start = min(e.start for e in tl.events)
         step = max(e.end for e in tl.events) - start
         busy = sum(e.duration for e in tl.events if e.kind in ("F", "B", "I", "W"))
@@ -317,9 +338,10 @@ def _actions(name: str, pp: int, v: int, m: int) -> int:
 
 def _memory(c: Costs, name: str, n: int, m: int, v: int, optimizer_states: int, limit: float) -> float:
     """Peak bytes per device (``pipeviz.costs.memory_per_rank``), extrapolated past ``6 x pp`` microbatches as the
-    step is (see ``plan_cluster``). Activations in flight never fall as microbatches are added, so a count past
-    ``4 x pp`` that already overflows at ``4 x pp`` is over ``limit`` without building its own order (torch's
-    code builds the multi-stage orders, slowly): that smaller figure is returned."""
+    step is (see ``plan_cluster``). Activations in flight do not fall as microbatches are added past ``2 x pp``, so
+    an option that already overflows with ``2 x pp`` (``_fewer``) is over ``limit`` without building its own order
+    (torch's code builds the multi-stage orders, slowly: a second for a deep pipeline): that smaller figure is
+    returned."""
     spr = v if v > 1 else None
     m1, m2 = _extrapolated_from(n // v)
 
@@ -327,15 +349,28 @@ def _memory(c: Costs, name: str, n: int, m: int, v: int, optimizer_states: int, 
         return float(max(memory_per_rank(None, name, count, spr, optimizer_states, costs=c,
                                          order=_orders(name, n, count, spr))))
 
-    if m <= m1:
-        return at(m)
-    a = at(m1)
-    if a > limit:
-        return a
+    fewer = _fewer(name, n, m, spr)
+    if fewer < m and (low := at(fewer)) > limit:
+        return low
     if m <= m2:
         return at(m)
-    b = at(m2)
+    a, b = at(m1), at(m2)
     return b + (m - m2) / (m2 - m1) * (b - a)
+
+
+def _fewer(name: str, n: int, m: int, spr: int | None) -> int:
+    """``2 x pp`` microbatches when fewer than ``m`` and the schedule accepts them, else ``m``: the cheap order whose
+    peak memory bounds ``m``'s from below (torch's multi-stage schedules; the single-stage ones are built here at
+    once, and GPipe keeps every microbatch). A multiple of pp: from ``pp + 1`` an interleaved schedule's warm-up
+    can hold more than with ``2 x pp`` (``tests/test_planner_search.py`` checks the counts it relies on)."""
+    fewer = 2 * (n // (spr or 1))
+    if not sched.SCHEDULES[name].multi or fewer >= m:
+        return m
+    try:
+        sched.check_microbatches(name, n, fewer, spr)
+    except sched.ScheduleError:
+        return m
+    return fewer
 
 
 def _extrapolated_from(pp: int) -> tuple[int, int]:
@@ -345,28 +380,42 @@ def _extrapolated_from(pp: int) -> tuple[int, int]:
     return 4 * pp, 6 * pp
 
 
-def _step_bound(c: Costs, lay: sched.Layout, m: int) -> float:
-    """A lower bound on the step: for each rank, its first input cannot arrive before microbatch 0's forwards
-    (and hand-offs) through the stages before it, it computes ``m x`` its stages' forward and backward, and
+def _step_bound(c: Costs, lay: sched.Layout, m: int) -> tuple[list[float], list[float]]:
+    """Per rank, a lower bound on when its last action ends (``busy``) and on how long the step goes on after
+    it (``tail``): its first input cannot arrive before microbatch 0's forwards (and hand-offs) through the stages
+    before it, and it computes ``m x`` its stages' forward and backward (an input-grad and a weight-grad pass
+    where the schedule splits every backward: each pays the recomputation, ``Costs.recompute_seconds``); and
     (schedules without a split backward) the stages before it still run their last backward after its own. The
-    hand-offs are priced on the intra-node link (the fastest), the replicas' all-reduce is left out: both only
-    add."""
-    best = 0.0
+    hand-offs are priced on the intra-node link (the fastest), the replicas' reduction is left out (``plan_cluster``
+    adds its floor): both only add."""
+    split = _always_split(lay.schedule)
+    busy, tail = [], []
     for r in lay.ranks:
         stages = lay.stages_of(r)
         first = min(stages)
         head = sum(c.duration(s, "F") + c.comm[s] for s in range(first))
-        tail = 0.0
-        if not lay.info.split_backward:
-            tail = sum(c.duration(s, "B") + c.comm[s] for s in range(first))
-        best = max(best, head + m * sum(c.duration(s, "F") + c.duration(s, "B") for s in stages) + tail)
-    return best
+        work = sum(c.duration(s, "F") + (c.duration(s, "I") + c.duration(s, "W") if split else c.duration(s, "B"))
+                   for s in stages)
+        busy.append(head + m * work)
+        tail.append(0.0 if lay.info.split_backward else sum(c.duration(s, "B") + c.comm[s] for s in range(first)))
+    return busy, tail
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.cache
+def _always_split(name: str) -> bool:
+    """Whether ``name`` runs every backward as an input-grad and a weight-grad pass (the zero-bubble schedules; not
+    DualPipeV, whose overlapped pairs run whole backwards): read off a small order of the schedule."""
+    if not sched.info(name).split_backward:
+        return False
+    spr = sched.info(name).stages_per_rank
+    n = 4 * (spr or 1)
+    kinds = {sched.parse(a).kind for rank in sched.orders(name, n, 2 * n, spr) for a in rank}
+    return "B" not in kinds
+
+
 def _orders(name: str, n: int, m: int, spr: int | None) -> tuple[tuple[str, ...], ...]:
-    """``sched.orders``, cached: torch's own schedule code builds the multi-stage ones, slowly."""
-    return tuple(tuple(a) for a in sched.orders(name, n, m, spr))
+    """``sched.orders``, cached (``pv.simulate``'s cache: the rows' simulations build the same orders)."""
+    return schedule_orders(name, n, m, spr)
 
 
 def _split_blocks(graph: GraphView) -> list[int]:

@@ -167,6 +167,13 @@ class Timeline:
         """Per rank, parameters + gradients + optimizer state + peak activations (simulated timelines)."""
         return self.meta.get("memory_bytes")
 
+    @property
+    def tp_layout(self) -> str | None:
+        """The tensor-parallel layout a simulation priced (``Collectives.tp_layout``): ``"launch"`` (what
+        ``pv.launch`` shards) or ``"megatron"`` (Megatron-LM's: every block and the vocabulary); None without
+        tensor parallelism, or for a measured run."""
+        return self.meta.get("tp_layout")
+
     def order(self, rank: int, step: int | None = None) -> list[str]:
         """The compute actions of ``rank`` in the order they ran, in torch's notation (``0F0``, ``1B3``)."""
         step = self.steps[0] if step is None and self.steps else step
@@ -208,6 +215,7 @@ class Timeline:
         return out
 
     def __repr__(self) -> str:
-        return (f"Timeline({self.source}, {self.schedule}, {self.num_stages} stages on {self.num_ranks} ranks, "
+        tp = f", tp {self.layout.tp} ({self.tp_layout} layout)" if self.tp_layout else ""
+        return (f"Timeline({self.source}, {self.schedule}, {self.num_stages} stages on {self.num_ranks} ranks{tp}, "
                 f"{self.microbatches} microbatches, {len(self.events)} events, step {self.step_time * 1e3:.2f} ms, "
                 f"bubble {self.bubble_fraction:.0%})")

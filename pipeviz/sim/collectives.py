@@ -9,15 +9,17 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeviz.cost.comm import DDP_BUCKET_BYTES, all_reduce_time, ddp_buckets
 from pipeviz.cost.machine import dtype_name
+from pipeviz.cost.memory import parsed_actions
 from pipeviz.cost.model import Costs
 from pipeviz.schedule import traits as sched
 from pipeviz.schedule.timeline import Event
 
-__all__ = ["DP_REDUCE", "MEGATRON_BUCKET_PARAMS", "Collectives", "Reduction"]
+__all__ = ["DP_REDUCE", "MEGATRON_BUCKET_PARAMS", "Collectives", "Reduction", "reduction_floor"]
 
 DP_REDUCE = ("ddp", "after_flush", "distributed", "overlap")
 TP_LAYOUTS = ("launch", "megatron")
@@ -70,7 +72,9 @@ class Collectives:
             "scatter/gather optimization"; sequence parallelism's sharded activations hand on the same 1/tp).
 
     Raises:
-        ValueError: an unknown ``dp_reduce`` or ``grad_dtype`` (the message lists the valid ones).
+        ValueError: an unknown ``dp_reduce``, ``grad_dtype`` or ``tp_layout`` (the message names the field and lists
+            the valid values).
+        TypeError: ``tp_overlap`` or ``scatter_gather`` not a bool.
     """
 
     dp_reduce: str = "ddp"
@@ -90,7 +94,52 @@ class Collectives:
                              "overlapped all-reduces).")
         if self.grad_dtype is not None:
             object.__setattr__(self, "grad_dtype", dtype_name(self.grad_dtype, "grad_dtype"))
+        for name in ("tp_overlap", "scatter_gather"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Collectives({name}={getattr(self, name)!r}): valid: True, False. Fix: "
+                                f"{name}=True (overlapped / scattered, as Megatron-Core runs it) or False.")
 
+
+
+def _bucket_bytes(mode: str, dp: int, grad_element: float) -> int:
+    """A bucket: DDP's 25 MiB (``"ddp"``, ``"overlap"``), or Megatron-Core's ``max(40M, 1M x dp)`` parameters."""
+    if mode in ("ddp", "overlap"):
+        return DDP_BUCKET_BYTES
+    return int(max(MEGATRON_BUCKET_PARAMS, 1_000_000 * dp) * grad_element)
+
+
+def reduction_floor(grads: Sequence[float], mode: str, dp: int, via: tuple[float, float], split_backward: bool,
+                    grad_element: float = 4.0) -> float:
+    """The least time a rank's step goes on after its last action's compute for the reduction of its stages'
+    gradients (``grads``: bytes per stage, as ``Reduction`` reduces them over ``dp`` holders on ``via``): what
+    ``pv.plan_cluster``'s step bound adds, so that a layout with a slow reduction is ruled out unsimulated.
+
+    A rank's last action is some stage's last backward, and ``Reduction`` then waits at least for that stage's last
+    bucket (``"ddp"``, inside the backward; ``"distributed"``: a reduce-scatter, after the step) or all its buckets
+    one after another (``"overlap"``); ``"after_flush"`` (and DDP under a split backward) all-reduces the rank's
+    gradients after its last action. The stage is not known without playing the order: the least of its stages.
+
+    Example:
+        >>> reduction_floor([2e9, 2e9], "after_flush", 8, (100e9, 5e-6), False)      # all-reduce of 4 GB
+    """
+    if dp <= 1 or not grads:
+        return 0.0
+    mode = "after_flush" if mode == "ddp" and split_backward else mode
+    if mode == "after_flush":
+        return all_reduce_time(sum(grads), dp, via)
+    bucket = _bucket_bytes(mode, dp, grad_element)
+    half = 0.5 if mode == "distributed" else 1.0
+    whole = all_reduce_time(bucket, dp, via) * half
+    chains = []
+    for g in grads:
+        # ddp_buckets' buckets, counted rather than listed (10^5 of them over a large search): full ones, the rest
+        full, rest = divmod(round(g), bucket)
+        if rest:
+            last, before = all_reduce_time(rest, dp, via) * half, full
+        else:
+            last, before = (whole, full - 1) if full else (0.0, 0)
+        chains.append(last + before * whole if mode == "overlap" else last)
+    return min(chains)
 
 
 class Reduction:
@@ -106,16 +155,15 @@ class Reduction:
         self.mode = "after_flush" if mode == "ddp" and lay.info.split_backward else mode
         self.grads = [p * grad_scale for p in costs.param_bytes]  # per stage, the bytes reduced
         self.nbytes = [sum(self.grads[s] for s in lay.stages_of(r)) for r in lay.ranks]
-        self.bucket = (DDP_BUCKET_BYTES if mode in ("ddp", "overlap")
-                       else int(max(MEGATRON_BUCKET_PARAMS, 1_000_000 * dp) * grad_element))
+        self.bucket = _bucket_bytes(mode, dp, grad_element)
         self.seconds = [0.0] * lay.num_ranks
         # per rank, the reduction's seconds the rank waits for (its compute does not hide them): a DDP backward's
         # wait for its buckets, a first forward's wait for its gathered parameters, the tail after the last action
         self.exposed = [0.0] * lay.num_ranks
         last_of: dict[tuple[int, int], int] = {}  # (rank, stage) -> index of the stage's last backward action
         for rank, rank_acts in enumerate(acts if self.mode != "after_flush" else []):
-            for i, action in enumerate(rank_acts):
-                s, kind, _ = sched.parse(action)
+            stages, kinds = parsed_actions(tuple(rank_acts))
+            for i, (s, kind) in enumerate(zip(stages, kinds, strict=True)):
                 if kind != "F":
                     last_of[(rank, s)] = i
         self.last = {(rank, i): s for (rank, s), i in last_of.items()}  # (rank, action index) -> stage
@@ -129,8 +177,8 @@ class Reduction:
         self.gathered: dict[tuple[int, int], float] = {}  # (rank, index of a stage's first forward) -> arrival
         for rank, rank_acts in enumerate(acts if self.mode == "distributed" else []):
             t, seen = 0.0, set()
-            for i, action in enumerate(rank_acts):
-                s, kind, _ = sched.parse(action)
+            stages, kinds = parsed_actions(tuple(rank_acts))
+            for i, (s, kind) in enumerate(zip(stages, kinds, strict=True)):
                 if kind == "F" and s not in seen:
                     seen.add(s)
                     t += all_reduce_time(costs.param_bytes[s] * param_scale, dp, via) / 2
@@ -177,9 +225,11 @@ class Reduction:
         """``DP`` events after each rank's last action: the whole all-reduce (``"after_flush"``), or the
         distributed optimizer's reduce-scatters still running."""
         out = []
+        last: dict[int, float] = {}  # each rank's last end (one pass over the events: a deep pipeline has 10^5)
+        for e in events:
+            last[e.rank] = max(last.get(e.rank, e.end), e.end)
         for rank, nbytes in enumerate(self.nbytes):
-            mine = [e for e in events if e.rank == rank]
-            if not mine:
+            if rank not in last:
                 continue
             if self.mode == "after_flush":
                 t = all_reduce_time(nbytes, self.dp, self.via)
@@ -187,11 +237,11 @@ class Reduction:
             elif self.mode in ("distributed", "overlap"):
                 # The reduce-scatters still running after the rank's last action (the all-gathers are in the
                 # stages' first forwards, ``finish``).
-                t = max(0.0, self.link_free[rank] - max(e.end for e in mine))
+                t = max(0.0, self.link_free[rank] - last[rank])
             else:
                 continue
             if t > 0:
                 self.exposed[rank] += t
-                end = max(e.end for e in mine)
+                end = last[rank]
                 out.append(Event(rank, -1, "DP", -1, end, end + t))
         return out

@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -33,7 +34,7 @@ from pipeviz._compat import deprecated, positional_legacy
 from pipeviz.cost.comm import cp_collectives, tp_collectives
 from pipeviz.cost.machine import DTYPE_BYTES, Hardware
 from pipeviz.cost.memory import activation_curve, memory_per_rank, peak_activations
-from pipeviz.cost.model import Costs, parallel_costs, stage_costs
+from pipeviz.cost.model import Costs, overlapped, parallel_costs, stage_costs
 from pipeviz.cost.options import CostOptions, LinkOptions
 from pipeviz.cost.sharding import launch_tp_seconds, tp_shares
 from pipeviz.plan.split import SplitPlan
@@ -178,11 +179,13 @@ def simulate(
     Returns:
         A simulated ``Timeline`` (``ranks == "pipeline"``, ``mesh`` the run's); ``meta`` holds
         ``peak_activation_bytes`` and ``memory_bytes`` per rank, ``config`` (the ``LaunchConfig`` simulated),
-        ``stage_costs`` (the ``Costs`` each action was priced at), ``mesh`` ``(pp, dp, tp)``, and with replicas
-        ``dp_bytes`` / ``dp_seconds`` / ``dp_exposed``: per rank, the gradient bytes it all-reduces, the all-reduce
-        seconds, and the part of them the rank waits for (not hidden by its compute: a DDP backward's wait, the tail
-        after its last action). The reduction follows the config's ``dp_reduce`` (``pv.launch``'s default:
-        ``"overlap"``) unless ``collectives=`` says otherwise.
+        ``stage_costs`` (the ``Costs`` each action was priced at), ``mesh`` ``(pp, dp, tp)``, ``tp_layout``
+        (``Timeline.tp_layout``: the tensor-parallel layout priced,
+        ``"launch"`` or ``"megatron"``; None without tensor parallelism), and with replicas ``dp_bytes`` /
+        ``dp_seconds`` / ``dp_exposed``: per rank, the gradient bytes it all-reduces, the all-reduce seconds, and
+        the part of them the rank waits for (not hidden by its compute: a DDP backward's wait, the tail after its
+        last action). The reduction follows the config's
+        ``dp_reduce`` (``pv.launch``'s default: ``"overlap"``) unless ``collectives=`` says otherwise.
 
     Raises:
         MeshError: ``dp``, ``cp`` or ``tp`` not a positive int.
@@ -210,6 +213,15 @@ def simulate(
     coll = collectives or _run_collectives(cfg)
     return _simulate(plan, cfg, forward_only, _Extras(costs, opts, coll, order, num_stages, cores, optimizer_states,
                                                        dp_bandwidth, tp_bandwidth, cp_bandwidth, stage_modes))
+
+
+@functools.lru_cache(maxsize=1024)
+def schedule_orders(schedule: str, num_stages: int, microbatches: int,
+                    stages_per_rank: int | None = None) -> tuple[tuple[str, ...], ...]:
+    """``pipeviz.schedules.orders``, remembered: torch's own schedule code builds the multi-stage orders, slowly
+    (up to a second for a deep pipeline), and the planner, ``pv.compare`` and the Explorer ask for the same ones
+    again. A schedule's own order needs no check (``check_order`` is for a custom ``order=``)."""
+    return tuple(tuple(a) for a in sched.orders(schedule, num_stages, microbatches, stages_per_rank))
 
 
 def _run_collectives(cfg: LaunchConfig) -> Collectives:
@@ -275,7 +287,7 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
     dp, cp, tp = mesh.dp, mesh.cp, mesh.tp
     order = x.order if x.order is not None else cfg.order
     acts = ([[str(sched.parse(a)) for a in rank_acts] for rank_acts in order] if order is not None
-            else sched.orders(lay.schedule, n, microbatches, spr))
+            else [list(rank_acts) for rank_acts in schedule_orders(lay.schedule, n, microbatches, spr)])
     if forward_only:
         acts = [[a for a in rank_acts if sched.parse(a).kind == "F"] for rank_acts in acts]
     elif order is not None:
@@ -314,11 +326,7 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
     costs = parallel_costs(costs, replace(mesh, dp=1, cp=1) if per_replica else mesh, collective=collective,
                            shares=shares, collective_backward=collective_back)
     if coll.tp_overlap and costs.collective:
-        # Overlapped with the matmuls they feed: only what outlasts the stage's compute stays exposed.
-        costs = replace(costs, collective=tuple(max(0.0, c - f) for c, f in zip(costs.collective, costs.forward,
-                                                                                     strict=True)),
-                        collective_backward=tuple(max(0.0, c - b) for c, b in zip(
-                            costs.collective_backward, costs.backward, strict=True)))
+        costs = overlapped(costs)
     extra_backward = [c * int(opts.recompute == "full") for c in costs.collective] if costs.collective else []
     if collective is not None and cp > 1:
         # context parallelism's backward gathers the keys and values again and reduce-scatters their gradients
@@ -337,11 +345,10 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
     def run(c: Costs) -> tuple[list[Event], Reduction | None]:
         red = None
         if holders > 1 and not forward_only:
+            grad, element = gradient_bytes(plan, coll)
             traced = _traced_element_bytes(plan)
-            grad = DTYPE_BYTES[coll.grad_dtype] / traced if coll.grad_dtype else 1.0
             param = DTYPE_BYTES[opts.dtype] / traced if opts.dtype else 1.0
-            red = Reduction(acts, lay, c, holders, links["dp"], coll.dp_reduce, grad, param,
-                            (coll.grad_dtype and DTYPE_BYTES[coll.grad_dtype]) or traced)
+            red = Reduction(acts, lay, c, holders, links["dp"], coll.dp_reduce, grad, param, element)
         if share >= lay.num_ranks:
             return play(acts, lay, c, n, red), red
         slots = math.ceil(share)
@@ -364,7 +371,8 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
                                 [e for e in events if e.step == 0], costs.activation_bytes, costs.weight_fraction,
                                 costs.input_freed),
                             "cores": cores, "forward_only": forward_only, "mesh": (lay.num_ranks, dp, tp),
-                            "config": cfg, "stage_costs": costs}  # what each action was priced at (pre-contention)
+                            "config": cfg, "stage_costs": costs,  # what each action was priced at (pre-contention)
+                            "tp_layout": coll.tp_layout if tp > 1 else None}
     if hw is not None:
         meta["hardware"], meta["dtype"], meta["recompute"] = hw.name, opts.dtype, opts.recompute
     if mesh.world > mesh.pp:
@@ -385,16 +393,25 @@ def _links(mesh: Mesh, opts: CostOptions, x: _Extras) -> dict[str, tuple[float, 
     if hw is not None:
         out["tp"] = opts.link(mesh.tp, allreduce=True)
         out["cp"] = opts.link(mesh.rank(0, cp=mesh.cp - 1) + 1, allreduce=True)
-        # The replicas of one shard sit cp x tp ranks apart: a node holds devices_per_node / (cp x tp) of them,
-        # each with its own NIC, and NCCL rings over all of those NICs at once (Hardware.link's rails).
-        span = mesh.rank(0, dp=mesh.dp - 1, cp=mesh.cp - 1) + 1
-        dbw, dlat = hw.link(span, rails=min(mesh.dp * mesh.cp, max(1, hw.devices_per_node // mesh.tp)),
-                            allreduce=True)
-        out["dp"] = (opts.bandwidth or dbw, dlat if opts.latency is None else opts.latency)
+        out["dp"] = replica_link(mesh, opts)
     for name, given in (("dp", x.dp_bandwidth), ("tp", x.tp_bandwidth), ("cp", x.cp_bandwidth)):
         if given:
             out[name] = (given, out[name][1])
     return out
+
+
+def replica_link(mesh: Mesh, opts: CostOptions) -> tuple[float, float]:
+    """``(bandwidth, latency)`` of the link the processes holding the same parameters (the replicas and the cp
+    shares) average their gradients over, on ``opts``' hardware (``pv.simulate``'s ``"dp"`` link; the planner's
+    bound prices the same one)."""
+    hw = opts.hw
+    if hw is None:
+        return opts.link(2)
+    # The replicas of one shard sit cp x tp ranks apart: a node holds devices_per_node / (cp x tp) of them,
+    # each with its own NIC, and NCCL rings over all of those NICs at once (Hardware.link's rails).
+    span = mesh.rank(0, dp=mesh.dp - 1, cp=mesh.cp - 1) + 1
+    dbw, dlat = hw.link(span, rails=min(mesh.dp * mesh.cp, max(1, hw.devices_per_node // mesh.tp)), allreduce=True)
+    return opts.bandwidth or dbw, dlat if opts.latency is None else opts.latency
 
 
 def _placed_comm(costs: Costs, lay: sched.Layout, mesh: Mesh, opts: CostOptions,
@@ -416,6 +433,15 @@ def _placed_comm(costs: Costs, lay: sched.Layout, mesh: Mesh, opts: CostOptions,
         else:
             out.append(nbytes / bw + lat)
     return tuple(out)
+
+
+def gradient_bytes(plan: SplitPlan | None, coll: Collectives) -> tuple[float, float]:
+    """How the replicas' gradients are reduced, in bytes: their size relative to the traced parameters' (the
+    ``grad_dtype``'s, 1 without one) and the bytes of one element (what Megatron's buckets count in)."""
+    traced = _traced_element_bytes(plan)
+    if not coll.grad_dtype:
+        return 1.0, traced
+    return DTYPE_BYTES[coll.grad_dtype] / traced, float(DTYPE_BYTES[coll.grad_dtype])
 
 
 def _traced_element_bytes(plan: SplitPlan | None) -> float:
