@@ -6,12 +6,13 @@
     pipeviz lab  [notebook]      # JupyterLab on the notebooks and tutorials
     pipeviz plan --model llama-3-8b --gpus 64 --hardware h100 --global-batch 512 [--seq-len 8192]
                  [--config path/to/config.json] [--memory-gib 80] [--dtype bfloat16] [--efficiency 0.55] [--top 10]
-                 [--full-trace]
+                 [--full-trace] [--export torchtitan|megatron] [--export-path torchtitan.toml]
 
 ``pipeviz demo`` is the headless main job: trace, auto-balance, simulate every schedule, launch a real
 run with a progress bar, check numerics against the unsplit model, write one HTML report.
 ``pipeviz plan`` builds a well-known model (or any HF config) on the meta device, traces it without weights and
-prints ``pv.plan_cluster``'s ranked layouts for a cluster.
+prints ``pv.plan_cluster``'s ranked layouts for a cluster; ``--export`` writes the best one for torchtitan (a TOML
+fragment, ``pv.export_torchtitan``) or prints it as Megatron-LM's flags (``pv.megatron_layout``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from pipeviz.runtime.loss import LOSS_REDUCTIONS
 from pipeviz.schedule import traits as sched
 
 if TYPE_CHECKING:
+    from pipeviz.planner.cluster import LayoutOption
     from pipeviz.widgets.report import Section
 
 __all__ = ["main"]
@@ -202,7 +204,26 @@ def plan(a: argparse.Namespace) -> int:
                          dp_reduce=a.dp_reduce)
     print(f"planned in {time.time() - t:.1f} s\n")
     print(cp.table(a.top))
+    if a.export and cp.rows:
+        _export(a, cp.rows[0], cp.global_batch)
     return 0 if cp.rows else 1
+
+
+def _export(a: argparse.Namespace, row: LayoutOption, global_batch: int) -> None:
+    """The best row for torchtitan (a TOML fragment) or Megatron-LM (its command-line flags)."""
+    if a.export == "torchtitan":
+        path = pv.export_torchtitan(row.plan, row.config, a.export_path, microbatch_size=row.microbatch_size)
+        print(f"\nthe best row ({row.label()}) for torchtitan: {path}")
+        return
+    flags = [f"--pipeline-model-parallel-size {row.pp}",
+             f"--pipeline-model-parallel-layout '{pv.megatron_layout(row.plan)}'",
+             f"--tensor-model-parallel-size {row.tp}", f"--context-parallel-size {row.cp}",
+             f"--micro-batch-size {row.microbatch_size}", f"--global-batch-size {global_batch}"]
+    if row.dp_reduce == "distributed":
+        flags.append("--use-distributed-optimizer")
+    print(f"\nthe best row ({row.label()}) for Megatron-LM:\n  " + " \\\n  ".join(flags))
+    if sched.info(row.schedule).v_shape:
+        print(f"  note: Megatron runs stage i on pipeline rank i % {row.pp}, not in {row.schedule}'s V.")
 
 
 def lab(a: argparse.Namespace) -> int:
@@ -259,6 +280,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dp-reduce", nargs="+", default=None, choices=["ddp", "overlap", "after_flush", "distributed"],
                    help="how replicas may reduce their gradients, searched per row (default: ddp overlap)")
     p.add_argument("--full-trace", action="store_true", help="trace every block (default: 2, the last repeated)")
+    p.add_argument("--export", default=None, choices=["torchtitan", "megatron"],
+                   help="the best row for torchtitan (a TOML fragment at --export-path) or Megatron-LM (its flags)")
+    p.add_argument("--export-path", default="torchtitan.toml", help="where --export torchtitan writes")
     p.set_defaults(func=plan)
     lb = sub.add_parser("lab", help="JupyterLab on the notebooks")
     lb.add_argument("path", nargs="?")
