@@ -25,6 +25,7 @@ from pipeviz.graph.model import ModelGraph, trace
 # a later `import pipeviz.hardware` does not replace the function on the package.
 from pipeviz.hardware import HARDWARE, Hardware, HardwareError, hardware
 from pipeviz.plan.errors import PlanError
+from pipeviz.plan.megatron import megatron_layout
 from pipeviz.plan.split import SplitPlan
 from pipeviz.planner.balance import balance, compare
 from pipeviz.planner.search import ClusterPlan, plan_cluster
@@ -34,6 +35,7 @@ from pipeviz.runtime import LaunchConfig, LaunchError, Run, launch, train_refere
 from pipeviz.runtime.export import export_torchrun, watch
 from pipeviz.runtime.live import Live
 from pipeviz.runtime.numerics import check_numerics
+from pipeviz.runtime.torchtitan import export_torchtitan
 from pipeviz.schedule.mesh import Mesh, MeshError
 from pipeviz.schedule.timeline import Event, Timeline
 from pipeviz.schedule.training import cross_entropy, sgd, warmup_cosine
@@ -71,12 +73,14 @@ __all__ = [
     "critical_path",
     "cross_entropy",
     "export_torchrun",
+    "export_torchtitan",
     "hardware",
     "idle_gaps",
     "import_trace",
     "launch",
     "manual_plan",
     "materialize",
+    "megatron_layout",
     "plan_cluster",
     "profile",
     "sgd",

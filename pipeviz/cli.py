@@ -6,13 +6,15 @@
     pipeviz lab  [notebook]      # JupyterLab on the notebooks and tutorials
     pipeviz plan --model llama-3-8b --gpus 64 --hardware h100 --global-batch 512 [--seq-len 8192]
                  [--config path/to/config.json] [--memory-gib 80] [--dtype bfloat16] [--efficiency 0.55] [--top 10]
-                 [--full-trace] [--no-synthesize]
+                 [--full-trace] [--no-synthesize] [--export torchtitan|megatron] [--export-path torchtitan.toml]
 
 ``pipeviz demo`` is the headless main job: trace, auto-balance, simulate every schedule, launch a real
 run with a progress bar, check numerics against the unsplit model, write one HTML report.
 ``pipeviz plan`` builds a well-known model (or any HF config) on the meta device, traces it without weights and
 prints ``pv.plan_cluster``'s ranked layouts for a cluster, then the best pipelined layout with a synthesized schedule
-(``pv.synthesize_schedule``: the fastest order found within the memory limit) as one more candidate.
+(``pv.synthesize_schedule``: the fastest order found within the memory limit) as one more candidate; ``--export``
+writes the best row for torchtitan (a TOML fragment, ``pv.export_torchtitan``) or prints it as Megatron-LM's flags
+(``pv.megatron_layout``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from pipeviz.runtime.loss import LOSS_REDUCTIONS
 from pipeviz.schedule import traits as sched
 
 if TYPE_CHECKING:
+    from pipeviz.planner.cluster import LayoutOption
     from pipeviz.widgets.report import Section
 
 __all__ = ["main"]
@@ -206,6 +209,8 @@ def plan(a: argparse.Namespace) -> int:
     print(cp.table(a.top))
     if not a.no_synthesize:
         _synthesized(cp)
+    if a.export and cp.rows:
+        _export(a, cp.rows[0], cp.global_batch)
     return 0 if cp.rows else 1
 
 
@@ -240,6 +245,23 @@ def _synthesized(cp: pv.ClusterPlan) -> None:
 
 def _secs(t: float) -> str:
     return f"{t:.3f} s" if t >= 1 else f"{t * 1e3:.3f} ms" if t >= 1e-3 else f"{t * 1e6:.1f} us"
+
+
+def _export(a: argparse.Namespace, row: LayoutOption, global_batch: int) -> None:
+    """The best row for torchtitan (a TOML fragment) or Megatron-LM (its command-line flags)."""
+    if a.export == "torchtitan":
+        path = pv.export_torchtitan(row.plan, row.config, a.export_path, microbatch_size=row.microbatch_size)
+        print(f"\nthe best row ({row.label()}) for torchtitan: {path}")
+        return
+    flags = [f"--pipeline-model-parallel-size {row.pp}",
+             f"--pipeline-model-parallel-layout '{pv.megatron_layout(row.plan)}'",
+             f"--tensor-model-parallel-size {row.tp}", f"--context-parallel-size {row.cp}",
+             f"--micro-batch-size {row.microbatch_size}", f"--global-batch-size {global_batch}"]
+    if row.dp_reduce == "distributed":
+        flags.append("--use-distributed-optimizer")
+    print(f"\nthe best row ({row.label()}) for Megatron-LM:\n  " + " \\\n  ".join(flags))
+    if sched.info(row.schedule).v_shape:
+        print(f"  note: Megatron runs stage i on pipeline rank i % {row.pp}, not in {row.schedule}'s V.")
 
 
 def lab(a: argparse.Namespace) -> int:
@@ -298,6 +320,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--full-trace", action="store_true", help="trace every block (default: 2, the last repeated)")
     p.add_argument("--no-synthesize", action="store_true",
                    help="skip the synthesized schedule for the best pipelined layout (pv.synthesize_schedule)")
+    p.add_argument("--export", default=None, choices=["torchtitan", "megatron"],
+                   help="the best row for torchtitan (a TOML fragment at --export-path) or Megatron-LM (its flags)")
+    p.add_argument("--export-path", default="torchtitan.toml", help="where --export torchtitan writes")
     p.set_defaults(func=plan)
     lb = sub.add_parser("lab", help="JupyterLab on the notebooks")
     lb.add_argument("path", nargs="?")

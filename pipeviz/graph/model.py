@@ -24,6 +24,7 @@ from pipeviz.capture.names import listed, suggest
 from pipeviz.capture.units import ROOT, CallTree, Unit
 from pipeviz.capture.view import GraphIndex, Layer
 from pipeviz.plan.errors import PlanError
+from pipeviz.plan.megatron import split_megatron
 from pipeviz.plan.split import SplitPlan
 
 if TYPE_CHECKING:
@@ -456,6 +457,12 @@ class ModelGraph:
             >>> plan = graph.split({"layer1": pv.SplitPoint.BEGINNING})
         """
         return SplitPlan.from_spec(self, spec)
+
+    def split_megatron(self, layout: str) -> SplitPlan:
+        """The plan a Megatron-Core ``--pipeline-model-parallel-layout`` string describes (``"Ett|ttL"``: ``E``
+        embedding, ``t`` a block, ``L`` head; ``pipeviz.plan.megatron.split_megatron``); ``pv.megatron_layout(plan)``
+        is the inverse."""
+        return split_megatron(self, layout)
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, ModelGraph) and other._cap is self._cap and other._names == self._names
