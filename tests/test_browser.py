@@ -134,10 +134,12 @@ KERNEL_WATCH = """(() => {
 })()"""
 
 # The layer graph (the figure whose last trace is the layer markers) and where the marker of `name` is on the
-# page. Positions come from plotly's computed data (decoded arrays), names from the hover's customdata.
+# page, once the graph takes clicks (its page module marks it when its click listener is live: LiveFigure).
+# Positions come from plotly's computed data (decoded arrays), names from the hover's customdata.
 MARKER_XY = """name => {
   const gd = [...document.querySelectorAll('.pipeviz-explorer .pipeviz-graph-column .js-plotly-plot')][0];
-  if (!gd || !gd._fullLayout || !gd._fullLayout.xaxis || !gd.calcdata || !gd._fullData) return null;
+  if (!gd || gd.dataset.pipevizClicks !== 'live') return null;
+  if (!gd._fullLayout || !gd._fullLayout.xaxis || !gd.calcdata || !gd._fullData) return null;
   const k = gd._fullData.length - 1, t = gd._fullData[k];
   if (!t || t.name !== 'layers' || !t.customdata) return null;
   const i = Array.from(t.customdata, c => c[0]).indexOf(name);
@@ -146,6 +148,12 @@ MARKER_XY = """name => {
   const p = gd.calcdata[k][i], fl = gd._fullLayout, box = gd.getBoundingClientRect();
   const x = box.left + fl._size.l + fl.xaxis.l2p(p.x), y = box.top + fl._size.t + fl.yaxis.l2p(p.y);
   return Number.isFinite(x) && Number.isFinite(y) ? {x, y, symbol: gd._fullData[k].marker.symbol[i]} : null;
+}"""
+
+# plotly's hover label on the layer graph names `name`: the pointer is on its marker, as plotly sees it.
+HOVERED = """name => {
+  const gd = document.querySelector('.pipeviz-explorer .pipeviz-graph-column .js-plotly-plot');
+  return [...gd.querySelectorAll('.hoverlayer .hovertext')].some(t => t.textContent.startsWith(name));
 }"""
 
 # The rendered graph follows the kernel: markers per layer, distinct stage colours, one dashed line per split.
@@ -375,8 +383,8 @@ def test_explorer_as_a_user_meets_it(lab: tuple[str, Path], request: pytest.Fixt
         def click_marker(name: str, shift: bool = False) -> dict[str, Any]:
             page.wait_for_function(f"({MARKER_XY})({json.dumps(name)})", timeout=60_000, polling=200)
             xy = page.evaluate(f"({MARKER_XY})({json.dumps(name)})")
-            page.mouse.move(xy["x"], xy["y"])
-            page.wait_for_timeout(250)  # hover first, as a person does; plotly shows the tooltip
+            page.mouse.move(xy["x"], xy["y"])  # onto the marker first, as a person does: plotly shows its tooltip
+            page.wait_for_function(f"({HOVERED})({json.dumps(name)})", timeout=30_000, polling=50)
             xy = page.evaluate(f"({MARKER_XY})({json.dumps(name)})")  # again: where it is after the hover
             if shift:
                 page.keyboard.down("Shift")

@@ -19,10 +19,22 @@ and 2 s per model, anywidget's 2 s per module): "Error displaying widget: model 
 to initialize model" (a clean CI run of the browser test, 2026-12-03). A ``LiveFigure``'s module is a few lines that
 wait for plotly's, which one ``PlotlyBundle`` widget per kernel carries (``plotly_bundle()``; every ``LiveFigure``
 makes sure it exists, and the views that hold figures show it, hidden, beside them).
+
+And every click reaches Python. plotly's widget sends hovers, unhovers and clicks through one synced trait
+(``_js2py_pointsCallback``), and ipywidgets lets one state message per widget wait on the kernel at a time: what the
+page sets meanwhile is buffered and merged per trait, the latest value winning. A click made while the figure's
+previous message (its hover over that very marker, or the deltas it sends once drawn) was still unanswered waited in
+that buffer, and the unhover of the mouse leaving the marker replaced it: the kernel never saw the click (issue 43:
+the first click after the Explorer rendered, lost in 2 runs of 4 with both cores busy; 0 of 5 when the mouse stayed
+on the marker). A ``LiveFigure``'s page module sends each click as its own message instead (``model.send``: never
+buffered, merged or dropped; the kernel handles it in turn, however busy), and the trait's copy of a click is ignored.
+The module marks the chart ``data-pipeviz-clicks="live"`` once its click listener is attached: a click from then on
+reaches Python.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from copy import deepcopy
 from pathlib import Path
 
@@ -35,7 +47,8 @@ from traitlets import Unicode, observe
 
 __all__ = ["LiveFigure", "PlotlyBundle", "plotly_bundle"]
 
-_RECONCILE = BaseFigureWidget.__dict__["_handler_js2py_traceDeltas"].func  # plotly's own handler
+_RECONCILE = BaseFigureWidget.__dict__["_handler_js2py_traceDeltas"].func  # plotly's own handlers
+_POINTS = BaseFigureWidget.__dict__["_handler_js2py_pointsCallback"].func
 
 # plotly >= 6's widget module (plotly.js and the widget's own code): a path, or anywidget's FileContents whose str()
 # is the text; None before plotly 6, whose FigureWidget came from a JupyterLab extension instead.
@@ -50,8 +63,30 @@ const slot = () => globalThis[KEY] ??= (() => {{
 }})();
 """
 # A LiveFigure's module: plotly's widget, once the PlotlyBundle's module has loaded it. ``initialize`` does not wait
-# for it (anywidget fails a model whose initialize takes over 2 s); ``render`` does.
+# for it (anywidget fails a model whose initialize takes over 2 s); ``render`` does. Each click goes to Python as a
+# message of its own (see the module docstring), from a listener attached as soon as plotly has the chart's event
+# hub: plotly's widget draws the chart within its ``render``, and attaches its own listeners only once drawn (its
+# "plotlywidget-after-render" event); a later redraw that replaces the hub gets the listener again.
 _FIGURE_ESM = _SLOT + """
+const points = data => {  // what plotly's FigureView.buildPointsObject sends, for a click's points
+  const out = { trace_indexes: [], point_indexes: [], xs: [], ys: [] };
+  for (const p of data.points || []) {
+    for (const n of p.pointNumbers || [p.pointNumber]) {
+      out.trace_indexes.push(p.curveNumber); out.point_indexes.push(n); out.xs.push(p.x); out.ys.push(p.y);
+    }
+  }
+  return out;
+};
+const listen = (el, model) => {
+  if (!el._ev || el.__pipevizHub === el._ev || typeof el.on !== "function") return;
+  el.__pipevizHub = el._ev;
+  el.on("plotly_click", data => {
+    const e = data.event || {};
+    model.send({ event: "click", points: points(data), device_state: {
+      alt: e.altKey, ctrl: e.ctrlKey, meta: e.metaKey, shift: e.shiftKey, button: e.button, buttons: e.buttons } });
+  });
+  el.dataset.pipevizClicks = "live";
+};
 export default () => {
   let inner = null, ready = null;
   return {
@@ -64,7 +99,15 @@ export default () => {
     },
     async render(ctx) {
       await ready;
-      return inner.render(ctx);
+      const { el, model } = ctx, cleanup = inner.render(ctx);
+      const drawn = e => { if (e.detail && e.detail.element === el) listen(el, model); };
+      document.addEventListener("plotlywidget-after-render", drawn);
+      listen(el, model);
+      return () => {
+        document.removeEventListener("plotlywidget-after-render", drawn);
+        delete el.dataset.pipevizClicks;
+        if (typeof cleanup === "function") cleanup();
+      };
     },
   };
 };
@@ -131,6 +174,22 @@ class LiveFigure(go.FigureWidget):
     def __init__(self, *args: object, **kwargs: object) -> None:
         plotly_bundle()  # before the figure: its comm opens first, so the page starts on plotly.js first
         super().__init__(*args, **kwargs)
+        self.on_msg(self._on_page_msg)
+
+    def _on_page_msg(self, _widget: object, content: object, _buffers: Sequence[bytes]) -> None:
+        """A click the page module sent as its own message: dispatched to the traces' ``on_click`` callbacks as
+        plotly dispatches the trait's."""
+        if isinstance(content, Mapping) and content.get("event") == "click" and isinstance(content.get("points"), dict):
+            _POINTS(self, {"new": {"event_type": "plotly_click", "points": content["points"],
+                                   "device_state": content.get("device_state")}})
+
+    @observe("_js2py_pointsCallback")
+    def _handler_js2py_pointsCallback(self, change: dict[str, object]) -> None:
+        data = change["new"]
+        if _BUNDLE is not None and isinstance(data, dict) and data.get("event_type") == "plotly_click":
+            self._js2py_pointsCallback = None  # the page module sent this click as a message too (_on_page_msg)
+            return
+        _POINTS(self, change)
 
     def replace(self, figure: go.Figure) -> None:
         """Show ``figure``'s traces and layout instead of this one's (kept for a reload, ``persist``)."""
