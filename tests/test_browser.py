@@ -499,7 +499,7 @@ def test_explorer_as_a_user_meets_it(lab: tuple[str, Path], request: pytest.Fixt
             microbatches.fill("5")
             microbatches.press("Enter")
             refused = page.locator(".pipeviz-explorer .pipeviz-refused")
-            expect(refused).to_contain_text("microbatches=5 does not work", timeout=30_000)
+            expect(refused).to_contain_text("microbatches=5 does not divide the batch", timeout=30_000)
             expect(page.locator(".pipeviz-explorer .pipeviz-refused-control")).to_have_count(1)
             expect(page.locator("button.pipeviz-launch")).to_be_disabled()
             expect(page.locator(".pipeviz-sim-timeline")).to_be_hidden()

@@ -376,7 +376,9 @@ def test_infer_switch_simulates_and_runs_forward_only(explorer: pv.Explorer) -> 
     assert sim is not None and {e.kind for e in sim.events} <= {"F", "COMM"} and sim.step_time < train_step
     assert explorer.error == "" and "mode=infer" in repr(explorer)
     explorer.schedule.value = "ZBVZeroBubble"  # V-shaped: needs a backward
-    assert explorer.sim is None and "cannot run forward only" in explorer.error and "Fix:" in explorer.error
+    assert explorer.sim is None and explorer.error == ("schedule='ZBVZeroBubble' cannot launch because ZBVZeroBubble "
+                                                       "cannot run forward only.")  # one sentence, no API fix
+    assert "Fix:" in str(explorer.refusal)  # the API's full message, its fix in the call's keywords, kept on it
     explorer.schedule.value = "GPipe"
     assert explorer.error == "" and explorer.sim is not None
     run = explorer.launch()
@@ -435,8 +437,8 @@ def test_a_setting_that_cannot_launch_is_refused_at_its_control(explorer: pv.Exp
     explorer.microbatches.value = 5
     assert explorer.refusal is not None and explorer.refusal.setting == "microbatches"
     assert explorer.sim is None and explorer.launch_button.disabled
-    assert "refuse microbatches=5 does not work" in text(explorer.refused.value)
-    assert "Valid: 4, 8, 16, 32" in explorer.refused.value  # 1F1B over 3 stages: at least 3, dividing 32
+    # one sentence in the widget's words: the setting, why, the values that work
+    assert text(explorer.refused.value).endswith("}⚠ microbatches=5 does not divide the batch of 32 (valid: 4, 8, 16, 32).")
     assert "pipeviz-refused-control" in explorer.microbatches._dom_classes
     assert "these settings cannot run it" in explorer.preview.value  # not a bare "✓ balanced" beside a refusal
     explorer.microbatches.value = 8
@@ -449,6 +451,30 @@ def test_a_setting_that_cannot_launch_is_refused_at_its_control(explorer: pv.Exp
     explorer.mode.value = "infer"
     explorer.schedule.value = "ZBVZeroBubble"  # needs a backward
     assert explorer.refusal.setting == "schedule" and "cannot run forward only" in explorer.refused.value
+
+
+def test_a_microbatch_count_that_never_launches_is_flagged_before_the_first_split(explorer: pv.Explorer) -> None:
+    """At one stage nothing launches yet, but a microbatch count that does not divide the batch never will: it is
+    flagged at once, in one sentence, and the flag goes the moment the count divides."""
+    explorer.plan = []
+    assert explorer.plan.num_stages == 1 and explorer.refusal is None
+    explorer.microbatches.value = 5
+    assert explorer.refusal is not None and explorer.refusal.setting == "microbatches"
+    assert text(explorer.refused.value).endswith("}⚠ microbatches=5 does not divide the batch of 32 "
+                                                  "(valid: 1, 2, 4, 8, 16, 32).")
+    assert "pipeviz-refused-control" in explorer.microbatches._dom_classes
+    explorer.microbatches.value = 4
+    assert explorer.refusal is None and explorer.refused.value == ""
+
+
+def test_refusals_read_as_one_sentence() -> None:
+    from pipeviz.widgets.refusals import one_sentence
+
+    assert one_sentence("microbatches=2 does not work: 1F1B needs at least as many microbatches as stages (3): rank 0 "
+                        "(stage 0) runs 3 forwards first (older torch hung, torchtitan#775). Valid: 4, 8.") == (
+        "microbatches=2 cannot launch because 1F1B needs at least as many microbatches as stages (3) (valid: 4, 8).")
+    assert one_sentence("ZBVZeroBubble cannot run forward only. Fix: schedule='GPipe'.", "schedule", "ZBVZeroBubble") == (
+        "schedule='ZBVZeroBubble' cannot launch because ZBVZeroBubble cannot run forward only.")
 
 
 def test_the_memory_column_is_the_simulated_peak_and_sends_are_per_microbatch(explorer: pv.Explorer) -> None:

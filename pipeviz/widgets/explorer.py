@@ -32,6 +32,8 @@ import pipeviz as pv
 from pipeviz.capture.view import GraphView
 from pipeviz.cost.options import RECOMPUTE
 from pipeviz.graph.model import ModelGraph
+from pipeviz.plan.errors import PlanError
+from pipeviz.plan.pipe import check_batch_split
 from pipeviz.plan.split import SplitPlan
 from pipeviz.schedule import traits as sched
 from pipeviz.schedule.config import UNSET, launch_config
@@ -43,6 +45,7 @@ from pipeviz.widgets.figures import graph_figure, graph_layout, graph_traces, pl
 from pipeviz.widgets.live_figure import LiveFigure, plotly_bundle
 from pipeviz.widgets.panels import Change, guarded, soon
 from pipeviz.widgets.player import StepPlayer
+from pipeviz.widgets.refusals import one_sentence
 from pipeviz.widgets.timeline_view import TimelineView
 
 if TYPE_CHECKING:
@@ -709,7 +712,13 @@ class Explorer(W.VBox):
     def _refused(self, cfg: pv.LaunchConfig) -> BaseException | None:
         """Why Launch would refuse these settings (``pv.launch``'s own checks, run now: a few ms), else None."""
         if self._plan.num_stages < 2:
-            return None  # nothing to launch yet; the preview says so
+            # Nothing to launch until a click splits the model (the preview says so); a microbatch count that
+            # cannot split the batch never launches, split or not: said now.
+            try:
+                check_batch_split(self.graph.batch_size, cfg.microbatches)
+            except PlanError as exc:
+                return pv.LaunchError(str(exc), setting="microbatches")
+            return None
         from pipeviz.runtime.checks import validate_launch
 
         args, kwargs = self.graph.example_args, dict(self.graph.example_kwargs)
@@ -733,11 +742,12 @@ class Explorer(W.VBox):
         if exc is None:
             self.refused.value = ""
         else:
-            said = str(exc).startswith(f"{setting}=")  # the message names the setting and its value already
-            where = f"{setting}={getattr(self.launch_config(), setting)!r}: " if setting and not said else ""
+            value = getattr(self.launch_config(), setting) if setting else None
             outline = ("<style>.pipeviz-refused-control input,.pipeviz-refused-control select"
                        "{outline:2px solid #e74c3c;outline-offset:-1px}</style>")
-            self.error = f"Launch would refuse {where}{exc}"
+            # one sentence in the widget's words: the control, why, the values that work (the API's message,
+            # with its history and its fix in the call's keywords, is exc itself: explorer.refusal)
+            self.error = one_sentence(str(exc), setting, value)
             row = self._loaded_row()
             if row is not None:  # the simulation above is the cluster's; Launch runs this notebook's batch here
                 own = row.microbatch_size * row.microbatches
