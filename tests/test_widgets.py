@@ -438,7 +438,8 @@ def test_a_setting_that_cannot_launch_is_refused_at_its_control(explorer: pv.Exp
     assert explorer.refusal is not None and explorer.refusal.setting == "microbatches"
     assert explorer.sim is None and explorer.launch_button.disabled
     # one sentence in the widget's words: the setting, why, the values that work
-    assert text(explorer.refused.value).endswith("}⚠ microbatches=5 does not divide the batch of 32 (valid: 4, 8, 16, 32).")
+    assert text(explorer.refused.value).endswith("}⚠ microbatches=5 does not divide the batch of 32 "
+                                                  "(valid: 4, 8, 16, 32).")
     assert "pipeviz-refused-control" in explorer.microbatches._dom_classes
     assert "these settings cannot run it" in explorer.preview.value  # not a bare "✓ balanced" beside a refusal
     explorer.microbatches.value = 8
@@ -473,7 +474,8 @@ def test_refusals_read_as_one_sentence() -> None:
     assert one_sentence("microbatches=2 does not work: 1F1B needs at least as many microbatches as stages (3): rank 0 "
                         "(stage 0) runs 3 forwards first (older torch hung, torchtitan#775). Valid: 4, 8.") == (
         "microbatches=2 cannot launch because 1F1B needs at least as many microbatches as stages (3) (valid: 4, 8).")
-    assert one_sentence("ZBVZeroBubble cannot run forward only. Fix: schedule='GPipe'.", "schedule", "ZBVZeroBubble") == (
+    said = one_sentence("ZBVZeroBubble cannot run forward only. Fix: schedule='GPipe'.", "schedule", "ZBVZeroBubble")
+    assert said == (
         "schedule='ZBVZeroBubble' cannot launch because ZBVZeroBubble cannot run forward only.")
 
 
