@@ -673,3 +673,10 @@ def test_every_control_reaches_the_simulation_and_the_launch_as_one_config(class
         assert sim.mesh == explorer.launch_config().mesh(explorer.plan.num_stages)
         if control == "schedule" and value == "Interleaved1F1B":
             assert sim.num_stages // sim.num_ranks == 4  # the config's 4 stages per rank, not a hard-coded 2
+
+
+def test_the_schedule_control_points_to_the_cheat_sheet(explorer: pv.Explorer) -> None:
+    from pathlib import Path
+
+    assert "docs/schedules.md" in explorer.schedule.tooltip
+    assert (Path(__file__).resolve().parent.parent / "docs" / "schedules.md").exists()

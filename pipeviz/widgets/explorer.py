@@ -86,6 +86,12 @@ class ExplorerOptions(TypedDict, total=False):
     order: Sequence[Sequence[str]] | None
 
 
+# The schedule control's help: the one-page cheat sheet (each schedule's bubble, memory, traffic and needs, each
+# figure checked against pv.simulate by tests/test_schedules_cheatsheet.py).
+SCHEDULE_HELP = ("torch's seven schedules side by side (bubble formula, peak microbatches in flight, traffic per "
+                 "boundary, what each needs, when to pick it): the cheat sheet, docs/schedules.md")
+
+
 class Explorer(W.VBox):
     """One widget to split a model into pipeline stages and run it.
 
@@ -222,7 +228,8 @@ class Explorer(W.VBox):
         self.redo_button.on_click(lambda _: self.redo())
         self.redo_button.add_class("pipeviz-redo")
         self.schedule = W.Dropdown(options=list(sched.ALL), value=schedule, description="schedule",
-                                   layout=W.Layout(width="230px"), style=wide)
+                                   layout=W.Layout(width="230px"), style=wide,
+                                   tooltip=SCHEDULE_HELP)
         self.microbatches = W.BoundedIntText(value=microbatches, min=1, max=4096, description="microbatches",
                                              layout=W.Layout(width="150px"), style=wide)
         self.steps = W.BoundedIntText(value=steps, min=1, max=100000, description="steps",
