@@ -106,7 +106,7 @@ CELLS = (
     # Every declared floor at once, on the floor Python (3.11) and torch (2.13, the local CPU wheel): the core, the
     # views (plotly's FigureWidget, ipywidgets, anywidget at their floors) and launches (cloudpickle's, and
     # safetensors' in the Explorer's resume).
-    Cell("floors", "torch==2.13.0+cpu", "", ("huggingface_hub<1.0",), floors=True,
+    Cell("floors", "torch==2.13.0+cpu", "transformers==4.57.1", ("huggingface_hub<1.0",), floors=True,
          tests=("tests/test_plan.py", "tests/test_simulate.py", "tests/test_figures.py", "tests/test_widgets.py",
                 "tests/test_export_torchtitan.py", *RUNS)),
     # Python 3.12, admitted and otherwise never run (make test runs 3.11, the newest cell 3.13); torch 2.14.1 for
@@ -198,15 +198,16 @@ def floor_pins() -> list[str]:
 
 
 def cell_pins(cell: Cell) -> tuple[str, list[str]]:
-    """The cell's transformers and its other pins: the floors for a floors cell (torch left out: the cell's own),
-    then TOOLS, less any package a floor already pins."""
+    """The cell's transformers and its other pins: the floors for a floors cell (torch and transformers are the
+    cell's own pins, checked equal to the floors), then TOOLS, less any package a floor already pins."""
     transformers, pins = cell.transformers, list(cell.extra)
     if cell.floors:
         floors = floor_pins()
-        torch_floor = next(p for p in floors if p.startswith("torch=="))
-        if Version(cell.torch.split("==")[1]).release != Version(torch_floor.split("==")[1] + ".0").release:
-            raise SystemExit(f"grid: the floors cell pins {cell.torch}, pyproject's floor is {torch_floor}")
-        transformers = next(p for p in floors if p.startswith("transformers=="))
+        for own in (cell.torch, cell.transformers):
+            name, version = own.split("==")
+            floor = next(p for p in floors if p.startswith(f"{name}=="))
+            if Version(Version(version).base_version) != Version(floor.split("==")[1]):  # 2.13.0+cpu is 2.13
+                raise SystemExit(f"grid: the floors cell pins {own}, pyproject's floor is {floor}")
         pins += [p for p in floors if not p.startswith(("torch==", "transformers=="))]
     pinned = {re.split(r"[\[=<>]", p)[0].lower() for p in pins}
     return transformers, [*pins, *(t for t in TOOLS if t.split("==")[0].lower() not in pinned)]
