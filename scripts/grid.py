@@ -45,6 +45,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from pip._vendor.packaging.requirements import Requirement
+from pip._vendor.packaging.version import Version
+
 REPO = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("PIPEVIZ_GRID_CACHE", "/var/cache/pipeviz-grid"))
 PYTHON = os.environ.get("PIPEVIZ_GRID_PYTHON", sys.executable)
@@ -68,7 +71,22 @@ class Cell:
     # Environment the cell's tests run with: OTHER_KERNELS makes torch's CPU ops and MKL take other code paths than
     # make test's, as another CPU would (a test exact only on one machine's kernels fails here).
     env: tuple[tuple[str, str], ...] = ()
+    # Every dependency pyproject declares (the core's, the notebook and checkpoints extras', the test extra's
+    # transformers) pinned at its lower bound, all together: what `pip install "pipeviz[notebook]"` promises works.
+    floors: bool = False
+    # Installed last, without their dependencies: readers the exports are checked against (torchtitan's config
+    # classes, Megatron-Core's layout parser), whose own dependency trees (datasets, wandb, ...) their readers need
+    # none of.
+    no_deps: tuple[str, ...] = ()
+    # The tests this cell runs instead of the grid's TESTS: a small selection (CI's whole run, .ci/run, must stay
+    # within 45 minutes).
+    tests: tuple[str, ...] = ()
 
+
+# Three launches, one per runtime path (one stage per rank; tied weights; the V shape with a split backward): the new
+# cells' share of tests/test_runtime.py (4 s in all).
+RUNS = tuple(f"tests/test_runtime.py::test_every_schedule_matches_unsplit_model[{case}]"
+             for case in ("GPipe-mlp", "1F1B-tied", "ZBVZeroBubble-skip"))
 
 # ATen's vectorised kernels without AVX (ATEN_CPU_CAPABILITY=default) and MKL's conditional numerical reproducibility
 # in its compatible code path (MKL_CBWR=COMPATIBLE): each changes the last bits of a Linear's output here.
@@ -85,6 +103,20 @@ CELLS = (
     # index when the venv is looked up: a new release gets a venv of its own).
     # Python 3.13: the newest this machine has, beside make test's 3.11 (pyproject's floor).
     Cell("t2.15-tf-newest", "torch==2.15.0", "transformers>=5.25,<6", pip_config=False, python="3.13"),
+    # Every declared floor at once, on the floor Python (3.11) and torch (2.13, the local CPU wheel): the core, the
+    # views (plotly's FigureWidget, ipywidgets, anywidget at their floors) and launches (cloudpickle's, and
+    # safetensors' in the Explorer's resume).
+    Cell("floors", "torch==2.13.0+cpu", "transformers==4.57.1", ("huggingface_hub<1.0",), floors=True,
+         tests=("tests/test_plan.py", "tests/test_simulate.py", "tests/test_figures.py", "tests/test_widgets.py",
+                "tests/test_export_torchtitan.py", *RUNS)),
+    # Python 3.12, admitted and otherwise never run (make test runs 3.11, the newest cell 3.13); torch 2.14.1 for
+    # cp312 comes from PyPI (a CUDA build: triton, which Megatron-Core imports, comes with it). The exports are
+    # checked here by torchtitan's and Megatron-Core's own readers (megatron-core 0.19 needs Python >= 3.12).
+    # Python 3.14 is not in the grid: no registry these machines reach has it (Debian 12's apt stops at 3.11, PyPI
+    # and npm ship no CPython 3.14 interpreter; pyenv and portable-python download from python.org and GitHub).
+    Cell("py3.12", "torch==2.14.1", "transformers==5.23.0", ("tyro==1.0.17",), python="3.12",
+         no_deps=("torchtitan==0.3.0", "megatron-core==0.19.2"),
+         tests=("tests/test_adapter.py", "tests/test_export_torchtitan.py", "tests/test_megatron_layout.py", *RUNS)),
 )
 
 # The same test tools in every cell (the versions the main .venv runs), pinned so a rebuild changes nothing else.
@@ -128,10 +160,12 @@ TRAIN_ROWS = ("Llama", "GPT-NeoX", "Qwen2-MoE", "mBART")
 META_ROWS = ("GPT-2", "Llama", "GPT-NeoX", "Qwen2-MoE", "Mixtral", "BERT", "T5")
 
 
-def select_args() -> list[str]:
+def select_args(cell: Cell) -> list[str]:
     def rows(names: tuple[str, ...]) -> str:
         return " or ".join(f"[{r}]" for r in names)  # "[Qwen2]" does not match "[Qwen2-MoE]"
 
+    if cell.tests:  # the cell's own small selection, slow tests included (-m overrides pyproject's markers)
+        return [*cell.tests, "-m", "not compat"]
     # -m "compat or not compat" overrides pyproject's addopts (-m "not compat"): the compat tests run too.
     # (not the coverage rows: an option's test widened to the other schedules, whose code paths run here already)
     return [*TESTS, "-m", "(compat or not compat) and not coverage",
@@ -145,8 +179,43 @@ def pyproject_dependencies() -> list[str]:
     return list(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"])
 
 
+def floor_pins() -> list[str]:
+    """``name==X`` for every ``name>=X`` pyproject declares: the core's dependencies, the notebook and checkpoints
+    extras, and the test extra's transformers (torch is the cell's own pin, checked equal to its floor)."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    reqs = [Requirement(r) for r in [*project["dependencies"], *extras["notebook"], *extras["checkpoints"],
+                                     *(t for t in extras["test"] if t.startswith("transformers"))]]
+    pins = []
+    for req in reqs:
+        low = [spec.version for spec in req.specifier if spec.operator == ">="]
+        if not low:
+            raise SystemExit(f"grid: pyproject's {req} has no lower bound (>=) for the floors cell to pin")
+        pins.append(f"{req.name}{'[' + ','.join(sorted(req.extras)) + ']' if req.extras else ''}=={low[0]}")
+    return pins
+
+
+def cell_pins(cell: Cell) -> tuple[str, list[str]]:
+    """The cell's transformers and its other pins: the floors for a floors cell (torch and transformers are the
+    cell's own pins, checked equal to the floors), then TOOLS, less any package a floor already pins."""
+    transformers, pins = cell.transformers, list(cell.extra)
+    if cell.floors:
+        floors = floor_pins()
+        for own in (cell.torch, cell.transformers):
+            name, version = own.split("==")
+            floor = next(p for p in floors if p.startswith(f"{name}=="))
+            if Version(Version(version).base_version) != Version(floor.split("==")[1]):  # 2.13.0+cpu is 2.13
+                raise SystemExit(f"grid: the floors cell pins {own}, pyproject's floor is {floor}")
+        pins += [p for p in floors if not p.startswith(("torch==", "transformers=="))]
+    pinned = {re.split(r"[\[=<>]", p)[0].lower() for p in pins}
+    return transformers, [*pins, *(t for t in TOOLS if t.split("==")[0].lower() not in pinned)]
+
+
 def cell_hash(cell: Cell) -> str:
-    key = {"cell": [cell.torch, cell.transformers, *cell.extra, cell.pip_config], "tools": TOOLS, "recipe": RECIPE,
+    key = {"cell": [cell.torch, cell.transformers, *cell.extra, cell.pip_config, *cell.no_deps],
+           "pins": cell_pins(cell), "tools": TOOLS, "recipe": RECIPE,
            "python": subprocess.run([interpreter(cell), "-c", "import sys; print(sys.version)"], capture_output=True,
                                     text=True, check=True).stdout.strip(),
            "pyproject": pyproject_dependencies()}
@@ -197,7 +266,7 @@ def resolve(cell: Cell) -> tuple[Cell, str]:
     its dependencies, beside the cell's torch (``pip install --dry-run --report``, nothing installed), and a note
     when a newer release exists that does not install here (a dependency the index lacks); an exact pin is returned
     as it is. Raises ``RuntimeError`` when the index cannot be asked."""
-    if "==" in cell.transformers:
+    if "==" in cell.transformers or cell.floors:
         return cell, ""
 
     def ask(*args: str) -> str:
@@ -209,7 +278,7 @@ def resolve(cell: Cell) -> tuple[Cell, str]:
         report = json.loads(res.stdout)["install"]
         return next(i["metadata"]["version"] for i in report if i["metadata"]["name"].lower() == "transformers")
 
-    version = ask(cell.transformers, cell.torch, *cell.extra, *TOOLS)
+    version = ask(cell.transformers, cell.torch, *cell_pins(cell)[1])
     newest = ask("--no-deps", cell.transformers)
     note = "" if newest == version else (f"transformers {newest} is out but does not install from this index (a "
                                          f"dependency is missing there): this cell runs {version}")
@@ -228,7 +297,10 @@ def build(cell: Cell, target: Path) -> float:
         pip(tmp, cell.torch, env=env)
         constraints = tmp / "grid-constraints.txt"
         constraints.write_text(cell.torch + "\n")
-        pip(tmp, "-c", str(constraints), cell.transformers, *cell.extra, *TOOLS, env=env)
+        transformers, pins = cell_pins(cell)
+        pip(tmp, "-c", str(constraints), transformers, *pins, env=env)
+        if cell.no_deps:
+            pip(tmp, "--no-deps", *cell.no_deps, env=env)
         check = ("import torch, transformers; print('grid: torch', torch.__version__, '| transformers', "
                  "transformers.__version__)")
         subprocess.run([str(tmp / "bin" / "python"), "-c", check], check=True)
@@ -315,7 +387,7 @@ def run_cell(cell: Cell, venv: Path, extra: list[str]) -> Outcome:
         xml = Path(tmp) / "junit.xml"
         env = {**os.environ, **dict(cell.env),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        cmd = [py, "-m", "pytest", *select_args(), "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *extra]
+        cmd = [py, "-m", "pytest", *select_args(cell), "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *extra]
         shown = " ".join(f"{k}={v}" for k, v in cell.env)
         print(f"\n===== grid cell {cell.name}: {out.versions}{' | ' + shown if shown else ''} =====", flush=True)
         print("grid: $", " ".join(cmd[1:]), flush=True)
