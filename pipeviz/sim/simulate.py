@@ -215,7 +215,7 @@ def simulate(
                                                        dp_bandwidth, tp_bandwidth, cp_bandwidth, stage_modes))
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=256)  # (a deep pipeline's order holds 10^5 actions: a few MB each)
 def schedule_orders(schedule: str, num_stages: int, microbatches: int,
                     stages_per_rank: int | None = None) -> tuple[tuple[str, ...], ...]:
     """``pipeviz.schedules.orders``, remembered: torch's own schedule code builds the multi-stage orders, slowly
