@@ -226,7 +226,7 @@ def test_expand_and_collapse_keep_deep_models_readable() -> None:
 
 
 def test_skip_edges_are_drawn(skip_graph: pv.ModelGraph) -> None:
-    from pipeviz.widgets.figures import graph_figure
+    from pipeviz.widgets.graph_figures import graph_figure
 
     fig = graph_figure(skip_graph.split(["layer0", "layer1"]))
     skips = next(t for t in fig.data if t.name == "skip edges")
@@ -254,7 +254,7 @@ class DenseSkips(torch.nn.Module):
 def test_many_skip_arcs_stay_inside_the_graph_and_off_the_stage_labels() -> None:
     """21 arcs of a residual MLP ran off the graph's right edge and over the stage labels: their lanes are
     squeezed, in order, into the room left of the labels."""
-    from pipeviz.widgets.figures import ARC_ROOM, graph_figure
+    from pipeviz.widgets.graph_figures import ARC_ROOM, graph_figure
 
     graph = pv.trace(DenseSkips(), (torch.randn(4, 8),))
     assert len(graph.skip_edges) >= 20

@@ -34,8 +34,9 @@ from pipeviz.runtime.config import UNSET, launch_config
 from pipeviz.timeline import Timeline
 from pipeviz.widgets import panels
 from pipeviz.widgets.controls import Controls, row_layout
-from pipeviz.widgets.figures import graph_figure, plural, timeline_figure
+from pipeviz.widgets.figures import plural, timeline_figure
 from pipeviz.widgets.graph_column import GRAPH_WIDTH, GraphColumn
+from pipeviz.widgets.graph_figures import graph_figure
 from pipeviz.widgets.panels import Change, guarded
 from pipeviz.widgets.run_panel import RunPanel, warm_up_launches
 from pipeviz.widgets.sim_section import SimSection

@@ -14,7 +14,7 @@ from pipeviz.graphview import GraphView
 from pipeviz.plan import SplitPlan
 from pipeviz.widgets import panels
 from pipeviz.widgets.controls import row_layout
-from pipeviz.widgets.figures import graph_figure, graph_layout, graph_traces
+from pipeviz.widgets.graph_figures import graph_figure, graph_layout, graph_traces
 from pipeviz.widgets.live_figure import LiveFigure, plotly_bundle
 from pipeviz.widgets.panels import soon
 

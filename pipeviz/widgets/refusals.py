@@ -44,8 +44,9 @@ def forward_only_refusal(config: LaunchConfig) -> LaunchError | None:
     if config.loss_fn is not None or sched.info(name).forward_only:
         return None
     able = [n for n, i in sched.SCHEDULES.items() if i.forward_only]
-    return LaunchError(f"schedule {name} cannot run forward only: torch's {'V-shaped ' if sched.info(name).v_shape else ''}"
-                       f"schedule needs a backward; valid in infer mode: {', '.join(able)} (or switch run to train).",
+    shape = "V-shaped " if sched.info(name).v_shape else ""
+    return LaunchError(f"schedule {name} cannot run forward only: torch's {shape}schedule needs a backward; valid in "
+                       f"infer mode: {', '.join(able)} (or switch run to train).",
                        setting="schedule")
 
 
