@@ -653,3 +653,11 @@ def test_every_control_reaches_the_simulation_and_the_launch_as_one_config(class
         assert sim.mesh == explorer.launch_config().mesh(explorer.plan.num_stages)
         if control == "schedule" and value == "Interleaved1F1B":
             assert sim.num_stages // sim.num_ranks == 4  # the config's 4 stages per rank, not a hard-coded 2
+
+
+def test_the_schedule_control_has_help_naming_the_cheat_sheet(explorer: pv.Explorer) -> None:
+    """Beside the schedule: what the chosen schedule is, and where all of them are compared (docs/schedules.md)."""
+    help_ = explorer.controls.schedule_help
+    assert "1F1B (Narayanan et al. 2021, PipeDream-Flush)" in help_.value and "docs/schedules.md" in help_.value
+    explorer.schedule.value = "ZBVZeroBubble"
+    assert "ZBVZeroBubble (" in help_.value and "two stages per rank in a V" in help_.value

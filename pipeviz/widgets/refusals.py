@@ -128,19 +128,22 @@ _FIX = re.compile(r"\s*\bFix:.*$", re.S)
 _BREAK = re.compile(r"\.\s+(?=[A-Z(])")  # a sentence ends: the next starts with a capital or a parenthesis
 
 
-def one_sentence(exc: BaseException, config: LaunchConfig) -> LaunchError:
-    """``pv.launch``'s refusal ``exc`` as one sentence naming the control, why, and no keyword fix: its later sentences
-    become clauses, its "Fix: ..." (written for code) is dropped; ``err.setting`` and the cause are kept."""
+def one_sentence(exc: BaseException, config: LaunchConfig, valid: list[str] | None = None) -> LaunchError:
+    """``pv.launch``'s refusal ``exc`` as one sentence naming the control, why, and (``valid``) the values that would
+    launch, with no keyword fix: its later sentences become clauses, its "Fix: ..." (written for code) is dropped;
+    ``err.setting`` and the cause are kept."""
     setting = getattr(exc, "setting", None)
     reason = _BREAK.sub("; ", _FIX.sub("", str(exc).strip())).rstrip(" .;:")
     if setting in LABELS:
         value = getattr(config, setting)
         shown = "on" if value is True else "off" if value is False else value
-        reason = re.sub(rf"^{re.escape(setting)}={re.escape(repr(value))}\b[:,]?\s*", "", reason)
-        reason = re.sub(rf"^{re.escape(setting)}={re.escape(str(value))}\b[:,]?\s*", "", reason)
-        sentence = f"{LABELS[setting]} {shown} cannot launch: {reason}."
+        for said in (repr(value), str(value)):  # the message's own "tp=2 ..." once the sentence starts "tp 2"
+            reason = re.sub(rf"^{re.escape(setting)}={re.escape(said)}\b[:,]?\s*(but\s+)?", "", reason)
+        sentence = f"{LABELS[setting]} {shown} cannot launch: {reason}"
     else:
-        sentence = f"Launch would refuse these settings: {reason}."
-    refusal = LaunchError(sentence, setting=setting)
+        sentence = f"Launch would refuse these settings: {reason}"
+    if valid is not None:
+        sentence += f"; valid here: {_listed(valid, 'none with the other settings as they are')}"
+    refusal = LaunchError(sentence + ".", setting=setting)
     refusal.__cause__ = exc
     return refusal

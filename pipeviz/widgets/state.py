@@ -171,11 +171,12 @@ class ExplorerState:
         self.settings = dataclasses.replace(self.settings, **changes)
         return self.settings
 
-    def launch_config(self) -> LaunchConfig:
+    def launch_config(self, settings: Settings | None = None) -> LaunchConfig:
         """The ``pv.LaunchConfig`` Launch runs: ``config`` with the settings' schedule, microbatches, steps, dp, tp and
         recomputation (in infer mode: no loss, optimizer, clipping, accumulation, scheduler, evaluation or
-        recomputation); ``pv.export_torchrun(plan, path, config=state.launch_config())`` writes the same run."""
-        s, base = self.settings, self.config
+        recomputation); ``pv.export_torchrun(plan, path, config=state.launch_config())`` writes the same run.
+        ``settings``: other settings than the current ones."""
+        s, base = settings or self.settings, self.config
         infer = s.mode == "infer"
         return base.replace(
             schedule=s.schedule, microbatches=s.microbatches, steps=s.steps,
@@ -220,19 +221,40 @@ class ExplorerState:
         ``.setting`` names the control), else None. A setting that can never launch on this batch is refused at any
         stage count; from 2 stages on, everything ``pv.launch`` checks before a process starts (a few ms)."""
         cfg = self.launch_config()
-        batch = self.graph.batch_size
-        own = (refusals.forward_only_refusal(cfg) or refusals.dp_refusal(cfg, batch)
-               or refusals.microbatches_refusal(self.plan, cfg, batch))
+        own = self._own_refusal(cfg)
         if own is not None or self.plan.num_stages < 2:
             return own
+        exc = self._validate(cfg)
+        if exc is None:
+            return None
+        setting = getattr(exc, "setting", None)
+        return refusals.one_sentence(exc, cfg, self._valid(setting) if setting in ("schedule", "tp") else None)
+
+    def _own_refusal(self, cfg: LaunchConfig) -> LaunchError | None:
+        """The settings that can never launch on this batch, at any stage count (``refusals``)."""
+        batch = self.graph.batch_size
+        return (refusals.forward_only_refusal(cfg) or refusals.dp_refusal(cfg, batch)
+                or refusals.microbatches_refusal(self.plan, cfg, batch))
+
+    def _validate(self, cfg: LaunchConfig) -> BaseException | None:
+        """What ``pv.launch`` would raise first for this plan and ``cfg`` before any process starts, else None."""
         args, kwargs = self.graph.example_args, dict(self.graph.example_kwargs)
         try:  # (the default target inside too: a model with several outputs has none)
             validate_launch(self.plan, cfg, inputs=args, input_kwargs=kwargs or None,
                             target=None if cfg.loss_fn is None else self.launch_target(),
                             eval_data=None if cfg.loss_fn is None else self.eval_data)
         except Exception as exc:  # LaunchError, ScheduleError, PlanError, or whatever else Launch would meet first
-            return refusals.one_sentence(exc, cfg)
+            return exc
         return None
+
+    def _valid(self, setting: str) -> list[str]:
+        """The values of ``schedule`` (every one) or ``tp`` (1, 2, 4, 8) that would launch with the other settings
+        as they are (checked only once a refusal is shown)."""
+        tries = ([dataclasses.replace(self.settings, schedule=n) for n in sched.ALL] if setting == "schedule" else
+                 [dataclasses.replace(self.settings, tp=k) for k in (1, 2, 4, 8)])
+        configs = [(s, self.launch_config(s)) for s in tries]
+        return [str(getattr(s, setting)) for s, cfg in configs
+                if self._own_refusal(cfg) is None and self._validate(cfg) is None]
 
     def launch_refusal(self) -> LaunchError | None:
         """``refusal()``, or the plan's single stage: what Launch says when pressed."""
