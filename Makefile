@@ -23,6 +23,7 @@ lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(PY) scripts/build_notebooks.py --check
+	$(PY) scripts/check_fences.py
 
 test: lint
 	$(PY) -m pytest

@@ -20,8 +20,9 @@
 # same from one notebook with pipeviz:
 #
 # 0. **the walkthrough's own code**: a script under `torchrun`, 3 processes, forward only; its output checked
-#    against the unsplit model and against pipeviz; then the two other ways today's torch splits a model (a
-#    `pipe_split()` marker in `forward`, and stages you build yourself),
+#    against the unsplit model and against pipeviz; then the same stages **trained**, as torch's own pipelining
+#    tutorial does (a loss on the last stage, the losses printed on the last rank); then the two other ways
+#    today's torch splits a model (a `pipe_split()` marker in `forward`, and stages you build yourself),
 # 1. **trace** the model once and look at its layers,
 # 2. **split** it and preview every stage (parameters, FLOPs, bytes sent, memory) without building anything,
 # 3. **simulate** a training step,
@@ -36,6 +37,8 @@ import warnings
 warnings.filterwarnings("ignore", category=FutureWarning)  # torch.export internals; not about your code
 
 # %%
+import copy
+import re
 import shutil
 import socket
 import subprocess
@@ -61,7 +64,7 @@ y = torch.randint(0, 10, (32,))           # its class labels
 # Today's torch spells the walkthrough's steps `pipeline(model, mb_args, split_spec=...)` (the split points move
 # from `annotate_split_points` into `split_spec`), `pipe.build_stage(rank, device)` and a schedule object; rank 0
 # feeds the batch with `schedule.step(x)`, the others call `schedule.step()`, and the last rank gets the output.
-# Forward only: no loss, no backward.
+# The walkthrough ran forward only: no loss, no backward (the script's last part adds them).
 #
 # Two changes trip up code ported from PiPPy:
 #
@@ -77,8 +80,16 @@ y = torch.randint(0, 10, (32,))           # its class labels
 # After the walkthrough's route it runs the same three stages a second way, the one torchtitan uses: no tracing,
 # each rank builds its own stage's module (`model.layer0`, `model.layer1`, `Sequential(model.layer2,
 # model.output_proj)`) and wraps it as `PipelineStage(module, stage_index, num_stages, device)`; the stage learns
-# its input shapes at the first step. The script is written to a temporary folder with this notebook's weights and
-# input so that its outputs can be compared:
+# its input shapes at the first step.
+#
+# Then it **trains** those stages, the route of torch's own pipelining tutorial: the schedule gets a `loss_fn`,
+# which only the last stage runs (on each microbatch's output and its slice of the target); rank 0 still feeds the
+# batch with `schedule.step(x)`, the last rank passes the whole target and a list to collect the losses,
+# `schedule.step(target=y, losses=losses)`, and the rank in between calls `schedule.step()`. Each step runs every
+# backward too, and torch divides the summed gradients by the number of microbatches (`scale_grads=True`), so each
+# rank's own SGD over its stage's parameters takes the same step as the unsplit model on the whole batch. The last
+# rank prints one loss per microbatch per step. The script is written to a temporary folder with this notebook's
+# weights, input and target so that its outputs can be compared:
 
 # %%
 SEED_SCRIPT = textwrap.dedent("""\
@@ -151,11 +162,33 @@ SEED_SCRIPT = textwrap.dedent("""\
     output = schedule.step(x) if rank == 0 else schedule.step()
     if rank == world_size - 1:
         torch.save(output, os.path.join(here, "out_manual.pt"))
+
+    # Training, as torch's pipelining tutorial does it: the loss runs on the last stage, the target goes to the last
+    # rank.
+    def loss_fn(output, target):
+        return torch.nn.functional.cross_entropy(output, target)
+
+    y = torch.load(os.path.join(here, "y.pt"))  # the batch's class labels
+    stage = PipelineStage(own, stage_index=rank, num_stages=world_size, device=device)
+    schedule = ScheduleGPipe(stage, n_microbatches=chunks, loss_fn=loss_fn)
+    optimizer = torch.optim.SGD(own.parameters(), lr=0.1)  # each rank steps its own stage's parameters
+    for step in range(2):
+        optimizer.zero_grad()
+        if rank == 0:
+            schedule.step(x)
+        elif rank == world_size - 1:
+            losses = []
+            schedule.step(target=y, losses=losses)  # one loss per microbatch
+            print(f"step {step} losses: {[loss.item() for loss in losses]}", flush=True)
+        else:
+            schedule.step()
+        optimizer.step()
     dist.destroy_process_group()
 """)
 seed_dir = Path(tempfile.mkdtemp(prefix="pipeviz_seed_"))  # keep the script's files out of the repository
 torch.save(model.state_dict(), seed_dir / "weights.pt")
 torch.save(x, seed_dir / "x.pt")
+torch.save(y, seed_dir / "y.pt")
 (seed_dir / "pippy_walkthrough.py").write_text(SEED_SCRIPT)
 print(SEED_SCRIPT)
 
@@ -163,7 +196,8 @@ print(SEED_SCRIPT)
 # %% [markdown]
 # `torchrun --nproc-per-node 3 pippy_walkthrough.py` starts three processes, one per stage (here as `python -m
 # torch.distributed.run`, with this kernel's interpreter, on a free local port). Rank 0's `print(pipe)` shows what
-# `pipeline()` made: one `submod_pp_<i>` per stage, and the forward that chains them.
+# `pipeline()` made: one `submod_pp_<i>` per stage, and the forward that chains them; the last rank's lines, the
+# training route's losses.
 
 # %%
 def free_port() -> int:
@@ -190,6 +224,23 @@ print(f"the walkthrough's output: {tuple(seed_out.shape)}, max |difference| from
 print(f"the stages built by hand: {tuple(by_hand_out.shape)}, max |difference| from model(x): {by_hand_gap:.1e}")
 assert seed_out.shape == by_hand_out.shape == (32, 10) and seed_gap < 1e-5 and by_hand_gap < 1e-5
 shutil.rmtree(seed_dir)
+
+# The training route's losses, against the unsplit model trained the same way: the loss of each of the 4
+# microbatches, then one SGD step on the whole batch's mean loss (what the summed, divided gradients are).
+printed = {int(step): [float(v) for v in values.split(",")]
+           for step, values in re.findall(r"step (\d+) losses: \[([^\]]*)\]", done.stdout)}
+unsplit = copy.deepcopy(model)
+sgd_unsplit = torch.optim.SGD(unsplit.parameters(), lr=0.1)
+for step in range(2):
+    with torch.no_grad():
+        per_mb = [F.cross_entropy(unsplit(xc), yc).item() for xc, yc in zip(x.chunk(4), y.chunk(4), strict=True)]
+    print(f"step {step}: the last rank printed {[round(v, 5) for v in printed[step]]}, "
+          f"the unsplit model's {[round(v, 5) for v in per_mb]}")
+    assert len(printed[step]) == 4 and all(abs(a - b) < 1e-5 for a, b in zip(printed[step], per_mb, strict=True))
+    sgd_unsplit.zero_grad()
+    F.cross_entropy(unsplit(x), y).backward()
+    sgd_unsplit.step()
+assert sum(printed[1]) < sum(printed[0])   # it learns: the second step's losses are lower
 
 # %% [markdown]
 # ### The same with pipeviz, side by side
@@ -235,7 +286,8 @@ STEPS = [  # (PiPPy, the walkthrough) -> (torch.distributed.pipelining today) ->
      "`schedule='GPipe'`: any of torch's seven, by name"),
     ("`stage(x)` on rank 0, `stage()` elsewhere", "`schedule.step(x)` on rank 0, `schedule.step()` elsewhere",
      "`run = pv.launch(plan, ..., inputs=(x,))`; `run.wait()`; `run.outputs[step]`"),
-    ("`loss_fn=` on the stage", "`Schedule…(stage, n, loss_fn=...)`; `step(x, target=y)`",
+    ("`loss_fn=` on the stage",
+     "`Schedule…(stage, n, loss_fn=...)`; `step(x)` on rank 0, `step(target=y, losses=losses)` on the last rank",
      "`pv.launch(..., target=y, loss_fn=..., optimizer=...)`; `run.losses`"),
     ("—", "—", "`pv.simulate`, `pv.balance`, `pv.check_numerics`, `pv.TimelineView`, `pv.Explorer`"),
 ]
@@ -262,8 +314,6 @@ Markdown("| PiPPy (the walkthrough) | torch today | pipeviz |\n|---|---|---|\n"
 # gets a copy, as `plan.pipe()` does.)
 
 # %%
-import copy
-
 from torch.distributed.pipelining import SplitPoint, pipe_split, pipeline
 
 
@@ -432,7 +482,7 @@ assert check.ok
 # | microbatch | 微批次 | `microbatches=`, torch's `n_microbatches` (PiPPy: *chunks*) |
 # | bubble (idle time) | 气泡 (空闲时间) | `tl.bubble_fraction` |
 # | split point | 分割点 | `graph.split([...])`, `SplitPoint.END` / `BEGINNING` |
-# | schedule | 调度 | `schedule="1F1B"`; `pipeviz.schedules.orders` |
+# | schedule | 调度 | `schedule="1F1B"`; `pipeviz.schedule.traits.orders` |
 # | warm-up / cool-down (drain) | 预热 / 冷却 | the forwards before the first backward; the last backwards |
 # | interleaved (virtual stages) | 交错 (虚拟阶段) | `Interleaved1F1B`, `stages_per_rank=` |
 # | activations | 激活值 | `peak_activation_bytes` |

@@ -42,10 +42,11 @@ ex.click("transformer.h.1")   # split after block 1 -> 2 stages
 print(ex.plan)
 
 # %% [markdown]
-# ## Auto-balance
+# ## Balance
 #
 # `pv.balance` finds the contiguous split that minimises the slowest stage (exact dynamic programming). The
-# Explorer's *Auto-balance* button calls it with the controls' values.
+# Explorer's *Balance* button (it reads *Balance into N* while the stage count differs from the plan's) calls it
+# with the controls' values; in code, `ex.auto_balance(n)`.
 
 # %%
 ex.auto_balance(4)

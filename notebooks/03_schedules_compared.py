@@ -26,6 +26,9 @@
 #
 # DualPipeV is the V-shaped variant in DeepSeek's DualPipe repository, credited there to Sea AI Lab; the DeepSeek-V3
 # report describes DualPipe itself, bidirectional, which holds two copies of the parameters.
+#
+# Each one's bubble formula, peak memory, pipeline traffic and needs are on one page: the
+# [schedules cheat sheet](../docs/schedules.md).
 
 # %%
 import warnings
@@ -69,7 +72,7 @@ pv.comparison_figure(cmp)
 
 # %%
 p, m = 4, 8
-for schedule in pv.schedules.ALL:
+for schedule in pv.schedule.ALL:
     v = 1 if schedule in ("GPipe", "1F1B") else 2
     tl = pv.simulate(None, schedule, m, costs=pv.Costs.uniform(p * v, forward=1 / v, backward=2 / v),
                      num_stages=p * v, stages_per_rank=None if v == 1 else v)

@@ -90,7 +90,7 @@ tied2 = tied_graph.split(["blocks.0"])
 tied4 = tied_graph.split(["embed", "blocks.0", "blocks.1"])
 for stage in tied2.stages:
     print(stage.index, stage.layers, "shares:", stage.shared_params)
-print("ZBV puts stages on ranks:", pv.schedules.layout("ZBVZeroBubble", 4).stage_ranks)
+print("ZBV puts stages on ranks:", pv.schedule.layout("ZBVZeroBubble", 4).stage_ranks)
 
 # %% [markdown]
 # 1F1B on 2 stages (the copies live on two ranks), and ZBVZeroBubble on 4 stages, whose V shape places `embed`

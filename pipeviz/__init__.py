@@ -14,40 +14,40 @@ below (``pv.Explorer``, ``pv.TimelineView``, the figure functions) load them on 
 
 from torch.distributed.pipelining import SplitPoint
 
-from pipeviz.balance import balance, compare
-from pipeviz.capture import TraceError
+from pipeviz.capture.export import TraceError
+from pipeviz.capture.weights import materialize
 from pipeviz.cost.model import Costs
 from pipeviz.cost.options import CostOptions
-from pipeviz.export import Watch, export_torchrun, watch
-from pipeviz.graph import Layer, ModelGraph, trace
+from pipeviz.graph.manual import manual_plan
+from pipeviz.graph.model import ModelGraph, trace
 
 # pv.hardware and pv.profile are functions; their modules' names (kept from 0.2) are imported here first, so that
 # a later `import pipeviz.hardware` does not replace the function on the package.
 from pipeviz.hardware import HARDWARE, Hardware, HardwareError, hardware
-from pipeviz.lengths import BucketComparison, BucketRow, buckets, compare_buckets, padding_waste, plan_cluster_lengths
-from pipeviz.live import Live
-from pipeviz.manual import SequenceStage, manual_plan
-from pipeviz.mesh import Mesh, MeshError
-from pipeviz.numerics import NumericsCheck, check_numerics
-from pipeviz.plan import PlanError, SplitPlan, StageInfo
-from pipeviz.planner import ClusterPlan, LayoutOption, plan_cluster
+from pipeviz.plan.errors import PlanError
+from pipeviz.plan.megatron import megatron_layout
+from pipeviz.plan.split import SplitPlan
+from pipeviz.planner.balance import balance, compare
+from pipeviz.planner.search import ClusterPlan, plan_cluster
+from pipeviz.planner.synthesize import synthesize_schedule
 from pipeviz.profile import Profile, profile
 from pipeviz.runtime import LaunchConfig, LaunchError, Run, launch, train_reference
-from pipeviz.schedules import ScheduleError
-from pipeviz.simulate import Comparison, estimate_costs, simulate
-from pipeviz.timeline import Event, Timeline
-from pipeviz.trace_import import import_trace
-from pipeviz.training import cross_entropy, sgd, warmup_cosine
+from pipeviz.runtime.export import export_torchrun, watch
+from pipeviz.runtime.live import Live
+from pipeviz.runtime.numerics import check_numerics
+from pipeviz.runtime.torchtitan import export_torchtitan
+from pipeviz.schedule.mesh import Mesh, MeshError
+from pipeviz.schedule.timeline import Event, Timeline
+from pipeviz.schedule.training import cross_entropy, sgd, warmup_cosine
+from pipeviz.schedule.traits import ScheduleError
+from pipeviz.sim.simulate import simulate
+from pipeviz.sim.trace_import import import_trace
+from pipeviz.sim.why import critical_path, idle_gaps
 from pipeviz.version import __version__ as __version__
-from pipeviz.weights import materialize
-from pipeviz.why import critical_path, idle_gaps
 
 __all__ = [
     "HARDWARE",
-    "BucketComparison",
-    "BucketRow",
     "ClusterPlan",
-    "Comparison",
     "CostOptions",
     "Costs",
     "Event",
@@ -55,45 +55,37 @@ __all__ = [
     "HardwareError",
     "LaunchConfig",
     "LaunchError",
-    "Layer",
-    "LayoutOption",
     "Live",
     "Mesh",
     "MeshError",
     "ModelGraph",
-    "NumericsCheck",
     "PlanError",
     "Profile",
     "Run",
     "ScheduleError",
-    "SequenceStage",
     "SplitPlan",
     "SplitPoint",
-    "StageInfo",
     "Timeline",
     "TraceError",
-    "Watch",
     "balance",
-    "buckets",
     "check_numerics",
     "compare",
-    "compare_buckets",
     "critical_path",
     "cross_entropy",
-    "estimate_costs",
     "export_torchrun",
+    "export_torchtitan",
     "hardware",
     "idle_gaps",
     "import_trace",
     "launch",
     "manual_plan",
     "materialize",
-    "padding_waste",
+    "megatron_layout",
     "plan_cluster",
-    "plan_cluster_lengths",
     "profile",
     "sgd",
     "simulate",
+    "synthesize_schedule",
     "trace",
     "train_reference",
     "warmup_cosine",
@@ -104,11 +96,35 @@ _VIEWS = ("Explorer", "TimelineView", "comparison_figure", "graph_figure", "play
           "timeline_figure")
 
 
+# Modules reached as attributes before 0.4 (pv.schedules, pv.timeline, pv.training; pv.costs from 0.2).
+_MOVED = {"Layer": "pipeviz.capture.view", "NumericsCheck": "pipeviz.runtime.numerics",
+          "SequenceStage": "pipeviz.plan.sequence", "StageInfo": "pipeviz.plan.preview",
+          "estimate_costs": "pipeviz.sim.simulate",
+          "Comparison": "pipeviz.sim.simulate",
+          "BucketComparison": "pipeviz.planner.lengths",
+          "BucketRow": "pipeviz.planner.lengths",
+          "buckets": "pipeviz.planner.lengths",
+          "padding_waste": "pipeviz.planner.lengths",
+          "compare_buckets": "pipeviz.planner.lengths",
+          "plan_cluster_lengths": "pipeviz.planner.lengths",
+          "Watch": "pipeviz.runtime.export",
+          "LayoutOption": "pipeviz.planner.cluster"}
+_OLD_MODULES = ("schedules", "timeline", "training", "costs")
+
+
 def __getattr__(name: str) -> object:
     """The views (``pv.Explorer``, ``pv.TimelineView``, ``pv.timeline_figure``, ...) load ipywidgets and
     plotly only when first used: ``import pipeviz`` stays free of them."""
-    if name in _VIEWS:
-        import importlib
+    import importlib
 
+    if name in _VIEWS:
         return getattr(importlib.import_module("pipeviz.widgets"), name)
+    if name in _MOVED:  # names on pipeviz before 0.4, now in the module of their part
+        import warnings
+
+        warnings.warn(f"pv.{name} is deprecated since pipeviz 0.4: from {_MOVED[name]} import {name}",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    if name in _OLD_MODULES:  # pv.schedules.orders(...) as lessons before 0.4 wrote it: the module, with a warning
+        return importlib.import_module(f"pipeviz.{name}")
     raise AttributeError(f"module 'pipeviz' has no attribute {name!r}")

@@ -6,12 +6,15 @@
     pipeviz lab  [notebook]      # JupyterLab on the notebooks and tutorials
     pipeviz plan --model llama-3-8b --gpus 64 --hardware h100 --global-batch 512 [--seq-len 8192]
                  [--config path/to/config.json] [--memory-gib 80] [--dtype bfloat16] [--efficiency 0.55] [--top 10]
-                 [--full-trace]
+                 [--full-trace] [--no-synthesize] [--export torchtitan|megatron] [--export-path torchtitan.toml]
 
 ``pipeviz demo`` is the headless main job: trace, auto-balance, simulate every schedule, launch a real
 run with a progress bar, check numerics against the unsplit model, write one HTML report.
 ``pipeviz plan`` builds a well-known model (or any HF config) on the meta device, traces it without weights and
-prints ``pv.plan_cluster``'s ranked layouts for a cluster.
+prints ``pv.plan_cluster``'s ranked layouts for a cluster, then the best pipelined layout with a synthesized schedule
+(``pv.synthesize_schedule``: the fastest order found within the memory limit) as one more candidate; ``--export``
+writes the best row for torchtitan (a TOML fragment, ``pv.export_torchtitan``) or prints it as Megatron-LM's flags
+(``pv.megatron_layout``).
 """
 
 from __future__ import annotations
@@ -32,9 +35,12 @@ import torch.nn.functional as F
 
 import pipeviz as pv
 from pipeviz import zoo
+from pipeviz.plan.preview import human_bytes
 from pipeviz.runtime.loss import LOSS_REDUCTIONS
+from pipeviz.schedule import traits as sched
 
 if TYPE_CHECKING:
+    from pipeviz.planner.cluster import LayoutOption
     from pipeviz.widgets.report import Section
 
 __all__ = ["main"]
@@ -106,7 +112,7 @@ def _section(name: str, a: argparse.Namespace) -> Section:
     print(f"  simulated schedules, every one on {plan.num_stages} ranks (2 stages per rank: a "
           f"{2 * plan.num_stages}-stage split balanced the same way):\n"
           + "\n".join("    " + line for line in cmp.table().splitlines()))
-    spr = pv.schedules.info(a.schedule).stages_per_rank if pv.schedules.info(a.schedule).multi else None
+    spr = sched.info(a.schedule).stages_per_rank if sched.info(a.schedule).multi else None
     run_plan = plan
     row = cmp.row(a.schedule)
     if spr is not None and row is not None:
@@ -163,7 +169,7 @@ def demo(a: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore")
     from pipeviz.widgets.report import write_report
 
-    a.schedule = pv.schedules.canonical(a.schedule)  # bad options fail before any work
+    a.schedule = sched.canonical(a.schedule)  # bad options fail before any work
 
     names = list(MODELS) if a.model == "all" else [a.model]
     if importlib.util.find_spec("transformers") is None and any(n in NEEDS_TRANSFORMERS for n in names):
@@ -201,7 +207,61 @@ def plan(a: argparse.Namespace) -> int:
                          dp_reduce=a.dp_reduce)
     print(f"planned in {time.time() - t:.1f} s\n")
     print(cp.table(a.top))
+    if not a.no_synthesize:
+        _synthesized(cp)
+    if a.export and cp.rows:
+        _export(a, cp.rows[0], cp.global_batch)
     return 0 if cp.rows else 1
+
+
+SYNTHESIS_ACTIONS = 12_000  # a larger layout takes the search tens of seconds: it is offered as a call instead
+
+
+def _synthesized(cp: pv.ClusterPlan) -> None:
+    """The best pipelined row's layout with a synthesized order in place of its schedule: one more candidate."""
+    found = next(((i, r) for i, r in enumerate(cp.rows, 1) if r.pp > 1), None)
+    if found is None:
+        return
+    i, row = found
+    call = ("pv.synthesize_schedule(row.plan, row.config, memory_limit, options=row.options, "
+            "collectives=row.collectives)")
+    actions = row.plan.num_stages * row.microbatches * 3
+    if actions > SYNTHESIS_ACTIONS:
+        print(f"\nsynthesized schedule for #{i}: not searched here ({actions:,} actions); {call} finds it.")
+        return
+    t = time.time()
+    syn = pv.synthesize_schedule(row.plan, row.config, cp.memory_limit, options=row.options,
+                                 collectives=row.collectives)
+    took = time.time() - t
+    own = syn.baselines.get(row.schedule)
+    versus = (f"{row.schedule}'s {_secs(own.step_time)} ({syn.step_time / own.step_time - 1:+.1%}; both simulated "
+              f"in full at {row.microbatches} microbatches)" if own is not None else row.schedule)
+    placed = "in a V" if syn.placement == "v" else "looped"
+    print(f"\nsynthesized schedule for #{i} ({row.label()}): {_secs(syn.step_time)} per step against {versus}, "
+          f"peak memory {human_bytes(max(syn.memory_bytes))}, stages placed {placed}; {syn.evaluated} candidate "
+          f"orders searched in {took:.1f} s. {call} returns it, launchable (.config) and as torch's schedule CSV "
+          "(.to_csv(path)).")
+
+
+def _secs(t: float) -> str:
+    return f"{t:.3f} s" if t >= 1 else f"{t * 1e3:.3f} ms" if t >= 1e-3 else f"{t * 1e6:.1f} us"
+
+
+def _export(a: argparse.Namespace, row: LayoutOption, global_batch: int) -> None:
+    """The best row for torchtitan (a TOML fragment) or Megatron-LM (its command-line flags)."""
+    if a.export == "torchtitan":
+        path = pv.export_torchtitan(row.plan, row.config, a.export_path, microbatch_size=row.microbatch_size)
+        print(f"\nthe best row ({row.label()}) for torchtitan: {path}")
+        return
+    flags = [f"--pipeline-model-parallel-size {row.pp}",
+             f"--pipeline-model-parallel-layout '{pv.megatron_layout(row.plan)}'",
+             f"--tensor-model-parallel-size {row.tp}", f"--context-parallel-size {row.cp}",
+             f"--micro-batch-size {row.microbatch_size}", f"--global-batch-size {global_batch}"]
+    if row.dp_reduce == "distributed":
+        flags.append("--use-distributed-optimizer")
+    print(f"\nthe best row ({row.label()}) for Megatron-LM:\n  " + " \\\n  ".join(flags))
+    if sched.info(row.schedule).v_shape:
+        print(f"  note: Megatron runs stage i on pipeline rank i % {row.pp}, not in {row.schedule}'s V.")
 
 
 def lab(a: argparse.Namespace) -> int:
@@ -218,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--model", default="all", choices=[*MODELS, "all"])
     d.add_argument("--stages", type=int, default=None, help="default: 3 for classic, 4 for gpt2")
     launch = pv.LaunchConfig()  # the one set of defaults pv.launch, export_torchrun and the Explorer share
-    d.add_argument("--schedule", default=launch.schedule, help=f"one of {', '.join(pv.schedules.ALL)}")
+    d.add_argument("--schedule", default=launch.schedule, help=f"one of {', '.join(sched.ALL)}")
     d.add_argument("--microbatches", type=int, default=launch.microbatches)
     d.add_argument("--steps", type=int, default=5, help="optimizer steps of the demo run (default 5: a timeline "
                    "with steady steps to compare with the simulation)")
@@ -258,6 +318,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dp-reduce", nargs="+", default=None, choices=["ddp", "overlap", "after_flush", "distributed"],
                    help="how replicas may reduce their gradients, searched per row (default: ddp overlap)")
     p.add_argument("--full-trace", action="store_true", help="trace every block (default: 2, the last repeated)")
+    p.add_argument("--no-synthesize", action="store_true",
+                   help="skip the synthesized schedule for the best pipelined layout (pv.synthesize_schedule)")
+    p.add_argument("--export", default=None, choices=["torchtitan", "megatron"],
+                   help="the best row for torchtitan (a TOML fragment at --export-path) or Megatron-LM (its flags)")
+    p.add_argument("--export-path", default="torchtitan.toml", help="where --export torchtitan writes")
     p.set_defaults(func=plan)
     lb = sub.add_parser("lab", help="JupyterLab on the notebooks")
     lb.add_argument("path", nargs="?")

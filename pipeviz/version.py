@@ -3,4 +3,4 @@
 __all__ = ["__version__"]
 
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"

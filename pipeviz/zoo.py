@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from pipeviz.graph import ModelGraph
+    from pipeviz.graph.model import ModelGraph
 
 __all__ = ["CONFIGS", "MoENet", "MyNetwork", "MyNetworkBlock", "RoutedMoE", "SkipNet", "TiedNet", "TinyTransformer",
            "TransformerBlock", "bert", "from_config", "gpt2", "llama", "mixtral", "planning_graph", "repeat_layers"]
@@ -344,7 +344,7 @@ def repeat_layers(graph: ModelGraph, container: str, total: int) -> ModelGraph:
     Raises:
         ValueError: fewer than two traced blocks, blocks that differ, or ``total`` below the traced count.
     """
-    from pipeviz.graph import ModelGraph
+    from pipeviz.graph.model import ModelGraph
 
     cap = graph.capture
     ops = cap.ops
@@ -435,7 +435,7 @@ def planning_graph(name_or_path: str, seq_len: int | None = None, blocks: int | 
         >>> graph, seq = planning_graph("llama-3.1-405b")
         >>> pv.plan_cluster(graph, 1024, "h100", global_batch=1024)
     """
-    from pipeviz.graph import trace  # not the package root: a core module importing it closes a cycle
+    from pipeviz.graph.model import trace  # not the package root: a core module importing it closes a cycle
 
     model, default_seq = from_config(name_or_path)
     seq = seq_len or default_seq

@@ -49,13 +49,15 @@ FOREIGN = {"SplitPoint": "torch's `torch.distributed.pipelining.SplitPoint`, re-
 # The API reference's sections, by the module a name is imported from (first match wins); a new module's names land
 # under "More" until it is given a section here.
 SECTIONS = [
-    ("Tracing and plans", ("pipeviz.graph", "pipeviz.capture", "pipeviz.plan", "pipeviz.manual")),
-    ("Running", ("pipeviz.runtime", "pipeviz.training", "pipeviz.numerics", "pipeviz.weights", "pipeviz.live",
-                 "pipeviz.export")),
-    ("Simulating, balancing and planning", ("pipeviz.simulate", "pipeviz.balance", "pipeviz.planner",
-                                            "pipeviz.timeline", "pipeviz.why", "pipeviz.trace_import")),
+    ("Tracing and plans", ("pipeviz.graph.model", "pipeviz.capture.export", "pipeviz.plan",
+    "pipeviz.graph.manual")),
+    ("Running", ("pipeviz.runtime", "pipeviz.schedule.training", "pipeviz.runtime.numerics",
+                 "pipeviz.capture.weights", "pipeviz.runtime.live", "pipeviz.runtime.export")),
+    ("Simulating, balancing and planning", ("pipeviz.sim.simulate", "pipeviz.planner.balance",
+                                            "pipeviz.planner.search", "pipeviz.schedule.timeline",
+                                            "pipeviz.sim.why", "pipeviz.sim.trace_import")),
     ("Costs and hardware", ("pipeviz.cost", "pipeviz.hardware", "pipeviz.profile")),
-    ("Layouts and schedules", ("pipeviz.mesh", "pipeviz.schedules")),
+    ("Layouts and schedules", ("pipeviz.schedule.mesh", "pipeviz.schedule.traits")),
 ]
 
 
@@ -211,6 +213,8 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
 # The script plotly's notebook renderer puts before a notebook's first figure: plotly.js itself, banner first.
 _PLOTLY_JS = re.compile(r"<script>(/\*\*\n\* plotly\.js v([0-9][0-9.]*)\n.*?)</script>", re.DOTALL)
 _NB_LINK = re.compile(r'href="([^"#:]+\.ipynb)(#[^"]*)?"')
+# A lesson's link to a docs page, as it reads in the repository (../docs/schedules.md): the page on the site.
+_DOC_LINK = re.compile(r'href="([^"#:]+\.md)(#[^"]*)?"')
 
 
 def on_page_content(html: str, page: Page, config: MkDocsConfig, files: Files) -> str:
@@ -227,6 +231,16 @@ def on_page_content(html: str, page: Page, config: MkDocsConfig, files: Files) -
         return f'href="{found.url_relative_to(page.file)}{match.group(2) or ""}"'
 
     html = _NB_LINK.sub(repoint, html)
+
+    def to_page(match: re.Match[str]) -> str:
+        target = posixpath.normpath(posixpath.join(posixpath.dirname(page.file.src_uri), match.group(1)))
+        found = files.get_file_from_path(target.removeprefix("docs/"))
+        if found is None:
+            log.warning("%s links to %s, which is not a page of the docs", page.file.src_uri, match.group(1))
+            return match.group(0)
+        return f'href="{found.url_relative_to(page.file)}{match.group(2) or ""}"'
+
+    html = _DOC_LINK.sub(to_page, html)
 
     def shared(match: re.Match[str]) -> str:
         path = f"assets/javascripts/plotly-{match.group(2)}.min.js"

@@ -105,7 +105,7 @@ TOOLS = ("pytest==9.2.0", "pytest-timeout==2.4.0", "psutil==7.2.2", "cloudpickle
 #   multi-stage schedule for the rows whose code differs most between transformers releases (the rotary decoders
 #   and the MoE: TRAIN_ROWS), and the meta-device build (each rank runs HF's own initialisers, whose handling of
 #   buffers changed between releases) for a wider set (META_ROWS). Rows not in tests/compat.py are not selected.
-# - tests/test_hf_moe.py: transformers 4.x's MoE blocks traced through pipeviz.hf_moe (nothing patched on 5.x).
+# - tests/test_hf_moe.py: transformers 4.x's MoE blocks traced through pipeviz.adapter.hf_moe (nothing patched on 5.x).
 # - tests/test_custom_order.py: a custom order run by torch's private _PipelineScheduleRuntime (5 s).
 # - tests/test_tensor_parallel_hf.py: HF models on DTensors (torch's sharding rules and private handler table,
 #   transformers' ops and masks differ by version; 60-90 s).

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pipeviz.training import cross_entropy
+from pipeviz.schedule.training import cross_entropy
 
 SIZE = {"vocab_size": 96}
 MULTI = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -98,7 +98,7 @@ ROWS: list[Row] = [
                                             decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
                                             dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
                                             max_position_embeddings=64), kind="s2s"),
-    # transformers 4.x draws a LayerDrop number before every layer, even at probability 0 (pipeviz.hf_layerdrop)
+    # transformers 4.x draws a LayerDrop number before every layer, even at probability 0 (pipeviz.adapter.hf_layerdrop)
     Row("mBART", "encoder-decoder", _decoder("MBartForConditionalGeneration", "MBartConfig", d_model=32,
                                              encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                                              decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeviz.training import cross_entropy
+from pipeviz.schedule.training import cross_entropy
 
 Case = tuple[nn.Module, tuple[Any, ...], dict[str, Any], torch.Tensor, Callable[..., torch.Tensor], list[str]]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipeviz.training import cross_entropy
+from pipeviz.schedule.training import cross_entropy
 
 
 class Skip4(nn.Module):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import pipeviz as pv
-from pipeviz import schedules
-from pipeviz.numerics import compare_to_reference
+from pipeviz.runtime.numerics import compare_to_reference
+from pipeviz.schedule import traits as schedules
 from tests.models import TiedSkipBN
 
 K = 2  # batches per optimizer step

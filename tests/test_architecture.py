@@ -105,6 +105,51 @@ def test_the_core_never_imports_a_view_library() -> None:
     assert "importlib.import_module(\"pipeviz.widgets\")" in root and "import plotly" not in root
 
 
+# The parts, bottom up (docs/development.md, "Layout"): a module imports only from its own part or parts below it.
+LAYERS = ("base", "adapter", "capture", "plan", "graph", "schedule", "cost", "sim", "planner", "runtime", "face",
+          "widgets", "cli")
+# The modules under every part: a module's error types and its deprecation helper, and the version.
+BASE = {"pipeviz.errors", "pipeviz._compat", "pipeviz.version"}
+
+
+def layer(name: str) -> str:
+    """The part a module belongs to: its folder under ``pipeviz/``, else the package's face (the root, ``zoo`` and
+    the old import paths kept working)."""
+    if name in BASE:
+        return "base"
+    if name == "pipeviz.cli":
+        return "cli"
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else "face"
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for name, deps in sorted(graph.items()):
+        for dep in sorted(deps):
+            # A leaf (a module importing nothing of pipeviz: a formula, constants) adds no tangle wherever it sits;
+            # two do: the memory rule a StageInfo's figure uses (cost.rule) and the machine's measured constants
+            # a Profile defaults to (cost.calibration).
+            if LAYERS.index(layer(dep)) > LAYERS.index(layer(name)) and graph[dep]:
+                out.append(f"{name} ({layer(name)}) imports {dep} ({layer(dep)})")
+    return out
+
+
+def test_imports_point_down_the_layers() -> None:
+    graph = _graph()
+    assert _upward(graph) == []
+    # and the check can fail: an import of the runtime from the capture part is one
+    planted = {**graph, "pipeviz.capture.export": graph["pipeviz.capture.export"] | {"pipeviz.runtime.run"}}
+    assert _upward(planted) == ["pipeviz.capture.export (capture) imports pipeviz.runtime.run (runtime)"]
+
+
+def test_every_module_is_in_a_part_and_few_lie_flat() -> None:
+    flat = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(flat) <= 16, flat
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(LAYERS) - {"base", "face", "cli"}
+
+
 def test_core_modules_importing_the_package_root() -> None:
     # A core module importing ``pipeviz`` itself would close a cycle through the root's re-exports.
     graph = _graph()
@@ -136,7 +181,7 @@ def test_run_and_watch_satisfy_the_one_interface_the_views_use(tmp_path: Path) -
     import typing
 
     import pipeviz as pv
-    from pipeviz.export import Watch
+    from pipeviz.runtime.export import Watch
     from pipeviz.runtime.run import Run
 
     watch = pv.watch(tmp_path, timeout=0.1)
@@ -158,3 +203,60 @@ def _init_attributes(cls: type) -> set[str]:
                for t in (node.targets if isinstance(node, ast.Assign) else [node.target])]
     flat = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
     return {t.attr for t in flat if isinstance(t, ast.Attribute)}
+
+
+def _long_functions() -> list[str]:
+    """Functions over 80 lines, their docstrings aside."""
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                first = node.body[0]
+                doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(
+                    first.value.value, str)
+                start = (first.end_lineno or first.lineno) + 1 if doc else node.lineno
+                if (node.end_lineno or start) - start + 1 > 80:
+                    out.append(f"{path.relative_to(PACKAGE.parent)}:{node.name}")
+    return out
+
+
+def test_modules_and_functions_stay_small() -> None:
+    # Split a long module by collaborating classes or functions over a value (docs/development.md).
+    long_modules = sorted(str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py")
+                          if len(p.read_text().splitlines()) > 500)
+    assert len(long_modules) <= 3, long_modules
+    assert len(_long_functions()) <= 4, _long_functions()
+
+
+def test_no_private_name_crosses_a_module() -> None:
+    crossing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pipeviz"):
+                crossing += [f"{path.relative_to(PACKAGE.parent)}: {node.module}.{a.name}" for a in node.names
+                             if a.name.startswith("_") and not a.name.startswith("__")]
+    assert crossing == []
+
+
+def test_the_public_surface_is_narrow() -> None:
+    """At most 45 public names; no public function or method takes more than 3 positional parameters, and at most 5
+    public functions take more than 8 (the configuration types carry the rest)."""
+    import inspect
+
+    import pipeviz as pv
+
+    assert len(pv.__all__) <= 45, len(pv.__all__)
+    wide, positional = [], []
+    for name in pv.__all__:
+        obj = getattr(pv, name)
+        members = [(name, obj)] if inspect.isfunction(obj) else [
+            (f"{name}.{m}", f) for m, f in vars(obj).items() if inspect.isfunction(f) and not m.startswith("_")
+        ] if inspect.isclass(obj) and obj.__module__.startswith("pipeviz") else []
+        for label, fn in members:
+            params = [p for p in inspect.signature(fn).parameters.values() if p.name not in ("self", "cls")]
+            if sum(p.kind is p.POSITIONAL_OR_KEYWORD for p in params) > 3:
+                positional.append(label)
+            if sum(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params) > 8:
+                wide.append(label)
+    assert positional == []
+    assert len(wide) <= 5, wide

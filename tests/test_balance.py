@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import pipeviz as pv
-from pipeviz.balance import partition
-from pipeviz.simulate import estimate_costs
+from pipeviz.planner.balance import partition
+from pipeviz.runtime import profiler
+from pipeviz.sim.simulate import estimate_costs
 from pipeviz.zoo import MyNetwork
 
 
@@ -131,14 +132,15 @@ class _TickBackward(torch.autograd.Function):
         return g
 
 
-def test_profile_puts_the_loss_on_the_last_stage(classic_graph: pv.ModelGraph) -> None:
+def test_profile_puts_the_loss_on_the_last_stage(classic_graph: pv.ModelGraph, monkeypatch: pytest.MonkeyPatch) -> None:
     clock = _TickBackward.clock
+    monkeypatch.setattr(profiler, "CLOCK", clock)
 
     def loss(out: torch.Tensor) -> torch.Tensor:
         clock.t += 1.0  # the loss's forward "takes" one second; the layers take none
         return _TickBackward.apply(out).sum()
 
-    prof = pv.profile(classic_graph, microbatches=2, repeats=3, loss_fn=loss, clock=clock, busy_cores=False)
+    prof = pv.profile(classic_graph, microbatches=2, repeats=3, loss_fn=loss, busy_cores=False)
     assert prof.loss_forward == 1.0 and prof.loss_backward == 1.0
     assert set(prof.forward.values()) == {0.0} and set(prof.backward.values()) == {0.0}  # not blamed on a layer
     costs = estimate_costs(classic_graph.with_profile(prof).split(["layer1"]), 2)

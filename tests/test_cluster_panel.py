@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import pipeviz as pv
+from pipeviz.planner.cluster import LayoutOption
 from pipeviz.zoo import TinyTransformer
 
 pytest.importorskip("ipywidgets")
@@ -24,7 +25,7 @@ def tiny() -> pv.ModelGraph:
 
 
 def test_plan_then_pick_a_row(tiny: pv.ModelGraph) -> None:
-    chosen: list[pv.LayoutOption] = []
+    chosen: list[LayoutOption] = []
     panel = ClusterPanel(tiny, on_select=chosen.append, top=5)
     assert panel.rows.layout.display == "none"  # no empty box before the first Plan
     assert list(panel.hardware.options) == list(pv.HARDWARE) and panel.global_batch.value == 64
@@ -50,9 +51,16 @@ def test_the_panel_lists_rows_in_the_planners_units(tiny: pv.ModelGraph) -> None
     for i in range(min(3, len(result.rows))):
         text = panel.rows.options[i][0]
         cells = dict(zip(columns, re.split(r"\s{2,}", table[2 + i].strip()), strict=True))
-        assert f"mb size {cells['mb size']} × {cells['mbs']}" in text, (text, table[2 + i])
+        assert f"mb size {cells['mb size']} · m {cells['m']}" in text, (text, table[2 + i])
         assert f"MFU {cells['MFU']}" in text and cells["MFU"] != "0.0%"
         assert f"· {cells['step'].rstrip('*')} ·" in text and text.endswith(f"· {cells['peak memory']}")
+    # the number of microbatches is m, not mbs (the lessons' microbatch size): a legend under the table and the rows
+    assert "mbs" not in table[1].split() and "m" in columns and "mb size" in columns
+    legend = result.legend()
+    assert any("m: microbatches per step" in line for line in legend) and legend == table[2 + len(result.rows[:3]):][
+        :len(legend)]
+    assert panel.legend.layout.display == "" and "m: microbatches per step" in panel.legend.value
+    assert "tp priced in Megatron-LM&#x27;s layout" in panel.legend.value and result.tp_layout == "megatron"
     # the demo's report shows the same cells (its HTML table, parsed back)
     from html.parser import HTMLParser
 
@@ -86,7 +94,7 @@ def test_the_panel_lists_rows_in_the_planners_units(tiny: pv.ModelGraph) -> None
 
 
 def test_errors_are_shown_not_swallowed(tiny: pv.ModelGraph) -> None:
-    def broken(option: pv.LayoutOption) -> None:
+    def broken(option: LayoutOption) -> None:
         raise RuntimeError("callback failed")
 
     panel = ClusterPanel(tiny, on_select=broken, gpus=2, global_batch=8)
@@ -124,7 +132,7 @@ def test_every_listed_row_simulates_in_the_explorer_as_listed(tiny: pv.ModelGrap
     """One set of figures, every row: loaded into the Explorer a row simulates at the step and peak memory the
     panel lists, with its microbatches -- also a row whose microbatches do not divide this notebook's example
     batch (16 of size 1 against a traced batch of 8): the cluster's step is shown, Launch is refused and says why."""
-    from pipeviz.plan import human_bytes
+    from pipeviz.plan.preview import human_bytes
 
     ex = pv.Explorer(tiny)
     panel = ClusterPanel(ex.graph, on_select=lambda option: load_layout(ex, option), gpus=4, global_batch=16,
@@ -158,7 +166,7 @@ def test_the_explorer_costs_on_the_hardware_chosen(tiny: pv.ModelGraph) -> None:
     expected = pv.simulate(ex.plan, ex.schedule.value, ex.microbatches.value, options=options)
     assert ex.sim.step_time == pytest.approx(expected.step_time) and ex.sim.step_time < here_step / 10
     from pipeviz.costs import stage_costs
-    from pipeviz.plan import human_bytes
+    from pipeviz.plan.preview import human_bytes
 
     # the memory column is the simulated peak per rank: in the hardware's dtype, with what recomputation keeps
     for mem in ex.sim.meta["memory_bytes"]:

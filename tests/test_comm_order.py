@@ -1,4 +1,5 @@
-"""The communication order checked before launch (``pipeviz.comm_order``): torch's own sends and receives for every
+"""The communication order checked before launch (``pipeviz.schedule.comm_order``): torch's own sends and receives for
+every
 built-in schedule play without deadlock; a hand-made order that waits to receive before it sends is refused with
 the hang report naming ranks, peers and actions; a custom compute order is checked through torch's own lowering;
 too few microbatches are refused naming the starved ranks."""
@@ -7,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeviz import schedules as sched
-from pipeviz.comm_order import check_comm_order, check_comms, programs
-from pipeviz.sim_engine import check_order
+from pipeviz.schedule import traits as sched
+from pipeviz.schedule.comm_order import check_comm_order, check_comms, programs
+from pipeviz.sim.engine import check_order
 
 
 @pytest.mark.parametrize("name", sched.ALL)
@@ -77,7 +78,7 @@ def test_too_few_microbatches_names_the_starved_ranks_and_numbers() -> None:
 def test_a_layout_is_played_once_and_a_refusal_every_time() -> None:
     """validate_launch's check is remembered per layout (every Explorer control change validates a launch); a refused
     layout raises again, naming the same ranks."""
-    from pipeviz.comm_order import check_schedule_comms
+    from pipeviz.schedule.comm_order import check_schedule_comms
 
     check_schedule_comms.cache_clear()
     check_schedule_comms("Interleaved1F1B", 8, 16, 2)

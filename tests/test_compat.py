@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.compat]
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
 def test_architecture_trains_like_the_unsplit_model(row: object) -> None:
-    # transformers 4.x's MoE blocks (Mixtral, Qwen2-MoE) trace through pipeviz.hf_moe's exportable forward
+    # transformers 4.x's MoE blocks (Mixtral, Qwen2-MoE) trace through pipeviz.adapter.hf_moe's exportable forward
     result = check(row, multi_for(row))  # type: ignore[arg-type]
     assert not result.errors, result.errors
     assert set(result.diffs) == {"GPipe", "1F1B", multi_for(row)}  # type: ignore[arg-type]
@@ -38,7 +38,7 @@ def test_architecture_built_on_the_meta_device_trains_from_its_ranks_initialiser
     args, kwargs, target = inputs(row)  # type: ignore[arg-type]
     major = int(__import__("transformers").__version__.split(".")[0])
     if major < 5 and row.name in ("Qwen2-MoE", "Mixtral"):  # type: ignore[attr-defined]
-        # A known limit: 4.x routes tokens with torch.where, whose output size only data gives (pipeviz.hf_moe);
+        # A known limit: 4.x routes tokens with torch.where, whose output size only data gives (pipeviz.adapter.hf_moe);
         # the meta device has none, and pv.trace says so with the fix (build it on the CPU).
         with pytest.raises(pv.TraceError, match=r"output size depends on the data.*Fix: build the model on the CPU"):
             pv.trace(model, example_args=args, example_kwargs=kwargs)
@@ -50,7 +50,7 @@ def test_architecture_built_on_the_meta_device_trains_from_its_ranks_initialiser
         # A known limit (docs/compatibility.md): transformers 4.x initialisers do not set every tensor one
         # module at a time (rotary inv_freq, GPT-2's masked_bias, BERT's token_type_ids, T5's attention weights):
         # a rank names the tensor left unset and the run fails; pass weights= (a checkpoint) instead.
-        from pipeviz.weights import WeightsError
+        from pipeviz.capture.weights import WeightsError
 
         if run.wait(120) == "failed":
             assert "was left unset by its module's initialiser" in (run.error or ""), run.error

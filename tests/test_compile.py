@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import pipeviz as pv
-from pipeviz import schedules
+from pipeviz.schedule import traits as schedules
 from tests.models import TiedSkipBN
 
 

@@ -10,6 +10,7 @@ import pytest
 
 import pipeviz as pv
 from pipeviz.costs import OPTIMIZER_STATES, in_flight, layer_times, memory_per_rank, peak_activations, stage_costs
+from pipeviz.schedule import traits as sched_traits
 
 
 def _plans(graph: pv.ModelGraph, stages: int) -> list[pv.SplitPlan]:
@@ -44,7 +45,7 @@ def test_the_memory_formula(classic_graph: pv.ModelGraph) -> None:
     costs = stage_costs(plan, m)
     # 1F1B on 2 stages: stage 0 keeps 2 microbatches alive at its peak, stage 1 keeps 1.
     assert in_flight("1F1B", 2, m) == [2.0, 1.0]
-    assert peak_activations(pv.schedules.orders("1F1B", 2, m), costs.activation_bytes) == [
+    assert peak_activations(sched_traits.orders("1F1B", 2, m), costs.activation_bytes) == [
         2 * costs.activation_bytes[0], costs.activation_bytes[1]]
     s0 = plan.stages[0]
     expected = s0.param_bytes * (2 + OPTIMIZER_STATES) + s0.buffer_bytes + 2 * s0.activation_bytes // m

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import pipeviz as pv
-from pipeviz.schedules import ScheduleError
+from pipeviz.schedule.traits import ScheduleError
 from tests.models import Tied4
 from tests.test_launch_checks import _children
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import pipeviz as pv
-from pipeviz.mesh import Coords, Mesh, MeshError
-from pipeviz.training import cross_entropy
+from pipeviz.schedule.mesh import Coords, Mesh, MeshError
+from pipeviz.schedule.training import cross_entropy
 from tests.models import TiedSkipBN
 from tests.schedule_sets import SCHEDULES, train_exactly
 
@@ -29,7 +29,7 @@ def test_the_mesh_names_every_process_by_its_coordinates() -> None:
     mesh = Mesh(pp=2, dp=2)
     assert mesh.world == 4 and mesh.dims == ("pp", "dp")
     assert [mesh.coords(r) for r in range(4)] == [Coords(0, 0, 0), Coords(0, 1, 0), Coords(1, 0, 0), Coords(1, 1, 0)]
-    assert all(mesh.rank(*mesh.coords(r)) == r for r in range(4))
+    assert all(mesh.rank_of(mesh.coords(r)) == r for r in range(4))
     assert mesh.pipeline(dp=1) == (1, 3) and mesh.replicas(pp=1) == (2, 3)
     assert mesh.label(3) == "pp1 dp1" and Mesh(pp=3).label(2) == "pp2"
     assert Mesh(pp=2, dp=2, tp=2).shards(pp=1, dp=1) == (6, 7)

@@ -1,5 +1,6 @@
 """Dropout on, as a user trains: each rank seeds its stage forwards per step and microbatch and the reference draws
-the same numbers (``pipeviz.rng``), so ``pv.check_numerics`` is exact, and says so; HF GPT-2 at its default config
+the same numbers (``pipeviz.runtime.rng``), so ``pv.check_numerics`` is exact, and says so; HF GPT-2 at its default
+config
 (dropout 0.1 in three places) failed the check before."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 
 import pipeviz as pv
-from pipeviz.rng import CountDraws, RunDraws
+from pipeviz.runtime.rng import CountDraws, RunDraws
 
 
 class DropMLP(nn.Module):

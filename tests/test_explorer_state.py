@@ -12,6 +12,7 @@ import torch
 
 import pipeviz as pv
 from pipeviz.errors import LaunchError
+from pipeviz.schedule.traits import ALL
 from pipeviz.widgets.state import HERE, ExplorerState, Settings
 from pipeviz.zoo import MyNetwork
 
@@ -154,7 +155,7 @@ def test_the_schedule_help_links_the_cheat_sheet() -> None:
     pytest.importorskip("ipywidgets")
     from pipeviz.widgets.controls import schedule_help
 
-    for name in pv.schedules.ALL if hasattr(pv, "schedules") else ("GPipe", "1F1B", "ZBVZeroBubble"):
+    for name in ALL:
         text = schedule_help(name)
         assert text.startswith(f"{name} (") and text.endswith("the schedules cheat sheet, docs/schedules.md.")
     assert "two stages per rank in a V" in schedule_help("ZBVZeroBubble")

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import pipeviz as pv
 from pipeviz.runtime.procs import free_port as _free_port
+from pipeviz.schedule import traits as sched_traits
 from pipeviz.zoo import MyNetwork
 
 pytestmark = pytest.mark.slow
@@ -54,7 +55,7 @@ def test_exported_script_matches_launch_and_is_watched_live(tmp_path: Path) -> N
     assert watch.losses == pytest.approx(_launch_losses(plan, x, y, 120), abs=1e-6)
     tl = watch.timeline()
     assert tl.num_ranks == 3 and {e.kind for e in tl.events} >= {"F", "B"}
-    assert tl.order(0, step=0) == pv.schedules.orders("1F1B", 3, 4)[0]
+    assert tl.order(0, step=0) == sched_traits.orders("1F1B", 3, 4)[0]
 
 
 def test_exported_script_accumulates_schedules_the_rate_and_evaluates(tmp_path: Path) -> None:

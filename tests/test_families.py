@@ -65,7 +65,7 @@ def test_llama_every_schedule(schedules: tuple[str, ...]) -> None:
 @pytest.mark.compat  # make compat and the version grid (16 s: make test stays within 10 minutes); make test trains
 @SCHEDULES            # a routed MoE in tests/test_foreign.py and Llama here
 def test_mixtral_every_schedule(schedules: tuple[str, ...]) -> None:
-    # transformers 4.57's Mixtral loops over the experts the router hit: traced through pipeviz.hf_moe
+    # transformers 4.57's Mixtral loops over the experts the router hit: traced through pipeviz.adapter.hf_moe
     torch.manual_seed(0)
     train_under(schedules, mixtral(), torch.randint(0, 96, (8, 8)), 96)
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import pipeviz as pv
-from pipeviz import schedules
+from pipeviz.schedule import traits as schedules
 
 
 class LoRABlock(nn.Module):

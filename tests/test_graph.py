@@ -101,7 +101,7 @@ def test_not_exportable_names_cause_and_manual_route(capfd: pytest.CaptureFixtur
     # before); torch's report stays one attribute away
     printed = "".join(traceback.format_exception(info.value))
     assert len(printed) < 4000 and "The above exception was the direct cause" not in printed
-    assert printed.rstrip().splitlines()[-3].startswith("pipeviz.capture.TraceError: Cannot trace Sequential")
+    assert printed.rstrip().splitlines()[-3].startswith("pipeviz.capture.export.TraceError: Cannot trace Sequential")
     assert info.value.torch_error is not None and "x.sum()" in "".join(
         traceback.format_exception(info.value.torch_error))
     # torch prints the partial graph to stderr (twice) as export fails: held on the error instead
@@ -117,7 +117,7 @@ def test_trace_rejects_non_module() -> None:
 def test_core_imports_no_view_library() -> None:
     import subprocess
 
-    code = ("import sys, pipeviz, pipeviz.plan, pipeviz.graph, pipeviz.manual, pipeviz.zoo; "
+    code = ("import sys, pipeviz, pipeviz.plan.split, pipeviz.graph.model, pipeviz.graph.manual, pipeviz.zoo; "
             "bad = [m for m in ('ipywidgets', 'plotly', 'anywidget') if m in sys.modules]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

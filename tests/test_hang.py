@@ -1,4 +1,4 @@
-"""Hang diagnosis (``pipeviz.hang.diagnose``, ``run.hang``): when a run stops making progress, each rank's last
+"""Hang diagnosis (``pipeviz.schedule.hang.diagnose``, ``run.hang``): when a run stops making progress, each rank's last
 finished action, the action it is in, whom it waits for, the cycle when ranks wait on each other, and the likely
 cause; planted in a real run (a loss that never returns on the last stage), named within a second of the timeout."""
 
@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import pipeviz as pv
-from pipeviz import schedules as sched
-from pipeviz.hang import diagnose
+from pipeviz.schedule import traits as sched
+from pipeviz.schedule.hang import diagnose
 from pipeviz.zoo import MyNetwork
 
 

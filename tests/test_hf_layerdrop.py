@@ -1,4 +1,4 @@
-"""transformers 4.x's LayerDrop checks decided at trace time (pipeviz.hf_layerdrop): a layer loop written as
+"""transformers 4.x's LayerDrop checks decided at trace time (pipeviz.adapter.hf_layerdrop): a layer loop written as
 transformers 4.57 writes it (``torch.rand([])`` before each layer, compared with ``self.layerdrop``) traces, splits
 and trains exactly at probability 0, and is refused with the fix above it. The code runs as a module named like
 transformers' modelling modules, the only callers whose draws are decided."""
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import pipeviz as pv
-from pipeviz.hf_layerdrop import LayerDropDraw, decided_layerdrop
+from pipeviz.adapter.hf_layerdrop import LayerDropDraw, decided_layerdrop
 
 SOURCE = '''
 import torch

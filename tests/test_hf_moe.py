@@ -1,5 +1,5 @@
 """transformers 4.x's Mixtral / Qwen2-MoE sparse blocks loop over the experts the router hit, which torch.export
-cannot capture; ``pipeviz.hf_moe.exportable_moe`` gives them an identical forward over every expert while
+cannot capture; ``pipeviz.adapter.hf_moe.exportable_moe`` gives them an identical forward over every expert while
 pipeviz traces and splits (transformers 5.x needs nothing)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import pipeviz as pv
-from pipeviz.hf_moe import _loop_blocks, exportable_moe
+from pipeviz.adapter.hf_moe import _loop_blocks, exportable_moe
 from tests.compat import ROWS, inputs
 
 transformers = pytest.importorskip("transformers")
@@ -35,6 +35,6 @@ def test_the_exportable_forward_computes_what_the_original_does_and_traces(name:
     # gradients: the same terms, summed by autograd in an order that may differ (empty experts add no terms)
     worst = max((a - b).abs().max().item() for a, b in zip(*grads, strict=True))
     assert len(grads[0]) == len(grads[1]) and worst <= 1e-7, worst
-    assert all(cls.forward.__module__ != "pipeviz.hf_moe" for cls in _loop_blocks())  # restored after the block
+    assert all(cls.forward.__module__ != "pipeviz.adapter.hf_moe" for cls in _loop_blocks())  # restored after the block
     graph = pv.trace(model, example_args=args)  # the data-dependent loop no longer stops the trace
     assert len(graph.split_candidates) >= 4

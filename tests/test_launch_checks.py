@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import pipeviz as pv
-from pipeviz.runtime.spec import validate_launch
+from pipeviz.runtime.checks import validate_launch
 from pipeviz.zoo import MyNetwork
 
 

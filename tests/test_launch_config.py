@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from pathlib import Path
-from typing import get_type_hints
 
 import cloudpickle
 import pytest
@@ -14,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import pipeviz as pv
-from pipeviz.runtime.config import UNSET, LaunchOptions, launch_config
+from pipeviz.schedule.config import UNSET, launch_config
 from pipeviz.zoo import MyNetwork
 
 
@@ -26,16 +25,16 @@ def small() -> tuple[pv.SplitPlan, torch.Tensor, torch.Tensor]:
 
 
 def test_the_front_doors_take_the_config_and_its_fields_with_one_set_of_defaults() -> None:
-    names = [f.name for f in dataclasses.fields(pv.LaunchConfig)]
-    # the keyword options are the config's fields (schedule, microbatches and steps are parameters of their own)
-    assert set(get_type_hints(LaunchOptions)) | {"schedule", "microbatches", "steps"} == set(names)
-    for door in (pv.launch, pv.export_torchrun):
+    # the configuration is the second parameter (the third, after the path, of the export), whole, as pv.simulate
+    # takes it; its fields come as keywords; no option dict restates them
+    for door, position in ((pv.launch, 1), (pv.export_torchrun, 2)):
         params = inspect.signature(door).parameters
-        assert params["config"].kind is inspect.Parameter.KEYWORD_ONLY
-        assert all(params[n].default is UNSET for n in ("schedule", "microbatches", "steps"))  # the config's
+        assert list(params).index("config") == position
+        assert params["config"].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+        assert all(params[n].default is UNSET for n in ("microbatches", "steps"))  # the config's
         assert params["options"].kind is inspect.Parameter.VAR_KEYWORD
-        assert all(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD
-                   for n, p in params.items() if n not in ("plan", "path", "schedule", "microbatches", "steps"))
+        assert sum(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params.values()) <= 3
+    assert list(inspect.signature(pv.simulate).parameters)[:2] == ["plan", "config"]
     explorer_params = inspect.signature(pv.Explorer.__init__).parameters
     assert all(explorer_params[n].default is UNSET for n in ("schedule", "microbatches", "steps", "devices"))
     cfg = pv.LaunchConfig()
@@ -50,7 +49,7 @@ def test_options_override_the_config_and_unknown_ones_are_named() -> None:
     assert base.microbatches == 8  # frozen: replace returns a copy
     with pytest.raises(TypeError, match=r"Unknown launch option 'micro_batches'; valid: schedule, microbatches, "):
         base.replace(micro_batches=4)
-    with pytest.raises(TypeError, match=r"config must be a pv\.LaunchConfig, got dict"):
+    with pytest.raises(TypeError, match=r"config must be a pv\.LaunchConfig or a schedule's name, got dict"):
         launch_config({"schedule": "GPipe"})  # type: ignore[arg-type]
     with pytest.raises(dataclasses.FrozenInstanceError):
         base.dp = 4  # type: ignore[misc]

@@ -1,5 +1,5 @@
 """Sequence lengths that vary: the buckets that pad least (against brute force), padding waste by hand, and the
-number of buckets simulated (``pv.compare_buckets``) and searched on a cluster (``pv.plan_cluster_lengths``)."""
+number of buckets simulated (``compare_buckets``) and searched on a cluster (``plan_cluster_lengths``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,12 @@ import pytest
 import torch
 
 import pipeviz as pv
+from pipeviz.planner.lengths import (
+    buckets,
+    compare_buckets,
+    padding_waste,
+    plan_cluster_lengths,
+)
 from pipeviz.zoo import TinyTransformer
 
 
@@ -18,21 +24,21 @@ def _padded(lengths: list[int], lens: tuple[int, ...]) -> int:
 
 def test_buckets_pad_least_and_waste_is_counted_by_hand() -> None:
     lengths = [3, 5, 5, 6, 9, 12, 12, 16, 31, 32]
-    assert pv.buckets(lengths, 1) == (32,)
-    assert pv.padding_waste(lengths, (32,)) == pytest.approx(1 - 131 / 320)  # 131 real tokens of 10 x 32
+    assert buckets(lengths, 1) == (32,)
+    assert padding_waste(lengths, (32,)) == pytest.approx(1 - 131 / 320)  # 131 real tokens of 10 x 32
     distinct = sorted(set(lengths))
     for n in (2, 3, 4):
         best = min(_padded(lengths, (*cut, 32)) for cut in itertools.combinations(distinct[:-1], n - 1))
-        got = pv.buckets(lengths, n)
+        got = buckets(lengths, n)
         assert len(got) == n and got[-1] == 32 and _padded(lengths, got) == best
-    assert pv.buckets(lengths, 3) == (6, 16, 32)  # 6x4 + 16x4 + 32x2: 152 tokens computed for 131
-    assert pv.padding_waste(lengths, (6, 16, 32)) == pytest.approx(1 - 131 / 152)
-    assert pv.buckets(lengths, 20) == tuple(distinct)  # no more buckets than distinct lengths: no padding
-    assert pv.buckets(lengths, 2, multiple=8) == (16, 32)  # every bucket a multiple of 8
+    assert buckets(lengths, 3) == (6, 16, 32)  # 6x4 + 16x4 + 32x2: 152 tokens computed for 131
+    assert padding_waste(lengths, (6, 16, 32)) == pytest.approx(1 - 131 / 152)
+    assert buckets(lengths, 20) == tuple(distinct)  # no more buckets than distinct lengths: no padding
+    assert buckets(lengths, 2, multiple=8) == (16, 32)  # every bucket a multiple of 8
     with pytest.raises(ValueError, match="longer than every bucket"):
-        pv.padding_waste(lengths, (16,))
+        padding_waste(lengths, (16,))
     with pytest.raises(ValueError, match="positive sequence lengths"):
-        pv.buckets([4, 0], 2)
+        buckets([4, 0], 2)
 
 
 def test_more_buckets_pad_less_and_each_bucket_is_simulated_at_its_length() -> None:
@@ -43,7 +49,7 @@ def test_more_buckets_pad_less_and_each_bucket_is_simulated_at_its_length() -> N
     g = torch.Generator().manual_seed(0)
     lengths = [int(n) for n in torch.randint(4, 65, (400,), generator=g)]
     cfg = pv.LaunchConfig(schedule="1F1B", microbatches=4, loss_fn=pv.cross_entropy)
-    cmp = pv.compare_buckets(plan, lengths, cfg, max_buckets=3, hardware="h100")
+    cmp = compare_buckets(plan, lengths, cfg, max_buckets=3, hardware="h100")
     assert [r.buckets for r in cmp.rows] == [1, 2, 3] and cmp.rows_per_batch == 8
     assert [r.padding for r in cmp.rows] == sorted((r.padding for r in cmp.rows), reverse=True)
     assert cmp.rows[0].padding > 0.4 > 0.25 > cmp.rows[2].padding  # uniform lengths: 46 % -> 21 %
@@ -65,7 +71,7 @@ def test_a_cluster_plan_over_lengths_weighs_each_bucket() -> None:
                      example_args=(torch.randint(0, 64, (8, 16)),))
     hw = pv.hardware("h100")
     options = {"schedules": ("GPipe", "1F1B"), "recompute": "none"}
-    mixed = pv.plan_cluster_lengths(graph, 4, hw, global_batch=16, lengths={8: 0.75, 32: 0.25}, **options)
+    mixed = plan_cluster_lengths(graph, 4, hw, global_batch=16, lengths={8: 0.75, 32: 0.25}, **options)
     short = pv.plan_cluster(graph, 4, hw, global_batch=16, seq_len=8, top=10_000, **options)
     long = pv.plan_cluster(graph, 4, hw, global_batch=16, seq_len=32, top=10_000, **options)
     row = mixed.best

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import pipeviz as pv
-from pipeviz import schedules
 from pipeviz.runtime.reference import train_reference
+from pipeviz.schedule import traits as schedules
 from tests.models import TiedSkipBN
 
 M = 4

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import pipeviz as pv
+from pipeviz.cost.model import stage_costs
 from pipeviz.zoo import MyNetwork
 
 ROWS, WIDTH = 8, 16
@@ -103,7 +104,7 @@ def test_an_input_grad_pass_frees_what_the_ops_after_the_last_weight_saved() -> 
     # Stage 0 (fc1): nothing after its Linear; stage 1 (act1, fc2, act2): act2's saved output (fc2 saved act1's).
     assert chain.input_grad_freed_bytes == [0, ROWS * WIDTH * FLOAT + ROWS * WIDTH * FLOAT]  # act2 + the loss's
     assert chain.input_grad_freed_bytes[1] < last.activation_bytes
-    costs = pv.costs.stage_costs(chain, 1)
+    costs = stage_costs(chain, 1)
     assert costs.input_freed == (0.0, chain.input_grad_freed_bytes[1] / last.activation_bytes)
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeviz.mesh import Coords
 from pipeviz.runtime.messages import Done, Events, Failed, Loss, Message, NonFinite, Output, Phase, State, StepEnd
-from pipeviz.timeline import Event
+from pipeviz.schedule.mesh import Coords
+from pipeviz.schedule.timeline import Event
 
 
 @pytest.mark.parametrize("msg", [

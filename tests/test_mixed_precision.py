@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import pipeviz as pv
-from pipeviz import schedules
+from pipeviz.schedule import traits as schedules
 from tests.models import TiedSkipBN
 
 
@@ -51,8 +51,8 @@ def test_bf16_trains_as_the_unsplit_model_under_the_same_autocast(schedule: str,
 
 def test_hand_offs_go_in_the_dtype_autocast_gives_them() -> None:
     """After a Linear (l1) the activation is bfloat16 under autocast: the first stage sends half the bytes."""
+    from pipeviz.runtime.checks import validate_launch
     from pipeviz.runtime.payloads import spec_stages
-    from pipeviz.runtime.spec import validate_launch
 
     plan, ids, target = _plan("GPipe")
     plan = plan.graph.split(["l1"])

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import pipeviz as pv
-from pipeviz.runtime.config import dp_reduce_mode
-from pipeviz.simulate import _run_collectives
-from pipeviz.timeline import COMPUTE
+from pipeviz.schedule.config import dp_reduce_mode
+from pipeviz.schedule.timeline import COMPUTE
+from pipeviz.sim.simulate import _run_collectives
 from tests.models import TiedSkipBN
 
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import pipeviz as pv
-from pipeviz import schedules as sched
-from pipeviz.collectives import Collectives
 from pipeviz.costs import CostOptions
+from pipeviz.planner.cluster import LayoutOption
+from pipeviz.schedule import traits as sched
+from pipeviz.sim.collectives import Collectives
 from pipeviz.zoo import TinyTransformer
 
 # DualPipeV's long runs are extrapolated about 1 % off (plan_cluster's docstring): left out where the test
@@ -68,7 +69,7 @@ def _brute_force(graph: pv.ModelGraph, gpus: int, hw: pv.Hardware, batch: int, l
     return sorted(out, key=lambda r: r[0])
 
 
-def _key(row: pv.LayoutOption, reduce: bool = True) -> tuple[object, ...]:
+def _key(row: LayoutOption, reduce: bool = True) -> tuple[object, ...]:
     return (row.pp, row.dp, row.tp, row.schedule, row.stages_per_rank, row.microbatch_size, row.microbatches,
             row.recompute, *((row.dp_reduce,) if reduce else ()))
 
@@ -131,7 +132,7 @@ def test_layout_rules(tiny: pv.ModelGraph) -> None:
 
 
 def test_too_long_simulations_are_left_out_and_counted(tiny: pv.ModelGraph) -> None:
-    from pipeviz.planner import _actions
+    from pipeviz.planner.search import _actions
 
     full = pv.plan_cluster(tiny, 4, "h100", global_batch=16, top=10_000)
     short = pv.plan_cluster(tiny, 4, "h100", global_batch=16, top=10_000, max_actions=100)
@@ -218,7 +219,7 @@ def test_cli_plan_bad_hardware(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_collectives_reach_every_option_and_reproduce(tiny: pv.ModelGraph) -> None:
-    from pipeviz.simulate import Collectives
+    from pipeviz.sim.simulate import Collectives
 
     hw = pv.hardware("a100")
     after = Collectives(dp_reduce="after_flush")

@@ -1,4 +1,4 @@
-"""Activation recomputation at run time (``recompute=``, ``pipeviz.runtime.recompute``; the cost model's side is in
+"""Activation recomputation at run time (``recompute=``, ``pipeviz.schedule.recompute``; the cost model's side is in
 test_recompute.py): exact against the unsplit model (tied weights, a skip, BatchNorm's running statistics written
 once, dropout drawn alike), the saved activations each rank measures equal to what ``pv.simulate(...,
 recompute=...)`` predicts, and bad settings refused before any process starts. The schedules beyond 1F1B and ZBV,
@@ -11,8 +11,8 @@ import torch
 
 import pipeviz as pv
 from pipeviz.costs import stage_costs
-from pipeviz.runtime.recompute import regions
 from pipeviz.runtime.stages import build_stages
+from pipeviz.schedule.recompute import regions
 from pipeviz.zoo import TinyTransformer
 from tests.models import TiedSkipBN
 

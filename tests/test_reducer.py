@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 
 import pipeviz as pv
-from pipeviz.mesh import Coords
 from pipeviz.runtime.messages import (
     Done,
     EvalLoss,
@@ -29,7 +28,8 @@ from pipeviz.runtime.messages import (
     StepEnd,
 )
 from pipeviz.runtime.reducer import Reducer
-from pipeviz.timeline import Event
+from pipeviz.schedule.mesh import Coords
+from pipeviz.schedule.timeline import Event
 
 
 def _saved(obj: object) -> bytes:

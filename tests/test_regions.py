@@ -1,4 +1,5 @@
-"""Forwards with ``torch.no_grad()`` / ``set_grad_enabled`` / ``autocast`` regions (``pipeviz.regions``): traced with
+"""Forwards with ``torch.no_grad()`` / ``set_grad_enabled`` / ``autocast`` regions (``pipeviz.adapter.regions``):
+traced with
 their ops where they run, never split inside, and trained or run forward exactly like the unsplit model under
 every schedule (three in ``make test``, the other four in ``make compat``)."""
 
@@ -8,8 +9,8 @@ import pytest
 import torch
 
 import pipeviz as pv
-from pipeviz.plan import PlanError
-from pipeviz.regions import REGION_META, inline_regions
+from pipeviz.adapter.regions import REGION_META, inline_regions
+from pipeviz.plan.errors import PlanError
 from tests.models import Regions
 from tests.schedule_sets import SCHEDULES, train_exactly
 

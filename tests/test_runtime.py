@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import pipeviz as pv
-from pipeviz.schedules import ALL, SINGLE
+from pipeviz.schedule import traits as sched_traits
+from pipeviz.schedule.traits import ALL, SINGLE
 from pipeviz.zoo import MyNetwork
 from tests.models import Skip4, Tied4, lm_loss
 
@@ -59,13 +60,13 @@ def test_every_schedule_matches_unsplit_model(schedule: str, case: str) -> None:
     assert_matches_reference(run, model, inputs, target, loss_fn, 4, 2)
     tl = run.timeline()
     kinds = {e.kind for e in tl.events}
-    expected = {"F", "I", "W"} if schedule in pv.schedules.ZERO_BUBBLE else {"F", "B"}
+    expected = {"F", "I", "W"} if schedule in sched_traits.ZERO_BUBBLE else {"F", "B"}
     assert expected <= kinds
-    # Every (stage, microbatch) ran forward exactly once per step, in the order pipeviz.schedules predicts.
+    # Every (stage, microbatch) ran forward exactly once per step, in the order pipeviz.schedule.traits predicts.
     fwd = sorted((e.stage, e.mb) for e in tl.events if e.kind == "F" and e.step == 0)
     assert fwd == sorted((s, m) for s in range(stages) for m in range(4))
     for step in (0, 1):
-        assert [tl.order(r, step) for r in range(run.layout.num_ranks)] == pv.schedules.orders(schedule, stages, 4)
+        assert [tl.order(r, step) for r in range(run.layout.num_ranks)] == sched_traits.orders(schedule, stages, 4)
 
 
 def test_events_stream_while_running_and_share_one_clock() -> None:

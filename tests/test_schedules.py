@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from pipeviz import schedules as sched
+from pipeviz.schedule import traits as sched
 
 
 def table(text: str) -> list[list[str]]:
@@ -94,7 +94,7 @@ def test_validator_names_the_broken_rule(order: list[list[str]], message: str) -
 def test_an_action_of_an_unknown_kind_is_refused_wherever_it_enters() -> None:
     import pipeviz as pv
     from pipeviz.costs import Costs
-    from pipeviz.schedules import Action, ScheduleError, parse
+    from pipeviz.schedule.traits import Action, ScheduleError, parse
 
     assert parse("2I3") == Action(2, "I", 3) == (2, "I", 3) and str(Action(2, "W", 0)) == "2W0"
     for bad in ("0X0", "F0", "0F", "a0F0"):

@@ -1,15 +1,22 @@
 """The PiPPy walkthrough (PiPPy实战, the tutorial this project grew from: "the seed") as it is written: the classic
-PiPPy example in plain torch, ``MyNetwork`` written out in the script, under torchrun.
+PiPPy example in plain torch, ``MyNetwork`` written out in the script, under torchrun (notebooks/01_quickstart).
 
 ``MyNetwork`` split at the END of ``layer0`` and ``layer1`` by torch's own ``pipeline()``, three gloo ranks on
 the CPU, each building its stage with ``pipe.build_stage`` and running ``ScheduleGPipe`` forward only. Its
 output must equal the unsplit model's and a forward-only ``pv.launch`` of the same split.
+
+Then the training route of torch's own pipelining tutorial: each rank wraps its own stage module in a
+``PipelineStage``, ``ScheduleGPipe(stage, n_microbatches, loss_fn=...)`` runs the loss on the last stage,
+``schedule.step(x)`` on rank 0 and ``schedule.step(target=y, losses=losses)`` on the last rank, which prints its
+losses, two SGD steps. The printed losses must be the unsplit model's per-microbatch losses, trained the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -18,6 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+import torch.nn.functional as F
 
 import pipeviz as pv
 from pipeviz.runtime.procs import free_port
@@ -26,6 +34,7 @@ from pipeviz.zoo import MyNetwork
 pytestmark = pytest.mark.slow
 
 IN_DIM, LAYER_DIMS, BATCH, CHUNKS = 512, [512, 1024, 256], 32, 4
+LR, STEPS = 0.1, 2
 
 # The tutorial's script, unchanged in substance: only the weights and the input come from the test's files (saved
 # from pipeviz.zoo.MyNetwork, whose parameter names are the script's).
@@ -35,7 +44,7 @@ SCRIPT = textwrap.dedent(f"""\
 
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, SplitPoint, pipeline
 
 
     class MyNetworkBlock(torch.nn.Module):
@@ -89,13 +98,50 @@ SCRIPT = textwrap.dedent(f"""\
         output = schedule.step()
     if rank == world_size - 1:
         torch.save(output, os.path.join(here, "out.pt"))
+
+    # Training, torch's pipelining tutorial's route: this rank's own stage module, the loss on the last stage.
+    def loss_fn(output, target):
+        return torch.nn.functional.cross_entropy(output, target)
+
+    y = torch.load(os.path.join(here, "y.pt"))
+    own = [model.layer0, model.layer1, torch.nn.Sequential(model.layer2, model.output_proj)][rank]
+    stage = PipelineStage(own, stage_index=rank, num_stages=world_size, device=device)
+    schedule = ScheduleGPipe(stage, n_microbatches=chunks, loss_fn=loss_fn)
+    optimizer = torch.optim.SGD(own.parameters(), lr={LR})
+    for step in range({STEPS}):
+        optimizer.zero_grad()
+        if rank == 0:
+            schedule.step(x)
+        elif rank == world_size - 1:
+            losses = []
+            schedule.step(target=y, losses=losses)
+            print(f"step {{step}} losses: {{[loss.item() for loss in losses]}}", flush=True)
+        else:
+            schedule.step()
+        optimizer.step()
     dist.destroy_process_group()
 """)
 
 
-def _model() -> tuple[MyNetwork, torch.Tensor]:
+def _model() -> tuple[MyNetwork, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
-    return MyNetwork(IN_DIM, LAYER_DIMS), torch.randn(BATCH, IN_DIM)
+    return MyNetwork(IN_DIM, LAYER_DIMS), torch.randn(BATCH, IN_DIM), torch.randint(0, 10, (BATCH,))
+
+
+def _unsplit_losses(model: MyNetwork, x: torch.Tensor, y: torch.Tensor) -> list[list[float]]:
+    """Per step, the loss of each of the CHUNKS microbatches, for a copy of ``model`` trained with SGD on the whole
+    batch's mean loss (what the schedule's summed gradients divided by the microbatch count are)."""
+    unsplit = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(unsplit.parameters(), lr=LR)
+    out = []
+    for _ in range(STEPS):
+        with torch.no_grad():
+            out.append([F.cross_entropy(unsplit(xc), yc).item()
+                        for xc, yc in zip(x.chunk(CHUNKS), y.chunk(CHUNKS), strict=True)])
+        optimizer.zero_grad()
+        F.cross_entropy(unsplit(x), y).backward()
+        optimizer.step()
+    return out
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
@@ -110,9 +156,10 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 
 def test_seed_walkthrough_matches_unsplit_model_and_launch(tmp_path: Path) -> None:
-    model, x = _model()
+    model, x, y = _model()
     torch.save(model.state_dict(), tmp_path / "weights.pt")
     torch.save(x, tmp_path / "x.pt")
+    torch.save(y, tmp_path / "y.pt")
     script = tmp_path / "pippy_walkthrough.py"
     script.write_text(SCRIPT)
 
@@ -132,6 +179,14 @@ def test_seed_walkthrough_matches_unsplit_model_and_launch(tmp_path: Path) -> No
         expected = model(x)
     assert seed_out.shape == expected.shape == (BATCH, 10)
     torch.testing.assert_close(seed_out, expected, rtol=0, atol=1e-5)
+
+    # The training route: the last rank printed one loss per microbatch and step, the unsplit model's.
+    printed = {int(step): [float(v) for v in values.split(",")]
+               for step, values in re.findall(r"step (\d+) losses: \[([^\]]*)\]", out)}
+    assert sorted(printed) == list(range(STEPS)), out
+    torch.testing.assert_close(torch.tensor([printed[s] for s in range(STEPS)]),
+                               torch.tensor(_unsplit_losses(model, x, y)), rtol=0, atol=1e-5)
+    assert sum(printed[1]) < sum(printed[0])  # and it learns
 
     plan = pv.trace(model, example_args=(x,)).split(["layer0", "layer1"])
     run = pv.launch(plan, "GPipe", CHUNKS, steps=1, inputs=(x,))  # no loss_fn: forward only

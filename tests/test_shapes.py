@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import pipeviz as pv
-from pipeviz import schedules, zoo
+from pipeviz import zoo
+from pipeviz.schedule import traits as schedules
 from tests.models import TiedSkipBN
 
 M = 4  # microbatches

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 import pipeviz as pv
-from pipeviz.simulate import Costs
+from pipeviz.sim.simulate import Costs
 
 
 @pytest.mark.parametrize(("p", "m"), [(2, 4), (3, 7), (4, 4), (4, 8), (8, 16)])

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import pipeviz as pv
-from pipeviz import schedules as sched
 from pipeviz.cost.sharding import tp_shares
 from pipeviz.costs import (
     DDP_BUCKET_BYTES,
@@ -21,8 +20,9 @@ from pipeviz.costs import (
     parallel_costs,
     stage_costs,
 )
-from pipeviz.runtime.tensor_parallel import default_tp_plan
-from pipeviz.simulate import Collectives, Costs
+from pipeviz.schedule import traits as sched
+from pipeviz.schedule.tensor_parallel import default_tp_plan
+from pipeviz.sim.simulate import Collectives, Costs
 
 BW, LAT = 1e9, 1e-4  # the link in these tests: 1 GB/s, 0.1 ms per ring step
 

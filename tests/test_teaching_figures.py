@@ -80,7 +80,7 @@ def test_the_player_steps_action_by_action_with_memory_at_each_instant() -> None
 
 
 def test_the_player_plays_a_measured_run_and_refuses_a_step_it_lacks() -> None:
-    tl = pv.Timeline(events=[pv.timeline.Event(0, 0, "F", 0, 10.0, 10.5, 0), pv.timeline.Event(1, 1, "F", 0, 10.6,
+    tl = pv.Timeline(events=[pv.Event(0, 0, "F", 0, 10.0, 10.5, 0), pv.Event(1, 1, "F", 0, 10.6,
                                                                                                11.0, 0)],
                      num_ranks=2, num_stages=2, microbatches=1, schedule="GPipe")
     fig = pv.player_figure(tl)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import pipeviz as pv
-from pipeviz.runtime.tensor_parallel import check_tp_plan, default_tp_plan
+from pipeviz.schedule.tensor_parallel import check_tp_plan, default_tp_plan
 from pipeviz.zoo import MyNetwork
 from tests.models import TiedSkipBN
 from tests.schedule_sets import SCHEDULES, train_exactly

@@ -2,7 +2,7 @@
 (``Conv1D``) and Qwen2-MoE, sharded the way Megatron shards them (q / k / v column-wise by heads, the attention's
 output row-wise, the MLP column then row), exact against the unsplit model. Their traced stage code runs on
 DTensors: the export's metadata asserts, plain tensors made inside the graph, the CPU attention kernel and
-transformers' expert op are handled in ``pipeviz.runtime.tensor_parallel``. Three rows in ``make test``, the rest
+transformers' expert op are handled in ``pipeviz.schedule.tensor_parallel``. Three rows in ``make test``, the rest
 (another schedule, a multi-stage one, dp = 2 on 8 processes) in ``make compat``."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 import pipeviz as pv
 from pipeviz.cost.sharding import launch_collectives
-from pipeviz.runtime.tensor_parallel import check_tp_plan, default_tp_plan, sharded_modules
+from pipeviz.schedule.tensor_parallel import check_tp_plan, default_tp_plan, sharded_modules
 
 transformers = pytest.importorskip("transformers")
 
@@ -162,7 +162,7 @@ def test_sequence_parallelism_is_refused_where_it_cannot_split_the_tokens() -> N
 def test_the_vocabulary_is_sharded_and_the_loss_takes_each_shards_logits() -> None:
     """The embedding's rows and the LM head's columns cut by token id where tp divides the vocabulary (tied
     alike: GPT-2's), whole where it does not; a shard's summary says which tokens it holds."""
-    from pipeviz.runtime.tensor_parallel import shard_summary, vocab_modules
+    from pipeviz.schedule.tensor_parallel import shard_summary, vocab_modules
 
     gpt2 = _model("gpt2")
     stages = [("transformer.wte", "transformer.h.0"), ("transformer.h.1", "lm_head")]
@@ -230,7 +230,7 @@ def test_the_explorer_shows_what_each_shard_holds() -> None:
     """tp = 2 on Llama in the Explorer: the mesh says which heads, which slice of the MLP and what stays whole;
     the memory column is the simulated peak of one shard, which the layout's cut sets (not a uniform half)."""
     pytest.importorskip("ipywidgets")
-    from pipeviz.plan import human_bytes
+    from pipeviz.plan.preview import human_bytes
 
     model = _model("llama")
     ids = torch.randint(0, 128, (8, 16))

@@ -15,8 +15,8 @@ import torch
 
 import pipeviz as pv
 from pipeviz.runtime.procs import free_port
-from pipeviz.timeline import Event
-from pipeviz.trace_import import trace_costs
+from pipeviz.schedule.timeline import Event
+from pipeviz.sim.trace_import import trace_costs
 from tests.test_seed_walkthrough import SCRIPT, _kill_tree, _model
 
 PROFILED = SCRIPT.replace(
@@ -31,9 +31,10 @@ PROFILED = SCRIPT.replace(
 def test_the_seeds_program_profiled_under_torchrun_is_imported_and_analysed(tmp_path: Path) -> None:
     """3 gloo ranks, torch's ScheduleGPipe forward only, 4 microbatches: torch names each forward 'Forward <i>'."""
     assert PROFILED != SCRIPT  # the profiler went in
-    model, x = _model()
+    model, x, y = _model()  # the script trains after the profiled forward-only step: the target too
     torch.save(model.state_dict(), tmp_path / "weights.pt")
     torch.save(x, tmp_path / "x.pt")
+    torch.save(y, tmp_path / "y.pt")
     (tmp_path / "traces").mkdir()
     script = tmp_path / "pippy_walkthrough.py"
     script.write_text(PROFILED)

@@ -14,7 +14,7 @@ from packaging.requirements import Requirement  # pytest's own dependency
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from pipeviz.support import TESTED, version_note
+from pipeviz.capture.support import TESTED, version_note
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -47,7 +47,7 @@ def test_a_meta_model_is_explored_without_memory() -> None:
         assert all(s.memory_bytes > 0 for s in plan.stages)
     # the default target is sized by the traced output (a forward of a meta model cannot run: HF's mask calls
     # .item()), so the Explorer opens on it and checks its settings as Launch would
-    from pipeviz.training import default_target
+    from pipeviz.schedule.training import default_target
 
     assert default_target(graph).shape == IDS.shape
     pytest.importorskip("ipywidgets")
@@ -110,9 +110,9 @@ def test_a_checkpoint_starts_a_real_or_meta_model_and_ranks_get_no_values(tmp_pa
     meta_plan = pv.balance(pv.trace(meta_llama(), example_args=(IDS,)), 2)
     assert pv.check_numerics(launch(meta_plan, "GPipe", weights=single[0])).ok
     # what each rank is sent: its own stage, with no model values (every parameter a meta tensor)
+    from pipeviz.runtime.checks import check_weights, validate_launch
     from pipeviz.runtime.payloads import rank_payloads
     from pipeviz.runtime.ship import load_payload
-    from pipeviz.runtime.spec import check_weights, validate_launch
 
     spec = validate_launch(plan, pv.LaunchConfig(microbatches=4, loss_fn=lm_loss), inputs=(IDS,), target=IDS)
     spec.sources = check_weights(plan, tmp_path / "hf", 0)

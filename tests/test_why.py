@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import pipeviz as pv
-from pipeviz import schedules as sched
 from pipeviz.costs import Costs
-from pipeviz.why import dependencies, handoffs
+from pipeviz.schedule import traits as sched
+from pipeviz.sim.why import dependencies, handoffs
 from pipeviz.zoo import MyNetwork
 
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import pipeviz as pv
-from pipeviz.schedules import ALL
-from pipeviz.timeline import Event, Timeline
+from pipeviz.schedule.timeline import Event, Timeline
+from pipeviz.schedule.traits import ALL
 from pipeviz.widgets import panels
 from pipeviz.widgets.figures import KIND_COLORS
 
@@ -270,7 +270,7 @@ def test_many_skip_arcs_stay_inside_the_graph_and_off_the_stage_labels() -> None
 @pytest.mark.slow
 @needs_sim
 def test_launch_fills_the_timeline_live_and_checks_numerics(explorer: pv.Explorer) -> None:
-    from pipeviz.training import cross_entropy
+    from pipeviz.schedule.training import cross_entropy
 
     explorer.plan = ["layer0", "layer1"]
     explorer.steps.value = 30
@@ -459,10 +459,24 @@ def test_a_setting_that_cannot_launch_is_refused_at_its_control(explorer: pv.Exp
     assert explorer.refusal.setting == "schedule" and "cannot run forward only" in explorer.refused.value
 
 
+def test_a_microbatch_count_that_never_launches_is_flagged_before_the_first_split(explorer: pv.Explorer) -> None:
+    """At one stage nothing launches yet, but a microbatch count that does not divide the batch never will: it is
+    flagged at once, in one sentence, and the flag goes the moment the count divides."""
+    explorer.plan = []
+    assert explorer.plan.num_stages == 1 and explorer.refusal is None
+    explorer.microbatches.value = 5
+    assert explorer.refusal is not None and explorer.refusal.setting == "microbatches"
+    assert text(explorer.refused.value).endswith("}⚠ microbatches 5 cannot launch: it does not divide the batch of "
+                                                  "32; valid: 1, 2, 4, 8, 16, 32.")
+    assert "pipeviz-refused-control" in explorer.microbatches._dom_classes and explorer.launch_button.disabled
+    explorer.microbatches.value = 4
+    assert explorer.refusal is None and explorer.refused.value == ""
+
+
 def test_the_memory_column_is_the_simulated_peak_and_sends_are_per_microbatch(explorer: pv.Explorer) -> None:
     """The stage table's memory followed neither the schedule nor dp while "memory per rank" under it did, and its
     sends were a whole batch's beside a time per microbatch."""
-    from pipeviz.plan import human_bytes
+    from pipeviz.plan.preview import human_bytes
 
     explorer.plan = ["layer1"]  # 2 stages on 2 ranks
     for control, value in (("schedule", "1F1B"), ("schedule", "GPipe"), ("dp", 2)):
@@ -610,7 +624,7 @@ def test_static_fallback_for_nbconvert(explorer: pv.Explorer) -> None:
 
 @pytest.mark.slow
 def test_views_load_only_on_use() -> None:
-    code = ("import sys, pipeviz, pipeviz.widgets, pipeviz.training; "
+    code = ("import sys, pipeviz, pipeviz.widgets, pipeviz.schedule.training; "
             "print([m for m in ('ipywidgets', 'plotly', 'anywidget') if m in sys.modules]); "
             "pipeviz.TimelineView(None); print(all(m in sys.modules for m in ('ipywidgets', 'plotly', 'anywidget')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
@@ -661,3 +675,10 @@ def test_the_schedule_control_has_help_naming_the_cheat_sheet(explorer: pv.Explo
     assert "1F1B (Narayanan et al. 2021, PipeDream-Flush)" in help_.value and "docs/schedules.md" in help_.value
     explorer.schedule.value = "ZBVZeroBubble"
     assert "ZBVZeroBubble (" in help_.value and "two stages per rank in a V" in help_.value
+
+
+def test_the_schedule_control_points_to_the_cheat_sheet(explorer: pv.Explorer) -> None:
+    from pathlib import Path
+
+    assert "docs/schedules.md" in explorer.schedule.tooltip
+    assert (Path(__file__).resolve().parent.parent / "docs" / "schedules.md").exists()

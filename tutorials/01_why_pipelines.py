@@ -15,7 +15,9 @@
 # why the naive pipeline leaves most devices idle.
 #
 # **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
-# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
+# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese);
+# [notebook 04, skip connections and shared weights](../notebooks/04_skips_and_shared_weights.ipynb) (a split
+# across a skip connection or between tied weights, and how pipeviz still trains it exactly).
 #
 # **Lessons:** [Lesson 2 · Microbatches and the bubble](02_microbatches_and_the_bubble.ipynb) →
 #

@@ -15,7 +15,8 @@
 # it against the simulator and a real run.
 #
 # **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
-# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
+# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese); the
+# [schedules cheat sheet](../docs/schedules.md) (every schedule's bubble, memory and traffic on one page).
 #
 # **Lessons:** ← [Lesson 1 · Why pipelines?](01_why_pipelines.ipynb) ·
 # [Lesson 3 · 1F1B and memory](03_1f1b_and_memory.ipynb) →
@@ -99,25 +100,29 @@ for m in (1, 4):
     assert run.wait(180) == "done", run.error
     measured[m] = run.timeline()
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+here = {m: pv.simulate(plan, "GPipe", microbatches=m, cores=CORES) for m in measured}
 for m, tl in measured.items():
-    here = pv.simulate(plan, "GPipe", microbatches=m, cores=CORES)
     print(f"m = {m}: measured bubble {tl.bubble_fraction:4.0%}   formula {gpipe_bubble(3, m):4.0%}   "
-          f"simulated on {CORES} core(s) {here.bubble_fraction:4.0%}   step {tl.step_time * 1e3:6.1f} ms")
-# What the text claims: the measured bubble falls with m, and does not undercut the formula (5 points of slack).
+          f"simulated on {CORES} core(s) {here[m].bubble_fraction:4.0%}   step {tl.step_time * 1e3:6.1f} ms")
+# What the text claims: the measured bubble falls with m and sits above the formula (2 points of slack for the
+# timers); the simulation on this machine's cores lands between the two (5 points of slack for the measurement).
 assert measured[4].bubble_fraction < measured[1].bubble_fraction
-assert all(tl.bubble_fraction > gpipe_bubble(3, m) - 0.05 for m, tl in measured.items())
+assert all(tl.bubble_fraction > gpipe_bubble(3, m) - 0.02 for m, tl in measured.items())
+assert all(gpipe_bubble(3, m) - 1e-9 <= here[m].bubble_fraction <= tl.bubble_fraction + 0.05
+           for m, tl in measured.items())
 
 # %%
 pv.TimelineView(measured[4])
 
 # %% [markdown]
-# The measured bubble falls with *m* as the formula says (asserted above), but sits above it: every send and
-# receive, and every
-# rank waiting for a CPU core on a small machine, counts as idle; stages are not exactly equal; and small
-# microbatches use the hardware less efficiently, so more microbatches are not free. The larger the work per
-# microbatch compared with these overheads, the closer a measurement gets to the formula. The last column,
-# `pv.simulate(..., cores=N)` with this machine's core count, plays the run as it happens here: with more ranks
-# than cores, a rank ready to compute waits for a free core, and that wait is idle time too.
+# The measured bubble falls with *m* as the formula says, but sits above it (both asserted above): every send and
+# receive, and every rank waiting for a CPU core on a small machine, counts as idle; stages are not exactly equal;
+# and small microbatches use the hardware less efficiently, so more microbatches are not free (lesson 8 measures
+# that). The larger the work per microbatch compared with these overheads, the closer a measurement gets to the
+# formula. The last column, `pv.simulate(..., cores=N)` with this machine's core count, plays the run as it
+# happens here: with more ranks than cores, a rank ready to compute waits for a free core, and that wait is idle
+# time too. It lands between the formula and the measurement (asserted too): the cores' share of the gap, the
+# rest being the overheads above, which the simulation from FLOPs leaves out.
 #
 # ## Global batch = microbatch size × microbatches × replicas
 #

@@ -15,7 +15,8 @@
 # the number of stages, and how to see both in pipeviz: simulated, and measured on real runs.
 #
 # **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
-# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
+# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese); the
+# [schedules cheat sheet](../docs/schedules.md) (every schedule's bubble, memory and traffic on one page).
 #
 # **Lessons:** ← [Lesson 2 · Microbatches and the bubble](02_microbatches_and_the_bubble.ipynb) ·
 # [Lesson 4 · Interleaving and zero bubble](04_interleaving_and_zero_bubble.ipynb) →
@@ -33,11 +34,13 @@
 # stage *s* of *p* warms up with min(*m*, *p* − *s*) forwards (its `warmup_chunks`), then alternates one backward,
 # one forward (the loop runs the backward first, "1B1F") until the forwards run out, and finally drains the
 # remaining backwards. So stage 0 never holds more than **min(m, p)** microbatches, stage *s* at most min(*m*, *p* −
-# *s*): with *m* ≥ *p*, that is *p* − *s* whatever *m* is. (PipeDream-Flush's paper warms up with *p* − *s* − 1
-# forwards and then alternates forward-then-backward: the same peak.) Its
-# synchronous form, with one optimizer step after all microbatches, is PipeDream-Flush (Narayanan et al.,
-# *Memory-Efficient Pipeline-Parallel DNN Training*, ICML 2021); it is torch's `Schedule1F1B`, and it has exactly
-# the same bubble as GPipe.
+# *s*): with *m* ≥ *p*, that is *p* − *s* whatever *m* is. Its synchronous form, with one optimizer step after
+# all microbatches, is PipeDream-Flush (Narayanan et al., *Memory-Efficient Pipeline-Parallel DNN Training*, ICML
+# 2021); it is torch's `Schedule1F1B`. Against GPipe it has **exactly the same bubble** but a **lower activation
+# peak**: min(*m*, *p*) microbatches on rank 0 instead of GPipe's *m* (both asserted below). (The PipeDream-Flush
+# paper writes the warm-up as *p* − *s* − 1 forwards followed by forward-then-backward pairs; its first pair's
+# forward brings stage *s* to the same *p* − *s* microbatches, so it is the same schedule with the same peak as
+# torch's order.)
 #
 # Let's measure activations in units of "one microbatch on one stage" with `Costs.uniform(...,
 # activation_bytes=1)`:
@@ -61,8 +64,12 @@ one_f_one_b = pv.simulate(None, "1F1B", microbatches=m, costs=unit, num_stages=p
 print("microbatches alive at the peak, per stage:")
 print("  GPipe:", gpipe.peak_activation_bytes)
 print("  1F1B: ", one_f_one_b.peak_activation_bytes)
-print(f"step time: GPipe {gpipe.step_time}, 1F1B {one_f_one_b.step_time}  (same bubble)")
-assert gpipe.peak_activation_bytes[0] == m and one_f_one_b.peak_activation_bytes[0] == min(p, m)
+print(f"step time: GPipe {gpipe.step_time}, 1F1B {one_f_one_b.step_time}; bubble: GPipe "
+      f"{gpipe.bubble_fraction:.1%}, 1F1B {one_f_one_b.bubble_fraction:.1%}")
+assert gpipe.step_time == one_f_one_b.step_time                                      # the same bubble ...
+assert abs(gpipe.bubble_fraction - one_f_one_b.bubble_fraction) < 1e-12
+assert abs(gpipe.bubble_fraction - (p - 1) / (m + p - 1)) < 1e-12                   # ... GPipe's (lesson 2)
+assert gpipe.peak_activation_bytes[0] == m and one_f_one_b.peak_activation_bytes[0] == min(p, m)   # lower peak
 
 # %% [markdown]
 # The orders show the difference: GPipe's rank 0 runs all forwards first, 1F1B's alternates after min(m, p) = 4

@@ -16,7 +16,8 @@
 # bubble*).
 #
 # **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
-# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
+# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese); the
+# [schedules cheat sheet](../docs/schedules.md) (every schedule's bubble, memory and traffic on one page).
 #
 # **Lessons:** ← [Lesson 3 · 1F1B and memory](03_1f1b_and_memory.ipynb) ·
 # [Lesson 5 · Zero bubble and its memory price](05_zero_bubble_and_its_memory.ipynb) →
@@ -75,7 +76,7 @@ assert abs(bubble_time[2] - bubble_time[1] / 2) < 1e-9 and abs(bubble_time[4] - 
 assert all(sends[v] == 2 * m * (v * p - 1) and sends[v] / sends[1] >= v for v in (1, 2, 4)), sends
 
 # %%
-print("Interleaved1F1B, 8 stages on 4 ranks:", pv.schedules.layout("Interleaved1F1B", 8, 2).stage_ranks)
+print("Interleaved1F1B, 8 stages on 4 ranks:", pv.schedule.layout("Interleaved1F1B", 8, 2).stage_ranks)
 interleaved = pv.simulate(None, "Interleaved1F1B", m, costs=pv.Costs.uniform(8, forward=0.5, backward=1.0),
                           num_stages=8, stages_per_rank=2)
 pv.timeline_figure(interleaved)
@@ -84,16 +85,24 @@ pv.timeline_figure(interleaved)
 # %% [markdown]
 # ## Zero bubble
 #
-# Qi et al. (*Zero Bubble Pipeline Parallelism*, ICLR 2024; arXiv 2401.10241) observe that a layer's backward is
-# two computations:
+# Qi, Wan, Huang and Lin (*Zero Bubble (Almost) Pipeline Parallelism*, ICLR 2024; its arXiv version,
+# 2401.10241, is titled *Zero Bubble Pipeline Parallelism*) observe that a layer's backward is two computations:
 # the gradient with respect to its **input** (needed at once by the previous stage: on the critical path) and the
 # gradient with respect to its **weights** (needed only by the optimizer step). torch calls them **I** and **W**
 # (the paper: B and W). Running I first and postponing W lets W fill the slots where a rank would otherwise wait.
-# Their ZB-V schedule (added in the arXiv version, 2401.10241; not in the ICLR paper) also places 2*p* stages in a
-# V: stages 0 … *p* − 1 go down ranks 0 … *p* − 1, the V turns at rank *p* − 1 (which holds stages *p* − 1 and *p*),
-# and stages *p* … 2*p* − 1 come back up, so rank 0 holds the first *and* the last stage (and computes the loss).
 #
-# With I = W = half a backward, compare the four-rank schedules:
+# The ICLR paper's first schedule, **ZB-H1**, is 1F1B with every backward split that way: I where 1F1B runs its
+# backward, W postponed into the gaps, never holding more than 1F1B's memory. Its bubble time is (*p* − 1)·(*F* +
+# *I* − *W*) against 1F1B's (*p* − 1)·(*F* + *I* + *W*): with *F* = *I* = *W* (the paper's *F* = *B* = *W*),
+# **about a third of 1F1B's** — exactly a third in the simulator's equal-cost world (asserted below), about a third
+# on real hardware, where the three are only roughly equal. torch runs it as `InterleavedZeroBubble` with one stage
+# per rank (lesson 6 builds it by hand).
+#
+# Their ZB-V schedule (added in the arXiv version; not in the ICLR paper) also places 2*p* stages in a V: stages 0
+# … *p* − 1 go down ranks 0 … *p* − 1, the V turns at rank *p* − 1 (which holds stages *p* − 1 and *p*), and
+# stages *p* … 2*p* − 1 come back up, so rank 0 holds the first *and* the last stage (and computes the loss).
+#
+# With I = W = half a backward (so *F* = *I* = *W* = 1 per rank and microbatch), compare the four-rank schedules:
 
 # %%
 def textbook(schedule, v):
@@ -101,12 +110,22 @@ def textbook(schedule, v):
                        num_stages=p * v, stages_per_rank=None if v == 1 else v)
 
 
+bubbles = {}
 for schedule, v in (("1F1B", 1), ("Interleaved1F1B", 2), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2)):
     tl = textbook(schedule, v)
+    bubbles[schedule] = tl.step_time - ideal
     print(f"{schedule:22} bubble time {tl.step_time - ideal:5.2f}   idle share {tl.bubble_fraction:5.1%}")
+# ZB-H1: torch's InterleavedZeroBubble with one stage per rank, F = I = W = 1
+zb_h1 = pv.simulate(None, "InterleavedZeroBubble", m, costs=pv.Costs.uniform(p, forward=1, backward=2), num_stages=p,
+                    stages_per_rank=1)
+bubbles["ZB-H1"] = zb_h1.step_time - ideal
+print(f"{'ZB-H1 (1 stage/rank)':22} bubble time {bubbles['ZB-H1']:5.2f}   idle share {zb_h1.bubble_fraction:5.1%}"
+      f"   = {bubbles['ZB-H1'] / bubbles['1F1B']:.3f} of 1F1B's")
+assert bubbles["1F1B"] == (p - 1) * (1 + 1 + 1) and bubbles["ZB-H1"] == (p - 1) * (1 + 1 - 1)   # 9 and 3
+assert abs(bubbles["ZB-H1"] / bubbles["1F1B"] - 1 / 3) < 1e-9                                       # a third
 zbv = textbook("ZBVZeroBubble", 2)
-print("ZBV stage -> rank:", pv.schedules.layout("ZBVZeroBubble", 8).stage_ranks)
-assert pv.schedules.layout("ZBVZeroBubble", 8).stage_ranks == (0, 1, 2, 3, 3, 2, 1, 0)  # the V, as the text says
+print("ZBV stage -> rank:", pv.schedule.layout("ZBVZeroBubble", 8).stage_ranks)
+assert pv.schedule.layout("ZBVZeroBubble", 8).stage_ranks == (0, 1, 2, 3, 3, 2, 1, 0)  # the V, as the text says
 print("ZBV rank 0:", " ".join(zbv.order(0)))
 pv.timeline_figure(zbv)
 

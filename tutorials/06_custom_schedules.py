@@ -12,12 +12,14 @@
 # # Lesson 6 · Write your own schedule
 #
 # **You will learn:** torch's action notation, how to write a schedule as per-rank action lists, how
-# `pipeviz.schedules.validate` and `pv.simulate(..., order=...)` judge and draw it (deadlocks included), and how a
-# zero-bubble order (ZB-H1) comes from 1F1B by splitting each backward, and what ZB-H2 adds with more
-# memory and optimizer post-validation.
+# `pipeviz.schedule.traits.validate` and `pv.simulate(..., order=...)` judge and draw it (deadlocks included), and how a
+# zero-bubble order (ZB-H1) comes from 1F1B by splitting each backward, what ZB-H2 adds with more
+# memory and optimizer post-validation, and how `pv.synthesize_schedule` searches for the fastest order that fits a
+# memory limit (and launches it).
 #
 # **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
-# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
+# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese); the
+# [schedules cheat sheet](../docs/schedules.md) (every schedule's bubble, memory and traffic on one page).
 #
 # **Lessons:** ← [Lesson 5 · Zero bubble and its memory price](05_zero_bubble_and_its_memory.ipynb) ·
 # [Lesson 7 · Balancing stages](07_balancing_stages.ipynb) →
@@ -40,10 +42,10 @@ import torch
 import torch.nn.functional as F
 
 import pipeviz as pv
-from pipeviz.schedules import ScheduleError, validate
+from pipeviz.schedule.traits import ScheduleError, validate
 from pipeviz.zoo import MyNetwork
 
-print(pv.schedules.orders("1F1B", 2, 3))   # what torch's Schedule1F1B runs: 2 stages (= ranks), 3 microbatches
+print(pv.schedule.orders("1F1B", 2, 3))   # what torch's Schedule1F1B runs: 2 stages (= ranks), 3 microbatches
 
 # %% [markdown]
 # ## 1F1B by hand
@@ -70,7 +72,7 @@ def one_f_one_b(p, m):
 
 p, m = 4, 8
 mine = one_f_one_b(p, m)
-assert mine == pv.schedules.orders("1F1B", p, m)   # the same order torch runs
+assert mine == pv.schedule.orders("1F1B", p, m)   # the same order torch runs
 for r, acts in enumerate(mine):
     print(f"rank {r}:", " ".join(acts))
 
@@ -240,8 +242,21 @@ pv.timeline_figure(results["ZB-H2"])
 # ZB-H2's price is memory: rank 0 holds 2*p* − 1 = 7 microbatches, (2*p* − 1)/*p* = 7/4 of 1F1B's peak, each later
 # rank one less ([7, 6, 5, 4]); and a runtime that steps without a global synchronisation, which neither torch's
 # schedules nor pipeviz's simulator provide (both keep the synchronous boundary, so the (*p* − 1)·*F* stays in the
-# measured step). ZB-V (lesson 5) reaches the same bubble with 1F1B's memory, at the price of two stages per rank.
-#
+# measured step). ZB-V (lesson 5) keeps 1F1B's memory, at the price of two stages per rank (and twice the pipeline
+# traffic); **with optimizer post-validation** it too reaches the bubble-free step ZB-H2 does, as Qi et al.
+# report. Without it, as here, neither does: each leaves its fill-up, ZB-H2 (*p* − 1)·*F* = 3 and ZB-V (*p* −
+# 1)·*F*/2 = 1.5, its stages being half a rank's work (the cell below, on the same costs).
+
+# %%
+zbv = pv.simulate(None, "ZBVZeroBubble", m, costs=pv.Costs.uniform(2 * p, forward=0.5, backward=1.0,
+                                                                      activation_bytes=1), num_stages=2 * p)
+print(f"ZB-V, same work per rank: bubble time {zbv.step_time - 3 * m:.1f}, "
+      f"activations held {[b / 2 for b in zbv.peak_activation_bytes]}   "
+      f"(ZB-H2: {results['ZB-H2'].step_time - 3 * m:.0f}, {held_h2})")
+assert results["ZB-H2"].step_time - 3 * m == (p - 1) * 1 and zbv.step_time - 3 * m == (p - 1) * 0.5
+assert [b / 2 for b in zbv.peak_activation_bytes] == [p] * p == [results["1F1B"].peak_activation_bytes[0] / 2] * p
+
+# %% [markdown]
 # ## Running a schedule for real
 #
 # `pv.launch` runs torch's own schedules by name, and a hand-written order as `LaunchConfig(order=...)` (checked
@@ -261,17 +276,143 @@ assert run.wait(180) == "done", run.error
 measured = run.timeline()
 for rank in range(2):
     print(f"rank {rank}:", " ".join(measured.order(rank, step=1)))
-    assert measured.order(rank, step=1) == pv.schedules.orders("InterleavedZeroBubble", 2, 4, 1)[rank]
+    assert measured.order(rank, step=1) == pv.schedule.orders("InterleavedZeroBubble", 2, 4, 1)[rank]
 numerics = pv.check_numerics(run)
 print(numerics)
 assert numerics.ok
 pv.TimelineView(run)
 
 # %% [markdown]
+# ## Let a search write it: `pv.synthesize_schedule`
+#
+# ZB-H1 and ZB-H2 are rules people wrote for one setting (*F* = *I* = *W*, a given memory). `pv.synthesize_schedule(
+# plan, config, memory_limit)` searches for the order instead. A **list scheduler** plays the ranks forward in time,
+# as the simulator does; whenever a rank is free it picks, among the actions whose inputs have arrived, by a rule:
+# backward first, a `W` deferred until it falls due or fills a gap, a new microbatch admitted only while the memory
+# rule leaves room for it. A grid of such rules (looped and V-shaped placements where there are 2 stages per rank),
+# refined rank by rank, is played by the simulator's own rules; torch's own orders join the pool; the fastest
+# candidate that fits the limit and that `pv.simulate` accepts (its sends and receives played for deadlock, as torch's
+# runtime will issue them) wins. So the answer is never slower than a torch schedule that fits, and it exists
+# whenever any order fits (the error names the least limit that does). The same textbook costs as above, for limits
+# from 1F1B's peak (4 microbatches) down:
+
+# %%
+cfg = pv.LaunchConfig(schedule="1F1B", microbatches=m)     # the schedule only places the stages: one per rank
+synthesized = {}
+print("limit (microbatches)  step  bubble  held per rank")
+for held in (4, 3.5, 3, 2):
+    syn = pv.synthesize_schedule(None, cfg, memory_limit=2 * held, costs=costs)   # 2 units per microbatch
+    synthesized[held] = syn
+    print(f"{held:20}  {syn.step_time:4.0f}  {syn.step_time - 3 * m:6.0f}  "
+          f"{[b / 2 for b in syn.timeline.peak_activation_bytes]}")
+assert synthesized[4].step_time == results["ZB-H1"].step_time == 3 * m + (p - 1)  # ZB-H1's step: the bound
+assert all(max(s.timeline.peak_activation_bytes) <= 2 * held for held, s in synthesized.items())
+assert synthesized[3].step_time < results["1F1B"].step_time       # less memory than 1F1B, and still faster
+try:
+    pv.synthesize_schedule(None, cfg, memory_limit=1, costs=costs)
+except ScheduleError as err:
+    print(err)                                                    # the least limit any order fits: 1 microbatch
+    assert err.smallest == 2
+pv.timeline_figure(synthesized[3].timeline)
+
+# %% [markdown]
+# At 1F1B's memory the search lands on ZB-H1's step, which is the bound here: rank 3 cannot start before 3
+# forwards have passed, then has 3*m* of work. Below it there is no torch schedule at all (1F1B already holds 4
+# microbatches on rank 0), yet the search still finds orders: 31 at 3 microbatches, 2 below 1F1B's 33. The figure
+# shows the 3-microbatch order: rank 0 warms up with 3 forwards instead of 4 and runs each backward in two halves
+# where the memory allows.
+#
+# Where the costs are not the textbook's, the hand-written rules stop being optimal. Make the weight-grad pass the
+# cheap half (*I* = 1.5, *W* = 0.5, as when the input gradient also recomputes something): ZB-H1's bubble grows to
+# (*p* − 1)·(*F* + *I* − *W*) = 6, and ZB-H2's rule, with 7 microbatches on rank 0, reaches 28.5. The search, given
+# each schedule's memory as its limit:
+
+# %%
+import dataclasses
+
+cheap_w = dataclasses.replace(costs, weight_fraction=0.25)       # a backward of 2: I = 1.5, W = 0.5
+by_hand = {name: pv.simulate(None, "1F1B", m, costs=cheap_w, num_stages=p, order=order)
+           for name, order in (("1F1B", mine), ("ZB-H1", h1), ("ZB-H2", h2))}
+print("schedule  its step  its memory   synthesized within that memory")
+for name, tl in by_hand.items():
+    limit = max(tl.peak_activation_bytes)
+    syn = pv.synthesize_schedule(None, cfg, memory_limit=limit, costs=cheap_w)
+    print(f"{name:8}  {tl.step_time:8.1f}  {limit / 2:10.1f}   {syn.step_time:.1f}")
+    assert syn.step_time <= tl.step_time
+assert by_hand["ZB-H1"].step_time == 3 * m + (p - 1) * (1 + 1.5 - 0.5)
+assert pv.synthesize_schedule(None, cfg, memory_limit=14, costs=cheap_w).step_time < by_hand["ZB-H2"].step_time
+
+# %% [markdown]
+# ### On a real plan, launched
+#
+# On the two-stage MLP above, with the limit set to 1F1B's peak memory (weights, gradients, Adam's state and the
+# activations, as `pv.simulate` counts them): `syn.table()` puts the synthesized order beside every torch schedule on
+# the same 2 ranks, `syn.config` is the launch configuration with `order=syn.order`, and `syn.to_csv(path)` writes
+# torch's schedule CSV (one row per rank, torchtitan's `pipeline_parallel_schedule_csv` reads it). The run trains
+# exactly as the unsplit model and runs the order action for action:
+
+# %%
+import tempfile
+from pathlib import Path
+
+launch_cfg = pv.LaunchConfig(schedule="1F1B", microbatches=4, steps=2, loss_fn=F.cross_entropy)
+limit = max(pv.simulate(plan, launch_cfg).meta["memory_bytes"])             # 1F1B's peak on these 2 ranks
+syn = pv.synthesize_schedule(plan, launch_cfg, memory_limit=limit)
+print(syn.table())
+assert all(syn.step_time <= tl.step_time for tl in syn.fits.values())
+run = pv.launch(plan, syn.config, inputs=(x,), target=y)
+assert run.wait(180) == "done", run.error
+for rank in range(2):
+    assert run.timeline().order(rank, step=1) == list(syn.order[rank])
+numerics = pv.check_numerics(run)
+print(numerics)
+assert numerics.ok
+csv_path = syn.to_csv(Path(tempfile.mkdtemp()) / "schedule.csv")
+print(csv_path.read_text().splitlines()[0])                     # rank 0's row, as torch's _load_csv reads it
+
+# %% [markdown]
+# ## Exercise: the memory ZB-H2's speed needs
+#
+# With the cheap weight-grad pass (`cheap_w`), ZB-H2's rule takes 28.5 and holds 7 microbatches on rank 0. What is
+# the **least memory limit**, in microbatches of activations per rank (a multiple of 0.5), at which
+# `pv.synthesize_schedule(None, cfg, memory_limit=2 * held, costs=cheap_w)` finds an order **at least as fast**
+# (a step of at most 28.5)? Set `my_limit`; the check scans the limits itself.
+
+# %%
+my_limit = None  # your answer here: microbatches, e.g. 7.0
+
+
+# %%
+def check_limit(answer):
+    """The least limit (a multiple of 0.5 microbatches) at which the search matches ZB-H2's step with W cheap."""
+    target = by_hand["ZB-H2"].step_time
+    steps = {}
+    for k in range(2, 15):
+        try:
+            steps[k / 2] = pv.synthesize_schedule(None, cfg, memory_limit=k, costs=cheap_w).step_time
+        except ScheduleError:
+            continue
+    least = min(held for held, step in steps.items() if step <= target)
+    assert 4 < least < 7    # more than ZB-H1's memory buys, less than ZB-H2's rule holds
+    if answer is None:
+        print("❌ Not yet: set my_limit above. Hint: try limits from 4 microbatches up, in steps of half a microbatch.")
+    elif answer not in steps:
+        print(f"❌ Not yet: a multiple of 0.5 between 1 and 7, please; got {answer!r}.")
+    elif steps[answer] > target:
+        print(f"❌ Not yet: at {answer} microbatches the search takes {steps[answer]:g}, above ZB-H2's {target:g}.")
+    elif answer > least:
+        print(f"❌ Not yet: {answer} is enough, but less memory is too.")
+    else:
+        print(f"✅ Correct: {least} microbatches reach {steps[least]:g}, where ZB-H2's rule holds 7 for {target:g}.")
+
+
+check_limit(my_limit)
+
+# %% [markdown]
 # ## Exercise
 #
 # Write **ZB-H1 for p = 3 stages and m = 4 microbatches** by hand, as a list of three lists of actions (rank 0's
-# first), without calling `zb_h1`: start from 1F1B's order (`pv.schedules.orders("1F1B", 3, 4)`), put an `I` where
+# first), without calling `zb_h1`: start from 1F1B's order (`pv.schedule.orders("1F1B", 3, 4)`), put an `I` where
 # each `B` was, and **place each `W`** so that the step keeps ZB-H1's bubble, (*p* − 1)·1 = 2 with *F* = *I* = *W* =
 # 1 (1F1B's is 6), and **no rank ever holds more than 1F1B's peak**, 3 microbatches (a forward adds one, an `I`
 # and a `W` free half each). Set `my_answer` to it; the check validates it and plays it with `simulate(order=...)`.

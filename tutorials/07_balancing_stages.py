@@ -15,7 +15,10 @@
 # how `pv.balance` finds the best contiguous split, and why a language model's end stages get fewer blocks.
 #
 # **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
-# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
+# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese);
+# [notebook 04, skip connections and shared weights](../notebooks/04_skips_and_shared_weights.ipynb) (a
+# balanced cut may fall across a skip connection or between tied weights: what pipeviz relays and sums so the
+# split still trains exactly).
 #
 # **Lessons:** ← [Lesson 6 · Write your own schedule](06_custom_schedules.ipynb) ·
 # [Lesson 8 · Choosing the number of microbatches](08_choosing_microbatches.ipynb) →

@@ -11,14 +11,15 @@
 # %% [markdown]
 # # Lesson 9 · Inference pipelining
 #
-# **You will learn:** how a pipeline runs forward only (as the PiPPy walkthrough, PiPPy实战, does: the tutorial
-# notebook 01 redoes, which this project's notes call "the seed"), what its bubble and memory are without
-# backwards, why pipelining raises throughput (a batch even finishes sooner) but not the latency of one microbatch
-# or one request, how autoregressive decode fills a pipeline (and what each request's KV cache costs), and which
-# schedules can run without a backward.
+# **You will learn:** how a pipeline runs forward only, as the PiPPy walkthrough (*PiPPy实战*, the tutorial this
+# project started from, redone in notebook 01) does; what its bubble and memory are without backwards; why
+# pipelining raises throughput (a batch even finishes sooner) but not the latency of one microbatch or one request;
+# how autoregressive decode fills a pipeline (and what each request's KV cache costs); and which schedules can run
+# without a backward.
 #
 # **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
-# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
+# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese); the
+# [schedules cheat sheet](../docs/schedules.md) (every schedule's bubble, memory and traffic on one page).
 #
 # **Lessons:** ← [Lesson 8 · Choosing the number of microbatches](08_choosing_microbatches.ipynb) ·
 # [Lesson 10 · Going multi-host](10_going_multi_host.ipynb) →

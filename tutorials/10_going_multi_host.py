@@ -15,7 +15,8 @@
 # export a pipeviz plan and watch it run.
 #
 # **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
-# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
+# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese); the
+# [schedules cheat sheet](../docs/schedules.md) (every schedule's bubble, memory and traffic on one page).
 #
 # **Lessons:** ← [Lesson 9 · Inference pipelining](09_inference_pipelining.ipynb) ·
 # [Lesson 11 · Composing pipeline, data and tensor parallelism](11_composing_pp_dp_tp.ipynb) →
@@ -151,7 +152,7 @@ shutil.rmtree(workdir)  # the exports were for this lesson; a kernel's shutdown 
 #
 # Schedules decide which rank holds which stage. Suppose you re-export a **ZBVZeroBubble** plan with **8 stages**
 # and start it on the same **2 nodes × 2 processes**. Which **rank** holds each stage? Set `my_answer` to a list of
-# 8 ranks, stage 0's first. (`pv.schedules.layout` answers it, but reason first: ZB-V places stages in a V; then
+# 8 ranks, stage 0's first. (`pv.schedule.layout` answers it, but reason first: ZB-V places stages in a V; then
 # say which stages' hand-offs cross between the nodes.)
 
 # %%
@@ -161,7 +162,7 @@ my_answer = None  # your answer here: [rank of stage 0, rank of stage 1, ..., ra
 # %%
 def check(answer):
     """The rank of each of ZBV's 8 stages on 2 nodes x 2 processes."""
-    expected = list(pv.schedules.layout("ZBVZeroBubble", num_stages=8).stage_ranks)
+    expected = list(pv.schedule.layout("ZBVZeroBubble", num_stages=8).stage_ranks)
     if answer is None:
         print("❌ Not yet: set my_answer above. Hint: draw the V over ranks 0-3: down, then back up.")
     elif not (isinstance(answer, (list, tuple)) and len(answer) == 8):

@@ -17,7 +17,8 @@
 # `plan_cluster` chooses the degrees for a cluster.
 #
 # **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) (the PiPPy walkthrough, redone)
-# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese).
+# and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese); the
+# [schedules cheat sheet](../docs/schedules.md) (every schedule's bubble, memory and traffic on one page).
 #
 # **Lessons:** ← [Lesson 10 · Going multi-host](10_going_multi_host.ipynb)
 #
@@ -26,8 +27,12 @@
 # - **PP** cuts the model by layers: stages talk once per microbatch and boundary (one activation forward, one
 #   gradient back), so it tolerates slow links — across nodes.
 # - **DP** copies the whole pipeline: each replica trains on 1/*dp* of every batch, and after the backward the
-#   replicas average their gradients (one all-reduce per step; under pipelining only the last microbatch's
-#   backward can overlap it, so on a slow link it shows: the slow-link row below).
+#   replicas average their gradients: an all-reduce of each stage's gradients per step. It can start no earlier
+#   than the stage's last backward of the step (only then are the gradients final), so it hides behind at most
+#   that backward and the work left after it (the rank's other stages, the other ranks' drain): on a slow link it
+#   shows (the slow-link row below).
+#   `pv.launch(..., dp=)` runs it with pipeviz's own overlapped all-reduce by default, `dp_reduce="overlap"`
+#   (the real runs below say how, and what else it can run).
 # - **TP** cuts each layer's matrices (Megatron-LM: a column-wise Linear, then a row-wise one): each shard computes
 #   and stores 1/*tp* of a stage (of its activations only with sequence parallelism: without it the norms' and
 #   dropouts' inputs are whole on every shard) but pays an all-reduce of the layer's output on the critical path,
@@ -81,16 +86,37 @@ for name, options in cases.items():
 # %% [markdown]
 # What the table says (asserted below):
 #
-# - **DP** keeps each rank's memory (every replica holds the whole stage) and its step about the same; here each
-#   replica gets half of the same batch (the global batch stays), so a step takes in no more samples, each replica
-#   computing half as many (at a fixed global batch, more replicas mean fewer microbatches per pipeline, or smaller
-#   ones, and a bigger bubble). The all-reduce shows when the DP link is slow.
+# - **DP** keeps each rank's memory (every replica holds the whole stage) and shortens the step by about a tenth,
+#   not a half. Here each replica gets half of the same batch (the global batch stays), so each rank computes half
+#   as much; but the gradients' all-reduce (`DP` on the timeline) can start only after a stage's last backward of
+#   the step, and with one stage per rank nothing of that rank's work is left to hide it: rank 0, the last to
+#   finish its backwards under 1F1B, waits it out whole, and the step ends with it. The halved compute and the
+#   exposed all-reduce nearly cancel. Played on this machine's 2 cores (`cores=2`: the 4 processes share them,
+#   each pipeline's idle time leaving a core to the other replica) the step is again about a tenth shorter, no
+#   more. (At a fixed global batch, more replicas also mean fewer microbatches per pipeline, or smaller ones, and a
+#   bigger bubble.) On a slow DP link the all-reduce dominates.
 # - **TP** halves each rank's memory, but on this small model and these links its all-reduces cost more than the
 #   halved compute saves: TP pays off for large layers on fast links (NVLink inside a node), not here.
 
 # %%
-base = sims["pp=2"]
-assert all(abs(a - b) / b < 0.1 for a, b in zip(sims["pp=2 dp=2"].memory_bytes, base.memory_bytes, strict=True))
+base, dp2 = sims["pp=2"], sims["pp=2 dp=2"]
+
+
+def busy(tl, rank, kinds=("F", "B")):
+    """Seconds ``rank`` spends on actions of ``kinds`` in a simulated step."""
+    return sum(e.end - e.start for e in tl.events if e.rank == rank and e.kind in kinds)
+
+
+on_2_cores = {name: pv.simulate(plan, "1F1B", 4, cores=2, **cases[name]).step_time for name in ("pp=2", "pp=2 dp=2")}
+print(f"dp=2: compute per rank {[round(busy(dp2, r) / busy(base, r), 2) for r in range(2)]} of pp=2's; "
+      f"all-reduce {[round(busy(dp2, r, ('DP',)) * 1e3, 2) for r in range(2)]} ms per rank; step "
+      f"{dp2.step_time / base.step_time:.2f} of pp=2's ({on_2_cores['pp=2 dp=2'] / on_2_cores['pp=2']:.2f} on 2 cores)")
+assert all(abs(busy(dp2, r) / busy(base, r) - 0.5) < 0.01 for r in range(2))       # half the compute per rank ...
+last_b = max(e.end for e in dp2.events if e.rank == 0 and e.kind == "B")
+assert any(e.kind == "DP" and e.rank == 0 and e.start >= last_b and e.end == dp2.step_time for e in dp2.events)
+assert 0.8 < dp2.step_time / base.step_time < 1                                      # ... a step a tenth shorter
+assert 0.8 < on_2_cores["pp=2 dp=2"] / on_2_cores["pp=2"] < 1                       # the same on 2 cores
+assert all(abs(a - b) / b < 0.1 for a, b in zip(dp2.memory_bytes, base.memory_bytes, strict=True))
 assert sims["pp=2 dp=2, slow DP link (100 MB/s)"].step_time > sims["pp=2 dp=2"].step_time
 assert all(a < 0.6 * b for a, b in zip(sims["pp=2 tp=2"].memory_bytes, base.memory_bytes, strict=True))
 assert sims["pp=2 tp=2"].step_time > base.step_time
@@ -98,12 +124,32 @@ assert sims["pp=2 tp=2"].step_time > base.step_time
 # %% [markdown]
 # ## Real runs: exact, whatever the layout
 #
-# `pv.launch(..., dp=2)` starts 2 replicas of the 2-stage pipeline (4 processes; torch's
-# `DistributedDataParallel` on each stage averages the gradients); `tp=2` shards each stage over 2 processes with
-# torch's DTensor. `pv.check_numerics` trains the unsplit model on the same batches and compares losses and every
-# parameter.
+# `pv.launch(..., dp=2)` starts 2 replicas of the 2-stage pipeline (4 processes). How the replicas average their
+# gradients is the launch option `dp_reduce` (`pipeviz.schedule.config`):
+#
+# - `"overlap"`, the default: pipeviz's own overlapped all-reduce (`pipeviz.runtime.overlap`). As soon as a
+#   stage's last backward of the step has run, its gradients start an asynchronous all-reduce, in DDP-sized
+#   buckets, while the rank goes on with the rest of its work; the step waits for them once, before the optimizer
+#   (what Megatron-Core's `--overlap-grad-reduce` does per model chunk).
+# - `"zero1"`: the same moment, but a reduce-scatter: each replica keeps the optimizer state of 1/*dp* of every
+#   parameter and the updated parameters are all-gathered after the step (ZeRO-1, below).
+# - `"ddp"`: torch's `DistributedDataParallel` around each stage, which reduces inside the stage's last backward
+#   and waits there (not under a split backward: the zero-bubble schedules).
+# - `"after_flush"`: one all-reduce of the rank's gradients after the step's last action (the default with
+#   `tp` > 1).
+# - `dp_shard=True` instead: torch's FSDP2 `fully_shard` (ZeRO-3, below), with its own reduce-scatter.
+#
+# `tp=2` shards each stage over 2 processes with torch's DTensor. `pv.check_numerics` trains the unsplit model on
+# the same batches and compares losses and every parameter: every mode above averages the same gradients, only
+# at another moment or into other shards.
 
 # %%
+from pipeviz.schedule.config import DP_REDUCE_MODES, dp_reduce_mode
+
+print("dp_reduce:", DP_REDUCE_MODES, "  default with dp=2:", dp_reduce_mode(pv.LaunchConfig(dp=2)),
+      "  with dp=2, tp=2:", dp_reduce_mode(pv.LaunchConfig(dp=2, tp=2)))
+assert dp_reduce_mode(pv.LaunchConfig(dp=2)) == "overlap"
+assert dp_reduce_mode(pv.LaunchConfig(dp=2, tp=2)) == "after_flush"
 runs = {}
 for name, options in (("pp=2 dp=2", {"dp": 2}), ("pp=2 tp=2", {"tp": 2})):
     run = pv.launch(plan, "1F1B", microbatches=4, steps=2, inputs=(x,), target=y, loss_fn=F.cross_entropy,
@@ -114,10 +160,12 @@ for name, options in (("pp=2 dp=2", {"dp": 2}), ("pp=2 tp=2", {"tp": 2})):
     print(f"{name}: {run.mesh}, losses {[round(v, 4) for v in run.losses]}")
     print("   ", numerics)
     assert numerics.ok and run.mesh.world == 4
+assert dp_reduce_mode(runs["pp=2 dp=2"].spec.config) == "overlap"      # what the dp=2 run averaged with
 pv.TimelineView(runs["pp=2 dp=2"])
 
 # %% [markdown]
-# Each row of the timeline is a process named by its coordinates (`pp1 dp0`: stage 1 of replica 0).
+# Each row of the timeline is a process named by its coordinates (`pp1 dp0`: stage 1 of replica 0); the `DP` bars
+# are the overlapped all-reduce's buckets, from launch to completion.
 #
 # ## The global batch, and ZeRO under a pipeline
 #
@@ -125,7 +173,8 @@ pv.TimelineView(runs["pp=2 dp=2"])
 # of *mbs* samples. At a fixed global batch, doubling *dp* halves *m* × *mbs*: fewer microbatches (a bigger bubble)
 # or smaller ones (lesson 8). The runs above: 64 = 16 × 4 × 1 without replicas, 64 = 8 × 4 × 2 with two.
 #
-# Replicas also multiply the model's state: under plain DP every replica keeps every weight, gradient and
+# Replicas also multiply the model's state: under plain DP (`dp_reduce="overlap"`, `"ddp"` or `"after_flush"`
+# alike) every replica keeps every weight, gradient and
 # optimizer state (4 + 4 + 8 bytes per float32 parameter with Adam). **ZeRO-1** (`dp_reduce="zero1"`, Megatron's
 # distributed optimizer) shards the optimizer state over the *dp* replicas; **ZeRO-3** (`dp_shard=True`, torch's
 # FSDP2) shards weights and gradients too. What each keeps per rank for this plan, at rest, *dp* = 2 (pipeviz's
@@ -135,17 +184,17 @@ pv.TimelineView(runs["pp=2 dp=2"])
 # %%
 assert 64 == (64 // 4) * 4 * 1 == (64 // 4 // 2) * 4 * 2          # gbs = mbs x m x dp, as launched above
 DP = 2
-layouts = {"DP (DDP)": {"dp": DP}, "ZeRO-1": {"dp": DP, "dp_reduce": "zero1"}, "ZeRO-3": {"dp": DP, "dp_shard": True}}
+layouts = {"DP": {"dp": DP}, "ZeRO-1": {"dp": DP, "dp_reduce": "zero1"}, "ZeRO-3": {"dp": DP, "dp_shard": True}}
 state = {}
 for name, options in layouts.items():
     tl = pv.simulate(plan, "1F1B", 4, **options)
     params = [stage.param_bytes for stage in plan.stages]                    # float32 weights, bytes
-    share = {"DP (DDP)": (1, 1, 1), "ZeRO-1": (1, 1, 1 / DP), "ZeRO-3": (1 / DP, 1 / DP, 1 / DP)}[name]
+    share = {"DP": (1, 1, 1), "ZeRO-1": (1, 1, 1 / DP), "ZeRO-3": (1 / DP, 1 / DP, 1 / DP)}[name]
     state[name] = [w * share[0] + w * share[1] + 2 * w * share[2] for w in params]   # weights, grads, Adam's 2
     print(f"{name:9} weights + gradients + optimizer per rank {[round(b / 2**20, 2) for b in state[name]]} MiB"
           f"   (simulated memory_bytes {[round(b / 2**20, 2) for b in tl.memory_bytes]} MiB)")
-    assert [m - a for m, a in zip(tl.memory_bytes, tl.peak_activation_bytes, strict=True)] == state["DP (DDP)"]
-assert all(z1 == 0.75 * d and z3 == 0.5 * d for d, z1, z3 in zip(state["DP (DDP)"], state["ZeRO-1"],
+    assert [m - a for m, a in zip(tl.memory_bytes, tl.peak_activation_bytes, strict=True)] == state["DP"]
+assert all(z1 == 0.75 * d and z3 == 0.5 * d for d, z1, z3 in zip(state["DP"], state["ZeRO-1"],
                                                                  state["ZeRO-3"], strict=True))
 
 # %% [markdown]
@@ -165,7 +214,7 @@ assert all(z1 == 0.75 * d and z3 == 0.5 * d for d, z1, z3 in zip(state["DP (DDP)
 # nodes until each stage's weights and activations fit, DP for everything left, to grow the global batch. The
 # simulator prices each choice before any process starts.
 #
-# `plan_cluster` (`pipeviz.planner`) searches them all for a GPU count, a hardware preset and a global batch:
+# `plan_cluster` (`pipeviz.planner.search`) searches them all for a GPU count, a hardware preset and a global batch:
 # every *pp* × *dp* × *tp* (TP within a node), schedule, microbatch size and recomputation mode, each balanced and
 # simulated on the hardware's roofline, keeping only what fits in memory, fastest first. A 0.6 B-parameter
 # Llama-shaped model on the meta device (no memory), 32 H100s, 256 sequences of 2048 tokens per step:
@@ -173,7 +222,7 @@ assert all(z1 == 0.75 * d and z3 == 0.5 * d for d, z1, z3 in zip(state["DP (DDP)
 # %%
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipeviz.planner import plan_cluster
+from pipeviz.planner.search import plan_cluster
 
 config = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=8, num_attention_heads=16,
                      num_key_value_heads=8, vocab_size=32000)
@@ -184,6 +233,10 @@ roomy = plan_cluster(llama_graph, gpus=32, hardware="h100-sxm", global_batch=256
 print(roomy.table())
 
 # %% [markdown]
+# Each row's `reduce` says how it averages its replicas' gradients (the planner searches the modes above per row;
+# `distributed`, Megatron's distributed optimizer, launches as `dp_reduce="zero1"`), and `exposed` is the part of
+# that reduction the step waits for, which no computation hides.
+#
 # A model this small fits on one GPU, so the planner may need no pipeline at all. Give each device only 8 GiB
 # (a bigger model, in effect): the fastest layout that fitted no longer does, and the fastest one that fits
 # pipelines (the assert checks that; a layout without pipelining may still fit lower in the table).

@@ -31,8 +31,8 @@ import warnings
 import torch
 
 import pipeviz as pv
-from pipeviz.balance import layer_costs, partition
-from pipeviz.training import cross_entropy
+from pipeviz.planner.balance import layer_costs, partition
+from pipeviz.schedule.training import cross_entropy
 from pipeviz.zoo import gpt2
 
 lm_loss = cross_entropy  # the one language-model loss: pv.cross_entropy over the last dim

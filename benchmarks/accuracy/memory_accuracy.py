@@ -10,7 +10,7 @@ timing (the peak follows the schedule's order), so one run per case is enough an
 matter.
 
 Recomputation (``--recompute none selective full``, issue 31): each case runs once per mode with
-``recompute=`` (``pipeviz.runtime.recompute``: each layer checkpointed, or attention's score ops) and is compared
+``recompute=`` (``pipeviz.schedule.recompute``: each layer checkpointed, or attention's score ops) and is compared
 with ``pv.simulate(..., recompute=mode)``. A third model writes its attention out (``attention="explicit"``), so
 selective recomputation has scores to drop (the other two run a fused attention or none: selective keeps what
 none keeps). Beside the memory, the time recomputation costs: the measured step time over the same case's without

@@ -56,7 +56,7 @@ import torch
 
 import pipeviz as pv
 from pipeviz.costs import CostOptions
-from pipeviz.simulate import Collectives
+from pipeviz.sim.simulate import Collectives
 
 try:  # run as a script (python benchmarks/accuracy/published_runs.py) or as a module
     from published_runs_data import CALIBRATION, GPU_TYPES, RUNS, PublishedRun
@@ -150,9 +150,10 @@ def published_step(row: PublishedRun) -> float:
 
 
 def collectives(row: PublishedRun) -> Collectives:
-    """How the row's framework did its collectives (``published_runs_data``: ``framework`` says which)."""
+    """How the row's framework did its collectives (``published_runs_data``: ``framework`` says which), and what its
+    tensor parallelism sharded (``tp_layout``: Megatron's layout; ``pv.simulate``'s default prices ``pv.launch``'s)."""
     return Collectives(dp_reduce=row.dp_reduce, grad_dtype=row.grad_dtype, tp_overlap=row.tp_overlap,
-                       scatter_gather=row.scatter_gather)
+                       scatter_gather=row.scatter_gather, tp_layout=row.tp_layout)
 
 
 def predict(plan: pv.SplitPlan, row: PublishedRun, hw: pv.Hardware, reduce: bool = True) -> pv.Timeline:
@@ -179,7 +180,7 @@ def calibrate(plan: pv.SplitPlan, row: PublishedRun, hw: pv.Hardware) -> pv.Hard
 
 def traced(row: PublishedRun, attention: str, cache: str | None) -> tuple[pv.ModelGraph, str]:
     """The row's model traced (``build``), or read from ``cache`` (a folder of pickled graphs, one per shape and
-    attention; delete it after changing ``pipeviz.capture`` or ``pipeviz.graph``)."""
+    attention; delete it after changing ``pipeviz.capture.export`` or ``pipeviz.graph.model``)."""
     shape = (row.family, row.layers, row.hidden, row.heads, row.kv_heads, row.ffn, row.vocab, row.seq_len)
     path = None
     if cache:
@@ -237,7 +238,8 @@ def main() -> None:
     print("\nthroughput in the source's unit; error = published step / predicted step - 1 (+: predicted faster); "
           "no DP: one replica alone, without the replicas' gradient reduction (what it adds)")
     head = (f"{'row':<25}{'source':>7}{'gpu':>6}{'GPUs':>6}{'tp':>3}{'pp':>4}{'dp':>4}{'v':>3}{'m':>5}"
-            f"{'schedule':>16}{'recomp':>7}{'dp reduce':>12}{'unit':>10}{'published':>10}{'predicted':>10}"
+            f"{'schedule':>16}{'recomp':>7}{'dp reduce':>12}{'tp layout':>10}{'unit':>10}{'published':>10}"
+            f"{'predicted':>10}"
             f"{'error':>8}{'bubble':>8}{'no DP':>8}{'error':>8}")
     print(head)
     results: dict[str, tuple[float, float]] = {}
@@ -257,7 +259,7 @@ def main() -> None:
         gpu = row.gpu.split("-")[0] + ("*" if row.gpu in GPU_TYPES else "")  # *: not a preset (GPU_TYPES)
         print(f"{row.key:<25}{source:>7}{gpu:>6}{row.gpus:>6}{row.tp:>3}{row.pp:>4}{row.dp:>4}"
               f"{row.stages_per_rank or 1:>3}{row.microbatches:>5}{row.schedule:>16}{row.recompute:>7}"
-              f"{row.dp_reduce:>12}{unit:>10}{row.value:>10.1f}{shown_pred:>10.1f}{err:>+8.1%}"
+              f"{row.dp_reduce:>12}{tl.tp_layout or '-':>10}{unit:>10}{row.value:>10.1f}{shown_pred:>10.1f}{err:>+8.1%}"
               f"{tl.bubble_fraction:>8.1%}"
               f"{(alone if row.metric == 'step_s' else row.value * pub / alone):>8.1f}{pub / alone - 1:>+8.1%}{mark}")
 

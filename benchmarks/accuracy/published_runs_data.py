@@ -54,7 +54,7 @@ class PublishedRun:
         attention: HF ``attn_implementation`` matching the run's attention kernel: ``"eager"`` for Megatron-LM
             2021 (scores materialised, its fused scale-mask-softmax kernel), ``"sdpa"`` for flash attention.
         dp_reduce, grad_dtype, tp_overlap, scatter_gather: how the run did its collectives
-            (``pipeviz.simulate.Collectives``), as its framework version did them; ``framework`` says why.
+            (``pipeviz.sim.simulate.Collectives``), as its framework version did them; ``framework`` says why.
         framework: the framework settings the four above are read from.
         split: how the blocks are split over the stages: ``"even"`` (Megatron-LM: every stage as many blocks; the
             benchmark gives a remainder to the later stages) or ``"torchtitan"`` (torchtitan's
@@ -62,6 +62,11 @@ class PublishedRun:
             while a remainder lasts, the rest ``layers // stages``; the embedding and the head get lighter stages).
         dropout: hidden and attention dropout (Megatron-LM's defaults, ``--hidden-dropout 0.1
             --attention-dropout 0.1``, where the scripts set none): element-wise ops the roofline charges.
+        tp_layout: what tensor parallelism sharded (``Collectives.tp_layout``): ``"megatron"`` for every row, as
+            each of these frameworks shards a block: Megatron-LM and Megatron-Core's column- and row-parallel
+            attention and MLP with a vocabulary-parallel embedding and output (2 all-reduces per block, or their
+            reduce-scatter / all-gather halves under sequence parallelism), torchtitan's ``parallelize_llama`` the
+            same (colwise q/k/v and w1/w3, rowwise o and w2, rowwise embedding, colwise output).
     """
 
     key: str
@@ -98,6 +103,7 @@ class PublishedRun:
     framework: str = ""
     dropout: float = 0.0
     split: str = "even"
+    tp_layout: str = "megatron"
 
     @property
     def dp(self) -> int:

@@ -52,8 +52,8 @@ import torch
 import torch.nn.functional as F
 
 import pipeviz as pv
-from pipeviz.timeline import COMPUTE
-from pipeviz.training import cross_entropy
+from pipeviz.schedule.timeline import COMPUTE
+from pipeviz.schedule.training import cross_entropy
 from pipeviz.zoo import MyNetwork, TinyTransformer
 
 lm_loss = cross_entropy  # the one language-model loss: pv.cross_entropy over the last dim

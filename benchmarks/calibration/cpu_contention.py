@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from pipeviz._malloc import keep_heap
+from pipeviz.adapter.malloc import keep_heap
 from pipeviz.cost.calibration import constant
 
 

@@ -26,7 +26,7 @@ import torch
 from preview_latency import click_latencies  # the sibling benchmark (this folder is on sys.path when run)
 
 import pipeviz as pv
-from pipeviz.plan import human_bytes
+from pipeviz.plan.preview import human_bytes
 
 LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
              "vocab_size": 128256}

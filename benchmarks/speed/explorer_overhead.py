@@ -28,7 +28,7 @@ from tests.jupyter_server import jupyter_server, wait_for
 
 SETUP = """\
 import json, pathlib, statistics, torch, pipeviz as pv
-from pipeviz.training import default_target
+from pipeviz.schedule.training import default_target
 from transformers import LlamaConfig, LlamaForCausalLM
 torch.manual_seed(0)
 config = LlamaConfig(num_hidden_layers=4, hidden_size=128, intermediate_size=256, num_attention_heads=4,

@@ -3,7 +3,7 @@ schedule loop without pipeviz (torch's ``pipeline()`` + ``build_stage`` + the sc
 
 Two plain loops run: torch as shipped, and torch with the two speed fixes pipeviz's runtime applies (each
 stage runs as one flat generated-code graph instead of through ``fx.Interpreter``, ``pipeviz.adapter.flatten_stage``;
-each rank's threads on its own cores, ``pipeviz.runtime.spec.cpu_sets``). The second isolates what
+each rank's threads on its own cores, ``pipeviz.runtime.devices.cpu_sets``). The second isolates what
 pipeviz's instrumentation, relays and event streaming cost. Prints the median step
 wall time of each, the ratios (goal <= 1.02), and launch -> first event (goal < 5 s on CPU).
 
@@ -44,14 +44,14 @@ def _plain_worker(rank: int, world: int, port: int, schedule: str, mb: int, step
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     warnings.filterwarnings("ignore")
-    from pipeviz._malloc import keep_heap
+    from pipeviz.adapter.malloc import keep_heap
 
     keep_heap()  # the same allocator setting pipeviz's workers use: this compares instrumentation only
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     if fixes:
-        from pipeviz.runtime.spec import cpu_sets
+        from pipeviz.runtime.devices import cpu_sets
         from pipeviz.runtime.worker import _pin
 
         cpus = cpu_sets(world, True)[1]

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import pipeviz as pv
-from pipeviz.timeline import COMPUTE, Timeline
+from pipeviz.schedule.timeline import COMPUTE, Timeline
 from pipeviz.zoo import MyNetwork
 
 CASES = (("1F1B", 2, None, ("ddp", "after_flush", "overlap", "zero1")),

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import pipeviz as pv
-from pipeviz.schedules import ALL, SINGLE
+from pipeviz.schedule.traits import ALL, SINGLE
 from pipeviz.zoo import MyNetwork
 
 X, Y = torch.randn(8, 8), torch.randint(0, 10, (8,))

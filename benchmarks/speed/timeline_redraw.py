@@ -10,7 +10,7 @@ import statistics
 import time
 
 import pipeviz as pv
-from pipeviz.timeline import Event, Timeline
+from pipeviz.schedule.timeline import Event, Timeline
 
 
 def synthetic(n: int, ranks: int = 4, microbatches: int = 8) -> list[Event]:

@@ -33,7 +33,7 @@ def timed_collectives(record: Callable[[str, float, float], None]) -> Iterator[N
     pending: dict[int, tuple[str, float, weakref.ref[torch.Tensor]]] = {}
     originals: dict[str, Callable[..., torch.Tensor]] = {n: getattr(funcol, n) for n in COLLECTIVES
                                                          if hasattr(funcol, n)}
-    original_wait = funcol.wait_tensor
+    original_wait: Callable[[torch.Tensor], torch.Tensor] = funcol.wait_tensor
 
     def timed(name: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def call(*args: object, **kwargs: object) -> torch.Tensor:

@@ -148,19 +148,19 @@ def runtime_schedule(stages: list[PipelineStage], order: Sequence[Sequence[str]]
 @contextlib.contextmanager
 def regions_inlined() -> Iterator[None]:
     """Inside the block, torch's ``pipeline()`` splits a graph whose grad-mode / autocast regions are inlined and
-    whose non-tensor constants are held in modules (``pipeviz.regions``): torch 2.13–2.15 lose those regions'
+    whose non-tensor constants are held in modules (``pipeviz.adapter.regions``): torch 2.13–2.15 lose those regions'
     bodies when they split the exported graph, and refuse a constant that is not a tensor."""
     from torch.distributed.pipelining._IR import Pipe
 
-    from pipeviz.hf_layerdrop import decided_layerdrop
-    from pipeviz.hf_moe import exportable_moe
-    from pipeviz.regions import hold_constants, inline_regions
+    from pipeviz.adapter.hf_layerdrop import decided_layerdrop
+    from pipeviz.adapter.hf_moe import exportable_moe
+    from pipeviz.adapter.regions import hold_constants, inline_regions
 
     original = Pipe.__dict__["_trace_with_export"]
 
     def trace(mod: nn.Module, example_args: tuple[object, ...],
               example_kwargs: dict[str, object] | None = None) -> ExportedProgram:
-        # transformers 4.x's MoE loops (pipeviz.hf_moe) and LayerDrop checks (pipeviz.hf_layerdrop)
+        # transformers 4.x's MoE loops (pipeviz.adapter.hf_moe) and LayerDrop checks (pipeviz.adapter.hf_layerdrop)
         with exportable_moe(), decided_layerdrop():
             ep = original.__func__(mod, example_args, example_kwargs)
         inline_regions(ep.graph_module)

@@ -49,7 +49,7 @@ def timed_stage_class(span: Span) -> type[PipelineStage]:
     around every forward (``"F"``), full backward (``"B"``), input-grad (``"I"``) and weight-grad (``"W"``) pass
     of a stage that computes one (a forward-only stage's no-op backward calls are not timed).
 
-    ``stage.recomputes = True`` (a stage with checkpointed layers: ``pipeviz.runtime.recompute``) runs each
+    ``stage.recomputes = True`` (a stage with checkpointed layers: ``pipeviz.schedule.recompute``) runs each
     weight-grad pass under one ``torch.utils.checkpoint.GraphExecGroup``: torch's ``stage_backward_weight`` calls
     ``autograd.grad`` once per parameter group, and its non-reentrant checkpoint recomputes a region once per call,
     so a transformer block ran its forward again once per weight (6 times a W on TinyTransformer: W 7.0 ms against
@@ -73,7 +73,7 @@ def timed_stage_class(span: Span) -> type[PipelineStage]:
         """torch's PipelineStage, timing every forward, backward, input-grad and weight-grad action."""
 
         sync_replicas = True
-        recomputes = False  # the stage runs checkpointed regions (pipeviz.runtime.recompute)
+        recomputes = False  # the stage runs checkpointed regions (pipeviz.schedule.recompute)
         grads_final: Callable[[int], None] | None = None  # called with the stage index when its gradients are final
 
         def forward_one_chunk(self, fwd_chunk_id: int, *a: Any, **k: Any) -> Any:

@@ -20,11 +20,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pipeviz.cost.machine import LINKS
-from pipeviz.mesh import Mesh
+from pipeviz.schedule.mesh import Mesh
 
 if TYPE_CHECKING:
-    from pipeviz.graphview import Layer
-    from pipeviz.plan import SplitPlan
+    from pipeviz.capture.view import Layer
+    from pipeviz.plan.split import SplitPlan
 
 __all__ = [
     "DDP_BUCKET_BYTES",

@@ -27,24 +27,27 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Unpack
 
-from pipeviz import schedules as sched
 from pipeviz.cost.model import Costs, stage_costs
 from pipeviz.cost.options import CostChanges, CostOptions, LinkOptions
 from pipeviz.cost.rule import OPTIMIZER_STATES, stage_bytes
-from pipeviz.plan import register_pricer
+from pipeviz.plan.split import register_pricer
+from pipeviz.schedule import traits as sched
 
 if TYPE_CHECKING:
     from pipeviz.cost.machine import Hardware
-    from pipeviz.plan import SplitPlan, StageInfo
-    from pipeviz.timeline import Event
+    from pipeviz.plan.preview import StageInfo
+    from pipeviz.plan.split import SplitPlan
+    from pipeviz.schedule.timeline import Event
 
 __all__ = [
     "activation_curve",
     "in_flight",
     "memory_per_rank",
+    "parsed_actions",
     "peak_activations",
     "plan_stage_memory",
     "plan_table",
@@ -54,26 +57,40 @@ __all__ = [
 ]
 
 
+@functools.lru_cache(maxsize=4096)
+def parsed_actions(acts: tuple[str, ...]) -> tuple[tuple[int, ...], str]:
+    """One rank's actions parsed once: their stages, and their kinds as one string (``"FFBFB..."``). Remembered:
+    the planner and ``pv.simulate`` read the same schedule orders again and again (parsing was most of the
+    planner's time at 1,024 GPUs)."""
+    parts = [sched.parse(a) for a in acts]
+    return tuple(a.stage for a in parts), "".join(a.kind for a in parts)
+
+
 def peak_activations(order: Sequence[Sequence[str]], activation_bytes: Sequence[int],
                      weight_fraction: float = 0.5, input_freed: Sequence[float] = ()) -> list[int]:
     """Per rank, the most activation bytes alive at once when each rank runs its ``order``: a forward
     adds its stage's per-microbatch bytes, a backward frees them (an input-grad pass the stage's share
     ``input_freed[s]``, else ``weight_fraction`` of them, a weight-grad pass the rest)."""
+    import numpy as np
+
+    sizes = np.asarray(activation_bytes, dtype=np.float64)
+    at_input = np.asarray(input_freed if input_freed else [weight_fraction] * len(sizes), dtype=np.float64)
+    # what an action of each kind adds, per stage: the live bytes after each action are a running sum (numpy adds
+    # in order, as a loop would: the same floats)
+    delta = {"F": sizes, "B": -sizes, "I": -sizes * at_input, "W": -sizes * (1 - at_input)}
     peaks = []
     for acts in order:
-        live = peak = 0.0
-        for action in acts:
-            s, kind, _ = sched.parse(action)
-            size = activation_bytes[s]
-            if kind == "F":
-                live += size
-                peak = max(peak, live)
-            elif kind == "B":
-                live -= size
-            else:
-                at_input = input_freed[s] if input_freed else weight_fraction
-                live -= size * (at_input if kind == "I" else 1 - at_input)
-        peaks.append(round(peak))
+        if not acts:
+            peaks.append(0)
+            continue
+        stages, kinds = parsed_actions(tuple(acts))
+        index = np.asarray(stages)
+        per = np.empty(len(index))
+        codes = np.frombuffer(kinds.encode(), dtype=np.uint8)
+        for kind, values in delta.items():
+            mask = codes == ord(kind)
+            per[mask] = values[index[mask]]
+        peaks.append(round(max(0.0, float(np.cumsum(per).max()))))
     return peaks
 
 

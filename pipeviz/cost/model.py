@@ -23,20 +23,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from pipeviz import schedules as sched
-from pipeviz.capture import op_saved_bytes
+from pipeviz.capture.export import op_saved_bytes
 from pipeviz.cost.machine import Hardware, device_rate
 from pipeviz.cost.options import CostOptions
 from pipeviz.cost.roofline import layer_roofline, loss_kernel_times, op_table
-from pipeviz.mesh import Mesh
+from pipeviz.schedule import traits as sched
+from pipeviz.schedule.mesh import Mesh
 
 if TYPE_CHECKING:
+    from pipeviz.capture.view import GraphView
     from pipeviz.cost.sharding import TpShares
-    from pipeviz.graphview import GraphView
-    from pipeviz.plan import SplitPlan
+    from pipeviz.plan.split import SplitPlan
 
-__all__ = ["BACKWARD_PER_FORWARD", "Costs", "layer_activation_bytes", "layer_times", "measured_here", "parallel_costs",
-           "selective_saves_nothing", "stage_costs", "time_source"]
+__all__ = ["BACKWARD_PER_FORWARD", "Costs", "layer_activation_bytes", "layer_times", "measured_here", "overlapped",
+           "parallel_costs", "selective_saves_nothing", "stage_costs", "time_source"]
 
 
 BACKWARD_PER_FORWARD = 2.0  # a backward computes two matmuls per forward matmul (input and weight grads)
@@ -226,7 +226,7 @@ def layer_activation_bytes(graph: GraphView, options: CostOptions | None = None)
     if opts.recompute == "selective":
         table = op_table(graph.capture)
         # The score matmul's saved queries and keys stay (the recomputation starts from them): only what the score
-        # ops themselves save goes (pipeviz.runtime.recompute checkpoints from that matmul to the one with values).
+        # ops themselves save goes (pipeviz.schedule.recompute checkpoints from that matmul to the one with values).
         marked = set(table.selective)
         dropped = [sum(op_saved_bytes(ops[i]) for i in table.selective if a <= i <= b and not _matmul(ops[i].target))
                    for a, b in spans]
@@ -312,7 +312,7 @@ def stage_costs(
     # What a zero-bubble I pass frees, as a share of what the stage keeps: what the ops after the stage's last weight
     # op saved, and the loss's. Selective recomputation drops only attention's scores, which come before the output
     # projection: the same bytes go, of fewer kept. Under full recomputation those ops are inside the last layer's
-    # checkpoint, whose inputs the weight-grad pass still needs: only the loss's go (pipeviz.runtime.recompute).
+    # checkpoint, whose inputs the weight-grad pass still needs: only the loss's go (pipeviz.schedule.recompute).
     freed_bytes = list(plan.input_grad_freed_bytes)
     if opts.recompute == "full":
         op, loss = g.index.loss_saved
@@ -368,6 +368,24 @@ def parallel_costs(costs: Costs, mesh: Mesh | int = 1, tp: int | None = None,
         recompute_bytes=kept(costs.recompute_bytes, shares.activations if shares else None, k),
         send_bytes=tuple(b / rows for b in costs.send_bytes),
     )
+
+
+def overlapped(costs: Costs) -> Costs:
+    """``costs`` with its collectives overlapping the matmuls they feed (``Collectives.tp_overlap``: Megatron-Core's
+    ``--tp-comm-overlap``, torchtitan's async TP): a forward pays only what its collectives outlast the stage's
+    forward compute by, a backward (and input-grad pass) what they outlast its backward compute by. The backward's
+    own collectives where the layout has them (``collective_backward``: the launch's), else the forward's (Megatron's
+    layout: as many in the backward). Never slower: each action's seconds become ``max(compute, collectives)``.
+
+    Example:
+        >>> overlapped(parallel_costs(costs, Mesh(1, 1, 8), collective=tp_s)).duration(0, "F")   # max(F, tp_s[0])
+    """
+    if not costs.collective:
+        return costs
+    back = costs.collective_backward or costs.collective
+    return replace(costs,
+                   collective=tuple(max(0.0, c - f) for c, f in zip(costs.collective, costs.forward, strict=True)),
+                   collective_backward=tuple(max(0.0, c - b) for c, b in zip(back, costs.backward, strict=True)))
 
 
 def selective_saves_nothing(graph: GraphView, options: CostOptions | None = None) -> bool:

@@ -16,7 +16,7 @@ from pipeviz.cost.machine import DTYPE_BYTES, Hardware, dtype_name, hardware
 from pipeviz.cost.rule import OPTIMIZER_STATES
 
 if TYPE_CHECKING:
-    from pipeviz.graphview import GraphView
+    from pipeviz.capture.view import GraphView
 
 __all__ = ["OPTIMIZER_STATES", "RECOMPUTE", "CostChanges", "CostOptions", "LinkOptions"]
 

@@ -21,11 +21,13 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Protocol
 
 import torch
 from torch.utils import _pytree as pytree
+
+from pipeviz.capture.ops import TensorSpec
 
 __all__ = ["MAX_BYTES", "MAX_FLOPS", "OpArgs", "ReplayOp", "TensorSpec", "loss_seconds", "op_seconds", "replayable",
            "scaled_shape"]
@@ -40,24 +42,10 @@ _MIN_CALLS = 5
 _FLUSH = torch.empty(64 * 2**20 // 4, dtype=torch.float32)
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """A tensor argument of a traced op: its shape and dtype, whether it is an activation computed from the batch
-    (its first dim is the batch's, scaled with the microbatch) or not (parameters, buffers, constants and what is
-    computed from them alone, such as position embeddings: kept as traced), and whether training
-    computes its gradient (parameters and what is computed from them; not the model's inputs, buffers or integer
-    tensors), and its layout in memory where it is not row-major (``order``: a transposed activation is replayed
-    transposed, so a ``.contiguous()`` of it copies as in the run)."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    activation: bool
-    grad: bool
-    # Dims from outermost to innermost in memory when not row-major (a transposed view); None: contiguous.
-    order: tuple[int, ...] | None = None
 
 
-# A traced op's arguments (``pipeviz.capture.Op.spec``): positional ones, and keyword ones as (name, value) pairs;
+# A traced op's arguments (``pipeviz.capture.export.Op.spec``): positional ones, and keyword ones as (name, value)
+# pairs;
 # tensors as ``TensorSpec``, lists as tuples (hashable).
 OpArgs = tuple[tuple[object, ...], tuple[tuple[str, object], ...]]
 # A tensor argument to replay: (shape, dtype, needs a gradient, is an activation, layout: ``TensorSpec.order``).
@@ -65,7 +53,7 @@ _Shaped = tuple[tuple[int, ...], torch.dtype, bool, bool, tuple[int, ...] | None
 
 
 class ReplayOp(Protocol):
-    """What a replay reads of a traced op (a ``pipeviz.capture.Op``)."""
+    """What a replay reads of a traced op (a ``pipeviz.capture.export.Op``)."""
 
     @property
     def target(self) -> str: ...
@@ -78,7 +66,7 @@ class ReplayOp(Protocol):
 
 
 def replayable(op: ReplayOp) -> bool:
-    """Whether ``op`` (a ``pipeviz.capture.Op``) carries the arguments a replay needs."""
+    """Whether ``op`` (a ``pipeviz.capture.export.Op``) carries the arguments a replay needs."""
     return op.spec is not None and op.target.startswith("aten.")
 
 
@@ -171,7 +159,7 @@ def _measure(target: str, frozen: OpArgs, shapes: tuple[_Shaped, ...]) -> tuple[
     activation, layout: ``TensorSpec.order``)."""
     if sum(_numel(s) * _itemsize(dt) for s, dt, _, _, _ in shapes) > MAX_BYTES:
         raise ValueError("too large to replay")
-    from pipeviz._malloc import keep_heap
+    from pipeviz.adapter.malloc import keep_heap
 
     # As in the workers: without it every large output (a weight's gradient) is fresh mmap pages, and a
     # 1024 x 2048 Linear's backward measured 8.5 ms here instead of 4.8.

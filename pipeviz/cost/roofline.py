@@ -18,8 +18,8 @@ from pipeviz.cost.machine import DTYPE_BYTES, Hardware
 if TYPE_CHECKING:
     import torch
 
-    from pipeviz.capture import Capture
-    from pipeviz.graphview import GraphView
+    from pipeviz.capture.export import Capture
+    from pipeviz.capture.view import GraphView
 
 __all__ = ["OpTable", "forget_kernel_times", "layer_roofline", "loss_kernel_times", "matmul_efficiency", "op_table",
            "op_time"]
@@ -98,7 +98,7 @@ def op_table(cap: Capture) -> OpTable:
         if free:
             views.append(op.index)
         if base == "scaled_dot_product_attention" and not op.flops and seq:
-            # A capture whose counter missed the attention kernel (pipeviz.capture maps torch's CPU kernel to
+            # A capture whose counter missed the attention kernel (pipeviz.capture.export maps torch's CPU kernel to
             # torch's SDPA formula; another kernel may be missing): QK^T and PV, 2 x 2 FLOPs per query element
             # per key, over the sequence's keys (self-attention; no causal halving, as PaLM's MFU convention).
             flops.append(4.0 * op.out_bytes / elem * seq)

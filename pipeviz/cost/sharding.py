@@ -18,10 +18,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pipeviz.capture import op_saved_bytes
+from pipeviz.capture.export import op_saved_bytes
 
 if TYPE_CHECKING:
-    from pipeviz.plan import SplitPlan
+    from pipeviz.plan.split import SplitPlan
 
 __all__ = ["TpCollective", "TpShares", "launch_collectives", "launch_tp_seconds", "tp_shares"]
 
@@ -112,7 +112,7 @@ class TpCollective:
 def launch_collectives(plan: SplitPlan, sharded: Mapping[str, str], sequence_parallel: bool = False,
                        ) -> list[list[TpCollective]]:
     """Per stage, the collectives one microbatch's forward and backward issue when ``pv.launch`` shards the
-    modules in ``sharded`` (what ``pipeviz.runtime.dtensor_graph`` puts in the graph, checked against the run's
+    modules in ``sharded`` (what ``pipeviz.adapter.dtensor_graph`` puts in the graph, checked against the run's
     own TP events in ``tests/test_tensor_parallel_hf.py``):
 
     - a row-wise projection's output: all-reduced in the forward (Megatron's *g*), or, with

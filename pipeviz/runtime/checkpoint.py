@@ -35,8 +35,8 @@ import torch
 from pipeviz.errors import LaunchError
 
 if TYPE_CHECKING:
-    from pipeviz.plan import SplitPlan
-    from pipeviz.runtime.config import LaunchConfig
+    from pipeviz.plan.split import SplitPlan
+    from pipeviz.schedule.config import LaunchConfig
 
 __all__ = ["MANIFEST", "OPTIMIZER_FILE", "TRAINER_FILE", "Resume", "gathered_optimizer_state", "load_optimizer",
            "read_resume", "write_checkpoint"]
@@ -165,7 +165,7 @@ def read_resume(plan: SplitPlan, folder: str | os.PathLike[str], config: LaunchC
 
     Raises:
         LaunchError: no checkpoint there, another model's, or another optimizer's state."""
-    from pipeviz.weights import _lookup
+    from pipeviz.capture.weights import lookup_tensor
 
     folder = os.fspath(folder)
     manifest = os.path.join(folder, MANIFEST)
@@ -203,7 +203,7 @@ def read_resume(plan: SplitPlan, folder: str | os.PathLike[str], config: LaunchC
         shapes = {k.split(SEP)[0]: tuple(f.get_slice(k).get_shape()) for k in f.keys()
                   if not k.endswith(SEP + "step")}
     for canon, name in names.items():
-        shape, want = shapes.get(name), tuple(_lookup(cap.model, canon).shape)
+        shape, want = shapes.get(name), tuple(lookup_tensor(cap.model, canon).shape)
         if shape is not None and shape != want:
             raise LaunchError(f"resume={folder!r}: the optimizer state of {name!r} is {shape}, the model's tensor "
                               f"{want}: a checkpoint of another model. Fix: resume from this model's run.",

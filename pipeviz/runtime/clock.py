@@ -16,14 +16,14 @@ from typing import Any, Protocol
 
 import torch
 
-from pipeviz.mesh import Coords
 from pipeviz.runtime.memory import MemoryMeter
 from pipeviz.runtime.messages import (
     Events,
     Memory,
     Message,
 )
-from pipeviz.timeline import Event
+from pipeviz.schedule.mesh import Coords
+from pipeviz.schedule.timeline import Event
 
 __all__ = ["SEND_INTERVAL", "Clock", "EventRecord", "Sink", "Span", "SpanKey"]
 
@@ -68,7 +68,7 @@ class Clock:
     def watch_stale(self, every: float = 0.3) -> None:
         """Send what the rank finished even when its own thread stops sending: a rank stuck inside an action (a
         forward that never returns, a receive that never completes) otherwise keeps its last finished actions in
-        its buffer, and the hang report (``pipeviz.hang``) would place it an action too early. A daemon thread
+        its buffer, and the hang report (``pipeviz.schedule.hang``) would place it an action too early. A daemon thread
         checks every ``every`` seconds."""
 
         def loop() -> None:

@@ -23,9 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipeviz.capture import _batch_size
+from pipeviz.capture.export import batch_size_of
+from pipeviz.errors import LaunchError
+from pipeviz.runtime.batches import data_batch, like_first, share
 from pipeviz.runtime.messages import Batch, End, Feed
-from pipeviz.runtime.spec import FedBatch, LaunchError, LaunchSpec, data_batch, like_first, share
+from pipeviz.runtime.spec import FedBatch, LaunchSpec
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
@@ -112,15 +114,16 @@ class Feeder:
             raise LaunchError(f"data= batch {n} is the {len(self.shapes) + 1}th input shape of this run; each new "
                               f"shape traces the model again (this run's took {sum(self.trace_seconds):.1f} s in all), "
                               f"and a run takes at most {MAX_SHAPES}. Fix: pad the batches to a few lengths (buckets, "
-                              "pipeviz.lengths.buckets chooses them) or pack sequences to one length.")
+                              "pipeviz.planner.lengths.buckets chooses them) or pack sequences to one length.")
         t = time.perf_counter()
         self._new[len(self.shapes)] = self.restage(tuple(batch[0]), dict(batch[1] or {}))
         self.trace_seconds.append(time.perf_counter() - t)
         self.shapes[key] = len(self.shapes)
         if self.said is not None:
-            from pipeviz.runtime.payloads import _shapes
+            from pipeviz.runtime.payloads import payload_shapes
 
-            self.said(f"input shape {len(self.shapes)} ({_shapes(batch[0], batch[1])}) at data= batch {n}: the stages "
+            shape = payload_shapes(batch[0], batch[1])
+            self.said(f"input shape {len(self.shapes)} ({shape}) at data= batch {n}: the stages "
                       f"traced for it in {self.trace_seconds[-1]:.2f} s")
 
     def _send(self, feeds: Sequence[Queue[Feed]], batch: FedBatch) -> bool:
@@ -131,7 +134,7 @@ class Feeder:
         stages = self._new.pop(shape, None)
         mesh, lay = spec.mesh, spec.layout
         first_rank, last_rank = lay.stage_ranks[0], lay.stage_ranks[-1]
-        size_of = _batch_size(batch[0], batch[1]) or 1
+        size_of = batch_size_of(batch[0], batch[1]) or 1
         for rank, feed in enumerate(feeds):
             c = mesh.coords(rank)  # each replica its share of the batch
             args, kwargs, target = share(batch, c.dp, mesh.dp, size_of)
@@ -152,7 +155,7 @@ class Feeder:
 
 
 def _shape_key(args: tuple[object, ...], kwargs: Mapping[str, object] | None) -> object:
-    """What a traced Pipe depends on in a batch's inputs (``payloads._signature``)."""
-    from pipeviz.runtime.payloads import _signature
+    """What a traced Pipe depends on in a batch's inputs (``payloads.shape_signature``)."""
+    from pipeviz.runtime.payloads import shape_signature
 
-    return _signature((tuple(args), dict(kwargs or {})))
+    return shape_signature((tuple(args), dict(kwargs or {})))

@@ -1,8 +1,9 @@
 """``launch()`` a plan as real processes running torch's schedule; returns the ``Run`` that watches them.
 
 Example:
-    >>> run = pv.launch(plan, schedule="1F1B", microbatches=8, steps=5, inputs=(x,), target=y,
-    ...                 loss_fn=pv.cross_entropy, optimizer=pv.sgd(lr=0.1))      # returns at once
+    >>> cfg = pv.LaunchConfig(schedule="1F1B", microbatches=8, steps=5, loss_fn=pv.cross_entropy,
+    ...                       optimizer=pv.sgd(lr=0.1))
+    >>> run = pv.launch(plan, cfg, inputs=(x,), target=y)      # checked, then returns at once
     >>> run.wait(timeout=60); run.losses; run.timeline(); run.state_dict()
 """
 
@@ -11,24 +12,19 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Unpack
 
 import torch
 
 from pipeviz._compat import positional_legacy
-from pipeviz.plan import SplitPlan
-from pipeviz.runtime.config import UNSET, LaunchConfig, LaunchOptions, launch_config
+from pipeviz.errors import LaunchError
+from pipeviz.plan.split import SplitPlan
+from pipeviz.runtime.checks import check_weights, validate_launch
+from pipeviz.runtime.devices import cpu_sets, resolve_devices
 from pipeviz.runtime.payloads import rank_boots, rank_payloads
 from pipeviz.runtime.procs import rendezvous, temp_prefix
-from pipeviz.runtime.run import _LIVE, Run
-from pipeviz.runtime.spec import (
-    LaunchError,
-    _default_optimizer,
-    check_weights,
-    cpu_sets,
-    resolve_devices,
-    validate_launch,
-)
+from pipeviz.runtime.run import LIVE_RUNS, Run
+from pipeviz.runtime.spec import default_optimizer
+from pipeviz.schedule.config import UNSET, LaunchConfig, launch_config
 
 __all__ = ["launch"]
 
@@ -36,7 +32,7 @@ __all__ = ["launch"]
 @positional_legacy("steps")
 def launch(
     plan: SplitPlan,
-    schedule: str = UNSET,
+    config: LaunchConfig | str | None = None,
     microbatches: int = UNSET,
     *,
     steps: int | None = UNSET,
@@ -47,8 +43,7 @@ def launch(
     eval_data: Iterable[object] | None = None,
     resume: str | os.PathLike[str] | None = None,
     weights: str | os.PathLike[str] | None = None,
-    config: LaunchConfig | None = None,
-    **options: Unpack[LaunchOptions],
+    **options: object,
 ) -> Run:
     """Start the plan's stages as processes running torch's ``schedule``; returns a ``Run`` at once.
 
@@ -58,18 +53,19 @@ def launch(
     weights' gradients are summed across the stages holding them, so the run trains like the unsplit model
     (same microbatching, mean loss per microbatch).
 
-    How to run is one ``pv.LaunchConfig`` (``config=``), the same object ``pv.export_torchrun``, the CLI and the
-    Explorer take, or its fields as keywords (they override ``config``'s); ``schedule``, ``microbatches`` and
-    ``steps`` may also come first, by position. Defaults: ``LaunchConfig()``'s.
+    How to run is one ``pv.LaunchConfig`` (second, or ``config=``), the same object ``pv.simulate``,
+    ``pv.export_torchrun``, the CLI and the Explorer take, or its fields as keywords (they override ``config``'s);
+    in its place a schedule's name, then ``microbatches``, may come by position. Defaults: ``LaunchConfig()``'s.
 
     Example:
-        >>> run = pv.launch(plan, "1F1B", 4, 3, inputs=(x,), target=y, loss_fn=pv.cross_entropy)
-        >>> run = pv.launch(plan, config=pv.LaunchConfig(schedule="GPipe", dp=2, loss_fn=pv.cross_entropy),
-        ...                 inputs=(x,), target=y)
+        >>> cfg = pv.LaunchConfig(schedule="GPipe", microbatches=4, steps=3, dp=2, loss_fn=pv.cross_entropy)
+        >>> run = pv.launch(plan, cfg, inputs=(x,), target=y)
+        >>> run = pv.launch(plan, "1F1B", 4, steps=3, inputs=(x,), target=y, loss_fn=pv.cross_entropy)
 
     Args:
         plan: the ``SplitPlan``.
-        schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV.
+        config: the ``pv.LaunchConfig``, or a schedule's name: GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
+            InterleavedZeroBubble, ZBVZeroBubble, DualPipeV.
         microbatches: microbatches per step; must divide the batch.
         steps: optimizer steps (``None`` with ``data``: until it runs out).
         inputs / input_kwargs: the full batch (defaults: the graph's example inputs): a tensor or a tuple or
@@ -113,7 +109,7 @@ def launch(
         dp_shard: with ``dp`` > 1, each stage sharded across the replicas by torch's FSDP2 ``fully_shard``
             (parameters, gradients and optimizer state: 1/dp per process) instead of replicated under DDP.
         tp: tensor-parallel shards of every stage (pp × dp × tp processes): each stage's projections sharded with
-            DTensor (``pipeviz.runtime.tensor_parallel``), column-wise then row-wise, as Megatron-LM shards a
+            DTensor (``pipeviz.schedule.tensor_parallel``), column-wise then row-wise, as Megatron-LM shards a
             transformer: the attention by heads, the MLP by hidden units, the vocabulary's embedding and LM head
             by tokens (``pv.cross_entropy`` then takes each shard's logits: no process holds them whole).
         tp_plan: ``{module name: "colwise" | "rowwise"}`` for ``nn.Linear`` (and ``"rowwise"`` for
@@ -126,7 +122,7 @@ def launch(
     Raises:
         LaunchError, ScheduleError, PlanError: before any process starts, naming the bad value and the fix.
     """
-    cfg = launch_config(config, schedule=schedule, microbatches=microbatches, steps=steps, **options)
+    cfg = launch_config(config, microbatches=microbatches, steps=steps, **options)
     checkpoint = None
     if resume is not None:  # the weights from the checkpoint; data= goes on after the batches it consumed
         from pipeviz.runtime.checkpoint import read_resume
@@ -135,7 +131,7 @@ def launch(
             raise LaunchError("resume= reads the weights from its checkpoint; weights= was given too. Fix: drop "
                               "weights= (or resume=, to start a new optimizer from those weights).", setting="resume")
         if isinstance(plan, SplitPlan):
-            checkpoint = read_resume(plan, resume, cfg, cfg.optimizer or _default_optimizer)
+            checkpoint = read_resume(plan, resume, cfg, cfg.optimizer or default_optimizer)
             weights = resume
             if data is not None:
                 data = itertools.islice(iter(data), checkpoint.batches, None)
@@ -147,10 +143,10 @@ def launch(
     stage_devices, backend, compute = resolve_devices(cfg.devices, world)
     on_cpu = all(d == "cpu" for d in stage_devices) and not any(compute)
     # Two runs at once would be pinned to the same cores: the second one is left to the scheduler.
-    alone = not any(r.status in ("starting", "running") for r in list(_LIVE))
+    alone = not any(r.status in ("starting", "running") for r in list(LIVE_RUNS))
     threads, cpus = cpu_sets(world, cfg.pin_cpus and on_cpu and alone)
 
-    run = Run(plan, spec, cfg.timeout, cfg.on_nonfinite)
+    run = Run(plan, spec, timeout=cfg.timeout, on_nonfinite=cfg.on_nonfinite)
     run.weights = weights
     run.devices = [c or d for c, d in zip(compute, stage_devices, strict=True)]
     run.cpus = cpus

@@ -14,8 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pipeviz.mesh import Coords
-from pipeviz.timeline import Event
+from pipeviz.schedule.mesh import Coords
+from pipeviz.schedule.timeline import Event
 
 __all__ = ["Batch", "Done", "End", "EvalLoss", "Events", "Failed", "Feed", "GradNorm", "LearningRate", "Loss",
            "Memory", "Message", "NonFinite", "OptimState", "Output", "Phase", "State", "StepEnd"]

@@ -19,19 +19,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils import _pytree as pytree
 
-from pipeviz import schedules as sched
-from pipeviz.capture import TRACE_LOCK, _batch_size
-from pipeviz.mesh import Coords
-from pipeviz.plan import SplitPlan
-from pipeviz.runtime.config import dp_reduce_mode
-from pipeviz.runtime.recompute import recompute_modes
+from pipeviz.capture.export import TRACE_LOCK, batch_size_of
+from pipeviz.errors import LaunchError
+from pipeviz.plan.split import SplitPlan
+from pipeviz.runtime.batches import share
 from pipeviz.runtime.ship import Shipment
-from pipeviz.runtime.spec import LaunchError, LaunchSpec, share
+from pipeviz.runtime.spec import LaunchSpec
+from pipeviz.schedule import traits as sched
+from pipeviz.schedule.config import dp_reduce_mode
+from pipeviz.schedule.mesh import Coords
+from pipeviz.schedule.recompute import recompute_modes
 
 if TYPE_CHECKING:
+    from pipeviz.capture.weights import StageSource
     from pipeviz.runtime.ship import Shipped
     from pipeviz.runtime.stages import StageSet
-    from pipeviz.weights import StageSource
 
 __all__ = ["PAYLOAD_WAIT", "SHIP_VALUES", "Boot", "RankPayload", "launch_stages", "rank_boots", "rank_payload",
            "rank_payloads", "shape_stages", "spec_stages", "stage_sources"]
@@ -94,23 +96,24 @@ class RankPayload:
     on_nonfinite: str = "stop"  # a NaN or inf loss or gradient: "stop" the run, or "continue" and report it
     data: Any = None  # set by main(): the queue the launching process streams data= batches on
     state_path: str | None = None  # where this rank writes its trained tensors (else: sent on the queue)
-    mesh: Any = None  # pipeviz.mesh.Mesh with replicas or shards (dp or tp > 1); None: one pipeline, rank = pp rank
+    # pipeviz.schedule.mesh.Mesh with replicas or shards (dp or tp > 1); None: one pipeline, rank = pp rank
+    mesh: Any = None
     tp_placements: dict[str, str] = field(default_factory=dict)  # tp > 1: canonical name -> "shard0"/"shard1"
     dp_shard: bool = False  # replicas shard each stage with FSDP2 (fully_shard over the dp mesh dim)
     sequence_parallel: bool = False  # tp > 1: activations between the sharded regions split by token
     clip_grad_norm: float | None = None  # clip by the global norm of every stage's, replica's, shard's gradients
-    loss_reduction: str = "mean"  # pipeviz.training.LOSS_REDUCTIONS
+    loss_reduction: str = "mean"  # pipeviz.schedule.training.LOSS_REDUCTIONS
     accumulate: int = 1  # batches per optimizer step (gradient accumulation)
     lr_scheduler: Any = None  # optimizer -> LRScheduler, stepped after each optimizer step
     eval_batches: list[Any] = field(default_factory=list)  # eval_data=: this process's share of each held-out batch
     eval_every: int | None = None  # steps between evaluations (None: after the last step only)
     resume: Any = None  # runtime.checkpoint.Resume: the checkpoint this run continues (its optimizer's state)
     compile: str | None = None  # torch.compile's backend for every stage (None: eager)
-    recompute: tuple[str, ...] = ()  # per stage: "none", "selective" or "full" (pipeviz.runtime.recompute)
+    recompute: tuple[str, ...] = ()  # per stage: "none", "selective" or "full" (pipeviz.schedule.recompute)
     dp_reduce: str = "overlap"  # how replicas average gradients (runtime.config.dp_reduce_mode)
     loss_scaling: bool = False  # fp16: a dynamic loss scale across every process (pipeviz.runtime.loss_scale)
     order: tuple[tuple[str, ...], ...] | None = None  # a custom order: every pipeline rank's actions (torch's text)
-    seed: int = 0  # random draws (dropout): each stage forward seeds from it (pipeviz.rng.stage_seed)
+    seed: int = 0  # random draws (dropout): each stage forward seeds from it (pipeviz.runtime.rng.stage_seed)
 
     @property
     def split_backward(self) -> bool:
@@ -130,7 +133,7 @@ def rank_payloads(plan: SplitPlan, spec: LaunchSpec, devices: list[str], compute
                   cpus: list[tuple[int, ...]] | None, state_dir: str | None = None,
                   values_prefix: str = "pipeviz-values-") -> tuple[list[bytes], Shipment, list[int]]:
     """Each rank's share of the run, pickled, the ``Shipment`` of the model's tensor values, and each stage's random
-    ops per forward (``pipeviz.rng``: what the run's reference must seed alike).
+    ops per forward (``pipeviz.runtime.rng``: what the run's reference must seed alike).
 
     The stages' structure is built once per plan and input shapes (``launch_stages``, cached); the values are the
     model's tensors at this moment, written once into a file the ranks map (``pipeviz.runtime.ship``). With
@@ -204,7 +207,7 @@ def autocast_dtype(spec: LaunchSpec) -> torch.dtype | None:
 
 def _replica_inputs(spec: LaunchSpec) -> tuple[tuple[object, ...], dict[str, object]]:
     # Traced with one replica's share of the batch: its microbatches have the shape every stage will see.
-    batch = _batch_size(spec.args, spec.kwargs) or 1
+    batch = batch_size_of(spec.args, spec.kwargs) or 1
     return share((spec.args, spec.kwargs), 0, spec.dp, batch)
 
 
@@ -229,7 +232,7 @@ def launch_stages(plan: SplitPlan, spec: LaunchSpec) -> tuple[StageSet, dict[str
     if cap.traced:
         args0, kwargs0 = _replica_inputs(spec)
         key = (id(cap), plan.splits, tuple(plan.graph.layer_names), spec.microbatches, spec.loss_fn is None,
-               _signature((args0, kwargs0)), autocast_dtype(spec))
+               shape_signature((args0, kwargs0)), autocast_dtype(spec))
         with _CACHE_LOCK:
             hit = _STAGE_CACHE.get(key)
             if hit is not None and hit[0]() is cap:
@@ -266,8 +269,9 @@ def shape_stages(plan: SplitPlan, spec: LaunchSpec, args: tuple[object, ...], kw
            "dp_reduce='ddp' (DDP wraps each stage once)" if spec.dp > 1 and mode == "ddp" and spec.training
            else None)
     if why is not None:
-        raise LaunchError(f"data= gave a batch of another shape ({_shapes(args, kwargs)}; the run started with "
-                          f"{_shapes(spec.args, spec.kwargs)}), which a run with {why} cannot take. Fix: pad every "
+        raise LaunchError(f"data= gave a batch of another shape ({payload_shapes(args, kwargs)}; the run started with "
+                          f"{payload_shapes(spec.args, spec.kwargs)}), which a run with {why} cannot take. "
+                          "Fix: pad every "
                           "batch to one shape, or a layout without it (batches of several shapes run with pp and dp).")
     other = dataclasses.replace(spec, args=tuple(args), kwargs=dict(kwargs), sources=None)
     stages, _ = launch_stages(plan, other)
@@ -276,11 +280,11 @@ def shape_stages(plan: SplitPlan, spec: LaunchSpec, args: tuple[object, ...], kw
             for rank in range(spec.mesh.world)]
 
 
-def _shapes(args: object, kwargs: object) -> str:
+def payload_shapes(args: object, kwargs: object) -> str:
     return ", ".join(str(tuple(t.shape)) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
 
 
-def _signature(tree: object) -> tuple[str, tuple[object, ...]]:
+def shape_signature(tree: object) -> tuple[str, tuple[object, ...]]:
     """What a traced Pipe depends on in its example inputs: their structure, and each tensor's shape, dtype and
     device (other values as they are)."""
     leaves, treespec = pytree.tree_flatten(tree)
@@ -322,8 +326,8 @@ def _shipped(plan: SplitPlan, stages: StageSet, sources: Sequence[StageSource] |
     Raises:
         LaunchError: the model no longer has a tensor of the traced shape and dtype (it changed after ``pv.trace``).
     """
+    from pipeviz.capture.weights import lookup_tensor
     from pipeviz.runtime.ship import Shipped
-    from pipeviz.weights import _lookup
 
     model = plan.graph.capture.model
     shipped: dict[int, tuple[torch.Tensor, Shipped]] = {}
@@ -334,7 +338,7 @@ def _shipped(plan: SplitPlan, stages: StageSet, sources: Sequence[StageSource] |
             if canon in own or id(t) in shipped:
                 continue
             try:
-                value = _lookup(model, canon).detach()
+                value = lookup_tensor(model, canon).detach()
             except (KeyError, AttributeError):
                 value = None
             if value is None or value.is_meta or value.shape != t.shape or value.dtype != t.dtype:
@@ -361,12 +365,12 @@ def rank_payload(spec: LaunchSpec, stages: StageSet, tied: dict[str, list[int]],
     lay, mesh = spec.layout, spec.mesh
     c = mesh.coords(rank)
     pp, replica = c.pp, c.dp
-    batch = _batch_size(spec.args, spec.kwargs) or 1
+    batch = batch_size_of(spec.args, spec.kwargs) or 1
     args, kwargs, target = share((spec.args, spec.kwargs, spec.target), replica, mesh.dp, batch)
     first, last = lay.stage_ranks[0], lay.stage_ranks[-1]
     held_out = []  # each held-out batch: this replica's share, the inputs on the first stage, the target on the last
     for b in spec.eval_batches:
-        a, k, t = share(b, replica, mesh.dp, _batch_size(b[0], b[1]) or 1)
+        a, k, t = share(b, replica, mesh.dp, batch_size_of(b[0], b[1]) or 1)
         held_out.append((a if pp == first else (), k if pp == first else {}, t if pp == last else None))
     return RankPayload(
         rank=rank, world=mesh.world, port=port, backend=backend, device=device, compute_device=compute,
@@ -395,7 +399,7 @@ def rank_payload(spec: LaunchSpec, stages: StageSet, tied: dict[str, list[int]],
 def stage_sources(plan: SplitPlan, stages: StageSet, spec: LaunchSpec) -> list[StageSource]:
     """Per stage, a ``StageSource`` (what its rank loads or initialises), with those tensors stripped to meta
     in the stage that is shipped."""
-    from pipeviz.weights import StageSource, init_units, strip
+    from pipeviz.capture.weights import StageSource, init_units, strip
 
     assert spec.sources is not None
     cap = plan.graph.capture
@@ -417,8 +421,8 @@ def _with_inputs(plan: SplitPlan, args: tuple[object, ...], kwargs: dict[str, ob
 
     cap = copy.copy(plan.graph.capture)
     cap.example_args, cap.example_kwargs = args, kwargs
-    cap.batch_size = _batch_size(args, kwargs)
-    from pipeviz.graph import ModelGraph
+    cap.batch_size = batch_size_of(args, kwargs)
+    from pipeviz.graph.model import ModelGraph
 
     graph = ModelGraph(cap, plan.graph.layer_names, tree=getattr(plan.graph, "_tree", None))
     return SplitPlan(graph, plan.splits)

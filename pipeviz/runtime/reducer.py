@@ -35,7 +35,7 @@ from pipeviz.runtime.messages import (
     State,
     StepEnd,
 )
-from pipeviz.timeline import Event
+from pipeviz.schedule.timeline import Event
 
 __all__ = ["PEER_GONE", "Reducer", "Update"]
 

@@ -20,21 +20,13 @@ import torch
 from torch.utils import _pytree as pytree
 
 from pipeviz._compat import positional_legacy
+from pipeviz.schedule.training import model_output
 
 if TYPE_CHECKING:
-    from pipeviz.rng import RunDraws
     from pipeviz.runtime.checkpoint import Resume
+    from pipeviz.runtime.rng import RunDraws
 
 __all__ = ["forward_reference", "model_output", "train_reference"]
-
-
-def model_output(out: object) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """The output a loss sees: an HF ModelOutput's ``logits``; else the only tensor, or a tuple of tensors."""
-    logits = getattr(out, "logits", None)
-    if logits is not None:
-        return logits
-    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-    return leaves[0] if len(leaves) == 1 else tuple(leaves)
 
 
 @positional_legacy("loss_fn", "optimizer", "microbatches", "steps", "input_kwargs", "fixups", "device", "batches",
@@ -72,7 +64,7 @@ def train_reference(
     ``input_kwargs`` and ``target`` every step. ``replicas``: a data-parallel run's (``microbatches`` counts
     them all: each replica runs ``microbatches // replicas`` of them); the gradients are the same, and the
     buffers (running statistics) follow replica 0's microbatches only, as each replica keeps its own.
-    ``draws``: a run's random draws (``pipeviz.rng.RunDraws``): dropout draws what the run's stages drew.
+    ``draws``: a run's random draws (``pipeviz.runtime.rng.RunDraws``): dropout draws what the run's stages drew.
     ``clip_grad_norm``: ``torch.nn.utils.clip_grad_norm_`` before each step, its norms appended to ``grad_norms``.
     ``loss_reduction`` (``LaunchConfig.loss_reduction``): ``"sum"`` and ``"token_mean"`` add up each
     microbatch's summed cross-entropy (divided, for the token mean, by the step's count of valid tokens).
@@ -155,8 +147,8 @@ def _evaluate(model: torch.nn.Module, batches: Sequence[tuple[tuple[object, ...]
               device: str | torch.device, draws: RunDraws | None, step: int,
               mixed_precision: torch.dtype | None = None) -> float:
     """The held-out batches' loss, as a run's evaluation computes it (``pipeviz.runtime.steps.evaluate``)."""
-    from pipeviz.rng import EVAL_SEED
     from pipeviz.runtime.loss import IGNORE_INDEX, summed_cross_entropy
+    from pipeviz.runtime.rng import EVAL_SEED
 
     saved = {name: b.detach().clone() for name, b in model.named_buffers()}
     pieces, count = [], 0.0
@@ -257,7 +249,7 @@ def _buffers_of_replica_0(model: torch.nn.Module, replica: int) -> Iterator[None
 def _copy(model: torch.nn.Module, fixups: Mapping[str, object] | None, device: str | torch.device,
           ) -> torch.nn.Module:
     """A deep copy on ``device`` with the fixes the trace applied to its own copy (as the stages have them)."""
-    from pipeviz.capture import apply_fixups
+    from pipeviz.capture.export import apply_fixups
 
     model = copy.deepcopy(model).to(device)
     apply_fixups(model, fixups or {})

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 if TYPE_CHECKING:
-    from pipeviz.mesh import Mesh
-    from pipeviz.plan import SplitPlan
+    from pipeviz.plan.split import SplitPlan
     from pipeviz.runtime.reducer import Reducer
     from pipeviz.runtime.spec import LaunchSpec
+    from pipeviz.schedule.mesh import Mesh
 
 __all__ = ["RunResults"]
 
@@ -83,7 +83,7 @@ class RunResults:
         parameter's optimizer state by the model's names (``optimizer.safetensors``), the optimizer's groups and
         the scheduler's state, the steps and batches done (``trainer_state.pt``, ``pipeviz_checkpoint.json``:
         ``pipeviz.runtime.checkpoint``). Returns the files written."""
-        from pipeviz.weights import save_state
+        from pipeviz.capture.weights import save_state
 
         if self.status != "done":
             raise RuntimeError(f"save() needs a finished run; status is {self.status!r}. Fix: run.wait().")

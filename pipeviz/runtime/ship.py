@@ -132,7 +132,7 @@ def write_values(values: dict[str, torch.Tensor], prefix: str) -> Shipment:
     return out
 
 
-class _Pickler(cloudpickle.Pickler):
+class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]  # (cloudpickle ships no types)
     """cloudpickle's pickler (objects from ``__main__`` by value), with the stage tensors left out."""
 
     def __init__(self, file: io.BytesIO, shipped: Mapping[int, tuple[object, Shipped]]) -> None:

@@ -30,7 +30,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from pipeviz.adapter import canonical_name, flatten_stage, split_graph
-from pipeviz.plan import SplitPlan
+from pipeviz.plan.split import SplitPlan
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -69,7 +69,7 @@ class StageRunner(nn.Module):
         # stage_backward_input); when an output is also saved for the weight-grad pass (a ReLU's result,
         # a Linear's input) that breaks the W pass. Sending copies keeps the saved tensors intact.
         self.fresh_outputs = False
-        # tensor parallel: the shards' 1-D DeviceMesh (pipeviz.runtime.tensor_parallel)
+        # tensor parallel: the shards' 1-D DeviceMesh (pipeviz.schedule.tensor_parallel)
         self.tp_mesh: DeviceMesh | None = None
         # the last stage's logits leave sharded by vocabulary for a parallel cross-entropy (torch's loss_parallel)
         self.vocab_parallel_loss = False
@@ -78,7 +78,7 @@ class StageRunner(nn.Module):
         self.autocast: torch.dtype | None = None
         self.autocast_device = "cpu"
         self.out_dtypes: tuple[torch.dtype | None, ...] = ()  # what build_stages recorded (hand-offs, checked)
-        # activation recomputation (pipeviz.runtime.recompute): the stage's layers and attention score ops, found
+        # activation recomputation (pipeviz.schedule.recompute): the stage's layers and attention score ops, found
         # by build_stages while the trace's sizes are known; ``recomputed`` runs the stage with regions checkpointed
         self.layer_names: tuple[str, ...] = ()
         self.attention: tuple[tuple[str, ...], ...] = ()
@@ -91,9 +91,9 @@ class StageRunner(nn.Module):
 
     def recompute(self, mode: str) -> int:
         """Run the stage with its layers (``"full"``) or its attention scores (``"selective"``) checkpointed from now
-        on (``pipeviz.runtime.recompute``); returns the number of checkpointed regions. Kept outside the module tree,
+        on (``pipeviz.schedule.recompute``); returns the number of checkpointed regions. Kept outside the module tree,
         as a compiled stage is."""
-        from pipeviz.runtime.recompute import Recomputed, regions
+        from pipeviz.schedule.recompute import Recomputed, regions
 
         if mode == "none":
             self.__dict__["recomputed"] = None
@@ -122,7 +122,7 @@ class StageRunner(nn.Module):
             run = _autocast(run, self.autocast_device, self.autocast)
         try:
             if self.tp_mesh is not None:  # sharded parameters: the graph runs on DTensors, full tensors leave
-                from pipeviz.runtime.tensor_parallel import to_full, to_replicated
+                from pipeviz.schedule.tensor_parallel import to_full, to_replicated
 
                 out = run(*to_replicated(self.tp_mesh, call_args))
                 if not self.vocab_parallel_loss:
@@ -138,7 +138,7 @@ class StageRunner(nn.Module):
         if self.index == self.num_stages - 1:
             leaves = [self._home(env[v]) for v in pytree.tree_leaves(self.output, is_leaf=_is_value)]
             if self.vocab_parallel_loss:  # the loss's logits stay sharded by vocabulary, everything else whole
-                from pipeviz.runtime.tensor_parallel import class_sharded, to_full
+                from pipeviz.schedule.tensor_parallel import class_sharded, to_full
 
                 loss_leaf = self.output_index if self.output_index is not None else 0 if len(leaves) == 1 else -1
                 leaves = [t if k == loss_leaf and not self.whole_output and class_sharded(t) else to_full(t)
@@ -207,7 +207,7 @@ class StageSet:
     buffers: list[dict[str, str]] = field(default_factory=list)
     inputs: list[tuple[torch.Tensor, ...]] = field(default_factory=list)  # per-stage example inputs (one mb)
     outputs: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
-    draws: list[int] = field(default_factory=list)  # per stage: random ops in one forward (pipeviz.rng)
+    draws: list[int] = field(default_factory=list)  # per stage: random ops in one forward (pipeviz.runtime.rng)
 
 
 def _top_level(pipe: Pipe) -> tuple[list[str], list[list[Value]], object]:
@@ -281,7 +281,7 @@ def build_stages(plan: SplitPlan, microbatches: int, whole_output: bool = False,
     for r in runners:  # mixed precision: recorded (and later run) under autocast, hand-offs in its dtypes
         r.autocast = autocast
     if cap.traced:
-        from pipeviz.runtime.recompute import attention_ops
+        from pipeviz.schedule.recompute import attention_ops
 
         for r, info in zip(runners, plan.stages, strict=True):
             r.layer_names = tuple(info.layers)
@@ -364,12 +364,12 @@ def _autocast(fn: Callable[..., object], device: str, dtype: torch.dtype) -> Cal
 
 
 def _chain(stages: StageSet, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    from pipeviz.rng import CountDraws
+    from pipeviz.runtime.rng import CountDraws
 
     x: Any = None
     stages.draws[:] = []
     for i, runner in enumerate(stages.runners):
-        with CountDraws() as counted:  # dropout and the like: what pipeviz.rng seeds per stage forward
+        with CountDraws() as counted:  # dropout and the like: what pipeviz.runtime.rng seeds per stage forward
             out = runner(*args, **kwargs) if i == 0 else runner(*x)
         stages.draws.append(counted.count)
         stages.inputs.append(tuple(args) if i == 0 else tuple(x))
@@ -398,8 +398,8 @@ class RankStage:
     reports: tuple[str, ...]
     inputs: tuple[torch.Tensor, ...]
     outputs: tuple[torch.Tensor, ...]
-    source: Any = None  # a pipeviz.weights.StageSource: tensors the rank loads or initialises itself
-    draws: int = 0  # random ops in one forward: the rank seeds its generator before each (pipeviz.rng)
+    source: Any = None  # a pipeviz.capture.weights.StageSource: tensors the rank loads or initialises itself
+    draws: int = 0  # random ops in one forward: the rank seeds its generator before each (pipeviz.runtime.rng)
 
 
 def rank_stages(stages: StageSet, stage_ranks: tuple[int, ...], rank: int,

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from pipeviz.mesh import DIMS, Coords
 from pipeviz.runtime.messages import Done, Failed, Message, State
+from pipeviz.schedule.mesh import DIMS, Coords
 
 __all__ = ["run_rank"]
 
@@ -49,8 +49,8 @@ def run_rank(payload_path: str, events_dir: str) -> int:
 
     import cloudpickle
 
+    from pipeviz.runtime.devices import resolve_devices
     from pipeviz.runtime.payloads import rank_payload
-    from pipeviz.runtime.spec import resolve_devices
     from pipeviz.runtime.worker import run_payload
 
     warnings.filterwarnings("ignore", category=FutureWarning)

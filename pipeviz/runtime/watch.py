@@ -16,10 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeviz.mesh import Mesh
 from pipeviz.runtime.messages import Message
 from pipeviz.runtime.reducer import Reducer
-from pipeviz.timeline import Event, Timeline
+from pipeviz.schedule.mesh import Mesh
+from pipeviz.schedule.timeline import Event, Timeline
 
 __all__ = ["Watch", "watch"]
 

@@ -12,7 +12,7 @@ comes with an error (in ``run.error``), never to the user's terminal or notebook
 Events, losses and step ends leave together at most every ``SEND_INTERVAL`` seconds: each message wakes
 the parent (a notebook kernel), which shares the ranks' cores.
 
-The loop has four parts: ``_connect`` (process group, cores, clock), ``_stages`` (torch's
+The loop has four parts: ``_connect`` (process group, cores, clock), ``rank_stages`` (torch's
 ``PipelineStage`` around each runner, with static shapes), ``build_schedule`` and ``train`` (steps, shared
 gradients summed, optimizer), then ``rank_state`` (trained tensors under the original names).
 
@@ -29,15 +29,13 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from pipeviz.mesh import Coords
 from pipeviz.runtime.clock import SEND_INTERVAL, Clock, Sink
+from pipeviz.runtime.grads import local_tensor
 from pipeviz.runtime.messages import (
     Done,
     Failed,
@@ -48,28 +46,24 @@ from pipeviz.runtime.messages import (
     State,
 )
 from pipeviz.runtime.payloads import PAYLOAD_WAIT, Boot, RankPayload
+from pipeviz.runtime.rank_schedule import build_schedule
+from pipeviz.runtime.rank_stages import rank_stages
 from pipeviz.runtime.shapes import Shapes, rebind
 from pipeviz.runtime.stages import StepError
-from pipeviz.runtime.steps import (
-    build_schedule,
-    infer,
-    local_tensor,
-    param_names,
-    rank_state,
-    train,
-)
+from pipeviz.runtime.steps import StepContext, infer, param_names, rank_state, train
+from pipeviz.schedule.mesh import Coords
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
     from multiprocessing.synchronize import Event as MpEvent
 
-    from torch.distributed import GradBucket, ProcessGroup
+    from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.pipelining import PipelineStage
 
     from pipeviz.runtime.overlap import OverlappedReduction
+    from pipeviz.runtime.rank_schedule import Schedule
     from pipeviz.runtime.stages import RankStage
-    from pipeviz.runtime.steps import Schedule
     from pipeviz.runtime.zero import ZeroOne
 
 # Boot and RankPayload are built by pipeviz.runtime.payloads (their names here are the ones 0.2 code imports).
@@ -168,7 +162,7 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
     clock, device, compute = connected or _connect(p, queue)
     step_box = [0, 0, 0]  # the step, its accumulated (or held-out) batch, and whether it evaluates
     pp_group, dp_group, dp_mesh, tp_mesh = _mesh_groups(p)
-    stages, params, local, overlapped = _stages(p, clock, step_box, device, compute, pp_group, dp_group, tp_mesh,
+    stages, params, local, overlapped = rank_stages(p, clock, step_box, device, compute, pp_group, dp_group, tp_mesh,
                                                 dp_mesh if p.dp_shard else None)
     reduction: OverlappedReduction | ZeroOne | None = overlapped
     stepped, names = params, param_names(p)  # what the optimizer steps (ZeRO-1: its shards)
@@ -191,7 +185,7 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
         # not wrapped again per replica: the reduction built for the first shape's stages takes theirs too.
         rebind(new, p.stages)
         q = dataclasses.replace(p, stages=new)
-        built = _stages(q, clock, step_box, device, compute, pp_group)[0]
+        built = rank_stages(q, clock, step_box, device, compute, pp_group)[0]
         for st in built:
             if reduction is not None:
                 st.grads_final = reduction.launch  # type: ignore[attr-defined]
@@ -220,12 +214,11 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
     clock.meter.watch(params)
     clock.meter.count_static(params)
     timed_tp = timed_collectives(collective) if tp_mesh is not None else contextlib.nullcontext()
+    ctx = StepContext(p, schedule, clock, device, step_box, stages=stages, shapes=shapes, dp_group=dp_group,
+                      optimizer=optimizer, params=params, local=local, groups=groups, scheduler=scheduler,
+                      reduction=reduction)
     with timed_waits(comm), exact_split_backward(), clock.meter.counting(), timed_tp:
-        if optimizer is None:
-            finished = infer(p, schedule, clock, step_box, device, shapes)
-        else:
-            finished = train(p, schedule, optimizer, params, local, groups, clock, step_box, device, dp_group,
-                             stages, scheduler, reduction, shapes)
+        finished = infer(ctx) if optimizer is None else train(ctx)
     with clock.lock:  # the steps are over (their last events sent): nothing after the rank's final messages
         clock.stopped = True
     if finished:
@@ -270,7 +263,7 @@ def _connect(p: Boot | RankPayload, queue: Sink) -> tuple[Clock, torch.device, t
     """Join the process group, take this rank's cores, agree on one clock."""
     import torch.distributed as dist
 
-    from pipeviz._malloc import keep_heap
+    from pipeviz.adapter.malloc import keep_heap
 
     keep_heap()
     torch.set_num_threads(max(1, p.threads))
@@ -319,152 +312,21 @@ def _tied_groups(p: RankPayload) -> dict[str, ProcessGroup | None]:
     out: dict[str, ProcessGroup | None] = {}
     for name, holders in sorted(p.tied.items()):
         for d, t in pipelines:
-            ranks = [p.mesh.rank(h, d, t) for h in holders] if p.mesh is not None else list(holders)
+            ranks = [p.mesh.rank(h, dp=d, tp=t) for h in holders] if p.mesh is not None else list(holders)
             group = dist.new_group(ranks) if len(ranks) > 1 else None
             if me is None or (me.dp, me.tp) == (d, t):
                 out[name] = group
     return out
 
 
-def _stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch.device,
-            compute: torch.device, pp_group: ProcessGroup | None = None, dp_group: ProcessGroup | None = None,
-            tp_mesh: DeviceMesh | None = None, shard_mesh: DeviceMesh | None = None,
-            ) -> tuple[list[PipelineStage], list[torch.nn.Parameter], dict[str, list[torch.Tensor]],
-                       OverlappedReduction | None]:
-    """torch's ``PipelineStage`` around each of this rank's runners (timed; in this replica's pipeline group),
-    the parameters to optimize, per shared parameter this rank's copies, and the overlapped reduction of their
-    gradients across replicas (``p.dp_reduce == "overlap"``, the default: ``pipeviz.runtime.overlap``, launched by
-    each stage when its gradients are final, waited for in ``steps.train``). With ``"ddp"`` each runner is
-    wrapped in torch's ``DistributedDataParallel`` over its data-parallel group: torch's stage then
-    accumulates gradients under ``no_sync`` and averages them across replicas in the last backward. Not under
-    the schedules that split backwards (zero bubble, DualPipeV): with torch 2.13–2.15, DDP's reducer there
-    averages the gradients before the weight-gradient passes have run (replicas silently diverge: 7e-3 after
-    two steps) or fails ("Encountered gradient which is undefined, but still allreduced by DDP reducer"); there
-    (refused before launch) and with ``"after_flush"`` ``average_replicas`` averages them after the step. With
-    ``shard_mesh`` (``dp_shard=True``) each
-    runner is sharded across the replicas by FSDP2's ``fully_shard`` instead (torch's stage unshards, reshards and
-    reduce-scatters it)."""
-    from pipeviz.adapter import timed_stage_class
-    from pipeviz.rng import EVAL_SEED, seed_device, stage_seed
-
-    drawing = {st.index for st in p.stages if st.draws}  # stages whose forward draws random numbers (dropout)
-    first_mb = p.coords.dp * p.microbatches  # this replica's microbatches, counted across replicas
-    per_batch = p.microbatches * (p.mesh.dp if p.mesh is not None else 1)  # every replica's, in one batch
-
-    def span(stage: int, kind: str, mb: int) -> AbstractContextManager[object]:
-        # An accumulated step's b-th batch: its microbatches numbered after the earlier batches' (the timeline
-        # shows accumulate x microbatches per step; the reference seeds batch b's the same way). A held-out
-        # batch's forward (evaluation) is an EVAL event, its draws seeded apart from training's (EVAL_SEED).
-        evaluating = step_box[2]
-        if kind == "F" and stage in drawing:  # the reference seeds the same before this stage's draws
-            at = step_box[1] * per_batch + first_mb + mb
-            step = step_box[0] + (p.resume.step if p.resume is not None else 0)  # a resumed run's steps go on
-            seed_device(compute, stage_seed(p.seed + EVAL_SEED * evaluating, step, at, stage))
-        return clock.span(p.rank, stage, "EVAL" if evaluating else kind, step_box[1] * p.microbatches + mb,
-                          step_box[0])
-
-    Stage = timed_stage_class(span)
-    reduction = None
-    if dp_group is not None and p.loss_fn is not None and p.dp_reduce == "overlap" and p.mesh is not None:
-        from pipeviz.runtime.overlap import OverlappedReduction
-
-        def reduced(stage: int, start: float, end: float) -> None:
-            clock.record_async((p.rank, stage, "DP", -1, start - clock.t0, end - clock.t0, step_box[0]))
-
-        reduction = OverlappedReduction(dp_group, p.mesh.dp, reduced)
-
-    num_stages = len(p.stage_ranks)
-    stages = []
-    params: list[torch.nn.Parameter] = []
-    local: dict[str, list[torch.Tensor]] = {}
-    for st in p.stages:
-        if st.source is not None:  # weights= or a meta model: this rank's tensors, read or initialised here
-            from pipeviz.weights import materialize_stage
-
-            materialize_stage(st.runner.stage, {**st.params, **st.buffers}, st.source, compute)
-        retarget = getattr(st.runner.stage, "retarget", None)
-        if callable(retarget):  # devices baked in by the trace (the meta device, or the CPU on a GPU run)
-            retarget(compute)
-        runner = st.runner.to(compute)
-        runner.compute_device = compute if compute != device else None
-        runner.autocast_device = compute.type  # (mixed precision: autocast where the stage computes)
-        runner.fresh_outputs = p.split_backward
-        # Static shapes, so torch never runs its shape inference (an extra forward/backward in step 1).
-        # Activations from another stage need grads; model inputs and integer tensors (masks) do not.
-        ins = tuple(_like(t, device, grad=st.index > 0 and t.is_floating_point()) for t in st.inputs)
-        outs = tuple(_like(t, device, grad=t.is_floating_point()) for t in st.outputs)
-        if tp_mesh is not None:
-            from pipeviz.runtime.tensor_parallel import shard_stage
-
-            shard_stage(runner.stage, st.params, p.tp_placements, tp_mesh, p.sequence_parallel)
-            runner.tp_mesh = tp_mesh
-            # pv.cross_entropy takes logits sharded by vocabulary as they are (torch's loss_parallel): no shard
-            # gathers the whole logits. Another loss gets them whole.
-            from pipeviz.training import cross_entropy
-
-            runner.vocab_parallel_loss = st.index == num_stages - 1 and p.loss_fn is cross_entropy
-        if p.compile is not None:
-            if p.split_backward:
-                # A split backward runs the stage's backward twice (input grads, then weight grads), keeping its
-                # graph in between; torch 2.13-2.15 compile the backward with donated buffers, which it refuses to
-                # keep: "This backward function was compiled with non-empty donated buffers which requires
-                # create_graph=False and retain_graph=False ... or set torch._functorch.config.donated_buffer=False"
-                # (DualPipeV's I passes). Its own fix, for this process.
-                import torch._functorch.config as functorch_config
-
-                functorch_config.donated_buffer = False
-            runner.compile_stage(p.compile)
-        if p.recompute and p.recompute[st.index] != "none":
-            runner.recompute(p.recompute[st.index])
-        submod = runner
-        if shard_mesh is not None:
-            from torch.distributed.fsdp import fully_shard
-
-            submod = fully_shard(runner, mesh=shard_mesh)
-        elif dp_group is not None and p.loss_fn is not None and p.dp_reduce == "ddp":
-            from torch.nn.parallel import DistributedDataParallel
-
-            # broadcast_buffers=False: running statistics stay each replica's own (replica 0's are reported);
-            # find_unused_parameters: a parameter used only under no_grad gets no gradient in any replica.
-            submod = DistributedDataParallel(runner, process_group=dp_group, broadcast_buffers=False,
-                                             find_unused_parameters=True)
-            submod.register_comm_hook(dp_group, _timed_allreduce(clock, p.rank, st.index, step_box))
-        stages.append(Stage(submod, st.index, num_stages, device, input_args=ins, output_args=outs,
-                            group=pp_group))
-        stages[-1].recomputes = runner.recomputed is not None  # type: ignore[attr-defined]
-        if reduction is not None:  # dp_reduce="overlap": the stage's average starts when its gradients are final
-            reduction.add_stage(st.index, list(runner.parameters()))
-            stages[-1].grads_final = reduction.launch  # type: ignore[attr-defined]
-        named = dict(runner.stage.named_parameters(remove_duplicate=False))
-        for canon, inner in st.params.items():
-            t = named[inner]
-            if all(t is not q for q in params):
-                params.append(t)
-            if canon in p.tied:
-                local.setdefault(canon, []).append(t)
-    return stages, params, local, reduction
 
 
-def _timed_allreduce(clock: Clock, rank: int, stage: int, step_box: list[int],
-                     ) -> Callable[[ProcessGroup, GradBucket], torch.futures.Future[torch.Tensor]]:
-    """DDP's own averaging of one gradient bucket (torch's ``allreduce_hook``: divide by the replicas, then an
-    asynchronous all-reduce), timed from its launch inside the backward to its completion: a ``DP`` event per
-    bucket, overlapping the backward that produced it on the timeline."""
-    import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    def hook(group: ProcessGroup, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-        start, step = time.time() - clock.t0, step_box[0]
 
-        def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            clock.record_async((rank, stage, "DP", -1, start, time.time() - clock.t0, step))
-            return fut.value()
 
-        return allreduce_hook(group, bucket).then(done)
 
-    # DDP checks the hook's annotations as objects; this module's are strings (postponed evaluation).
-    hook.__annotations__ = {"group": Any, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
-    return hook
+
+
 
 
 def _pin(cpus: tuple[int, ...]) -> None:
@@ -477,7 +339,5 @@ def _pin(cpus: tuple[int, ...]) -> None:
             pass
 
 
-def _like(t: torch.Tensor, device: torch.device, grad: bool) -> torch.Tensor:
-    return torch.empty(t.shape, dtype=t.dtype, device=device).requires_grad_(grad)
 
 

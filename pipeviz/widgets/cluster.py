@@ -1,7 +1,7 @@
 """``ClusterPanel``: plan the model for a named cluster (``pv.plan_cluster``) and pick a row.
 
 A thin view over the core: a hardware dropdown, a GPU count, a global batch and a Plan button; the ranked
-layouts as a list; choosing a row calls ``on_select(option)`` with its ``pv.LayoutOption`` (the Explorer loads
+layouts as a list; choosing a row calls ``on_select(option)`` with its ``LayoutOption`` (the Explorer loads
 its plan, schedule, microbatches, dp and tp). Testable headless: call ``plan()``, set ``rows.value``.
 
 Example:
@@ -20,11 +20,11 @@ from typing import Protocol
 import ipywidgets as W
 
 import pipeviz as pv
-from pipeviz.cluster_plan import row_summary
-from pipeviz.graph import ModelGraph
-from pipeviz.plan import SplitPlan
-from pipeviz.planner import ClusterPlan, LayoutOption
-from pipeviz.runtime.config import LaunchConfig
+from pipeviz.graph.model import ModelGraph
+from pipeviz.plan.split import SplitPlan
+from pipeviz.planner.cluster import row_summary
+from pipeviz.planner.search import ClusterPlan, LayoutOption
+from pipeviz.schedule.config import LaunchConfig
 from pipeviz.widgets.panels import Change, error_html
 
 __all__ = ["ClusterPanel", "cluster_accordion", "launch_scaled", "load_layout"]
@@ -37,7 +37,7 @@ class ClusterPanel(W.VBox):
     Args:
         graph: the traced model (meta-device models work), or a function returning it when Plan is pressed (the
             Explorer's current view).
-        on_select: called with the chosen ``pv.LayoutOption``.
+        on_select: called with the chosen ``LayoutOption``.
         hardware, gpus, global_batch: initial values (default global batch: 8 x the traced batch).
         top: rows listed.
 
@@ -68,6 +68,9 @@ class ClusterPanel(W.VBox):
         self.rows = W.Select(options=[], rows=min(top, 10), layout=W.Layout(width="100%", display="none"))
         self.rows.add_class("pipeviz-cluster-rows")
         self.rows.observe(self._on_row, "value")
+        # under the rows: what their figures mean (m, mb size, reduce, ...) and the tensor-parallel layout priced
+        self.legend = W.HTML(layout=W.Layout(display="none"))
+        self.legend.add_class("pipeviz-cluster-legend")
         # one click: the chosen row's layout launched here, scaled down (LayoutOption.scaled_down)
         self.launch_button = W.Button(description="Launch here, scaled down", icon="play", disabled=True,
                                       tooltip="the chosen row's schedule, split, recomputation and reduction on this "
@@ -75,7 +78,8 @@ class ClusterPanel(W.VBox):
         self.launch_button.on_click(lambda _: self.launch_here())
         self.launch_button.layout.display = "none" if on_launch is None else ""
         super().__init__([W.HBox([self.hardware, self.gpus, self.global_batch, self.plan_button]), self.errors,
-                          self.summary, self.rows, self.launch_button], layout=W.Layout(max_width="100%"))
+                          self.summary, self.rows, self.legend, self.launch_button],
+                         layout=W.Layout(max_width="100%"))
         self.add_class("pipeviz-cluster")
 
     @property
@@ -97,7 +101,7 @@ class ClusterPanel(W.VBox):
         self.result = result
         head = html.escape(result.table(0).splitlines()[0])
         self.summary.value = (f"<b>{head}</b><br><span style='color:#555'>{len(result.rows)} layouts fit; choose "
-                              "one to load its plan, schedule and microbatches.</span>")
+                              "one to load its plan, schedule and microbatches (m).</span>")
         self.rows.unobserve(self._on_row, "value")
         try:
             self.rows.options = [(_row_text(i, r), i) for i, r in enumerate(result.rows)]
@@ -105,6 +109,9 @@ class ClusterPanel(W.VBox):
         finally:
             self.rows.observe(self._on_row, "value")
         self.rows.layout.display = "" if result.rows else "none"
+        self.legend.value = ("<span style='color:#555;font-size:90%'>"
+                             + "<br>".join(html.escape(line) for line in result.legend()) + "</span>")
+        self.legend.layout.display = "" if result.rows else "none"
         if not result.rows:
             self.errors.value = error_html(result.table().splitlines()[-1])
         return result

@@ -14,10 +14,10 @@ from collections.abc import Callable
 import ipywidgets as W
 
 import pipeviz as pv
-from pipeviz import schedules as sched
 from pipeviz.cost.options import RECOMPUTE
 from pipeviz.errors import LaunchError
-from pipeviz.plan import SplitPlan
+from pipeviz.plan.split import SplitPlan
+from pipeviz.schedule import traits as sched
 from pipeviz.widgets import panels
 from pipeviz.widgets.figures import plural
 from pipeviz.widgets.refusals import SCHEDULES_DOC
@@ -154,7 +154,9 @@ class Controls:
         self._on_change()
 
     def show_schedule_help(self) -> None:
+        """The help beside the schedule control, and its tooltip: the chosen schedule, and the cheat sheet."""
         text = schedule_help(self.schedule.value)
+        self.schedule.tooltip = text
         shown = (f"<span title='{html.escape(text, quote=True)}' style='cursor:help;font-size:12px;color:#2a6099'>"
                  "(?)</span>")
         if shown != self.schedule_help.value:

@@ -26,12 +26,12 @@ import torch
 import traitlets
 
 import pipeviz as pv
-from pipeviz import schedules as sched
 from pipeviz.errors import LaunchError
-from pipeviz.graph import ModelGraph
-from pipeviz.plan import SplitPlan
-from pipeviz.runtime.config import UNSET, launch_config
-from pipeviz.timeline import Timeline
+from pipeviz.graph.model import ModelGraph
+from pipeviz.plan.split import SplitPlan
+from pipeviz.schedule import traits as sched
+from pipeviz.schedule.config import UNSET, launch_config
+from pipeviz.schedule.timeline import Timeline
 from pipeviz.widgets import panels
 from pipeviz.widgets.controls import Controls, row_layout
 from pipeviz.widgets.figures import plural, timeline_figure

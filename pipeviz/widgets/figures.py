@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import plotly.graph_objects as go
 
-from pipeviz.timeline import COMPUTE, KINDS, Event, Timeline
+from pipeviz.schedule.timeline import COMPUTE, KINDS, Event, Timeline
 
 if TYPE_CHECKING:
-    from pipeviz.simulate import Comparison
+    from pipeviz.sim.simulate import Comparison
 
 __all__ = ["GL_THRESHOLD", "KIND_COLORS", "STAGE_COLORS", "comparison_figure", "loss_figure", "loss_layout",
            "loss_traces", "plural", "stage_color", "time_origin", "timeline_figure", "timeline_layout",
@@ -227,10 +227,10 @@ IDLE_COLOR = "#9E9E9E"
 
 def why_traces(timeline: Timeline, step: int | None = None) -> list[dict[str, object]]:
     """Plotly trace dicts for why ``step`` takes as long as it does (``pv.critical_path``, ``pv.idle_gaps``,
-    ``pipeviz.why.handoffs``): an arrow for every hand-off between ranks (from the end of the action that produced
+    ``pipeviz.sim.why.handoffs``): an arrow for every hand-off between ranks (from the end of the action that produced
     the data to the start of the one that used it), the critical path as a line through its actions, rank to rank,
     and every idle gap as a faint bar whose hover says what it waits for."""
-    from pipeviz.why import critical_path, handoffs, idle_gaps
+    from pipeviz.sim.why import critical_path, handoffs, idle_gaps
 
     t0 = time_origin(timeline)
     path = critical_path(timeline, step)

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 import ipywidgets as W
 import plotly.graph_objects as go
 
-from pipeviz.graphview import GraphView
-from pipeviz.plan import SplitPlan
+from pipeviz.capture.view import GraphView
+from pipeviz.plan.split import SplitPlan
 from pipeviz.widgets import panels
 from pipeviz.widgets.controls import row_layout
 from pipeviz.widgets.graph_figures import graph_figure, graph_layout, graph_traces

@@ -16,7 +16,8 @@ from typing import Any, TypedDict
 import numpy as np
 import plotly.graph_objects as go
 
-from pipeviz.plan import SplitPlan, human_bytes
+from pipeviz.plan.preview import human_bytes
+from pipeviz.plan.split import SplitPlan
 from pipeviz.widgets.figures import plural, stage_color
 
 __all__ = ["ARC_ROOM", "LABEL_CHARS", "GraphLayers", "graph_figure", "graph_layers", "graph_layout", "graph_traces",

@@ -13,17 +13,18 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Concatenate, Generic, ParamSpec, Protocol, TypedDict, TypeVar
 
 import pipeviz as pv
-from pipeviz.balance import slowest_stage
 from pipeviz.cost.model import selective_saves_nothing, stage_costs, time_source
 from pipeviz.cost.options import CostOptions
-from pipeviz.plan import SplitPlan, human_bytes
-from pipeviz.timeline import COMPUTE, Timeline
+from pipeviz.plan.preview import human_bytes
+from pipeviz.plan.split import SplitPlan
+from pipeviz.planner.balance import slowest_stage
+from pipeviz.schedule.timeline import COMPUTE, Timeline
 from pipeviz.widgets.figures import plural, stage_color
 
 if TYPE_CHECKING:
     import ipywidgets as W
 
-    from pipeviz.graphview import GraphView
+    from pipeviz.capture.view import GraphView
 
 __all__ = ["Change", "PipeView", "browser_helper", "cost_note_html", "error_html", "guarded", "mesh_html", "notes_html",
            "numerics_html", "preview_html", "progress_html", "run_notes_html", "short", "soon", "stage_times",
@@ -59,7 +60,7 @@ def guarded(method: Callable[Concatenate[W_, P], R]) -> Callable[Concatenate[W_,
     """Run a UI handler; any exception goes to the widget's error area (observers would swallow it), and the
     handler returns None."""
 
-    def wrapper(self: W_, *args: P.args, **kwargs: P.kwargs) -> R | None:
+    def wrapper(self: W_, /, *args: P.args, **kwargs: P.kwargs) -> R | None:
         try:
             return method(self, *args, **kwargs)
         except Exception as exc:  # shown, never swallowed
@@ -282,7 +283,7 @@ def mesh_html(plan: SplitPlan, config: pv.LaunchConfig) -> str:
     """The processes a launch of ``plan`` with ``config`` starts (``config.mesh``): a row per pipeline rank (the
     stages it holds, in their colours), a column per replica, share and shard (a header row per dimension), each
     cell the process rank (its coordinates in the tooltip). Empty for a one-stage plan or a layout that cannot run."""
-    from pipeviz.mesh import DIMS
+    from pipeviz.schedule.mesh import DIMS
 
     if plan.num_stages < 2:
         return ""
@@ -314,14 +315,14 @@ def mesh_html(plan: SplitPlan, config: pv.LaunchConfig) -> str:
     for p in lay.ranks:
         held = lay.stages_of(p)
         swatches = " ".join(f"<span style='color:{stage_color(s)}'>■</span>{s}" for s in held)
-        ranks = [mesh.rank(p, c.dp, c.tp, c.cp) for c in columns] if inner else [mesh.rank(p)]
+        ranks = [mesh.rank(p, dp=c.dp, tp=c.tp, cp=c.cp) for c in columns] if inner else [mesh.rank(p)]
         cells = "".join(f"<td style='{cell}' title='process {r}: {html.escape(mesh.label(r))}'>{r}</td>"
                         for r in ranks)
         rows.append(f"<tr class='pipeviz-mesh-row'><th style='{cell};text-align:left'>pp{p}: stage"
                     f"{'s' * (len(held) > 1)} {swatches}</th>{cells}</tr>")
     shards = ""
     if mesh.tp > 1:  # what each shard holds: heads, hidden units, what stays whole
-        from pipeviz.runtime.tensor_parallel import shard_summary, sharded_modules
+        from pipeviz.schedule.tensor_parallel import shard_summary, sharded_modules
 
         try:
             lines = shard_summary(plan.graph.model, sharded_modules(plan, config.tp_plan, mesh.tp), mesh.tp)

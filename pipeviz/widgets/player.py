@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import ipywidgets as W
 
-from pipeviz.timeline import Timeline
+from pipeviz.schedule.timeline import Timeline
 from pipeviz.widgets.live_figure import LiveFigure, plotly_bundle
 
 __all__ = ["StepPlayer"]

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import re
 
-from pipeviz import schedules as sched
 from pipeviz.errors import LaunchError
-from pipeviz.plan import SplitPlan
-from pipeviz.runtime.config import LaunchConfig
+from pipeviz.plan.split import SplitPlan
+from pipeviz.schedule import traits as sched
+from pipeviz.schedule.config import LaunchConfig
 
 __all__ = ["SCHEDULES_DOC", "dp_refusal", "forward_only_refusal", "microbatches_refusal", "one_sentence",
            "stages_refusal"]

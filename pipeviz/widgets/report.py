@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeviz.numerics import NumericsCheck
-from pipeviz.plan import SplitPlan, human_bytes
-from pipeviz.planner import ClusterPlan
-from pipeviz.simulate import Comparison
-from pipeviz.timeline import Timeline
+from pipeviz.plan.preview import human_bytes
+from pipeviz.plan.split import SplitPlan
+from pipeviz.planner.search import ClusterPlan
+from pipeviz.runtime.numerics import NumericsCheck
+from pipeviz.schedule.timeline import Timeline
+from pipeviz.sim.simulate import Comparison
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go

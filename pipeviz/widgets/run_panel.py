@@ -16,8 +16,8 @@ import ipywidgets as W
 import torch
 
 import pipeviz as pv
-from pipeviz.plan import SplitPlan
-from pipeviz.timeline import Timeline
+from pipeviz.plan.split import SplitPlan
+from pipeviz.schedule.timeline import Timeline
 from pipeviz.widgets import panels
 from pipeviz.widgets.controls import row_layout
 from pipeviz.widgets.state import HERE, ExplorerState
@@ -215,8 +215,8 @@ def _load() -> float:
 def warm_up_launches(model: torch.nn.Module) -> None:
     """Start the rank processes' fork server in the background (it imports torch once, for seconds), so the
     first Launch does not wait for it."""
+    from pipeviz.capture.weights import is_meta
     from pipeviz.runtime.procs import context
-    from pipeviz.weights import is_meta
 
     preload = model if is_meta(model) else None  # a meta model's ranks build their stages from its modules
     threading.Thread(target=lambda: _quietly(lambda: context(preload)), daemon=True, name="pipeviz-warm-up").start()

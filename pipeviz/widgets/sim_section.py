@@ -10,7 +10,8 @@ from collections.abc import Callable
 import ipywidgets as W
 
 import pipeviz as pv
-from pipeviz.timeline import Timeline
+from pipeviz.schedule.timeline import Timeline
+from pipeviz.sim.simulate import Comparison
 from pipeviz.widgets.live_figure import LiveFigure
 from pipeviz.widgets.player import StepPlayer
 from pipeviz.widgets.state import ExplorerState
@@ -45,7 +46,7 @@ class SimSection:
                                    "pv.compare on these ranks: every schedule's simulated step on one time axis, its "
                                    "memory per rank on one memory axis", self.show_side_by_side)
         self.side_figure: LiveFigure | None = None
-        self.comparison: pv.Comparison | None = None
+        self.comparison: Comparison | None = None
         self.side_box = W.VBox(layout=W.Layout(max_width="100%"))
         self.toggles = W.VBox([W.HBox([self.player_button, self.side_button]), self.player_box, self.side_box],
                               layout=W.Layout(display="none", max_width="100%"))

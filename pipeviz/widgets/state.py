@@ -22,20 +22,20 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 import pipeviz as pv
-from pipeviz import schedules as sched
+from pipeviz.capture.view import GraphView
 from pipeviz.errors import LaunchError
-from pipeviz.graphview import GraphView
-from pipeviz.plan import SplitPlan
-from pipeviz.runtime.config import LaunchConfig
-from pipeviz.runtime.spec import validate_launch
-from pipeviz.timeline import Timeline
-from pipeviz.training import cross_entropy, default_target
+from pipeviz.plan.split import SplitPlan
+from pipeviz.runtime.checks import validate_launch
+from pipeviz.schedule import traits as sched
+from pipeviz.schedule.config import LaunchConfig
+from pipeviz.schedule.timeline import Timeline
+from pipeviz.schedule.training import cross_entropy, default_target
 from pipeviz.widgets import refusals
 
 if TYPE_CHECKING:
     import os
 
-    from pipeviz.cluster_plan import LayoutOption
+    from pipeviz.planner.cluster import LayoutOption
 
 __all__ = ["HERE", "MODES", "ExplorerState", "Settings"]
 
@@ -94,7 +94,7 @@ class ExplorerState:
         self.eval_data = list(eval_data) if eval_data is not None else None  # held-out batches (train mode)
         self.resume = resume  # a checkpoint a training Launch continues from
         self.loaded: LayoutOption | None = None
-        self.plan: SplitPlan = graph.split([])
+        self.plan = cast(SplitPlan, graph.split([]))
         self._history: list[SplitPlan] = []
         self._future: list[SplitPlan] = []
         self._target: torch.Tensor | None = None  # the default target, made once

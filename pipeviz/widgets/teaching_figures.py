@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 import plotly.graph_objects as go
 
-from pipeviz.timeline import COMPUTE, Event, Timeline
+from pipeviz.schedule.timeline import COMPUTE, Event, Timeline
 from pipeviz.widgets.figures import KIND_COLORS, MEMORY_COLOR, time_origin, timeline_title, timeline_traces
 
 if TYPE_CHECKING:
-    from pipeviz.simulate import Comparison
+    from pipeviz.sim.simulate import Comparison
 
 __all__ = ["player_figure", "side_by_side_figure"]
 
@@ -31,7 +31,7 @@ GANTT_SHARE = 0.78  # of the width: the Gantt charts; the rest, the memory bars
 def _timelines(source: Comparison | Mapping[str, Timeline] | Sequence[Timeline]) -> list[tuple[str, Timeline]]:
     if isinstance(source, Mapping):
         return [(str(k), v) for k, v in source.items()]
-    from pipeviz.simulate import Comparison
+    from pipeviz.sim.simulate import Comparison
 
     if isinstance(source, Comparison):  # in its rows' order
         return [(r.schedule, source.timelines[r.schedule]) for r in source.rows if r.schedule in source.timelines]

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, overload
 import ipywidgets as W
 import plotly.graph_objects as go
 
-from pipeviz.live import Live
-from pipeviz.timeline import COMPUTE, Event, Timeline
+from pipeviz.runtime.live import Live
+from pipeviz.schedule.timeline import COMPUTE, Event, Timeline
 from pipeviz.widgets.figures import (
     GL_THRESHOLD,
     loss_layout,

@@ -1,0 +1,14 @@
+"""The run's description, before anything is priced or run.
+
+Modules, bottom up: ``mesh`` (``Mesh``: pp x dp x cp x tp, process coordinates), ``timeline`` (``Event``,
+``Timeline``: what a run or a simulation did), ``traits`` (the schedule registry ``info()``, ``Action``, orders and
+their validator), ``hang`` (the hang report) and ``comm_order`` (a schedule's send/receive order played for
+deadlock), ``recompute`` and ``tensor_parallel`` (what recomputation and tp change in a stage), ``training``
+(the default loss, target and optimizer), ``config`` (``LaunchConfig``: the one configuration ``launch``,
+``simulate``, the exports, the CLI and the Explorer share).
+"""
+
+from pipeviz.schedule.traits import ALL, info, layout, orders
+
+# pv.schedule.orders("1F1B", 2, 3), pv.schedule.layout("ZBVZeroBubble", 8).stage_ranks: what the lessons read.
+__all__ = ["ALL", "info", "layout", "orders"]

@@ -1,0 +1,210 @@
+"""The simulator's engine: each rank plays its actions in order, each as soon as its rank is free and its input has
+arrived (``play``), optionally on fewer cores than ranks (``play_on_cores``) or with ranks slowing each other
+(``contended``). ``pipeviz.sim.simulate`` prepares the costs and calls it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import replace
+from typing import TypeVar
+
+from pipeviz.cost.model import Costs
+from pipeviz.schedule import traits as sched
+from pipeviz.schedule.timeline import COMPUTE, Event
+from pipeviz.sim.collectives import Reduction
+
+__all__ = ["check_order", "contended", "play", "play_on_cores", "runtime_actions"]
+
+T = TypeVar("T")
+
+
+def check_order(order: Sequence[Sequence[str]], lay: sched.Layout, microbatches: int) -> list[list[str]]:
+    """A custom order's per-rank action lists, checked: one list per pipeline rank of ``lay``, every stage's
+    forward and backward of every microbatch once on the rank holding the stage (``schedules.validate``), and
+    an order that can run (played once with unit costs: a rank waiting on an action another rank has not reached
+    is a deadlock, which a launch would only show as a hang), then its communication order as torch's runtime
+    lowers it (``pipeviz.schedule.comm_order.check_order_comms``: sends and receives posted and waited on as the ranks
+    will).
+
+    Raises:
+        ScheduleError: naming the rank and action that break it.
+    """
+    acts = [list(rank_acts) for rank_acts in order]
+    if len(acts) != lay.num_ranks:
+        raise sched.ScheduleError(
+            f"order has {len(acts)} rank lists; {lay.schedule} puts {lay.num_stages} stages on {lay.num_ranks} "
+            f"pipeline ranks ({lay.stage_ranks}). Fix: one list of actions per pipeline rank.")
+    sched.validate(acts, lay.num_stages, microbatches, lay.stage_ranks)
+    n = lay.num_stages
+    unit = Costs(forward=(1.0,) * n, backward=(2.0,) * n, comm=(0.0,) * max(n - 1, 0), activation_bytes=(0,) * n,
+                 param_bytes=(0,) * n)
+    play(acts, lay, unit, n)
+    # then as the run will issue it: the sends and receives torch's runtime adds, each blocking as gloo's do
+    from pipeviz.schedule.comm_order import check_order_comms
+
+    check_order_comms(acts, lay.stage_ranks, microbatches)
+    return acts
+
+
+def contended(run: Callable[[Costs], tuple[list[Event], T]], costs: Costs, lay: sched.Layout, factor: float,
+              mirrored: bool) -> tuple[list[Event], T]:
+    """``run(costs)`` with each rank's ops stretched by ``1 + (factor - 1) x`` the share of their time another rank
+    computes (``Hardware.contention``: ranks on the cores of one processor share its cache and memory
+    bandwidth). The share comes from the run itself, so it is run again with the stretched ops (twice: the share
+    settles within a percent); ``mirrored``: other processes always compute alongside (replicas), a share of 1."""
+    events, red = run(costs)
+    for _ in range(1 if mirrored else 2):
+        shares = [1.0] * lay.num_ranks if mirrored else _overlap(events, lay.num_ranks)
+        scale = [1 + (factor - 1) * shares[r] for r in lay.stage_ranks]
+        stretched = replace(costs, forward=tuple(f * k for f, k in zip(costs.forward, scale, strict=True)),
+                            backward=tuple(b * k for b, k in zip(costs.backward, scale, strict=True)),
+                            recompute_seconds=tuple(r * k for r, k in zip(costs.recompute_seconds, scale,
+                                                                          strict=False)))
+        events, red = run(stretched)
+    return events, red
+
+
+def _overlap(events: list[Event], ranks: int) -> list[float]:
+    """Per rank, the share of its compute time during which another rank computes too."""
+    marks = sorted((t, d, e.rank) for e in events if e.kind in COMPUTE and e.end > e.start
+                   for t, d in ((e.start, 1), (e.end, -1)))  # at one instant, ends before starts
+    active: set[int] = set()
+    busy, shared = [0.0] * ranks, [0.0] * ranks
+    prev = 0.0
+    for t, d, r in marks:
+        if active and t > prev:
+            for q in active:
+                busy[q] += t - prev
+                if len(active) > 1:
+                    shared[q] += t - prev
+        if d > 0:
+            active.add(r)
+        else:
+            active.discard(r)
+        prev = t
+    return [s / b if b > 0 else 0.0 for s, b in zip(shared, busy, strict=True)]
+
+
+def runtime_actions(lay: sched.Layout, overhead: float) -> tuple[float, ...]:
+    """Per stage, the fixed seconds of the send and receive actions that go with each of its ``F``, ``B`` or
+    ``I`` under torch's multi-stage runtime (``_PipelineScheduleRuntime``): there a hand-off between two ranks is
+    a ``SEND_*`` action on one and a ``RECV_*`` on the other, each run under its own profiler range like a
+    compute action, so each costs ``overhead`` too (a forward receives from the stage before and sends to the
+    one after; its backward the same boundaries the other way). On this machine the gaps between an
+    Interleaved1F1B rank's compute actions measured ~0.9 ms each against ~0.3 ms for 1F1B, whose hand-offs ride
+    inside the compute action: 42 runtime actions a step against 16 compute ones on a rank of 2 x 2 stages
+    with 4 microbatches."""
+    r = lay.stage_ranks
+    n = len(r)
+    crossings = [int(s > 0 and r[s - 1] != r[s]) + int(s < n - 1 and r[s] != r[s + 1]) for s in range(n)]
+    return tuple(overhead * k for k in crossings)
+
+
+def play(acts: list[list[str]], lay: sched.Layout, costs: Costs, n: int, red: Reduction | None = None) -> list[Event]:
+    done: dict[tuple[int, str, int], float] = {}
+    free = [0.0] * len(acts)
+    pos = [0] * len(acts)
+    events: list[Event] = []
+    total = sum(len(a) for a in acts)
+    while len(events) < total:
+        progressed = False
+        for rank, rank_acts in enumerate(acts):
+            while pos[rank] < len(rank_acts):
+                s, kind, mb = sched.parse(rank_acts[pos[rank]])
+                ready = _ready(s, kind, mb, done, costs, lay, n)
+                if ready is None:
+                    break
+                start = max(free[rank], ready)
+                end = start + costs.duration(s, kind)
+                if red is not None:
+                    end = red.finish(rank, pos[rank], start, end)
+                done[(s, kind, mb)] = end
+                free[rank] = end
+                pos[rank] += 1
+                events.append(Event(rank, s, kind, mb, start, end))
+                progressed = True
+        if not progressed:
+            raise _deadlock(acts, lay, done, pos)
+    return events
+
+
+def _deadlock(acts: list[list[str]], lay: sched.Layout, done: Collection[tuple[int, str, int]],
+              pos: Sequence[int]) -> sched.ScheduleError:
+    """The error for an order no rank can go on with, with the report a launch that hung on it would give
+    (``pipeviz.schedule.hang.diagnose``: per rank the last action, the one it is blocked in, whom it waits for, the
+    cycle)."""
+    from pipeviz.schedule.hang import diagnose
+
+    waits = [f"rank {r} waits at {a[pos[r]]}" for r, a in enumerate(acts) if pos[r] < len(a)]
+    report = diagnose(acts, lay.stage_ranks, set(done))
+    err = sched.ScheduleError(
+        "The schedule deadlocks: no rank can run its next action. " + "; ".join(waits) + ". Fix: order each "
+        "rank's actions so every forward comes after the previous stage's and every backward after the "
+        "next stage's. A launch would hang here:\n" + str(report))
+    err.report = report  # type: ignore[attr-defined]
+    return err
+
+
+def play_on_cores(acts: list[list[str]], lay: sched.Layout, costs: Costs, n: int, cores: int, slow: float = 1.0,
+                  red: Reduction | None = None) -> list[Event]:
+    """Like ``play``, with at most ``cores`` actions running at once: the next action to start is always the
+    one that can start earliest (list scheduling), on the core that frees first; every action takes ``slow``
+    times as long (cores shared with other replicas' processes). A data-parallel all-reduce in a rank's last
+    backward holds that rank's core: on CPU, gloo's copies and sums are the cores' own work."""
+    import heapq
+
+    done: dict[tuple[int, str, int], float] = {}
+    free = [0.0] * len(acts)
+    pos = [0] * len(acts)
+    core_free = [0.0] * cores
+    events: list[Event] = []
+    total = sum(len(a) for a in acts)
+    while len(events) < total:
+        best: tuple[float, int] | None = None
+        for rank, rank_acts in enumerate(acts):
+            if pos[rank] >= len(rank_acts):
+                continue
+            s, kind, mb = sched.parse(rank_acts[pos[rank]])
+            ready = _ready(s, kind, mb, done, costs, lay, n)
+            if ready is not None and (best is None or max(free[rank], ready) < best[0]):
+                best = (max(free[rank], ready), rank)
+        if best is None:
+            raise _deadlock(acts, lay, done, pos)
+        earliest, rank = best
+        core_at = heapq.heappop(core_free)
+        s, kind, mb = sched.parse(acts[rank][pos[rank]])
+        start = max(earliest, core_at)
+        end = start + costs.duration(s, kind) * slow
+        if red is not None:
+            end = red.finish(rank, pos[rank], start, end)
+        # Gloo's all-reduce on CPU is the cores' own work (copies through the loopback, the sums): it holds the core.
+        heapq.heappush(core_free, end)
+        done[(s, kind, mb)] = end
+        free[rank] = end
+        pos[rank] += 1
+        events.append(Event(rank, s, kind, mb, start, end))
+    return events
+
+
+def _ready(s: int, kind: str, mb: int, done: dict[tuple[int, str, int], float], costs: Costs,
+           lay: sched.Layout, n: int) -> float | None:
+    """Time the inputs of an action are available, or None if they are not produced yet."""
+
+    def comm(a: int, b: int) -> float:
+        return 0.0 if lay.stage_ranks[a] == lay.stage_ranks[b] else costs.comm[min(a, b)]
+
+    if kind == "F":
+        if s == 0:
+            return 0.0
+        prev = done.get((s - 1, "F", mb))
+        return None if prev is None else prev + comm(s - 1, s)
+    if kind == "W":
+        return done.get((s, "I", mb))
+    own = done.get((s, "F", mb))
+    if own is None:
+        return None
+    if s == n - 1:
+        return own
+    nxt = done.get((s + 1, "B", mb), done.get((s + 1, "I", mb)))
+    return None if nxt is None else max(own, nxt + comm(s, s + 1))
