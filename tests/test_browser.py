@@ -499,7 +499,9 @@ def test_explorer_as_a_user_meets_it(lab: tuple[str, Path], request: pytest.Fixt
             microbatches.fill("5")
             microbatches.press("Enter")
             refused = page.locator(".pipeviz-explorer .pipeviz-refused")
-            expect(refused).to_contain_text("microbatches=5 does not divide the batch", timeout=30_000)
+            # one sentence: the control, why, and the valid values (issue 42)
+            expect(refused).to_contain_text("⚠ microbatches 5 cannot launch: it does not divide the batch of 16; "
+                                            "valid: 4, 8, 16 (1F1B on 3 stages needs at least 3).", timeout=30_000)
             expect(page.locator(".pipeviz-explorer .pipeviz-refused-control")).to_have_count(1)
             expect(page.locator("button.pipeviz-launch")).to_be_disabled()
             expect(page.locator(".pipeviz-sim-timeline")).to_be_hidden()

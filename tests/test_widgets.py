@@ -226,7 +226,7 @@ def test_expand_and_collapse_keep_deep_models_readable() -> None:
 
 
 def test_skip_edges_are_drawn(skip_graph: pv.ModelGraph) -> None:
-    from pipeviz.widgets.figures import graph_figure
+    from pipeviz.widgets.graph_figures import graph_figure
 
     fig = graph_figure(skip_graph.split(["layer0", "layer1"]))
     skips = next(t for t in fig.data if t.name == "skip edges")
@@ -254,7 +254,7 @@ class DenseSkips(torch.nn.Module):
 def test_many_skip_arcs_stay_inside_the_graph_and_off_the_stage_labels() -> None:
     """21 arcs of a residual MLP ran off the graph's right edge and over the stage labels: their lanes are
     squeezed, in order, into the room left of the labels."""
-    from pipeviz.widgets.figures import ARC_ROOM, graph_figure
+    from pipeviz.widgets.graph_figures import ARC_ROOM, graph_figure
 
     graph = pv.trace(DenseSkips(), (torch.randn(4, 8),))
     assert len(graph.skip_edges) >= 20
@@ -376,9 +376,9 @@ def test_infer_switch_simulates_and_runs_forward_only(explorer: pv.Explorer) -> 
     assert sim is not None and {e.kind for e in sim.events} <= {"F", "COMM"} and sim.step_time < train_step
     assert explorer.error == "" and "mode=infer" in repr(explorer)
     explorer.schedule.value = "ZBVZeroBubble"  # V-shaped: needs a backward
-    assert explorer.sim is None and explorer.error == ("schedule='ZBVZeroBubble' cannot launch because ZBVZeroBubble "
-                                                       "cannot run forward only.")  # one sentence, no API fix
-    assert "Fix:" in str(explorer.refusal)  # the API's full message, its fix in the call's keywords, kept on it
+    assert explorer.sim is None and explorer.error == (
+        "schedule ZBVZeroBubble cannot run forward only: torch's V-shaped schedule needs a backward; valid in infer "
+        "mode: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble (or switch run to train).")
     explorer.schedule.value = "GPipe"
     assert explorer.error == "" and explorer.sim is not None
     run = explorer.launch()
@@ -422,11 +422,14 @@ def test_stop_button_stops_the_run(explorer: pv.Explorer) -> None:
 
 
 def test_bad_launch_is_shown_before_any_process(explorer: pv.Explorer) -> None:
-    assert explorer.launch() is None and "a pipeline needs at least 2" in explorer.error
-    assert "refused" in explorer.progress.value and "a pipeline needs at least 2" in explorer.launch_error.value
+    # in the widget's terms: the fix is a click (or Balance), not plan.toggle(<layer>)
+    said = "Launch needs a pipeline of at least 2 stages and the plan has 1: click a layer in the graph to split after"
+    assert explorer.launch() is None and said in explorer.error
+    assert "refused" in explorer.progress.value and said in explorer.launch_error.value
     explorer.plan = ["layer0", "layer1"]
     explorer.microbatches.value = 5
-    assert explorer.launch() is None and "microbatches=5" in explorer.error and explorer.run is None
+    assert explorer.launch() is None and explorer.run is None
+    assert explorer.error.startswith("microbatches 5 cannot launch: it does not divide the batch of 32;")
 
 
 def test_a_setting_that_cannot_launch_is_refused_at_its_control(explorer: pv.Explorer) -> None:
@@ -437,16 +440,18 @@ def test_a_setting_that_cannot_launch_is_refused_at_its_control(explorer: pv.Exp
     explorer.microbatches.value = 5
     assert explorer.refusal is not None and explorer.refusal.setting == "microbatches"
     assert explorer.sim is None and explorer.launch_button.disabled
-    # one sentence in the widget's words: the setting, why, the values that work
-    assert text(explorer.refused.value).endswith("}⚠ microbatches=5 does not divide the batch of 32 "
-                                                  "(valid: 4, 8, 16, 32).")
+    # one sentence: the control, why, the valid values (and why 1 and 2 are not among them)
+    assert text(explorer.refused.value).endswith("⚠ microbatches 5 cannot launch: it does not divide the batch of "
+                                                 "32; valid: 4, 8, 16, 32 (1F1B on 3 stages needs at least 3).")
     assert "pipeviz-refused-control" in explorer.microbatches._dom_classes
     assert "these settings cannot run it" in explorer.preview.value  # not a bare "✓ balanced" beside a refusal
     explorer.microbatches.value = 8
     assert explorer.refusal is None and explorer.refused.value == "" and explorer.sim is not None
     assert "pipeviz-refused-control" not in explorer.microbatches._dom_classes and not explorer.launch_button.disabled
     explorer.dp.value = 8  # 8 replicas of 4 rows each cannot take 8 microbatches
-    assert explorer.refusal.setting == "microbatches" and "dp=8 replicas" in str(explorer.refusal)
+    assert explorer.refusal.setting == "microbatches" and str(explorer.refusal) == (
+        "microbatches 8 cannot launch: it does not divide the 4 rows each of the 8 data-parallel replicas takes from "
+        "the batch of 32; valid: 4 (1F1B on 3 stages needs at least 3).")
     assert explorer.sim is None
     explorer.dp.value = 1
     explorer.mode.value = "infer"
@@ -461,22 +466,11 @@ def test_a_microbatch_count_that_never_launches_is_flagged_before_the_first_spli
     assert explorer.plan.num_stages == 1 and explorer.refusal is None
     explorer.microbatches.value = 5
     assert explorer.refusal is not None and explorer.refusal.setting == "microbatches"
-    assert text(explorer.refused.value).endswith("}⚠ microbatches=5 does not divide the batch of 32 "
-                                                  "(valid: 1, 2, 4, 8, 16, 32).")
-    assert "pipeviz-refused-control" in explorer.microbatches._dom_classes
+    assert text(explorer.refused.value).endswith("}⚠ microbatches 5 cannot launch: it does not divide the batch of "
+                                                  "32; valid: 1, 2, 4, 8, 16, 32.")
+    assert "pipeviz-refused-control" in explorer.microbatches._dom_classes and explorer.launch_button.disabled
     explorer.microbatches.value = 4
     assert explorer.refusal is None and explorer.refused.value == ""
-
-
-def test_refusals_read_as_one_sentence() -> None:
-    from pipeviz.widgets.refusals import one_sentence
-
-    assert one_sentence("microbatches=2 does not work: 1F1B needs at least as many microbatches as stages (3): rank 0 "
-                        "(stage 0) runs 3 forwards first (older torch hung, torchtitan#775). Valid: 4, 8.") == (
-        "microbatches=2 cannot launch because 1F1B needs at least as many microbatches as stages (3) (valid: 4, 8).")
-    said = one_sentence("ZBVZeroBubble cannot run forward only. Fix: schedule='GPipe'.", "schedule", "ZBVZeroBubble")
-    assert said == (
-        "schedule='ZBVZeroBubble' cannot launch because ZBVZeroBubble cannot run forward only.")
 
 
 def test_the_memory_column_is_the_simulated_peak_and_sends_are_per_microbatch(explorer: pv.Explorer) -> None:
@@ -673,6 +667,14 @@ def test_every_control_reaches_the_simulation_and_the_launch_as_one_config(class
         assert sim.mesh == explorer.launch_config().mesh(explorer.plan.num_stages)
         if control == "schedule" and value == "Interleaved1F1B":
             assert sim.num_stages // sim.num_ranks == 4  # the config's 4 stages per rank, not a hard-coded 2
+
+
+def test_the_schedule_control_has_help_naming_the_cheat_sheet(explorer: pv.Explorer) -> None:
+    """Beside the schedule: what the chosen schedule is, and where all of them are compared (docs/schedules.md)."""
+    help_ = explorer.controls.schedule_help
+    assert "1F1B (Narayanan et al. 2021, PipeDream-Flush)" in help_.value and "docs/schedules.md" in help_.value
+    explorer.schedule.value = "ZBVZeroBubble"
+    assert "ZBVZeroBubble (" in help_.value and "two stages per rank in a V" in help_.value
 
 
 def test_the_schedule_control_points_to_the_cheat_sheet(explorer: pv.Explorer) -> None:

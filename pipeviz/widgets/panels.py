@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from pipeviz.capture.view import GraphView
 
-__all__ = ["Change", "browser_helper", "cost_note_html", "error_html", "guarded", "mesh_html", "notes_html",
+__all__ = ["Change", "PipeView", "browser_helper", "cost_note_html", "error_html", "guarded", "mesh_html", "notes_html",
            "numerics_html", "preview_html", "progress_html", "run_notes_html", "short", "soon", "stage_times",
            "verdict_html", "view_note_html"]
 
@@ -426,10 +426,48 @@ def numerics_html(run: pv.Run) -> str:
 
 def error_html(text: str) -> str:
     return ("<div style='border:1px solid #e74c3c;background:#fdecea;color:#922;padding:4px 8px;margin:4px 0;"
-            "max-width:100%;box-sizing:border-box'><pre style='white-space:pre-wrap;overflow-wrap:anywhere;margin:0;"
+            "max-width:100%;box-sizing:border-box'><pre style='white-space:pre-wrap;overflow-wrap:break-word;margin:0;"
             f"font-size:12px;max-height:240px;overflow-y:auto'>{html.escape(text)}</pre></div>")
 
 
 def notes_html(notes: list[str]) -> str:
     """pipeviz's notices about the model (fixes it applied to its own copies), as short notes."""
     return "".join(f"<div style='font-size:11px;color:#555'>ⓘ {html.escape(n)}</div>" for n in notes)
+
+
+class PipeView:
+    """"Show Pipe": torch's ``Pipe`` for the plan (``plan.pipe(microbatches)``, traced once per plan and count: seconds)
+    printed under a toggle (``button``, ``text``), following the plan while shown.
+
+    Args:
+        current: the plan and microbatch count to show now.
+        show_error: where a tracing failure goes (the Explorer's error area).
+    """
+
+    def __init__(self, current: Callable[[], tuple[SplitPlan, int]],
+                 show_error: Callable[[BaseException], None]) -> None:
+        import ipywidgets as W
+
+        self._current, self._show_error = current, show_error
+        self._cache: dict[tuple[str, int], str] = {}
+        self.button = W.ToggleButton(description="Show Pipe", icon="code", value=False,
+                                     tooltip="print torch's Pipe for this plan (traces it: seconds)")
+        self.button.observe(lambda _: self.show(), "value")
+        self.text = W.HTML(layout=W.Layout(max_width="100%"))
+
+    def show(self) -> None:
+        if not self.button.value:
+            self.button.description, self.text.value = "Show Pipe", ""
+            return
+        self.button.description = "Hide Pipe"
+        plan, microbatches = self._current()
+        key = (plan.to_json(), microbatches)
+        try:
+            if key not in self._cache:
+                self.text.value = "<i>tracing the Pipe…</i>"
+                self._cache[key] = str(plan.pipe(microbatches))
+            self.text.value = (f"<pre style='max-height:320px;overflow:auto;font-size:11px;max-width:100%'>"
+                               f"{html.escape(self._cache[key])}</pre>")
+        except Exception as exc:
+            self.text.value = ""
+            self._show_error(exc)

@@ -1,44 +1,149 @@
-"""A refusal said as the Explorer says it: one sentence naming the setting, why, and the values that would work.
+"""Why the Explorer's settings cannot launch, each as one sentence in the widget's terms: the control and its value,
+why, and the values that would launch (``ExplorerState.refusal`` asks these; headless: neither ipywidgets nor plotly).
 
-``pv.launch``'s checks raise messages written for a call (``"microbatches=5 does not work: it does not divide the
-batch of 8. Valid: 2, 4, 8."``, with a ``Fix:`` in the call's keywords); beside a control the same refusal reads
-``"microbatches=5 does not divide the batch of 8 (valid: 1, 2, 4, 8)."``: the history and the call's fix stay in
-the message the API raises and in the docs.
+The settings that can never launch on this batch (a microbatch count that does not divide it, data-parallel replicas
+that cannot share it, a schedule that needs a backward in a forward-only run) are refused at any stage count, before
+the model is split; the rest come from ``pv.launch``'s own checks (``validate_launch``) once it is, reworded into one
+sentence. The history and the references behind a rule live in the docs (docs/schedules.md), not here.
 
 Example:
-    >>> one_sentence("microbatches=5 does not work: it does not divide the batch of 8. Valid: 1, 2, 4, 8.")
-    'microbatches=5 does not divide the batch of 8 (valid: 1, 2, 4, 8).'
+    >>> microbatches_refusal(plan, config.replace(microbatches=5), batch=32)
+    LaunchError('microbatches 5 cannot launch: it does not divide the batch of 32; valid: 4, 8, 16, 32 (1F1B on 3
+    stages needs at least 3).')
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["one_sentence"]
+from pipeviz.errors import LaunchError
+from pipeviz.plan.split import SplitPlan
+from pipeviz.schedule import traits as sched
+from pipeviz.schedule.config import LaunchConfig
+
+__all__ = ["SCHEDULES_DOC", "dp_refusal", "forward_only_refusal", "microbatches_refusal", "one_sentence",
+           "stages_refusal"]
+
+SCHEDULES_DOC = "docs/schedules.md"  # the schedules cheat sheet: every schedule's bubble, memory, traffic and rules
+LABELS = {"schedule": "schedule", "microbatches": "microbatches", "steps": "steps", "dp": "dp", "tp": "tp",
+          "sequence_parallel": "seq. parallel", "recompute": "recompute"}  # each setting's control, as labelled
 
 
-def one_sentence(message: str, setting: str | None = None, value: object = None) -> str:
-    """``message``'s first sentence, its clauses joined as one sentence, with the valid values in brackets.
+def divisors(n: int) -> list[int]:
+    """``12`` -> ``[1, 2, 3, 4, 6, 12]``."""
+    return [k for k in range(1, n + 1) if n % k == 0]
 
-    Args:
-        message: a refusal's text (a ``LaunchError``, ``ScheduleError`` or ``PlanError``).
-        setting, value: the control at fault and its value, named first when the message does not start with it.
-    """
-    text = " ".join(message.split())
-    valid = re.search(r"\bValid: (.+?)(?:\.(?:\s|$)|;|$)", text)
-    head = re.split(r"(?<=[a-z0-9)])\. (?=[A-Z])|\bValid: |\bFix: ", text, maxsplit=1)[0].strip().rstrip(".;:")
-    head = head.replace(" does not work: it does not ", " does not ")
-    head = re.sub(r" does not work: (?:it )?", " cannot launch: ", head)
-    head = re.sub(r"^(\S+=\S+) cannot launch: ", r"\1 cannot launch because ", head)
-    head = re.sub(r" \([^()]*#\d+[^()]*\)", "", head)  # a tracker's history belongs in the docs, not beside a control
-    if setting and not head.startswith(f"{setting}="):
-        first = head.split(" ", 1)[0]
-        lowered = f"{head[0].lower()}{head[1:]}" if first[1:].islower() else head  # not a name like ZBVZeroBubble
-        head = f"{setting}={value!r} cannot launch: {lowered}" if head else f"{setting}={value!r}"
-        head = head.replace(" cannot launch: ", " cannot launch because ", 1)
-    if " because " in head:  # the reason, without the detail after it
-        cause, _, rest = head.partition(" because ")
-        head = f"{cause} because {rest.split(': ', 1)[0]}"
-    if valid:
-        head += f" (valid: {valid.group(1).rstrip('.').strip()})"
-    return head + "."
+
+def _listed(values: list[int] | list[str], empty: str) -> str:
+    return ", ".join(map(str, values)) if values else empty
+
+
+def forward_only_refusal(config: LaunchConfig) -> LaunchError | None:
+    """A schedule that needs a backward, in a forward-only run (no ``loss_fn``: the run switch on infer)."""
+    name = sched.canonical(config.schedule)
+    if config.loss_fn is not None or sched.info(name).forward_only:
+        return None
+    able = [n for n, i in sched.SCHEDULES.items() if i.forward_only]
+    shape = "V-shaped " if sched.info(name).v_shape else ""
+    return LaunchError(f"schedule {name} cannot run forward only: torch's {shape}schedule needs a backward; valid in "
+                       f"infer mode: {', '.join(able)} (or switch run to train).",
+                       setting="schedule")
+
+
+def dp_refusal(config: LaunchConfig, batch: int | None) -> LaunchError | None:
+    """Data-parallel replicas that cannot share the batch equally."""
+    dp, m = config.dp, config.microbatches
+    if batch is None or batch % dp == 0:
+        return None
+    valid = [d for d in divisors(batch) if batch // d % m == 0]
+    return LaunchError(f"dp {dp} cannot launch: {dp} replicas cannot share the batch of {batch} equally; valid with "
+                       f"{m} microbatches: {_listed(valid, f'none until microbatches divides the batch of {batch}')}.",
+                       setting="dp")
+
+
+def _rule_ok(plan: SplitPlan, config: LaunchConfig, k: int, rows: int) -> bool:
+    """Whether torch's schedule takes ``k`` microbatches of ``rows`` on this plan (``check_microbatches``)."""
+    try:
+        sched.check_microbatches(config.schedule, plan.num_stages, k, config.stages_per_rank, batch_size=rows)
+    except sched.ScheduleError:
+        return False
+    return True
+
+
+def _rule(plan: SplitPlan, config: LaunchConfig, m: int) -> str:
+    """The schedule's microbatch rule, as it applies to ``m`` on this plan."""
+    lay = config.layout(plan.num_stages)
+    name, ranks = lay.schedule, lay.num_ranks
+    if lay.info.microbatches == "at_least_stages":
+        return f"{name} on {plan.num_stages} stages needs at least {plan.num_stages} microbatches"
+    return (f"{name} on {ranks} ranks runs each rank's microbatches in rounds of {max(1, m // ranks)}, and {m} is not "
+            "a whole number of rounds")
+
+
+def microbatches_refusal(plan: SplitPlan, config: LaunchConfig, batch: int | None) -> LaunchError | None:
+    """A microbatch count that does not divide the batch (each replica's share of it), at any stage count; from 2
+    stages on, also one torch's schedule does not take on this plan. ``None`` when the stage count itself does not
+    fit the schedule (that refusal is the schedule's)."""
+    m, dp = config.microbatches, config.dp
+    if batch is None or batch % dp:
+        return None
+    rows = batch // dp
+    split = plan.num_stages > 1
+    if split:
+        try:
+            config.layout(plan.num_stages)
+        except sched.ScheduleError:
+            return None
+    valid = [k for k in divisors(rows) if not split or _rule_ok(plan, config, k, rows)]
+    if m in valid:
+        return None
+    if rows % m:
+        why = (f"it does not divide the batch of {batch}" if dp == 1 else
+               f"it does not divide the {rows} rows each of the {dp} data-parallel replicas takes from the batch of "
+               f"{batch}")
+    else:
+        why = _rule(plan, config, m)
+    excluded = split and any(k not in valid for k in divisors(rows)) and rows % m
+    note = ""
+    if excluded:
+        lay = config.layout(plan.num_stages)
+        note = (f" ({lay.schedule} on {plan.num_stages} stages needs at least {plan.num_stages})"
+                if lay.info.microbatches == "at_least_stages" else
+                f" ({lay.schedule} on {lay.num_ranks} ranks takes whole rounds of max(1, microbatches // "
+                f"{lay.num_ranks}))")
+    return LaunchError(f"microbatches {m} cannot launch: {why}; valid: "
+                       f"{_listed(valid, f'none for a batch of {rows} (change the batch size)')}{note}.",
+                       setting="microbatches")
+
+
+def stages_refusal(plan: SplitPlan) -> LaunchError | None:
+    """A plan of one stage: no pipeline to launch yet (what Launch says when pressed then)."""
+    if plan.num_stages > 1:
+        return None
+    return LaunchError("Launch needs a pipeline of at least 2 stages and the plan has 1: click a layer in the graph to "
+                       "split after it, or press Balance.", setting="stages")
+
+
+_FIX = re.compile(r"\s*\bFix:.*$", re.S)
+_BREAK = re.compile(r"\.\s+(?=[A-Z(])")  # a sentence ends: the next starts with a capital or a parenthesis
+
+
+def one_sentence(exc: BaseException, config: LaunchConfig, valid: list[str] | None = None) -> LaunchError:
+    """``pv.launch``'s refusal ``exc`` as one sentence naming the control, why, and (``valid``) the values that would
+    launch, with no keyword fix: its later sentences become clauses, its "Fix: ..." (written for code) is dropped;
+    ``err.setting`` and the cause are kept."""
+    setting = getattr(exc, "setting", None)
+    reason = _BREAK.sub("; ", _FIX.sub("", str(exc).strip())).rstrip(" .;:")
+    if setting in LABELS:
+        value = getattr(config, setting)
+        shown = "on" if value is True else "off" if value is False else value
+        for said in (repr(value), str(value)):  # the message's own "tp=2 ..." once the sentence starts "tp 2"
+            reason = re.sub(rf"^{re.escape(setting)}={re.escape(said)}\b[:,]?\s*(but\s+)?", "", reason)
+        sentence = f"{LABELS[setting]} {shown} cannot launch: {reason}"
+    else:
+        sentence = f"Launch would refuse these settings: {reason}"
+    if valid is not None:
+        sentence += f"; valid here: {_listed(valid, 'none with the other settings as they are')}"
+    refusal = LaunchError(sentence + ".", setting=setting)
+    refusal.__cause__ = exc
+    return refusal

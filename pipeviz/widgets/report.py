@@ -141,7 +141,8 @@ def write_report(sections: list[Section], path: str | Path, title: str = "pipevi
     """Write the report; returns its path."""
     import plotly.io as pio
 
-    from pipeviz.widgets.figures import comparison_figure, graph_figure, timeline_figure
+    from pipeviz.widgets.figures import comparison_figure, timeline_figure
+    from pipeviz.widgets.graph_figures import graph_figure
 
     parts = [f"<!doctype html><html><head><meta charset=utf-8><title>{html.escape(title)}</title>"
              f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>"]
