@@ -203,12 +203,18 @@ def player_figure(timeline: Timeline, step: int | None = None, *, speed_ms: int 
                      fixedrange=True, row=1, col=1)
     fig.update_xaxes(range=[0, top * 1.25], row=2, col=1)
     fig.update_yaxes(autorange="reversed", row=2, col=1)
+    _player_layout(fig, labels, ranks, speed_ms, title("start", (instants[0] - t0) * 1e3))
+    return fig
+
+
+def _player_layout(fig: go.Figure, labels: list[str], ranks: int, speed_ms: int, title: str) -> None:
+    """The player's size, title, legend, play / pause buttons and its slider (one tick per label)."""
     play = {"frame": {"duration": speed_ms, "redraw": True}, "transition": {"duration": 0}, "fromcurrent": True,
             "mode": "immediate"}
     pause = {"frame": {"duration": 0, "redraw": False}, "transition": {"duration": 0}, "mode": "immediate"}
     fig.update_layout(
         height=200 + 100 * ranks, barmode="overlay", autosize=True, plot_bgcolor="#fafafa",
-        margin={"l": 60, "r": 20, "t": 80, "b": 40}, title={"text": title("start", (instants[0] - t0) * 1e3),
+        margin={"l": 60, "r": 20, "t": 80, "b": 40}, title={"text": title,
                                                              "font": {"size": 13}, "x": 0.01, "xanchor": "left"},
         legend={"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 1, "xanchor": "right", "font": {"size": 10}},
         updatemenus=[{"type": "buttons", "direction": "left", "showactive": False, "x": 0, "y": -0.08,
@@ -221,7 +227,6 @@ def player_figure(timeline: Timeline, step: int | None = None, *, speed_ms: int 
                              "args": [[str(k)], {"frame": {"duration": 0, "redraw": True}, "mode": "immediate",
                                                  "transition": {"duration": 0}}]}
                             for k, lab in enumerate(labels)]}])
-    return fig
 
 
 def _bars(events: Sequence[Event], *, kind: str | None = None, faint: bool = False,
