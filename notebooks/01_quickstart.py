@@ -416,7 +416,7 @@ print(pipe.split_gm.code)
 # %%
 sim = pv.simulate(plan, "1F1B", microbatches=4)
 print(f"predicted step {sim.step_time * 1e3:.2f} ms, idle share (bubble) {sim.bubble_fraction:.0%}")
-print("rank 0 runs:", " ".join(sim.order(0)))
+print("rank 0 runs:", " ".join(map(str, sim.order(0))))
 pv.timeline_figure(sim)
 
 
@@ -440,7 +440,7 @@ measured = run.timeline()
 print(f"measured step {measured.step_time * 1e3:.2f} ms, bubble {measured.bubble_fraction:.0%}")
 # The processes ran exactly the order the simulator played:
 assert measured.order(0, step=1) == sim.order(0)
-print("rank 0 ran:", " ".join(measured.order(0, step=1)))
+print("rank 0 ran:", " ".join(map(str, measured.order(0, step=1))))
 # The FLOP-based estimate leaves out what a real step pays besides arithmetic (asserted: the measured step is
 # longer than the estimate with a core per rank).
 assert measured.step_time > sim.step_time

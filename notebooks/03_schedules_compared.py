@@ -126,7 +126,7 @@ for schedule, (run, sim) in runs.items():
     assert tl.order(0, step=1) == sim.order(0)
     print(f"{schedule:14} measured {tl.step_time * 1e3:6.1f} ms, bubble {tl.bubble_fraction:4.0%} | "
           f"simulated {sim.step_time * 1e3:6.1f} ms, bubble {sim.bubble_fraction:4.0%}")
-print("rank 0 under ZBV:", " ".join(runs["ZBVZeroBubble"][0].timeline().order(0, step=1)))
+print("rank 0 under ZBV:", " ".join(map(str, runs["ZBVZeroBubble"][0].timeline().order(0, step=1))))
 
 # %%
 pv.TimelineView(runs["ZBVZeroBubble"][0], overlay=runs["ZBVZeroBubble"][1])

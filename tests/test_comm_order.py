@@ -63,7 +63,7 @@ def test_a_custom_compute_order_is_checked_through_torchs_lowering() -> None:
     lay = sched.layout("Interleaved1F1B", 4)
     order = [["0F0", "0F1", "2F0", "2F1", "2B0", "2B1", "0B0", "0B1"],
              ["1F0", "1F1", "3F0", "3F1", "3B0", "3B1", "1B0", "1B1"]]
-    assert check_order(order, lay, 2) == order
+    assert check_order(sched.order_of(order), lay, 2) == sched.order_of(order)
 
 
 def test_too_few_microbatches_names_the_starved_ranks_and_numbers() -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import pipeviz as pv
+from pipeviz.schedule import traits as sched
 from pipeviz.schedule.traits import ScheduleError
 from tests.models import Tied4
 from tests.test_launch_checks import _children
@@ -44,7 +45,8 @@ def test_a_custom_order_runs_in_torchs_runtime_as_simulated_and_trains_exactly(
     plan, x, y = _plan(stages)
     cfg = pv.LaunchConfig(schedule=schedule, microbatches=microbatches, steps=2, loss_fn=pv.cross_entropy,
                           order=[list(acts) for acts in order])
-    assert cfg.order == order  # kept in its text form, as tuples
+    assert cfg.actions() == sched.order_of(order)  # read once, held as Actions
+    assert [[str(a) for a in acts] for acts in cfg.order or ()] == [list(acts) for acts in order]
     simulated = pv.simulate(plan, cfg)
     assert _actions(simulated) == [list(acts) for acts in order]
     run = pv.launch(plan, config=cfg, inputs=(x,), target=y)

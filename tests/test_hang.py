@@ -32,7 +32,7 @@ def test_a_rank_stuck_computing_and_the_one_waiting_on_it() -> None:
 def test_orders_that_wait_on_each_other_are_a_cycle() -> None:
     """A custom order whose ranks take the microbatches in opposite orders: rank 0 waits for rank 1's 1B0, rank 1
     for rank 0's 0F1."""
-    orders = [["0F0", "0B0", "0F1", "0B1"], ["1F1", "1B1", "1F0", "1B0"]]
+    orders = sched.order_of([["0F0", "0B0", "0F1", "0B1"], ["1F1", "1B1", "1F0", "1B0"]])
     report = diagnose(orders, [0, 1], {(0, "F", 0)})
     assert [(r.current, r.waits_on, r.waits_for) for r in report.ranks] == [("0B0", 1, "1B0"), ("1F1", 0, "0F1")]
     assert report.cycle == [0, 1] and "orders deadlock" in report.cause

@@ -106,3 +106,32 @@ def test_multi_stage_runtime_pays_its_send_and_receive_actions(schedule: str, cr
             assert e.duration == pytest.approx(2.0 * 0.5 + 0.1)  # the weight-grad pass sends nothing
     single = pv.simulate(None, "1F1B", 4, costs=replace(Costs.uniform(2, 1.0, 2.0), overhead=0.1), num_stages=2)
     assert {round(e.duration, 9) for e in single.events if e.kind == "F"} == {1.1}  # hand-offs inside the action
+
+
+def test_the_simulate_path_reads_no_action_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Orders travel as typed Actions from their generation to the engine, the cost model and the memory rule:
+    simulating a named schedule reads no text; a custom order given as text is read once, where it is given."""
+    import torch
+
+    from pipeviz.schedule import traits as sched
+    from pipeviz.zoo import MyNetwork
+
+    read: list[str] = []
+    real = sched.Action.parse.__func__  # type: ignore[attr-defined]  # a classmethod's function, to wrap it
+
+    def counted(cls: type[sched.Action], text: str) -> sched.Action:
+        read.append(text)
+        return real(cls, text)  # type: ignore[no-any-return]  # the wrapped classmethod's own result
+
+    monkeypatch.setattr(sched.Action, "parse", classmethod(counted))
+    x = torch.randn(8, 16)
+    plan = pv.trace(MyNetwork(16, [16, 16, 16]), example_args=(x,)).split(["layer0", "layer1", "layer2"])
+    for name in sched.ALL:
+        tl = pv.simulate(plan, pv.LaunchConfig(schedule=name, microbatches=8, loss_fn=pv.cross_entropy))
+        assert tl.step_time > 0
+    assert read == []
+    text = [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]]
+    cfg = pv.LaunchConfig(schedule="1F1B", microbatches=2, loss_fn=pv.cross_entropy, order=text)
+    assert len(read) == 8  # each action read once, by the config
+    assert [str(a) for a in pv.simulate(None, cfg, costs=Costs.uniform(2), num_stages=2).order(1)] == text[1]
+    assert len(read) == 8  # and never again

@@ -105,7 +105,7 @@ compute = [e for e in measured.step_events(step) if e.kind in ("F", "B")]
 span = max(e.end for e in compute) - min(e.start for e in compute)
 for rank in range(measured.num_ranks):
     busy = sum(e.duration for e in compute if e.rank == rank)
-    print(f"rank {rank}: busy {busy / span:4.0%} of the step  ({' '.join(measured.order(rank, step=step))})")
+    print(f"rank {rank}: busy {busy / span:4.0%} of the step  ({' '.join(map(str, measured.order(rank, step=step)))})")
 print(f"measured bubble: {measured.bubble_fraction:.0%}")
 # The simulator "as run here": the same plan, its ranks sharing this machine's cores.
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

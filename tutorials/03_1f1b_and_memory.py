@@ -77,11 +77,11 @@ assert gpipe.peak_activation_bytes[0] == m and one_f_one_b.peak_activation_bytes
 
 # %%
 for name, tl in (("GPipe", gpipe), ("1F1B", one_f_one_b)):
-    print(f"{name:5} rank 0:", " ".join(tl.order(0)))
-    print(f"{name:5} rank 3:", " ".join(tl.order(3)))
+    print(f"{name:5} rank 0:", " ".join(map(str, tl.order(0))))   # each action prints in torch's notation, 0F0
+    print(f"{name:5} rank 3:", " ".join(map(str, tl.order(3))))
 for s in range(p):  # warm-up: the forwards before the first backward, min(m, p - s) as in torch's Schedule1F1B
     order = one_f_one_b.order(s)
-    assert next(i for i, action in enumerate(order) if "B" in action) == min(m, p - s), order
+    assert next(i for i, action in enumerate(order) if action.kind == "B") == min(m, p - s), order
 pv.timeline_figure(one_f_one_b)
 
 # %% [markdown]
@@ -150,10 +150,10 @@ for stages in (1, 2, 3, 6):
 
 # %%
 def in_flight_peak(order):
-    """Most microbatches forwarded but not yet backwarded, replaying a rank's actions ("0F3", "0B1")."""
+    """Most microbatches forwarded but not yet backwarded, replaying a rank's actions (0F3, 0B1)."""
     alive = peak = 0
     for action in order:
-        alive += 1 if "F" in action else -1
+        alive += 1 if action.kind == "F" else -1
         peak = max(peak, alive)
     return peak
 
@@ -164,7 +164,7 @@ measured = run.timeline()
 simulated = pv.simulate(plan, "1F1B", microbatches=8)
 for rank in range(3):
     order = measured.order(rank, step=1)
-    print(f"rank {rank}: {in_flight_peak(order)} microbatches at most   {' '.join(order)}")
+    print(f"rank {rank}: {in_flight_peak(order)} microbatches at most   {' '.join(map(str, order))}")
     assert order == simulated.order(rank)          # the processes ran torch's order, as simulated
     assert in_flight_peak(order) == 3 - rank       # p - s: 3, 2, 1, not m = 8
 pv.TimelineView(run)

@@ -126,7 +126,7 @@ assert abs(bubbles["ZB-H1"] / bubbles["1F1B"] - 1 / 3) < 1e-9                   
 zbv = textbook("ZBVZeroBubble", 2)
 print("ZBV stage -> rank:", pv.schedule.layout("ZBVZeroBubble", 8).stage_ranks)
 assert pv.schedule.layout("ZBVZeroBubble", 8).stage_ranks == (0, 1, 2, 3, 3, 2, 1, 0)  # the V, as the text says
-print("ZBV rank 0:", " ".join(zbv.order(0)))
+print("ZBV rank 0:", " ".join(map(str, zbv.order(0))))
 pv.timeline_figure(zbv)
 
 # %% [markdown]
@@ -147,7 +147,7 @@ measured, sim = run.timeline(), pv.simulate(plan, "ZBVZeroBubble", microbatches=
 print("kinds recorded:", sorted({e.kind for e in measured.events}))
 for rank in range(2):
     assert measured.order(rank, step=1) == sim.order(rank)
-    print(f"rank {rank}:", " ".join(measured.order(rank, step=1)))
+    print(f"rank {rank}:", " ".join(map(str, measured.order(rank, step=1))))
 pv.TimelineView(run, overlay=sim)
 
 # %% [markdown]

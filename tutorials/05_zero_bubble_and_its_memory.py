@@ -214,11 +214,10 @@ pv.timeline_figure(textbook("ZBVZeroBubble", 2, 8))
 
 # %%
 def held_by(order, stages_per_rank):
-    """Most microbatches' activations alive at once, replaying one rank's actions ("0F3", "1I0", "1W0")."""
+    """Most microbatches' activations alive at once, replaying one rank's actions (0F3, 1I0, 1W0)."""
     alive = peak = 0.0
     for action in order:
-        kind = next(ch for ch in action if ch.isalpha())
-        alive += {"F": 1.0, "B": -1.0, "I": -0.5, "W": -0.5}[kind] / stages_per_rank
+        alive += {"F": 1.0, "B": -1.0, "I": -0.5, "W": -0.5}[action.kind] / stages_per_rank
         peak = max(peak, alive)
     return peak
 

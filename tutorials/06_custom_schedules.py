@@ -31,6 +31,8 @@
 # 3; zero-bubble schedules split a backward into `I` (gradient of the input, which the previous stage waits for)
 # and `W` (gradient of the weights, which only the optimizer needs). Sends and receives follow from the order: a
 # forward needs the previous stage's forward of the same microbatch, a backward the next stage's backward.
+# pipeviz holds each action as a `pv.schedule.Action(stage, kind, microbatch)` whose `str()` is torch's text; an
+# order you write yourself can be that text, as below.
 
 # %%
 import warnings
@@ -45,7 +47,11 @@ import pipeviz as pv
 from pipeviz.schedule.traits import ScheduleError, validate
 from pipeviz.zoo import MyNetwork
 
-print(pv.schedule.orders("1F1B", 2, 3))   # what torch's Schedule1F1B runs: 2 stages (= ranks), 3 microbatches
+# what torch's Schedule1F1B runs, 2 stages (= ranks), 3 microbatches: per rank, Actions (stage, kind, microbatch)
+# that print in torch's notation
+for r, acts in enumerate(pv.schedule.orders("1F1B", 2, 3)):
+    print(f"rank {r}:", " ".join(map(str, acts)))
+print(repr(pv.schedule.orders("1F1B", 2, 3)[1][0]))
 
 # %% [markdown]
 # ## 1F1B by hand
@@ -72,7 +78,7 @@ def one_f_one_b(p, m):
 
 p, m = 4, 8
 mine = one_f_one_b(p, m)
-assert mine == pv.schedule.orders("1F1B", p, m)   # the same order torch runs
+assert mine == [[str(a) for a in acts] for acts in pv.schedule.orders("1F1B", p, m)]   # the order torch runs
 for r, acts in enumerate(mine):
     print(f"rank {r}:", " ".join(acts))
 
@@ -275,7 +281,7 @@ run = pv.launch(plan, "InterleavedZeroBubble", microbatches=4, steps=2, inputs=(
 assert run.wait(180) == "done", run.error
 measured = run.timeline()
 for rank in range(2):
-    print(f"rank {rank}:", " ".join(measured.order(rank, step=1)))
+    print(f"rank {rank}:", " ".join(map(str, measured.order(rank, step=1))))
     assert measured.order(rank, step=1) == pv.schedule.orders("InterleavedZeroBubble", 2, 4, 1)[rank]
 numerics = pv.check_numerics(run)
 print(numerics)

@@ -128,9 +128,9 @@ print(f"{tl.num_ranks} ranks; losses {[round(v, 4) for v in watch.losses]}")
 for rank in range(tl.num_ranks):
     who = json.loads((workdir / f"whoami_rank{rank}.json").read_text())   # what torchrun told the worker
     node, local = who["GROUP_RANK"], who["LOCAL_RANK"]
-    print(f"rank {rank} = node {node}, local rank {local}: {' '.join(tl.order(rank, step=0))}")
+    print(f"rank {rank} = node {node}, local rank {local}: {' '.join(map(str, tl.order(rank, step=0)))}")
     assert rank == node * NPROC_PER_NODE + local and who["WORLD_SIZE"] == NNODES * NPROC_PER_NODE  # the formula
-    assert tl.order(rank, step=0)[0] == f"{rank}F0"                    # single-stage schedule: stage s on rank s
+    assert str(tl.order(rank, step=0)[0]) == f"{rank}F0"                    # single-stage schedule: stage s on rank s
 
 # %% [markdown]
 # ## Numerics

@@ -51,9 +51,11 @@ def timed_waits(record: Callable[[float, float], None], threshold: float = 1e-4)
         schedules._wait_batch_p2p = original
 
 
-def schedule_actions(schedule: str, num_ranks: int, num_stages: int, microbatches: int) -> list[list[str]]:
-    """Per-rank compute actions (``2F0``, ``1I3``, ``0W3``) of a multi-stage torch schedule, as its
-    constructor lays them out in ``pipeline_order`` (overlapped F/B pairs of DualPipeV in run order)."""
+def schedule_actions(schedule: str, num_ranks: int, num_stages: int,
+                     microbatches: int) -> list[list[tuple[int, str, int]]]:
+    """Per-rank compute actions, ``(stage, kind, microbatch)`` with a kind among ``F``, ``B``, ``I``, ``W``, of a
+    multi-stage torch schedule, as its constructor lays them out in ``pipeline_order`` (overlapped F/B pairs of
+    DualPipeV in run order). ``pipeviz.schedule.traits.orders`` makes them ``Action``s."""
     from unittest import mock
 
     from torch.distributed.pipelining.schedules import get_schedule_class
@@ -64,24 +66,25 @@ def schedule_actions(schedule: str, num_ranks: int, num_stages: int, microbatche
     stage = mock.create_autospec(PipelineStage, instance=True)
     stage.group_rank, stage.group_size, stage.submod, stage.num_stages = 0, num_ranks, None, num_stages
     sched = get_schedule_class(schedule)([stage] * (num_stages // num_ranks), microbatches)
-    out: list[list[str]] = []
+    out: list[list[tuple[int, str, int]]] = []
     for rank in range(num_ranks):
-        acts: list[str] = []
+        acts: list[tuple[int, str, int]] = []
         for action in sched.pipeline_order[rank]:
             if action is None:
                 continue
             for a in getattr(action, "sub_actions", None) or [action]:
                 kind = a.computation_type.value if hasattr(a.computation_type, "value") else str(a.computation_type)
                 if kind in ("F", "B", "I", "W"):
-                    acts.append(f"{a.stage_index}{kind}{a.microbatch_index}")
+                    acts.append((a.stage_index, kind, a.microbatch_index))
         out.append(acts)
     return out
 
 
-def comm_actions(order: Sequence[Sequence[str]] | None, stage_ranks: Sequence[int], microbatches: int,
+def comm_actions(order: Sequence[Sequence[object]] | None, stage_ranks: Sequence[int], microbatches: int,
                  schedule: str | None = None) -> list[list[str]]:
     """Per-rank actions with the sends and receives torch's multi-stage runtime (``_PipelineScheduleRuntime``)
-    issues, in its text form (``"0F1"``, ``"0SEND_F1"``, ``"1RECV_F1"``): a custom compute ``order`` lowered by
+    issues, in its text form (``"0F1"``, ``"0SEND_F1"``, ``"1RECV_F1"``): a custom compute ``order`` (actions whose
+    ``str()`` is torch's text, as ``pipeviz.schedule.traits.Action``'s) lowered by
     torch's own ``_add_send_recv`` (what ``runtime_schedule`` runs), or, with ``order=None``, the
     ``pipeline_order_with_comms`` torch's ``schedule`` class builds. An overlapped pair (DualPipeV's
     ``OVERLAP_F_B``) is given as its sub-actions in order; gradient reductions and FSDP unshards are left out (no
@@ -93,7 +96,7 @@ def comm_actions(order: Sequence[Sequence[str]] | None, stage_ranks: Sequence[in
 
     num_ranks, num_stages = max(stage_ranks) + 1, len(stage_ranks)
     if order is not None:
-        compute = {rank: [ts._Action.from_str(a) for a in acts] for rank, acts in enumerate(order)}
+        compute = {rank: [ts._Action.from_str(str(a)) for a in acts] for rank, acts in enumerate(order)}
         lowered = ts._add_send_recv(compute, stage_to_rank=lambda s: stage_ranks[s], num_stages=num_stages)
     else:
         assert schedule is not None
@@ -115,11 +118,12 @@ def comm_actions(order: Sequence[Sequence[str]] | None, stage_ranks: Sequence[in
     return out
 
 
-def runtime_schedule(stages: list[PipelineStage], order: Sequence[Sequence[str]], microbatches: int,
+def runtime_schedule(stages: list[PipelineStage], order: Sequence[Sequence[object]], microbatches: int,
                      loss_fn: Callable[[object, object], torch.Tensor] | None,
                      forward_only: bool = False) -> _PipelineScheduleRuntime:
     """torch's own multi-stage runtime (``_PipelineScheduleRuntime``) running a custom compute order: one list of
-    actions (``"1F0"``, ``"0I2"``) per pipeline rank, every rank's; torch adds the sends, receives and gradient
+    actions per pipeline rank (``pipeviz.schedule.traits.Action``s, or anything whose ``str()`` is torch's text:
+    ``"1F0"``, ``"0I2"``), every rank's; torch adds the sends, receives and gradient
     reductions (``_prepare_schedule_with_comms``, as it does for the schedules it builds itself) and places the
     stages where the order runs them.
 
@@ -130,7 +134,8 @@ def runtime_schedule(stages: list[PipelineStage], order: Sequence[Sequence[str]]
     from torch.distributed.pipelining import schedules as torch_schedules
     from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRuntime
 
-    actions = {rank: [_Action.from_str(a) for a in acts] for rank, acts in enumerate(order)}
+    # torch's own text is the edge between the two notations: its _Action reads it
+    actions = {rank: [_Action.from_str(str(a)) for a in acts] for rank, acts in enumerate(order)}
     schedule = _PipelineScheduleRuntime(stages, n_microbatches=microbatches, loss_fn=loss_fn)
     if not forward_only:
         schedule._prepare_schedule_with_comms(actions)

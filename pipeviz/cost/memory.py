@@ -47,26 +47,25 @@ __all__ = [
     "activation_curve",
     "in_flight",
     "memory_per_rank",
-    "parsed_actions",
     "peak_activations",
     "plan_stage_memory",
     "plan_table",
     "stage_bytes",
     "stage_info_memory",
+    "stages_and_kinds",
     "static_memory",
 ]
 
 
 @functools.lru_cache(maxsize=4096)
-def parsed_actions(acts: tuple[str, ...]) -> tuple[tuple[int, ...], str]:
-    """One rank's actions parsed once: their stages, and their kinds as one string (``"FFBFB..."``). Remembered:
-    the planner and ``pv.simulate`` read the same schedule orders again and again (parsing was most of the
+def stages_and_kinds(acts: tuple[sched.Action, ...]) -> tuple[tuple[int, ...], str]:
+    """One rank's actions as numpy reads them: their stages, and their kinds as one string (``"FFBFB..."``).
+    Remembered: the planner and ``pv.simulate`` read the same schedule orders again and again (this was most of the
     planner's time at 1,024 GPUs)."""
-    parts = [sched.parse(a) for a in acts]
-    return tuple(a.stage for a in parts), "".join(a.kind for a in parts)
+    return tuple(a.stage for a in acts), "".join(a.kind for a in acts)
 
 
-def peak_activations(order: Sequence[Sequence[str]], activation_bytes: Sequence[int],
+def peak_activations(order: Sequence[Sequence[sched.Action]], activation_bytes: Sequence[int],
                      weight_fraction: float = 0.5, input_freed: Sequence[float] = ()) -> list[int]:
     """Per rank, the most activation bytes alive at once when each rank runs its ``order``: a forward
     adds its stage's per-microbatch bytes, a backward frees them (an input-grad pass the stage's share
@@ -83,7 +82,7 @@ def peak_activations(order: Sequence[Sequence[str]], activation_bytes: Sequence[
         if not acts:
             peaks.append(0)
             continue
-        stages, kinds = parsed_actions(tuple(acts))
+        stages, kinds = stages_and_kinds(tuple(acts))
         index = np.asarray(stages)
         per = np.empty(len(index))
         codes = np.frombuffer(kinds.encode(), dtype=np.uint8)
@@ -124,8 +123,7 @@ def in_flight(schedule: str, num_stages: int, microbatches: int, stages_per_rank
     counts = [0.0] * num_stages
     peaks = [0.0] * num_stages
     for acts in sched.orders(schedule, num_stages, microbatches, stages_per_rank):
-        for action in acts:
-            s, kind, _ = sched.parse(action)
+        for s, kind, _ in acts:
             counts[s] += {"F": 1.0, "B": -1.0, "I": -weight_fraction, "W": -(1 - weight_fraction)}[kind]
             peaks[s] = max(peaks[s], counts[s])
     return peaks
@@ -133,7 +131,7 @@ def in_flight(schedule: str, num_stages: int, microbatches: int, stages_per_rank
 
 def memory_per_rank(plan: SplitPlan | None, schedule: str, microbatches: int, stages_per_rank: int | None = None,
                     optimizer_states: int | None = None, costs: Costs | None = None,
-                    order: Sequence[Sequence[str]] | None = None, forward_only: bool = False, *,
+                    order: Sequence[Sequence[sched.Action]] | None = None, forward_only: bool = False, *,
                     hardware: Hardware | str | None = None, dtype: str | None = None, recompute: str | None = None,
                     options: CostOptions | None = None, **link_options: Unpack[LinkOptions]) -> list[int]:
     """Bytes each rank holds at its peak when ``plan`` trains under ``schedule`` (the module's formula).

@@ -438,7 +438,7 @@ def torch_orders(p: Problem) -> dict[str, Order]:
     out: dict[str, Order] = {}
     for name in torch_names(p):
         acts = sched.orders(name, p.n, p.microbatches, spr_arg(name, p.spr))
-        out[name] = [[(a.stage, KINDS.index(a.kind), a.mb) for a in map(sched.parse, row)] for row in acts]
+        out[name] = [[(a.stage, KINDS.index(a.kind), a.mb) for a in row] for row in acts]
     return out
 
 

@@ -409,11 +409,11 @@ def _always_split(name: str) -> bool:
         return False
     spr = sched.info(name).stages_per_rank
     n = 4 * (spr or 1)
-    kinds = {sched.parse(a).kind for rank in sched.orders(name, n, 2 * n, spr) for a in rank}
+    kinds = {a.kind for rank in sched.orders(name, n, 2 * n, spr) for a in rank}
     return "B" not in kinds
 
 
-def _orders(name: str, n: int, m: int, spr: int | None) -> tuple[tuple[str, ...], ...]:
+def _orders(name: str, n: int, m: int, spr: int | None) -> tuple[tuple[sched.Action, ...], ...]:
     """``sched.orders``, cached (``pv.simulate``'s cache: the rows' simulations build the same orders)."""
     return schedule_orders(name, n, m, spr)
 

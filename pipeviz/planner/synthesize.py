@@ -78,13 +78,13 @@ class MemoryLimitError(sched.ScheduleError):
 
 @dataclass(frozen=True)
 class Synthesis:
-    """A synthesized schedule: ``order`` (per pipeline rank, torch's notation) and ``timeline`` (its
-    ``pv.simulate``); ``config`` launches it (the given config with ``order``, and the schedule whose placement the
-    order uses: ``pv.launch(plan, syn.config, ...)``). ``baselines``: torch's schedules on the same ranks, simulated
-    by name; ``fits``: those within the limit. ``policy``: the rule that built the order (or the torch schedule
-    whose order won); ``evaluated``: candidate orders played."""
+    """A synthesized schedule: ``order`` (per pipeline rank, ``Action``s; ``to_csv`` writes torch's text) and
+    ``timeline`` (its ``pv.simulate``); ``config`` launches it (the given config with ``order``, and the schedule
+    whose placement the order uses: ``pv.launch(plan, syn.config, ...)``). ``baselines``: torch's schedules on the
+    same ranks, simulated by name; ``fits``: those within the limit. ``policy``: the rule that built the order (or
+    the torch schedule whose order won); ``evaluated``: candidate orders played."""
 
-    order: tuple[tuple[str, ...], ...]
+    order: tuple[tuple[sched.Action, ...], ...]
     timeline: Timeline
     config: LaunchConfig
     memory_limit: int | None
@@ -114,7 +114,7 @@ class Synthesis:
         ``pipeline_parallel_schedule_csv`` takes. Returns the path."""
         out = Path(path)
         with out.open("w", newline="") as fh:
-            csv.writer(fh).writerows(self.order)
+            csv.writer(fh).writerows([str(a) for a in row] for row in self.order)
         return out
 
     def table(self) -> str:
@@ -232,8 +232,8 @@ def _finish(pool: list[Candidate], cfgs: dict[str, LaunchConfig], sim: Callable[
         if best is not None and (best[0] <= cand.step * (1 + 1e-9)
                                  or (tried >= _FINALISTS and not cand.policy.startswith("torch's"))):
             continue
-        text = tuple(tuple(f"{s}{KINDS[k]}{m}" for s, k, m in row) for row in cand.order)
-        cfg = cfgs[cand.problem.placement].replace(order=text)
+        acts = tuple(tuple(sched.Action(s, sched.Kind(KINDS[k]), m) for s, k, m in row) for row in cand.order)
+        cfg = cfgs[cand.problem.placement].replace(order=acts)
         tried += 1
         try:
             tl = sim(cfg)
@@ -247,8 +247,9 @@ def _finish(pool: list[Candidate], cfgs: dict[str, LaunchConfig], sim: Callable[
     if best is None:  # pragma: no cover (the one-at-a-time order always fits and plays)
         raise sched.ScheduleError("No synthesized order passed pv.simulate's checks.")
     _, _, tl, cand, cfg = best
-    assert cfg.order is not None
-    return Synthesis(tuple(tuple(r) for r in cfg.order), tl, cfg, limit, cand.problem.placement, cand.policy,
+    order = cfg.actions()
+    assert order is not None
+    return Synthesis(tuple(tuple(r) for r in order), tl, cfg, limit, cand.problem.placement, cand.policy,
                      baselines, evaluated)
 
 

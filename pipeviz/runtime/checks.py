@@ -162,7 +162,8 @@ def _layout(d: _Draft) -> None:
 def _order(d: _Draft) -> None:
     """A custom order (``LaunchConfig.order``) is a training step's, and complete for this layout."""
     cfg = d.config
-    if cfg.order is None:
+    order = cfg.actions()
+    if order is None:
         return
     if cfg.loss_fn is None:
         raise LaunchError("order= is a training step's actions (forwards and backwards); a run without loss_fn "
@@ -172,7 +173,7 @@ def _order(d: _Draft) -> None:
 
     assert d.layout is not None
     with _setting("order"):
-        check_order(cfg.order, d.layout, cfg.microbatches)
+        check_order(order, d.layout, cfg.microbatches)
 
 
 def _placements(d: _Draft) -> None:

@@ -56,8 +56,7 @@ class Diagnosis:
 
         cfg, lay = self.spec.config, self.layout
         m = self.spec.microbatches
-        orders = ([list(acts) for acts in cfg.order] if cfg.order is not None
-                  else sched.orders(lay.schedule, lay.num_stages, m, cfg.stages_per_rank))
+        orders = cfg.actions() or sched.orders(lay.schedule, lay.num_stages, m, cfg.stages_per_rank)
         lead = self._lead_processes()
         mine = [e for e in events if e.kind in COMPUTE and e.rank in lead]
         step = max((e.step for e in mine), default=0)
@@ -122,7 +121,7 @@ class Diagnosis:
             return ""
         if state.current is None:
             return ""
-        s, kind, mb = sched.parse(state.current)
+        s, kind, mb = sched.parse(state.current)  # the report's text (a RankState is what a message says)
         src = s - 1 if kind == "F" else s + 1
         if not 0 <= src < self.layout.num_stages:
             return ""

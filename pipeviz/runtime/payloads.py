@@ -112,14 +112,14 @@ class RankPayload:
     recompute: tuple[str, ...] = ()  # per stage: "none", "selective" or "full" (pipeviz.schedule.recompute)
     dp_reduce: str = "overlap"  # how replicas average gradients (runtime.config.dp_reduce_mode)
     loss_scaling: bool = False  # fp16: a dynamic loss scale across every process (pipeviz.runtime.loss_scale)
-    order: tuple[tuple[str, ...], ...] | None = None  # a custom order: every pipeline rank's actions (torch's text)
+    order: tuple[tuple[sched.Action, ...], ...] | None = None  # a custom order: every pipeline rank's actions
     seed: int = 0  # random draws (dropout): each stage forward seeds from it (pipeviz.runtime.rng.stage_seed)
 
     @property
     def split_backward(self) -> bool:
         """Whether backwards run as separate input-grad and weight-grad passes (``I`` and ``W`` actions)."""
         if self.order is not None:
-            return any(sched.parse(a).kind in ("I", "W") for acts in self.order for a in acts)
+            return any(a.kind in (sched.Kind.I, sched.Kind.W) for acts in self.order for a in acts)
         return sched.info(self.schedule).split_backward
 
     @property
@@ -391,7 +391,7 @@ def rank_payload(spec: LaunchSpec, stages: StageSet, tied: dict[str, list[int]],
         recompute=recompute_modes(spec.config.recompute, len(lay.stage_ranks)),
         dp_reduce=dp_reduce_mode(spec.config),
         loss_scaling=autocast_dtype(spec) is torch.float16 and spec.loss_fn is not None,
-        order=None if spec.config.order is None else tuple(tuple(acts) for acts in spec.config.order),
+        order=None if (acts := spec.config.actions()) is None else tuple(tuple(r) for r in acts),
         seed=spec.init_seed,
     )
 

@@ -157,8 +157,9 @@ def forward_schedule(p: RankPayload, stages: list[PipelineStage]) -> Schedule:
 
     key = id(stages[0])
     if key not in _FORWARD_SCHEDULES:
-        order = [[f"{s}F{mb}" for s in sorted(i for i, r in enumerate(p.stage_ranks) if r == rank)
-                  for mb in range(p.microbatches)] for rank in range(max(p.stage_ranks) + 1)]
+        order = [[sched.Action(s, sched.Kind.F, mb)
+                  for s in sorted(i for i, r in enumerate(p.stage_ranks) if r == rank) for mb in range(p.microbatches)]
+                 for rank in range(max(p.stage_ranks) + 1)]
         assert p.loss_fn is not None
         _FORWARD_SCHEDULES[key] = runtime_schedule(stages, order, p.microbatches, _named_loss(_reduced(p), p),
                                                    forward_only=True)

@@ -231,8 +231,9 @@ def tensor_parallel_placements(plan: SplitPlan, tp: int, tp_plan: Mapping[str, s
 def _split_backward(config: LaunchConfig) -> bool:
     """Whether the run splits its backwards into input- and weight-grad passes (a custom order's ``I``/``W``
     actions, or the schedule's own)."""
-    if config.order is not None:
-        return any(sched.parse(a).kind in ("I", "W") for acts in config.order for a in acts)
+    order = config.actions()
+    if order is not None:
+        return any(a.kind in (sched.Kind.I, sched.Kind.W) for acts in order for a in acts)
     return sched.info(sched.canonical(config.schedule)).split_backward
 
 

@@ -123,8 +123,9 @@ def export_torchtitan(plan: SplitPlan, config: LaunchConfig | str, path: str | o
     cfg = launch_config(config)
     lay = cfg.layout(plan.num_stages)
     sched.check_microbatches(lay.schedule, plan.num_stages, cfg.microbatches, cfg.stages_per_rank)
-    if cfg.order is not None:  # as pv.simulate and pv.launch check it: complete, on the right ranks, no deadlock
-        check_order(cfg.order, lay, cfg.microbatches)
+    order = cfg.actions()
+    if order is not None:  # as pv.simulate and pv.launch check it: complete, on the right ranks, no deadlock
+        check_order(order, lay, cfg.microbatches)
     size = microbatch_size if microbatch_size is not None else _microbatch_size(plan, cfg)
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise PlanError(f"microbatch_size must be a positive int, got {size!r}.")
@@ -134,10 +135,10 @@ def export_torchtitan(plan: SplitPlan, config: LaunchConfig | str, path: str | o
     lines = [f"# {line}" if line else "#" for line in _header(plan, cfg, lay.num_ranks, parts, shard)]
     lines += ["", "[parallelism]", f"pipeline_parallel_degree = {lay.num_ranks}",
               f"pipeline_parallel_schedule = {_str(lay.schedule)}"]
-    if cfg.order is not None:
+    if order is not None:
         table = target.with_name(f"{target.stem}.schedule.csv")
         with open(table, "w", newline="") as f:
-            csv.writer(f).writerows(cfg.order)
+            csv.writer(f).writerows([str(a) for a in row] for row in order)  # torch's CSV: its text
         lines.append(f"pipeline_parallel_schedule_csv = {_str(str(table.resolve()))}")
     lines += [f"pipeline_parallel_microbatch_size = {size}", "module_fqns_per_model_part = ["]
     lines += [f"    [{', '.join(_str(n) for n in part)}]," for part in parts]

@@ -8,7 +8,8 @@ deadlock), ``recompute`` and ``tensor_parallel`` (what recomputation and tp chan
 ``simulate``, the exports, the CLI and the Explorer share).
 """
 
-from pipeviz.schedule.traits import ALL, info, layout, orders
+from pipeviz.schedule.traits import ALL, Action, Kind, info, layout, orders
 
-# pv.schedule.orders("1F1B", 2, 3), pv.schedule.layout("ZBVZeroBubble", 8).stage_ranks: what the lessons read.
-__all__ = ["ALL", "info", "layout", "orders"]
+# pv.schedule.orders("1F1B", 2, 3) (Actions: pv.schedule.Action(0, pv.schedule.Kind.F, 0) prints "0F0"),
+# pv.schedule.layout("ZBVZeroBubble", 8).stage_ranks: what the lessons read.
+__all__ = ["ALL", "Action", "Kind", "info", "layout", "orders"]

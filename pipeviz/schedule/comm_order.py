@@ -191,7 +191,7 @@ def _one_f_one_b(s: int, n: int, m: int) -> list[Step]:
 
 
 def programs(schedule: str, num_stages: int, microbatches: int, stages_per_rank: int | None = None,
-             order: Sequence[Sequence[str]] | None = None) -> list[list[Step]]:
+             order: Sequence[Sequence[sched.Action | str]] | None = None) -> list[list[Step]]:
     """Each pipeline rank's program (posts, waits, computes) as torch's runtime issues it for ``schedule``, or for
     a custom compute ``order`` (always run by torch's ``_PipelineScheduleRuntime``, which adds the sends and
     receives itself)."""
@@ -210,7 +210,7 @@ def programs(schedule: str, num_stages: int, microbatches: int, stages_per_rank:
 
 
 def check_comms(schedule: str, num_stages: int, microbatches: int, stages_per_rank: int | None = None,
-                order: Sequence[Sequence[str]] | None = None) -> None:
+                order: Sequence[Sequence[sched.Action | str]] | None = None) -> None:
     """Play ``schedule``'s communication order (or a custom ``order``'s, as torch lowers it) and refuse a deadlock.
 
     Raises:
@@ -229,7 +229,7 @@ def check_schedule_comms(schedule: str, num_stages: int, microbatches: int, stag
     check_comms(schedule, num_stages, microbatches, stages_per_rank)
 
 
-def check_order_comms(order: Sequence[Sequence[str]], stage_ranks: Sequence[int], microbatches: int) -> None:
+def check_order_comms(order: Sequence[Sequence[sched.Action]], stage_ranks: Sequence[int], microbatches: int) -> None:
     """A custom compute ``order`` (``LaunchConfig.order``) lowered to sends and receives as torch's runtime lowers
     it, played (``check_comms``). Called by ``pipeviz.sim.engine.check_order`` once the compute order plays.
 

@@ -23,7 +23,7 @@ import torch
 
 from pipeviz.schedule import traits as sched
 from pipeviz.schedule.mesh import Mesh, check_degree
-from pipeviz.schedule.traits import Layout
+from pipeviz.schedule.traits import Action, Layout, Order
 
 __all__ = ["DP_REDUCE_MODES", "UNSET", "LaunchConfig", "dp_reduce_mode", "launch_config"]
 
@@ -115,8 +115,9 @@ class LaunchConfig:
             projection's all-reduce becomes a reduce-scatter and a column-wise group's input an all-gather.
         cp: context-parallel shares of every sequence (``pv.simulate`` and ``pv.plan_cluster``; ``pv.launch``
             refuses cp > 1, naming why).
-        order: a custom schedule: one list of actions per pipeline rank in torch's notation (``"1F0"``: stage 1's
-            forward of microbatch 0; kinds ``F``, ``B``, or ``I`` and ``W`` for a split backward). The stages stay
+        order: a custom schedule: one list of actions per pipeline rank, each a ``pv.schedule.Action`` or its text
+            in torch's notation (``"1F0"``: stage 1's forward of microbatch 0; kinds ``F``, ``B``, or ``I`` and
+            ``W`` for a split backward); held as ``Action``s (``actions()`` gives them typed). The stages stay
             where ``schedule`` and ``stages_per_rank`` place them; the order replaces the schedule's own.
             ``pv.simulate`` plays it and ``pv.launch`` runs it through torch's own runtime
             (``_PipelineScheduleRuntime``, which adds the sends and receives); every stage's forward and
@@ -152,18 +153,18 @@ class LaunchConfig:
     tp_plan: Mapping[str, str] | None = None
     sequence_parallel: bool = False
     cp: int = 1
-    order: Sequence[Sequence[str]] | None = None
+    order: Sequence[Sequence[Action | str]] | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "cp", "tp"):  # one check for every front door (pipeviz.schedule.mesh)
             check_degree(name, getattr(self, name))
-        if self.order is not None:  # its text form, every action parsed now (an unknown kind raises)
-            if isinstance(self.order, str) or not all(isinstance(r, Sequence) and not isinstance(r, str)
-                                                      for r in self.order):
-                raise sched.ScheduleError(
-                    f"order must be one list of actions per pipeline rank, got {self.order!r}. Fix: "
-                    "order=[['0F0', '0F1', '0B0', '0B1'], ['1F0', '1B0', '1F1', '1B1']].")
-            object.__setattr__(self, "order", tuple(tuple(str(sched.parse(a)) for a in r) for r in self.order))
+        if self.order is not None:  # read once here, text or Actions (an unknown kind raises), held as Actions
+            object.__setattr__(self, "order", tuple(tuple(r) for r in sched.order_of(self.order)))
+
+    def actions(self) -> Order | None:
+        """The custom ``order`` as ``Action``s (``None``: the schedule's own)."""
+        # __post_init__ made every entry an Action; the field's type also says what a caller may give
+        return None if self.order is None else [list(cast("Sequence[Action]", r)) for r in self.order]
 
     def layout(self, num_stages: int) -> Layout:
         """Where ``num_stages`` stages run under this schedule and stages per rank

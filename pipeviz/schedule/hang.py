@@ -9,7 +9,7 @@ inside the action itself (computing, or stuck in its own code or a collective). 
 rank ends at a rank that computes (the one to look at) or closes a cycle (a deadlock: the orders wait on each other).
 
 Example:
-    >>> report = diagnose(pv.schedules.orders("1F1B", 2, 4), [0, 1], {(0, "F", 0), (1, "F", 0)})
+    >>> report = diagnose(pv.schedule.orders("1F1B", 2, 4), [0, 1], {(0, "F", 0), (1, "F", 0)})
     >>> print(report)      # rank 1 is in 1B0 ...; rank 0 waits for rank 1's 1B0 (a receive) ...
 """
 
@@ -80,16 +80,16 @@ def _finished(done: Collection[Done], need: Done) -> bool:
     return need in done or (kind == "B" and (s, "I", mb) in done)  # a split backward's input-grad pass hands on
 
 
-def diagnose(orders: Sequence[Sequence[str]], stage_ranks: Sequence[int], done: Collection[Done],
+def diagnose(orders: Sequence[Sequence[sched.Action | str]], stage_ranks: Sequence[int], done: Collection[Done],
              computing_for: float | None = None) -> HangReport:
-    """The state of a stuck step: ``orders`` (one list of actions per pipeline rank, torch's notation: what
-    ``pv.schedules.orders`` gives, or a custom ``order=``), ``stage_ranks`` (the rank holding each stage) and the
-    actions finished in the step, as ``(stage, kind, microbatch)``. ``computing_for``: seconds since the last
-    progress, said of a rank inside its own action."""
+    """The state of a stuck step: ``orders`` (one list of ``Action``s per pipeline rank: what
+    ``pv.schedule.orders`` gives, or a custom order, ``LaunchConfig.actions()``), ``stage_ranks`` (the rank
+    holding each stage) and the actions finished in the step, as ``(stage, kind, microbatch)``. ``computing_for``:
+    seconds since the last progress, said of a rank inside its own action."""
     n = len(stage_ranks)
     states: list[RankState] = []
     for rank, acts in enumerate(orders):
-        parsed = [sched.parse(a) for a in acts]
+        parsed = [sched.action(a) for a in acts]  # Actions as they are (text, as a user may give it, read)
         pos = 0
         while pos < len(parsed) and (parsed[pos].stage, parsed[pos].kind, parsed[pos].mb) in done:
             pos += 1

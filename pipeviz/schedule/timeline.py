@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeviz.schedule.mesh import DIMS, Mesh, PipelineRank, ProcessRank
+from pipeviz.schedule.traits import Action, Kind
 
 __all__ = ["COMPUTE", "KINDS", "Event", "Timeline"]
 
@@ -174,10 +175,11 @@ class Timeline:
         tensor parallelism, or for a measured run."""
         return self.meta.get("tp_layout")
 
-    def order(self, rank: int, step: int | None = None) -> list[str]:
-        """The compute actions of ``rank`` in the order they ran, in torch's notation (``0F0``, ``1B3``)."""
+    def order(self, rank: int, step: int | None = None) -> list[Action]:
+        """The compute actions of ``rank`` in the order they ran (``Action``s: ``str()`` gives torch's ``0F0``)."""
         step = self.steps[0] if step is None and self.steps else step
-        return [e.label for e in self.events if e.rank == rank and e.step == step and e.kind in COMPUTE]
+        return [Action(e.stage, Kind(e.kind), e.mb) for e in self.events
+                if e.rank == rank and e.step == step and e.kind in COMPUTE]
 
     # ----------------------------------------------------------------- export
     def to_dict(self) -> dict[str, object]:

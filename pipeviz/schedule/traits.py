@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import NamedTuple
@@ -31,12 +32,15 @@ __all__ = [
     "Action",
     "Kind",
     "Layout",
+    "Order",
     "ScheduleError",
     "ScheduleInfo",
+    "action",
     "canonical",
     "check_microbatches",
     "info",
     "layout",
+    "order_of",
     "orders",
     "parse",
     "validate",
@@ -111,7 +115,7 @@ class Action(NamedTuple):
 
     Example:
         >>> Action.parse("2I3"), str(Action(2, Kind.F, 0))
-        (Action(stage=2, kind=<Kind.I: 'I'>, mb=3), '2F0')
+        (Action(2, Kind.I, 3), '2F0')
     """
 
     stage: int
@@ -120,6 +124,9 @@ class Action(NamedTuple):
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind}{self.mb}"
+
+    def __repr__(self) -> str:  # short, as lists of them are read: Action(2, Kind.F, 0)
+        return f"Action({self.stage}, Kind.{Kind(self.kind).name}, {self.mb})"
 
     @classmethod
     def parse(cls, text: str) -> Action:
@@ -135,6 +142,9 @@ class Action(NamedTuple):
                 break
         raise ScheduleError(f"Not an action: {text!r}; expected <stage><kind><microbatch> such as '2F0', with a kind "
                             f"among {', '.join(KINDS)} (forward, backward, input-grad, weight-grad).")
+
+
+Order = list[list[Action]]  # one list of compute actions per pipeline rank, in the order the rank runs them
 
 
 def info(schedule: str) -> ScheduleInfo:
@@ -278,28 +288,29 @@ def _short_ranks(lay: Layout, m: int) -> str:
 
 
 # --------------------------------------------------------------------------------------------- orders
-def _gpipe(rank: int, num_stages: int, m: int) -> list[str]:
+def _gpipe(rank: int, num_stages: int, m: int) -> list[Action]:
     # GPipe (Huang et al., 2019): all forwards, then all backwards, in microbatch order (torch's ScheduleGPipe).
-    return [f"{rank}F{i}" for i in range(m)] + [f"{rank}B{i}" for i in range(m)]
+    return [Action(rank, Kind.F, i) for i in range(m)] + [Action(rank, Kind.B, i) for i in range(m)]
 
 
-def _one_f_one_b(rank: int, num_stages: int, m: int) -> list[str]:
+def _one_f_one_b(rank: int, num_stages: int, m: int) -> list[Action]:
     # 1F1B (PipeDream-Flush, Narayanan et al., 2021) as torch's Schedule1F1B runs it: stage r warms up with
     # min(m, p - r) forwards, then alternates one backward and one forward, then drains the backwards.
     warm = min(m, num_stages - rank)
-    out = [f"{rank}F{i}" for i in range(warm)]
+    out = [Action(rank, Kind.F, i) for i in range(warm)]
     f, b = warm, 0
     while b < m:
-        out.append(f"{rank}B{b}")
+        out.append(Action(rank, Kind.B, b))
         b += 1
         if f < m:
-            out.append(f"{rank}F{f}")
+            out.append(Action(rank, Kind.F, f))
             f += 1
     return out
 
 
-def orders(schedule: str, num_stages: int, microbatches: int, stages_per_rank: int | None = None) -> list[list[str]]:
-    """Per-rank compute actions in the order torch's runtime executes them, in torch's notation.
+def orders(schedule: str, num_stages: int, microbatches: int, stages_per_rank: int | None = None) -> Order:
+    """Per-rank compute actions (``Action``) in the order torch's runtime executes them; each prints in torch's
+    notation.
 
     ``2F0``: stage 2 forward of microbatch 0; ``B``: full backward; ``I``/``W``: input-grad / weight-grad
     halves of a backward (zero bubble). GPipe and 1F1B are generated here (torch's private visualizer gets
@@ -307,8 +318,10 @@ def orders(schedule: str, num_stages: int, microbatches: int, stages_per_rank: i
     (DualPipeV) in the order they run.
 
     Example:
-        >>> orders("1F1B", 2, 3)
+        >>> [[str(a) for a in rank] for rank in orders("1F1B", 2, 3)]
         [['0F0', '0F1', '0B0', '0F2', '0B1', '0B2'], ['1F0', '1B0', '1F1', '1B1', '1F2', '1B2']]
+        >>> orders("1F1B", 2, 3)[0][0]
+        Action(0, Kind.F, 0)
     """
     lay = layout(schedule, num_stages, stages_per_rank)
     check_microbatches(lay.schedule, num_stages, microbatches, stages_per_rank)
@@ -319,7 +332,35 @@ def orders(schedule: str, num_stages: int, microbatches: int, stages_per_rank: i
         return [_one_f_one_b(r, num_stages, microbatches) for r in range(num_stages)]
     from pipeviz.adapter import schedule_actions
 
-    return schedule_actions(lay.schedule, lay.num_ranks, num_stages, microbatches)
+    return [[Action(s, Kind(k), mb) for s, k, mb in rank]
+            for rank in schedule_actions(lay.schedule, lay.num_ranks, num_stages, microbatches)]
+
+
+def action(given: Action | str) -> Action:
+    """``given`` as an ``Action``: itself, or parsed from torch's text (``"2F0"``); for what users type.
+
+    Raises:
+        ScheduleError: text that is not an action.
+    """
+    if isinstance(given, Action):
+        return given if isinstance(given.kind, Kind) else Action(given.stage, Kind(given.kind), given.mb)
+    if isinstance(given, str):
+        return Action.parse(given)
+    raise ScheduleError(f"Not an action: {given!r}; expected pv.schedule.Action(stage, Kind.F, mb) or its text "
+                        "such as '2F0'.")
+
+
+def order_of(given: Sequence[Sequence[Action | str]]) -> Order:
+    """A per-rank order given as ``Action``s or torch's text (``[["0F0", "0B0"], ["1F0", "1B0"]]``) as ``Action``s:
+    the one place where a user's order (``LaunchConfig(order=...)``) is read.
+
+    Raises:
+        ScheduleError: not one list of actions per rank, or an entry that is not an action.
+    """
+    if isinstance(given, str) or not all(isinstance(r, Sequence) and not isinstance(r, str) for r in given):
+        raise ScheduleError(f"order must be one list of actions per pipeline rank, got {given!r}. Fix: "
+                            "order=[['0F0', '0F1', '0B0', '0B1'], ['1F0', '1B0', '1F1', '1B1']].")
+    return [[action(a) for a in rank] for rank in given]
 
 
 def parse(action: str) -> Action:
@@ -331,9 +372,11 @@ def parse(action: str) -> Action:
     return Action.parse(action)
 
 
-def validate(order: list[list[str]], num_stages: int, microbatches: int, stage_ranks: tuple[int, ...]) -> None:
-    """Check per-rank action lists: every (stage, microbatch) has F then B (or I then W) exactly once, on the
-    rank holding the stage, forward before backward on that rank.
+def validate(order: Sequence[Sequence[Action | str]], num_stages: int, microbatches: int,
+             stage_ranks: tuple[int, ...]) -> None:
+    """Check per-rank action lists (``Action``s, or torch's text as users write it: ``"0F0"``): every (stage,
+    microbatch) has F then B (or I then W) exactly once, on the rank holding the stage, forward before backward on
+    that rank.
 
     Raises:
         ScheduleError: naming the first broken rule.
@@ -341,7 +384,7 @@ def validate(order: list[list[str]], num_stages: int, microbatches: int, stage_r
     seen: dict[tuple[int, str, int], int] = {}
     for rank, acts in enumerate(order):
         for pos, act in enumerate(acts):
-            s, k, m = parse(act)
+            s, k, m = action(act)
             if not (0 <= s < num_stages and 0 <= m < microbatches):
                 raise ScheduleError(f"rank {rank}: {act} is out of range ({num_stages} stages, {microbatches} mb).")
             if stage_ranks[s] != rank:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from pipeviz.cost.comm import DDP_BUCKET_BYTES, all_reduce_time, ddp_buckets
 from pipeviz.cost.machine import dtype_name
-from pipeviz.cost.memory import parsed_actions
+from pipeviz.cost.memory import stages_and_kinds
 from pipeviz.cost.model import Costs
 from pipeviz.schedule import traits as sched
 from pipeviz.schedule.timeline import Event
@@ -148,7 +148,7 @@ class Reduction:
     all-gathered before its first forward ends), or one ``DP`` event per rank after its last action
     (``"after_flush"``, and ``"ddp"`` under the split-backward schedules, as torch's runtime does)."""
 
-    def __init__(self, acts: list[list[str]], lay: sched.Layout, costs: Costs, dp: int, via: tuple[float, float],
+    def __init__(self, acts: sched.Order, lay: sched.Layout, costs: Costs, dp: int, via: tuple[float, float],
                  mode: str = "ddp", grad_scale: float = 1.0, param_scale: float = 1.0,
                  grad_element: float = 4.0) -> None:
         self.dp, self.via, self.costs = dp, via, costs
@@ -162,7 +162,7 @@ class Reduction:
         self.exposed = [0.0] * lay.num_ranks
         last_of: dict[tuple[int, int], int] = {}  # (rank, stage) -> index of the stage's last backward action
         for rank, rank_acts in enumerate(acts if self.mode != "after_flush" else []):
-            stages, kinds = parsed_actions(tuple(rank_acts))
+            stages, kinds = stages_and_kinds(tuple(rank_acts))
             for i, (s, kind) in enumerate(zip(stages, kinds, strict=True)):
                 if kind != "F":
                     last_of[(rank, s)] = i
@@ -177,7 +177,7 @@ class Reduction:
         self.gathered: dict[tuple[int, int], float] = {}  # (rank, index of a stage's first forward) -> arrival
         for rank, rank_acts in enumerate(acts if self.mode == "distributed" else []):
             t, seen = 0.0, set()
-            stages, kinds = parsed_actions(tuple(rank_acts))
+            stages, kinds = stages_and_kinds(tuple(rank_acts))
             for i, (s, kind) in enumerate(zip(stages, kinds, strict=True)):
                 if kind == "F" and s not in seen:
                     seen.add(s)

@@ -19,7 +19,7 @@ __all__ = ["check_order", "contended", "play", "play_on_cores", "runtime_actions
 T = TypeVar("T")
 
 
-def check_order(order: Sequence[Sequence[str]], lay: sched.Layout, microbatches: int) -> list[list[str]]:
+def check_order(order: Sequence[Sequence[sched.Action]], lay: sched.Layout, microbatches: int) -> sched.Order:
     """A custom order's per-rank action lists, checked: one list per pipeline rank of ``lay``, every stage's
     forward and backward of every microbatch once on the rank holding the stage (``schedules.validate``), and
     an order that can run (played once with unit costs: a rank waiting on an action another rank has not reached
@@ -101,7 +101,7 @@ def runtime_actions(lay: sched.Layout, overhead: float) -> tuple[float, ...]:
     return tuple(overhead * k for k in crossings)
 
 
-def play(acts: list[list[str]], lay: sched.Layout, costs: Costs, n: int, red: Reduction | None = None) -> list[Event]:
+def play(acts: sched.Order, lay: sched.Layout, costs: Costs, n: int, red: Reduction | None = None) -> list[Event]:
     done: dict[tuple[int, str, int], float] = {}
     free = [0.0] * len(acts)
     pos = [0] * len(acts)
@@ -111,7 +111,7 @@ def play(acts: list[list[str]], lay: sched.Layout, costs: Costs, n: int, red: Re
         progressed = False
         for rank, rank_acts in enumerate(acts):
             while pos[rank] < len(rank_acts):
-                s, kind, mb = sched.parse(rank_acts[pos[rank]])
+                s, kind, mb = rank_acts[pos[rank]]
                 ready = _ready(s, kind, mb, done, costs, lay, n)
                 if ready is None:
                     break
@@ -129,7 +129,7 @@ def play(acts: list[list[str]], lay: sched.Layout, costs: Costs, n: int, red: Re
     return events
 
 
-def _deadlock(acts: list[list[str]], lay: sched.Layout, done: Collection[tuple[int, str, int]],
+def _deadlock(acts: sched.Order, lay: sched.Layout, done: Collection[tuple[int, str, int]],
               pos: Sequence[int]) -> sched.ScheduleError:
     """The error for an order no rank can go on with, with the report a launch that hung on it would give
     (``pipeviz.schedule.hang.diagnose``: per rank the last action, the one it is blocked in, whom it waits for, the
@@ -146,7 +146,7 @@ def _deadlock(acts: list[list[str]], lay: sched.Layout, done: Collection[tuple[i
     return err
 
 
-def play_on_cores(acts: list[list[str]], lay: sched.Layout, costs: Costs, n: int, cores: int, slow: float = 1.0,
+def play_on_cores(acts: sched.Order, lay: sched.Layout, costs: Costs, n: int, cores: int, slow: float = 1.0,
                   red: Reduction | None = None) -> list[Event]:
     """Like ``play``, with at most ``cores`` actions running at once: the next action to start is always the
     one that can start earliest (list scheduling), on the core that frees first; every action takes ``slow``
@@ -165,7 +165,7 @@ def play_on_cores(acts: list[list[str]], lay: sched.Layout, costs: Costs, n: int
         for rank, rank_acts in enumerate(acts):
             if pos[rank] >= len(rank_acts):
                 continue
-            s, kind, mb = sched.parse(rank_acts[pos[rank]])
+            s, kind, mb = rank_acts[pos[rank]]
             ready = _ready(s, kind, mb, done, costs, lay, n)
             if ready is not None and (best is None or max(free[rank], ready) < best[0]):
                 best = (max(free[rank], ready), rank)
@@ -173,7 +173,7 @@ def play_on_cores(acts: list[list[str]], lay: sched.Layout, costs: Costs, n: int
             raise _deadlock(acts, lay, done, pos)
         earliest, rank = best
         core_at = heapq.heappop(core_free)
-        s, kind, mb = sched.parse(acts[rank][pos[rank]])
+        s, kind, mb = acts[rank][pos[rank]]
         start = max(earliest, core_at)
         end = start + costs.duration(s, kind) * slow
         if red is not None:

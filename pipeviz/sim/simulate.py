@@ -105,7 +105,7 @@ def simulate(
     costs: Costs | None = None,
     options: CostOptions | None = None,
     collectives: Collectives | None = None,
-    order: Sequence[Sequence[str]] | None = None,
+    order: Sequence[Sequence[sched.Action | str]] | None = None,
     num_stages: int | None = None,
     forward_only: bool | None = None,
     cores: int | None = None,
@@ -142,9 +142,9 @@ def simulate(
             collectives, scattered hand-offs. Default: torch's (DDP, traced dtype, nothing overlapped), and with
             ``dp_shard`` (FSDP2) the distributed optimizer's reduce-scatter and all-gather (its per-layer gathers
             are not modelled).
-        order: per-rank action lists in torch's notation (``"2F0"``): a custom schedule instead of the
-            schedule's own (default: ``config.order``, which ``pv.launch`` runs as it is); ``num_stages``: the
-            stage count of a what-if without a plan.
+        order: per-rank action lists (``pv.schedule.Action``s or torch's text, ``"2F0"``): a custom schedule
+            instead of the schedule's own (default: ``config.order``, which ``pv.launch`` runs as it is);
+            ``num_stages``: the stage count of a what-if without a plan.
         forward_only: an inference run: the schedule's forwards only, memory without gradients or optimizer
             state. Default: ``config.loss_fn is None`` for a ``LaunchConfig``, a training step for a name.
         cores: simulate the run on this many CPU cores ("as run here" on a machine with fewer cores than
@@ -211,14 +211,15 @@ def simulate(
         if len(set(stage_modes)) == 1:
             opts, stage_modes = replace(opts, recompute=stage_modes[0]), ()
     coll = collectives or _run_collectives(cfg)
-    return _simulate(plan, cfg, forward_only, _Extras(costs, opts, coll, order, num_stages, cores, optimizer_states,
+    acts = None if order is None else sched.order_of(order)  # a user's order, text or Actions, read here once
+    return _simulate(plan, cfg, forward_only, _Extras(costs, opts, coll, acts, num_stages, cores, optimizer_states,
                                                        dp_bandwidth, tp_bandwidth, cp_bandwidth, stage_modes))
 
 
 @functools.lru_cache(maxsize=256)  # (a deep pipeline's order holds 10^5 actions: a few MB each)
 def schedule_orders(schedule: str, num_stages: int, microbatches: int,
-                    stages_per_rank: int | None = None) -> tuple[tuple[str, ...], ...]:
-    """``pipeviz.schedules.orders``, remembered: torch's own schedule code builds the multi-stage orders, slowly
+                    stages_per_rank: int | None = None) -> tuple[tuple[sched.Action, ...], ...]:
+    """``pipeviz.schedule.traits.orders``, remembered: torch's own schedule code builds the multi-stage orders, slowly
     (up to a second for a deep pipeline), and the planner, ``pv.compare`` and the Explorer ask for the same ones
     again. A schedule's own order needs no check (``check_order`` is for a custom ``order=``)."""
     return tuple(tuple(a) for a in sched.orders(schedule, num_stages, microbatches, stages_per_rank))
@@ -265,7 +266,7 @@ class _Extras:
     costs: Costs | None
     options: CostOptions
     collectives: Collectives
-    order: Sequence[Sequence[str]] | None
+    order: sched.Order | None
     num_stages: int | None
     cores: int | None
     optimizer_states: int | None
@@ -285,17 +286,16 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
     lay = sched.layout(cfg.schedule, n, spr)
     mesh = Mesh(lay.num_ranks, cfg.dp, cfg.tp, cfg.cp)
     dp, cp, tp = mesh.dp, mesh.cp, mesh.tp
-    order = x.order if x.order is not None else cfg.order
-    acts = ([[str(sched.parse(a)) for a in rank_acts] for rank_acts in order] if order is not None
+    order = x.order if x.order is not None else cfg.actions()
+    acts = ([list(rank_acts) for rank_acts in order] if order is not None
             else [list(rank_acts) for rank_acts in schedule_orders(lay.schedule, n, microbatches, spr)])
     if forward_only:
-        acts = [[a for a in rank_acts if sched.parse(a).kind == "F"] for rank_acts in acts]
+        acts = [[a for a in rank_acts if a.kind == sched.Kind.F] for rank_acts in acts]
     elif order is not None:
         acts = check_order(acts, lay, microbatches)  # as pv.launch checks it: rank count, rules, no deadlock
     k = 1 if forward_only else cfg.accumulate
     if k > 1:  # accumulation: the schedule k times in a row, batch b's microbatches numbered on from b x m
-        acts = [[str(sched.Action(a.stage, a.kind, a.mb + b * microbatches)) for b in range(k)
-                 for a in map(sched.parse, rank_acts)] for rank_acts in acts]
+        acts = [[a._replace(mb=a.mb + b * microbatches) for b in range(k) for a in rank_acts] for rank_acts in acts]
     hw = opts.hw
     costs = x.costs
     per_replica = hw is not None and costs is None  # a roofline: cost one process's microbatch at its own size
