@@ -76,3 +76,33 @@ def test_rows_read_as_dicts(graph: pv.ModelGraph) -> None:
 def test_parallel_costs_with_loose_degrees() -> None:
     costs = Costs.uniform(2)
     assert parallel_costs(costs, 2, 2) == parallel_costs(costs, pv.Mesh(pp=1, dp=2, tp=2))
+
+
+def test_compare_takes_the_runs_settings_in_its_config(graph: pv.ModelGraph) -> None:
+    """pv.compare's dp=/tp=/loss_fn= keywords restated LaunchConfig's fields: they still work, with a warning naming
+    the config form, and give the same rows."""
+    plan = graph.split(["layer1"])
+    new = pv.compare(plan, ["GPipe", "1F1B"], 4, config=pv.LaunchConfig(loss_fn=pv.cross_entropy, dp=2, tp=2))
+    with pytest.warns(DeprecationWarning, match=r"pv.compare\(plan, config=pv.LaunchConfig\(dp=..., tp=..."):
+        old = pv.compare(plan, ["GPipe", "1F1B"], 4, dp=2, tp=2)
+    assert [r.step_time for r in old.rows] == [r.step_time for r in new.rows]
+    assert all(tl.meta["mesh"] == (2, 2, 2) for tl in old.timelines.values())
+
+
+def test_simulates_short_form_keywords_are_launch_configs_fields() -> None:
+    """pv.simulate's short-form keywords (dp=, tp=, ...) are LaunchConfig's fields with LaunchConfig's types, and its
+    cost keywords are CostOptions' fields (CostChanges): no option dict drifts from the config it restates."""
+    import dataclasses
+
+    from pipeviz.cost.options import CostChanges, CostOptions
+    from pipeviz.sim.simulate import SimulateOptions
+
+    launch = {f.name: f.type for f in dataclasses.fields(pv.LaunchConfig)}
+    cost = {f.name for f in dataclasses.fields(CostOptions)}
+    own = set(SimulateOptions.__annotations__) - set(CostChanges.__annotations__)
+    assert own and all(k in launch for k in own)
+    def text(t: object) -> str:  # an annotation as written (a TypedDict's are ForwardRefs, a dataclass's strings)
+        return str(getattr(t, "__forward_arg__", t))
+
+    assert {k: text(SimulateOptions.__annotations__[k]) for k in own} == {k: text(launch[k]) for k in own}
+    assert set(CostChanges.__annotations__) == cost

@@ -208,7 +208,8 @@ def test_bad_degrees_are_refused(option: str, value: object) -> None:
 
 def test_compare_takes_dp_and_tp(classic_graph: pv.ModelGraph) -> None:
     plan = classic_graph.split(["layer1"])
-    cmp = pv.compare(plan, ["GPipe", "1F1B"], microbatches=4, dp=2, tp=2)
+    cmp = pv.compare(plan, ["GPipe", "1F1B"], microbatches=4, config=pv.LaunchConfig(loss_fn=pv.cross_entropy, dp=2,
+                                                                                      tp=2))
     assert [r.step_time for r in cmp.rows] == [pv.simulate(plan, s, 4, dp=2, tp=2).step_time
                                                   for s in ("GPipe", "1F1B")]
     assert all(tl.meta["mesh"] == (2, 2, 2) for tl in cmp.timelines.values())

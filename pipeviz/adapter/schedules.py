@@ -172,8 +172,8 @@ def regions_inlined() -> Iterator[None]:
         hold_constants(ep.graph_module)
         return ep
 
-    Pipe._trace_with_export = staticmethod(trace)  # type: ignore[method-assign]
+    Pipe._trace_with_export = staticmethod(trace)  # type: ignore[method-assign]  # patched for the block only
     try:
         yield
     finally:
-        Pipe._trace_with_export = original  # type: ignore[method-assign]
+        Pipe._trace_with_export = original  # type: ignore[method-assign]  # torch's own, put back

@@ -16,14 +16,13 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Unpack
+from typing import TYPE_CHECKING, Any, Unpack
 
-from pipeviz._compat import positional_legacy
+from pipeviz._compat import deprecated, positional_legacy
 from pipeviz.capture.view import GraphView
-from pipeviz.cost.machine import Hardware
 from pipeviz.cost.memory import in_flight
 from pipeviz.cost.model import layer_activation_bytes, layer_times
-from pipeviz.cost.options import CostChanges, CostOptions, LinkOptions
+from pipeviz.cost.options import CostChanges, CostOptions
 from pipeviz.cost.rule import stage_bytes
 from pipeviz.plan.errors import PlanError
 from pipeviz.plan.split import SplitPlan
@@ -34,9 +33,7 @@ from pipeviz.schedule.traits import ScheduleError
 from pipeviz.sim.simulate import Comparison, ComparisonRow, simulate
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
 
-    import torch
 
     from pipeviz.cost.model import Costs
     from pipeviz.sim.collectives import Collectives
@@ -45,33 +42,23 @@ if TYPE_CHECKING:
 __all__ = ["BY", "balance", "compare", "layer_costs", "optimal_partitions", "partition", "slowest_stage"]
 
 
-class CompareOptions(LinkOptions, total=False):
-    """``pv.compare``'s other keywords: ``CostOptions``' ``hardware``, ``dtype`` and ``recompute``, and the rest of
-    ``pv.simulate``'s (``dp``, ``tp``, ``forward_only``, ``cores``, ...)."""
+class CompareOptions(CostChanges, total=False):
+    """``pv.compare``'s other keywords: ``CostOptions``' fields (``CostChanges``), and ``pv.simulate``'s own
+    (``forward_only``, ``cores``, ...). The run's own settings (``dp``, ``tp``, ``loss_fn``, ``order``, ...) come in
+    ``config``, a ``LaunchConfig``: ``pv.compare(plan, config=pv.LaunchConfig(dp=2, tp=2))``."""
 
-    hardware: Hardware | str | None
-    dtype: str | None
-    recompute: str | None
-
-    loss_fn: Callable[..., torch.Tensor] | None
-    dp: int
-    cp: int
-    tp: int
-    dp_shard: bool
-    tp_plan: Mapping[str, str] | None
     costs: Costs | None
     collectives: Collectives | None
-    order: Sequence[Sequence[str]] | None
     num_stages: int | None
     forward_only: bool | None
     cores: int | None
-    optimizer_states: int | None
     dp_bandwidth: float | None
     tp_bandwidth: float | None
     cp_bandwidth: float | None
 
 
 BY = ("time", "flops", "params")
+_RUN_FIELDS = ("loss_fn", "dp", "cp", "tp", "dp_shard", "tp_plan", "order")  # LaunchConfig's, once compare()'s too
 
 
 GroupExtra = Callable[[int, int, int], float]  # (group j, first item a, end b) -> memory the group adds as a whole
@@ -412,14 +399,21 @@ def compare(plan: SplitPlan, schedules: Sequence[str] | None = None, microbatche
             ``pv.launch`` takes it; each row's schedule, microbatches and stages per rank replace its own.
         options: cost options (a ``pv.CostOptions``); its fields ``hardware``, ``dtype`` and ``recompute`` may come
             as keywords too.
-        simulate_options: the rest of ``pv.simulate``'s keywords (``dp``, ``tp``, ``forward_only``, ``cores``, ...).
+        simulate_options: the rest of ``pv.simulate``'s keywords (``forward_only``, ``cores``, ...). The run's
+            settings as keywords (``dp=``, ``tp=``, ``loss_fn=``, ...) are deprecated: they belong in ``config``.
     """
-    opts = CostOptions.of(options, hardware=simulate_options.pop("hardware", None),
-                          dtype=simulate_options.pop("dtype", None), recompute=simulate_options.pop("recompute", None))
+    given: dict[str, Any] = dict(simulate_options)
+    run = {k: given.pop(k) for k in _RUN_FIELDS if k in given}  # pipeviz 0.4's keywords: the config's fields
+    opts = CostOptions.of(options, **{k: given.pop(k) for k in CostChanges.__optional_keys__ if k in given})
     ranks = plan.num_stages
     base = config or LaunchConfig(loss_fn=cross_entropy)  # a training run unless the config says otherwise
-    forward_only = simulate_options.pop("forward_only", base.loss_fn is None)
-    simulate_options["forward_only"] = forward_only  # each row's simulation: training or forward only
+    if run:
+        deprecated(f"pv.compare(..., {', '.join(f'{k}=' for k in run)}): the run's settings come in its config: "
+                   f"pv.compare(plan, config=pv.LaunchConfig({', '.join(f'{k}=...' for k in run)}, ...)).")
+        base = base.replace(**run)
+    forward_only = given.pop("forward_only", None)
+    forward_only = base.loss_fn is None if forward_only is None else forward_only
+    given["forward_only"] = forward_only  # each row's simulation: training or forward only
     rows, tls, skipped, why = [], {}, {}, {}
     splits: dict[int, SplitPlan | PlanError] = {}
     for name in schedules or sched.ALL:
@@ -447,7 +441,7 @@ def compare(plan: SplitPlan, schedules: Sequence[str] | None = None, microbatche
                 continue
         cfg = base.replace(schedule=canon, microbatches=microbatches, stages_per_rank=None if v == 1 else v)
         try:
-            tl = simulate(run_plan, cfg, options=opts, **simulate_options)
+            tl = simulate(run_plan, cfg, options=opts, **given)
         except ScheduleError as exc:
             skipped[canon] = str(exc)
             why[canon] = str(exc)

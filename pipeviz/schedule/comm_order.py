@@ -322,7 +322,7 @@ def _play(progs: list[list[Step]], ranks: Sequence[int]) -> None:
         err = sched.ScheduleError(
             "The communication order deadlocks: every rank that has not finished waits on a send or receive its "
             "peer has not posted. A launch would hang here:\n" + str(report))
-        err.report = report  # type: ignore[attr-defined]
+        err.report = report
         raise err
 
 

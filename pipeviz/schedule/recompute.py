@@ -154,12 +154,12 @@ class _Keep(torch.autograd.Function):
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, *kept: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(*kept)
-        ctx.n = len(kept)  # type: ignore[attr-defined]
+        ctx.n = len(kept)  # type: ignore[attr-defined]  # autograd's ctx holds what forward leaves; torch types none
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return (grad, *([None] * ctx.n))  # type: ignore[attr-defined]
+        return (grad, *([None] * ctx.n))  # type: ignore[attr-defined]  # set in forward (torch types no ctx fields)
 
 
 def _fetch(module: nn.Module, target: str) -> object:
@@ -232,7 +232,8 @@ class Recomputed:
             args = tuple(a.clone() if i in self.writes[node] and isinstance(a, torch.Tensor) else a
                          for i, a in enumerate(args))
         if node.op == "call_function":
-            return node.target(*args, **kwargs)  # type: ignore[operator]
+            assert callable(node.target)  # fx: a call_function's target is the function (a str only for methods)
+            return node.target(*args, **kwargs)
         if node.op == "call_method":
             self_obj, *rest = args
             return getattr(self_obj, str(node.target))(*rest, **kwargs)

@@ -48,7 +48,13 @@ __all__ = [
 
 
 class ScheduleError(ValueError):
-    """A schedule name or a (stages, microbatches, stages per rank) combination torch cannot run."""
+    """A schedule name or a (stages, microbatches, stages per rank) combination torch cannot run.
+
+    ``report``: for an order that deadlocks, the ``HangReport`` a launch that hung on it would give (``None``
+    otherwise); ``setting``: the ``LaunchConfig`` field at fault, where a launch's checks name one."""
+
+    report: object | None = None  # a pipeviz.schedule.hang.HangReport (hang imports this module: not named here)
+    setting: str | None = None
 
 
 @dataclass(frozen=True)

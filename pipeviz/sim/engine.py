@@ -142,7 +142,7 @@ def _deadlock(acts: sched.Order, lay: sched.Layout, done: Collection[tuple[int, 
         "The schedule deadlocks: no rank can run its next action. " + "; ".join(waits) + ". Fix: order each "
         "rank's actions so every forward comes after the previous stage's and every backward after the "
         "next stage's. A launch would hang here:\n" + str(report))
-    err.report = report  # type: ignore[attr-defined]
+    err.report = report
     return err
 
 

@@ -28,14 +28,14 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any, TypedDict, Unpack
+from typing import TYPE_CHECKING, Any, Unpack
 
 from pipeviz._compat import deprecated, positional_legacy
 from pipeviz.cost.comm import cp_collectives, tp_collectives
-from pipeviz.cost.machine import DTYPE_BYTES, Hardware
+from pipeviz.cost.machine import DTYPE_BYTES
 from pipeviz.cost.memory import activation_curve, memory_per_rank, peak_activations
 from pipeviz.cost.model import Costs, overlapped, parallel_costs, stage_costs
-from pipeviz.cost.options import CostOptions, LinkOptions
+from pipeviz.cost.options import CostChanges, CostOptions
 from pipeviz.cost.sharding import launch_tp_seconds, tp_shares
 from pipeviz.plan.split import SplitPlan
 from pipeviz.schedule import traits as sched
@@ -54,23 +54,17 @@ if TYPE_CHECKING:
 __all__ = ["DP_REDUCE", "Collectives", "Comparison", "ComparisonRow", "Costs", "estimate_costs", "simulate"]
 
 
-class EstimateOptions(LinkOptions, total=False):
-    """``estimate_costs``' keywords: ``stage_costs``' (the link and FLOP-rate settings, the cost options)."""
-
-    hardware: Hardware | str | None
-    dtype: str | None
-    recompute: str | None
-    options: CostOptions | None
+def estimate_costs(plan: SplitPlan, microbatches: int, options: CostOptions | None = None,
+                   **cost: Unpack[CostChanges]) -> Costs:
+    """Per-stage costs of ``plan`` for one microbatch: ``pipeviz.costs.stage_costs`` (kept under this name), the cost
+    settings a ``CostOptions`` or its fields as keywords."""
+    return stage_costs(plan, microbatches, options=CostOptions.of(options, **cost))
 
 
-def estimate_costs(plan: SplitPlan, microbatches: int, **options: Unpack[EstimateOptions]) -> Costs:
-    """Per-stage costs of ``plan`` for one microbatch: ``pipeviz.costs.stage_costs`` (kept under this name)."""
-    return stage_costs(plan, microbatches, **options)
-
-
-class SimulateOptions(TypedDict, total=False):
-    """``pv.simulate``'s keywords beside its own: ``LaunchConfig`` fields (they override ``config``'s) and
-    ``CostOptions`` fields (they override ``options``')."""
+class SimulateOptions(CostChanges, total=False):
+    """``pv.simulate``'s keywords beside its own: ``CostOptions``' fields (``CostChanges``: they override
+    ``options``'), and the short form's ``LaunchConfig`` fields (they override ``config``'s; their types are
+    ``LaunchConfig``'s, ``tests/test_old_calls.py`` checks it): ``pv.simulate(plan, "1F1B", 8, dp=4)``."""
 
     schedule: str
     stages_per_rank: int | None
@@ -82,17 +76,6 @@ class SimulateOptions(TypedDict, total=False):
     tp_plan: Mapping[str, str] | None
     sequence_parallel: bool
     accumulate: int
-    hardware: Hardware | str | None
-    dtype: str | None
-    recompute: str | None
-    device: str | None
-    flops_per_s: float | None
-    bandwidth: float | None
-    latency: float | None
-    backend: str | None
-
-
-_COST_FIELDS = ("hardware", "dtype", "recompute", "device", "flops_per_s", "bandwidth", "latency", "backend")
 
 
 @positional_legacy("stages_per_rank", "costs", "order", "num_stages", "optimizer_states", "cores", "forward_only",
@@ -109,7 +92,6 @@ def simulate(
     num_stages: int | None = None,
     forward_only: bool | None = None,
     cores: int | None = None,
-    optimizer_states: int | None = None,
     dp_bandwidth: float | None = None,
     tp_bandwidth: float | None = None,
     cp_bandwidth: float | None = None,
@@ -153,8 +135,8 @@ def simulate(
             all-reduce holds its core. Not modelled, measured by ``benchmarks/accuracy/simulator_accuracy.py``:
             time-slicing's own cost, the cores the scheduler leaves idle and the work between steps: such runs
             measured 12-24 % longer than simulated.
-        optimizer_states: tensors of optimizer state per parameter for the memory figure (default
-            ``options.optimizer_states``, Adam's 2).
+        optimizer_states (a ``CostOptions`` field, as a keyword too): tensors of optimizer state per parameter for
+            the memory figure (default Adam's 2).
         dp_bandwidth, tp_bandwidth, cp_bandwidth: bytes/s of the replicas', shards' and sequence shares' links
             (default: the pipeline's link, or the hardware's for the span of the group; latency from the same).
 
@@ -192,10 +174,11 @@ def simulate(
         ScheduleError: an invalid schedule/microbatch combination, an unknown action, or a custom order that
             deadlocks (the message names what each rank waits for).
     """
-    cost_given = {k: given.pop(k) for k in _COST_FIELDS if k in given}  # type: ignore[misc]
+    cost_keys = CostChanges.__optional_keys__  # CostOptions' fields; the other keywords are LaunchConfig's
+    cost_given: dict[str, Any] = {k: v for k, v in given.items() if k in cost_keys}
     named = isinstance(config, str)
     base = config if isinstance(config, LaunchConfig) else None
-    launch_given: dict[str, Any] = dict(given)
+    launch_given: dict[str, Any] = {k: v for k, v in given.items() if k not in cost_keys}
     if named:
         launch_given["schedule"] = config
     if microbatches is not None:
@@ -212,7 +195,7 @@ def simulate(
             opts, stage_modes = replace(opts, recompute=stage_modes[0]), ()
     coll = collectives or _run_collectives(cfg)
     acts = None if order is None else sched.order_of(order)  # a user's order, text or Actions, read here once
-    return _simulate(plan, cfg, forward_only, _Extras(costs, opts, coll, acts, num_stages, cores, optimizer_states,
+    return _simulate(plan, cfg, forward_only, _Extras(costs, opts, coll, acts, num_stages, cores,
                                                        dp_bandwidth, tp_bandwidth, cp_bandwidth, stage_modes))
 
 
@@ -269,7 +252,6 @@ class _Extras:
     order: sched.Order | None
     num_stages: int | None
     cores: int | None
-    optimizer_states: int | None
     dp_bandwidth: float | None
     tp_bandwidth: float | None
     cp_bandwidth: float | None
@@ -278,7 +260,7 @@ class _Extras:
 
 def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: _Extras) -> Timeline:
     opts, coll, cores = x.options, x.collectives, x.cores
-    optimizer_states = opts.optimizer_states if x.optimizer_states is None else x.optimizer_states
+    optimizer_states = opts.optimizer_states
     microbatches, spr = cfg.microbatches, cfg.stages_per_rank
     n = plan.num_stages if plan is not None else x.num_stages
     if n is None:
