@@ -1,6 +1,6 @@
 """Tensor parallelism on the models people use: HF Llama (grouped KV heads, rotary table), Mistral, BERT, GPT-2
-(``Conv1D``) and Qwen2-MoE, sharded the way Megatron shards them (q / k / v column-wise by heads, the attention's
-output row-wise, the MLP column then row), exact against the unsplit model. Their traced stage code runs on
+(``Conv1D``, its fused q/k/v cut by heads) and Qwen2-MoE, sharded the way Megatron shards them (q / k / v
+column-wise by heads, the attention's output row-wise, the MLP column then row, the vocabulary), exact against the unsplit model. Their traced stage code runs on
 DTensors: the export's metadata asserts, plain tensors made inside the graph, the CPU attention kernel and
 transformers' expert op are handled in ``pipeviz.schedule.tensor_parallel``. Three rows in ``make test``, the rest
 (another schedule, a multi-stage one, dp = 2 on 8 processes) in ``make compat``."""
@@ -84,7 +84,8 @@ def _collectives_match_the_model(run: pv.Run, kind: str, sequence_parallel: bool
     seen = Counter((e.rank, e.step) for e in run.events if e.kind == "TP")
     for rank in range(4):
         stage = run.mesh.coords(rank).pp
-        norms = {("llama", 0): 2, ("llama", 1): 2, ("bert", 0): 8, ("bert", 1): 8}.get((kind, stage), 0)
+        norms = {("llama", 0): 2, ("llama", 1): 2, ("bert", 0): 8, ("bert", 1): 8, ("gpt2", 0): 5,
+                 ("gpt2", 1): 4}.get((kind, stage), 0)
         received = [seen[(rank, step)] - 4 * per_stage[stage] - norms * sequence_parallel for step in range(2)]
         allowed = (0,) if stage == 0 or kind == "gpt2" else (0, 4, 8)  # 4 microbatches x 0, 1 or 2 tensors
         assert received[0] == received[1] in allowed, (rank, seen, per_stage)
@@ -105,12 +106,19 @@ def test_the_default_layout_is_megatrons() -> None:
         "attention.self.query": "colwise", "attention.self.key": "colwise", "attention.self.value": "colwise",
         "attention.output.dense": "rowwise", "intermediate.dense": "colwise", "output.dense": "rowwise"}.items()}
     gpt2 = _model("gpt2")
-    assert default_tp_plan(gpt2, [("transformer.h.0",)]) == {
-        "transformer.h.0.mlp.c_fc": "colwise", "transformer.h.0.mlp.c_proj": "rowwise"}
-    # Conv1D stores its weight [in, out]: column-wise shards its dim 1
-    assert check_tp_plan(gpt2, {"transformer.h.0.mlp.c_fc": "colwise", "transformer.h.0.mlp.c_proj": "rowwise"}, 2) \
-        == {"transformer.h.0.mlp.c_fc.weight": "shard1", "transformer.h.0.mlp.c_fc.bias": "shard0",
-            "transformer.h.0.mlp.c_proj.weight": "shard0", "transformer.h.0.mlp.c_proj.bias": "replicate"}
+    gpt2_plan = default_tp_plan(gpt2, [("transformer.h.0",)])
+    assert gpt2_plan == {"transformer.h.0.attn.c_attn": "colwise", "transformer.h.0.attn.c_proj": "rowwise",
+                         "transformer.h.0.mlp.c_fc": "colwise", "transformer.h.0.mlp.c_proj": "rowwise"}
+    # Conv1D stores its weight [in, out]: column-wise shards its dim 1; the fused [q | k | v] by heads, each of
+    # its three parts cut alike (Megatron's fused QKV)
+    assert check_tp_plan(gpt2, gpt2_plan, 2) == {
+        "transformer.h.0.attn.c_attn.weight": "fused1", "transformer.h.0.attn.c_attn.bias": "fused0",
+        "transformer.h.0.attn.c_proj.weight": "shard0", "transformer.h.0.attn.c_proj.bias": "replicate",
+        "transformer.h.0.mlp.c_fc.weight": "shard1", "transformer.h.0.mlp.c_fc.bias": "shard0",
+        "transformer.h.0.mlp.c_proj.weight": "shard0", "transformer.h.0.mlp.c_proj.bias": "replicate"}
+    with pytest.raises(ValueError, match=r"'transformer.h.0.attn.c_attn' has 192 output features, which tp=5 "
+                                         r"shards cannot share equally in each of its 3 parts"):
+        check_tp_plan(gpt2, {"transformer.h.0.attn.c_attn": "colwise"}, 5)
 
 
 def test_heads_that_tp_does_not_divide_are_refused_before_any_process() -> None:
@@ -135,25 +143,26 @@ def test_hf_models_train_exactly_under_tensor_parallelism(kind: str, schedule: s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama", "bert"])
+@pytest.mark.parametrize("kind", ["llama", "bert", "gpt2"])
 def test_sequence_parallelism_trains_exactly_and_issues_what_the_model_charges(kind: str) -> None:
     """Norms, dropout and the residual stream split by token between the sharded regions (Korthikanti et al.
     2022): exact, with reduce-scatters and all-gathers where the all-reduces were, as ``launch_collectives``
-    counts them."""
+    counts them. GPT-2 too: its fused c_attn sharded by heads, its Conv1D's flattened tokens gathered before."""
     run = _train(kind, "1F1B", sequence_parallel=True)
     _collectives_match_the_model(run, kind, sequence_parallel=True)
 
 
 def test_sequence_parallelism_is_refused_where_it_cannot_split_the_tokens() -> None:
-    """GPT-2's Conv1D flattens the tokens and its fused c_attn stays replicated; tp=1 has nothing to split."""
+    """An attention projection left whole would see its shard's tokens only; tp=1 has nothing to split."""
     model = _model("gpt2")
     ids = torch.randint(0, 128, (8, 16))
     plan = pv.trace(model, example_args=(ids,)).split(["transformer.h.0"])
+    mlp = {f"transformer.h.{i}.mlp.{n}": s for i in range(2) for n, s in (("c_fc", "colwise"), ("c_proj", "rowwise"))}
     with pytest.raises(pv.LaunchError, match=re.escape(
-            "sequence_parallel=True: 'transformer.h.0.attn.c_attn' is a Conv1D, whose [batch x seq, hidden] layout "
-            "the token split does not follow. Fix: sequence_parallel=False")):
+            "sequence_parallel=True: 'transformer.h.0.attn.c_attn' is not sharded (tp_plan leaves it replicated), "
+            "so it would see only its shard's tokens. Fix: sequence_parallel=False")):
         pv.launch(plan, "1F1B", 4, steps=1, inputs=(ids,), target=ids, loss_fn=pv.cross_entropy, tp=2,
-                  sequence_parallel=True)
+                  tp_plan=mlp, sequence_parallel=True)
     with pytest.raises(pv.LaunchError, match="sequence_parallel=True with tp=1"):
         pv.launch(plan, "1F1B", 4, steps=1, inputs=(ids,), target=ids, loss_fn=pv.cross_entropy,
                   sequence_parallel=True)
