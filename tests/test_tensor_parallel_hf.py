@@ -1,9 +1,10 @@
 """Tensor parallelism on the models people use: HF Llama (grouped KV heads, rotary table), Mistral, BERT, GPT-2
 (``Conv1D``, its fused q/k/v cut by heads) and Qwen2-MoE, sharded the way Megatron shards them (q / k / v
-column-wise by heads, the attention's output row-wise, the MLP column then row, the vocabulary), exact against the unsplit model. Their traced stage code runs on
-DTensors: the export's metadata asserts, plain tensors made inside the graph, the CPU attention kernel and
-transformers' expert op are handled in ``pipeviz.schedule.tensor_parallel``. Three rows in ``make test``, the rest
-(another schedule, a multi-stage one, dp = 2 on 8 processes) in ``make compat``."""
+column-wise by heads, the attention's output row-wise, the MLP column then row, the vocabulary), exact against
+the unsplit model. Their traced stage code runs on DTensors: the export's metadata asserts, plain tensors made
+inside the graph, the CPU attention kernel and transformers' expert op are handled in
+``pipeviz.adapter.dtensor_graph``. Three rows in ``make test``, the rest (another schedule, a multi-stage one,
+dp = 2 on 8 processes) in ``make compat``."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ What torch.export leaves in a traced graph and what DTensor can run differ: its 
 sharding rule, plain tensors the graph makes (positions, masks) meet sharded ones, the CPU attention kernel and
 library ops (transformers' MoE experts) have no rules, ``nonzero``'s shape is the data's. And the layouts
 torch's ``ColwiseParallel`` / ``RowwiseParallel`` hooks would give a module go into the graph, which has no module
-to hook (Megatron's *f* and *g*). Each fix is here once; the tests that pin them are
+to hook (Megatron's *f* and *g*), with Megatron's fused QKV (``fused_columns``, ``split_fused``) and its
+vocabulary-parallel embedding. Each fix is here once; the tests that pin them are
 ``tests/test_tensor_parallel_hf.py`` (HF Llama, Mistral, BERT, GPT-2, Qwen2-MoE) and the version grid.
 """
 
@@ -235,8 +236,13 @@ def _megatron_boundaries(stage: nn.Module, params: Mapping[str, str], placements
             after = _unflattened(node)
             with graph.inserting_after(after):
                 out = graph.call_function(token_sharded if sequence_parallel else replicated, (after,))
-            after.replace_all_uses_with(out, delete_user_cb=lambda user, made=out: user is not made)
+            after.replace_all_uses_with(out, delete_user_cb=_other_than(out))
     return marked
+
+
+def _other_than(made: torch.fx.Node) -> Callable[[torch.fx.Node], bool]:
+    """For ``replace_all_uses_with``: every user but the node that reads the original (``made``)."""
+    return lambda user: user is not made
 
 
 _RESHAPES = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)

@@ -2,8 +2,11 @@
 way Megatron-LM shards a transformer.
 
 The layout (``default_tp_plan``): the attention's q, k, v column-wise (each shard whole heads) and its output
-projection row-wise, the MLP's first projections column-wise and its last row-wise: the model's own HF
-``base_model_tp_plan`` where it has one, else by module name, else Megatron's rule for ``nn.Linear`` chains.
+projection row-wise (a fused ``[q | k | v]``, GPT-2's ``c_attn``, by heads: shard t its heads' q, k and v
+columns), the MLP's first projections column-wise and its last row-wise, the vocabulary (embedding rows, LM head
+columns, the loss on sharded logits): the model's own HF ``base_model_tp_plan`` where it has one, else by module
+name, else Megatron's rule for ``nn.Linear`` chains. The layout ``pv.plan_cluster`` prices
+(``Collectives(tp_layout="megatron")``).
 ``check_tp_plan`` refuses a layout that cannot work (sizes or heads ``tp`` does not divide) before any process.
 
 pipeviz's stages are flat graphs (``pipeviz.adapter.flatten_stage``), not trees of ``nn.Linear``, so torch's
