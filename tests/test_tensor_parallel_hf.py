@@ -26,8 +26,9 @@ _SMALL = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_h
 
 
 def _model(kind: str, layers: int = 2) -> Any:
-    """A tiny model at its library's defaults but the sizes (dropout off where the config has it: tensor-parallel
-    shards draw their masks over their own shards, which the unsplit model cannot draw alike)."""
+    """A tiny model at its library's defaults but the sizes, dropout off where the config has it (these tests
+    compare computation and count collectives; dropout under tensor parallelism, exact too, is
+    ``tests/test_dropout.py``'s)."""
     torch.manual_seed(0)
     small = _SMALL | {"num_hidden_layers": layers}
     if kind == "llama":
