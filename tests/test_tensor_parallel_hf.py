@@ -1,9 +1,10 @@
 """Tensor parallelism on the models people use: HF Llama (grouped KV heads, rotary table), Mistral, BERT, GPT-2
-(``Conv1D``) and Qwen2-MoE, sharded the way Megatron shards them (q / k / v column-wise by heads, the attention's
-output row-wise, the MLP column then row), exact against the unsplit model. Their traced stage code runs on
-DTensors: the export's metadata asserts, plain tensors made inside the graph, the CPU attention kernel and
-transformers' expert op are handled in ``pipeviz.schedule.tensor_parallel``. Three rows in ``make test``, the rest
-(another schedule, a multi-stage one, dp = 2 on 8 processes) in ``make compat``."""
+(``Conv1D``, its fused q/k/v cut by heads) and Qwen2-MoE, sharded the way Megatron shards them (q / k / v
+column-wise by heads, the attention's output row-wise, the MLP column then row, the vocabulary), exact against
+the unsplit model. Their traced stage code runs on DTensors: the export's metadata asserts, plain tensors made
+inside the graph, the CPU attention kernel and transformers' expert op are handled in
+``pipeviz.adapter.dtensor_graph``. Three rows in ``make test``, the rest (another schedule, a multi-stage one,
+dp = 2 on 8 processes) in ``make compat``."""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ _SMALL = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_h
 
 
 def _model(kind: str, layers: int = 2) -> Any:
-    """A tiny model at its library's defaults but the sizes (dropout off where the config has it: tensor-parallel
-    shards draw their masks over their own shards, which the unsplit model cannot draw alike)."""
+    """A tiny model at its library's defaults but the sizes, dropout off where the config has it (these tests
+    compare computation and count collectives; dropout under tensor parallelism, exact too, is
+    ``tests/test_dropout.py``'s)."""
     torch.manual_seed(0)
     small = _SMALL | {"num_hidden_layers": layers}
     if kind == "llama":
@@ -84,7 +86,8 @@ def _collectives_match_the_model(run: pv.Run, kind: str, sequence_parallel: bool
     seen = Counter((e.rank, e.step) for e in run.events if e.kind == "TP")
     for rank in range(4):
         stage = run.mesh.coords(rank).pp
-        norms = {("llama", 0): 2, ("llama", 1): 2, ("bert", 0): 8, ("bert", 1): 8}.get((kind, stage), 0)
+        norms = {("llama", 0): 2, ("llama", 1): 2, ("bert", 0): 8, ("bert", 1): 8, ("gpt2", 0): 5,
+                 ("gpt2", 1): 4}.get((kind, stage), 0)
         received = [seen[(rank, step)] - 4 * per_stage[stage] - norms * sequence_parallel for step in range(2)]
         allowed = (0,) if stage == 0 or kind == "gpt2" else (0, 4, 8)  # 4 microbatches x 0, 1 or 2 tensors
         assert received[0] == received[1] in allowed, (rank, seen, per_stage)
@@ -105,12 +108,19 @@ def test_the_default_layout_is_megatrons() -> None:
         "attention.self.query": "colwise", "attention.self.key": "colwise", "attention.self.value": "colwise",
         "attention.output.dense": "rowwise", "intermediate.dense": "colwise", "output.dense": "rowwise"}.items()}
     gpt2 = _model("gpt2")
-    assert default_tp_plan(gpt2, [("transformer.h.0",)]) == {
-        "transformer.h.0.mlp.c_fc": "colwise", "transformer.h.0.mlp.c_proj": "rowwise"}
-    # Conv1D stores its weight [in, out]: column-wise shards its dim 1
-    assert check_tp_plan(gpt2, {"transformer.h.0.mlp.c_fc": "colwise", "transformer.h.0.mlp.c_proj": "rowwise"}, 2) \
-        == {"transformer.h.0.mlp.c_fc.weight": "shard1", "transformer.h.0.mlp.c_fc.bias": "shard0",
-            "transformer.h.0.mlp.c_proj.weight": "shard0", "transformer.h.0.mlp.c_proj.bias": "replicate"}
+    gpt2_plan = default_tp_plan(gpt2, [("transformer.h.0",)])
+    assert gpt2_plan == {"transformer.h.0.attn.c_attn": "colwise", "transformer.h.0.attn.c_proj": "rowwise",
+                         "transformer.h.0.mlp.c_fc": "colwise", "transformer.h.0.mlp.c_proj": "rowwise"}
+    # Conv1D stores its weight [in, out]: column-wise shards its dim 1; the fused [q | k | v] by heads, each of
+    # its three parts cut alike (Megatron's fused QKV)
+    assert check_tp_plan(gpt2, gpt2_plan, 2) == {
+        "transformer.h.0.attn.c_attn.weight": "fused1", "transformer.h.0.attn.c_attn.bias": "fused0",
+        "transformer.h.0.attn.c_proj.weight": "shard0", "transformer.h.0.attn.c_proj.bias": "replicate",
+        "transformer.h.0.mlp.c_fc.weight": "shard1", "transformer.h.0.mlp.c_fc.bias": "shard0",
+        "transformer.h.0.mlp.c_proj.weight": "shard0", "transformer.h.0.mlp.c_proj.bias": "replicate"}
+    with pytest.raises(ValueError, match=r"'transformer.h.0.attn.c_attn' has 192 output features, which tp=5 "
+                                         r"shards cannot share equally in each of its 3 parts"):
+        check_tp_plan(gpt2, {"transformer.h.0.attn.c_attn": "colwise"}, 5)
 
 
 def test_heads_that_tp_does_not_divide_are_refused_before_any_process() -> None:
@@ -135,25 +145,26 @@ def test_hf_models_train_exactly_under_tensor_parallelism(kind: str, schedule: s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama", "bert"])
+@pytest.mark.parametrize("kind", ["llama", "bert", "gpt2"])
 def test_sequence_parallelism_trains_exactly_and_issues_what_the_model_charges(kind: str) -> None:
     """Norms, dropout and the residual stream split by token between the sharded regions (Korthikanti et al.
     2022): exact, with reduce-scatters and all-gathers where the all-reduces were, as ``launch_collectives``
-    counts them."""
+    counts them. GPT-2 too: its fused c_attn sharded by heads, its Conv1D's flattened tokens gathered before."""
     run = _train(kind, "1F1B", sequence_parallel=True)
     _collectives_match_the_model(run, kind, sequence_parallel=True)
 
 
 def test_sequence_parallelism_is_refused_where_it_cannot_split_the_tokens() -> None:
-    """GPT-2's Conv1D flattens the tokens and its fused c_attn stays replicated; tp=1 has nothing to split."""
+    """An attention projection left whole would see its shard's tokens only; tp=1 has nothing to split."""
     model = _model("gpt2")
     ids = torch.randint(0, 128, (8, 16))
     plan = pv.trace(model, example_args=(ids,)).split(["transformer.h.0"])
+    mlp = {f"transformer.h.{i}.mlp.{n}": s for i in range(2) for n, s in (("c_fc", "colwise"), ("c_proj", "rowwise"))}
     with pytest.raises(pv.LaunchError, match=re.escape(
-            "sequence_parallel=True: 'transformer.h.0.attn.c_attn' is a Conv1D, whose [batch x seq, hidden] layout "
-            "the token split does not follow. Fix: sequence_parallel=False")):
+            "sequence_parallel=True: 'transformer.h.0.attn.c_attn' is not sharded (tp_plan leaves it replicated), "
+            "so it would see only its shard's tokens. Fix: sequence_parallel=False")):
         pv.launch(plan, "1F1B", 4, steps=1, inputs=(ids,), target=ids, loss_fn=pv.cross_entropy, tp=2,
-                  sequence_parallel=True)
+                  tp_plan=mlp, sequence_parallel=True)
     with pytest.raises(pv.LaunchError, match="sequence_parallel=True with tp=1"):
         pv.launch(plan, "1F1B", 4, steps=1, inputs=(ids,), target=ids, loss_fn=pv.cross_entropy,
                   sequence_parallel=True)
@@ -254,3 +265,39 @@ def test_the_explorer_shows_what_each_shard_holds() -> None:
     assert ex.sim is not None and ex.sim.meta["memory_bytes"][0] < whole[0]
     ex.tp.value = 1  # nothing to split over: the switch is off and Launch runs without it
     assert ex.sequence_parallel.disabled and not ex.launch_config().sequence_parallel and ex.refusal is None
+
+
+@pytest.mark.slow
+def test_the_layout_the_planner_prices_is_the_one_launch_runs() -> None:
+    """``Collectives(tp_layout="megatron")`` (``pv.plan_cluster``'s rows): every block's attention and MLP and the
+    vocabulary sharded, 2 all-reduces per block each way, a uniform 1/tp. pp 3 x tp 2 on GPT-2 (6 processes):
+    launch's default layout shards exactly those modules (the fused c_attn by heads, the vocabulary), a block's
+    stage issues the all-reduces Megatron's count charges, and each shard's memory is within 12 % of the uniform
+    1/tp (norms, biases and the position table stay whole: the launch layout, within 1 %, is the finer price)."""
+    from pipeviz.cost.comm import tp_all_reduces
+    from pipeviz.sim.collectives import Collectives
+
+    model = _model("gpt2", 4)
+    ids = torch.randint(0, 128, (8, 16))
+    graph = pv.trace(model, example_args=(ids,))
+    plan = graph.split(_blocks(graph)[:2])
+    sharded = sharded_modules(plan, None, 2)
+    assert {n.split(".", 3)[-1] for n in sharded if ".h." in n} == {"attn.c_attn", "attn.c_proj", "mlp.c_fc",
+                                                                    "mlp.c_proj"}
+    assert len(sharded) == 4 * 4 + 2 and sharded["transformer.wte"] == "rowwise" and sharded["lm_head"] == "colwise"
+    run = pv.launch(plan, "1F1B", 4, steps=2, inputs=(ids,), target=ids, loss_fn=pv.cross_entropy, tp=2,
+                    optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
+    assert run.wait(300) == "done", run.error
+    # (Adam divides by the gradients' size: rounding in a near-zero gradient moves a weight 1e-4; the losses agree)
+    assert pv.check_numerics(run).loss_diff <= 1e-6
+    layers = {layer.name: layer for layer in graph.layers}
+    priced = [sum(2 * tp_all_reduces(layers[n]) for n in s.layers) * 4 for s in plan.stages]  # fwd + bwd, 4 mbs
+    seen = Counter((e.rank, e.step) for e in run.events if e.kind == "TP")
+    middle = [r for r in range(run.mesh.world) if run.mesh.coords(r).pp == 1]
+    assert priced[1] == 16 and all(seen[(r, s)] == priced[1] for r in middle for s in range(2)), (priced, seen)
+    sim = pv.simulate(plan, "1F1B", 4, tp=2, optimizer_states=2, collectives=Collectives(tp_layout="megatron"))
+    for rank in range(run.mesh.world):
+        stage = run.mesh.coords(rank).pp
+        measured = run.memory[rank][-1][1] - run.activation_memory[rank][-1][1] + max(
+            b for _, b in run.activation_memory[rank])
+        assert sim.memory_bytes[stage] == pytest.approx(measured, rel=0.12), (rank, sim.memory_bytes, measured)

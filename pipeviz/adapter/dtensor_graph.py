@@ -5,7 +5,8 @@ What torch.export leaves in a traced graph and what DTensor can run differ: its 
 sharding rule, plain tensors the graph makes (positions, masks) meet sharded ones, the CPU attention kernel and
 library ops (transformers' MoE experts) have no rules, ``nonzero``'s shape is the data's. And the layouts
 torch's ``ColwiseParallel`` / ``RowwiseParallel`` hooks would give a module go into the graph, which has no module
-to hook (Megatron's *f* and *g*). Each fix is here once; the tests that pin them are
+to hook (Megatron's *f* and *g*), with Megatron's fused QKV (``fused_columns``, ``split_fused``) and its
+vocabulary-parallel embedding. Each fix is here once; the tests that pin them are
 ``tests/test_tensor_parallel_hf.py`` (HF Llama, Mistral, BERT, GPT-2, Qwen2-MoE) and the version grid.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["prepare_graph", "replicated", "replicated_input", "token_sharded"]
+__all__ = ["fused_columns", "prepare_graph", "replicated", "replicated_input", "split_fused", "token_sharded"]
 
 _Rule = Callable[..., Any]  # a sharding rule torch's register_sharding takes
 
@@ -119,6 +120,40 @@ def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, paddin
     return apply(weight, indices, padding_idx, scale_grad_by_freq, sparse)
 
 
+def fused_columns(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  transposed: bool = False) -> torch.Tensor:
+    """A fused ``[q | k | v]`` projection whose weight is cut by heads (``_StridedShard``: shard t holds the t-th
+    slice of q's, k's and v's columns), as Megatron computes its fused QKV: each shard multiplies its replicated
+    input by its own columns, no collective. The output is marked sharded along its last dim, its local part
+    ``[q_t | k_t | v_t]``: only ``split_fused`` reads it. ``transposed``: HF ``Conv1D``'s ``addmm(bias, x, weight)``
+    (weight ``[in, out]``), else ``linear(x, weight, bias)``. The input's gradient leaves as partial sums, for
+    the all-reduce (or reduce-scatter) in front of it."""
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    assert isinstance(weight, DTensor)
+    local_x = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else x
+    local_b = bias.to_local() if isinstance(bias, DTensor) else bias
+    if transposed:
+        out = torch.addmm(local_b, local_x, weight.to_local()) if local_b is not None else local_x @ weight.to_local()
+    else:
+        out = torch.nn.functional.linear(local_x, weight.to_local(), local_b)
+    return DTensor.from_local(out, weight.device_mesh, [Shard(out.ndim - 1)], run_check=False)
+
+
+def split_fused(value: torch.Tensor, size: int, dim: int = 0) -> list[torch.Tensor]:
+    """``torch.split(value, size, dim)`` of a ``fused_columns`` output into q, k and v: each shard's local
+    ``[q_t | k_t | v_t]`` split in three, each part sharded along ``dim`` (its heads), as q / k / v projections
+    sharded column-wise give them."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    assert isinstance(value, DTensor)
+    mesh = value.device_mesh
+    local = value.to_local()
+    dim = dim % local.ndim
+    return [DTensor.from_local(part, mesh, [Shard(dim)], run_check=False)
+            for part in local.split(size // mesh.size(), dim)]
+
+
 def replicated_input(value: object) -> object:
     """A column-wise projection's input: replicated (as ``replicated``), and its gradient all-reduced once in
     the backward however many projections read it (Megatron's *f*: q, k and v share one). An input sharded by
@@ -152,13 +187,13 @@ def _megatron_boundaries(stage: nn.Module, params: Mapping[str, str], placements
     aten = torch.ops.aten
 
     def style(node: torch.fx.Node) -> tuple[str, int] | None:
-        """("colwise" | "rowwise", index of the activation argument) for a sharded projection's node."""
+        """("colwise" | "rowwise" | "fused", index of the activation argument) for a sharded projection's node."""
         if node.op != "call_function":
             return None
         if node.target is aten.linear.default:  # weight [out, in]
-            act, weight, by = 0, node.args[1], {"shard0": "colwise", "shard1": "rowwise"}
+            act, weight, by = 0, node.args[1], {"shard0": "colwise", "shard1": "rowwise", "fused0": "fused"}
         elif node.target is aten.addmm.default:  # HF Conv1D: bias + x @ weight, weight [in, out]
-            act, weight, by = 1, node.args[2], {"shard1": "colwise", "shard0": "rowwise"}
+            act, weight, by = 1, node.args[2], {"shard1": "colwise", "shard0": "rowwise", "fused1": "fused"}
         elif node.target is aten.embedding.default:  # weight [vocab, dim]: each shard's rows, a partial lookup
             act, weight, by = 1, node.args[0], {"shard0": "rowwise"}
         else:
@@ -178,20 +213,78 @@ def _megatron_boundaries(stage: nn.Module, params: Mapping[str, str], placements
         marked += 1
         if node.target is aten.embedding.default:
             node.target = vocab_parallel_embedding
-        if kind == "colwise":
+        if kind in ("colwise", "fused"):
             x = node.args[act]
             if isinstance(x, torch.fx.Node):
-                if x not in inputs:
-                    with graph.inserting_after(x):
-                        inputs[x] = graph.call_function(replicated_input, (x,))
-                args = list(node.args)
-                args[act] = inputs[x]
-                node.args = tuple(args)
+                # HF Conv1D flattens [batch, seq, hidden] to [tokens, hidden] first: the layout is set on the
+                # unflattened input (a token-split one is gathered before it is flattened)
+                source, flat = (x.args[0], x) if _flattens(x) else (x, None)
+                assert isinstance(source, torch.fx.Node)
+                if source not in inputs:
+                    with graph.inserting_after(source):
+                        inputs[source] = graph.call_function(replicated_input, (source,))
+                if flat is not None:
+                    flat.args = (inputs[source], *flat.args[1:])
+                else:
+                    args = list(node.args)
+                    args[act] = inputs[source]
+                    node.args = tuple(args)
+            if kind == "fused":
+                _fuse(graph, node)
         else:
-            with graph.inserting_after(node):
-                out = graph.call_function(token_sharded if sequence_parallel else replicated, (node,))
-            node.replace_all_uses_with(out, delete_user_cb=lambda user, made=out: user is not made)
+            # a Conv1D's output is unflattened to [batch, seq, hidden] first: the layout is set after that
+            after = _unflattened(node)
+            with graph.inserting_after(after):
+                out = graph.call_function(token_sharded if sequence_parallel else replicated, (after,))
+            after.replace_all_uses_with(out, delete_user_cb=_other_than(out))
     return marked
+
+
+def _other_than(made: torch.fx.Node) -> Callable[[torch.fx.Node], bool]:
+    """For ``replace_all_uses_with``: every user but the node that reads the original (``made``)."""
+    return lambda user: user is not made
+
+
+_RESHAPES = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
+
+
+def _flattens(node: torch.fx.Node) -> bool:
+    """A view to ``[tokens, features]`` (HF Conv1D's ``x.view(-1, x.size(-1))``)."""
+    return (node.op == "call_function" and node.target in _RESHAPES and len(node.args) > 1
+            and isinstance(node.args[1], list | tuple) and len(node.args[1]) == 2
+            and isinstance(node.args[0], torch.fx.Node))
+
+
+def _unflattened(node: torch.fx.Node) -> torch.fx.Node:
+    """``node``, or its only user where that views it back to ``[batch, seq, features]`` (HF Conv1D's
+    ``x.view(size_out)``)."""
+    users = list(node.users)
+    if len(users) == 1 and users[0].op == "call_function" and users[0].target in _RESHAPES and \
+            isinstance(users[0].args[1], list | tuple) and len(users[0].args[1]) > 2:
+        return users[0]
+    return node
+
+
+def _fuse(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+    """A fused q/k/v projection (``node``: its ``linear`` or ``addmm``) computed by heads (``fused_columns``), and
+    the ``split`` into q, k and v that follows it (through views) made ``split_fused``. Raises ``ValueError`` where
+    no such split follows: a fused projection whose output is not cut into its parts cannot be sharded by heads."""
+    aten = torch.ops.aten
+    if node.target is aten.addmm.default:
+        bias, x, weight = node.args[:3]
+        node.args, node.kwargs = (x, weight, bias, True), {}
+    else:
+        x, weight, *rest = node.args
+        node.args, node.kwargs = (x, weight, rest[0] if rest else None, False), {}
+    node.target = fused_columns
+    at = node
+    while len(at.users) == 1 and next(iter(at.users)).target in _RESHAPES:
+        at = next(iter(at.users))
+    splits = [u for u in at.users if u.target in (aten.split.Tensor, aten.split_with_sizes.default)]
+    if len(splits) != 1 or len(at.users) != 1 or splits[0].target is not aten.split.Tensor:
+        raise ValueError(f"{weight} is sharded as a fused q/k/v projection, but its output is not split into its "
+                         "parts by one torch.split. Fix: leave it out of tp_plan (replicated).")
+    splits[0].target = split_fused
 
 
 _IMPLICIT: list[object] = []  # the entered implicit_replication context, held for the process's life

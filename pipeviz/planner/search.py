@@ -109,7 +109,8 @@ def plan_cluster(
             gradient reduction goes, its dtype, tensor-parallel overlap, scattered hand-offs), for every option;
             default torch's (DDP). E.g. ``Collectives(dp_reduce="distributed", grad_dtype="float32",
             tp_overlap=True, scatter_gather=True)`` for Megatron-Core. Its ``tp_layout`` is set to
-            ``"megatron"``: a cluster's run shards every block's attention and MLP and the vocabulary.
+            ``"megatron"``: a cluster's run shards every block's attention and MLP and the vocabulary, the
+            layout ``pv.launch(..., tp=K)`` runs by default.
         dp_reduce: how the replicas' gradients may be reduced, searched as a dimension of the layout
             (``Collectives.dp_reduce``: ``"ddp"``, ``"overlap"``, ``"after_flush"``, ``"distributed"``); each row
             says its own and the seconds of it the step waits for (``exposed_reduction``). Default: the

@@ -182,9 +182,6 @@ def _randomness(run: Run, draws: RunDraws, device: str | torch.device) -> str:
     what = f"The model draws random numbers ({n} random ops per forward: dropout or the like)"
     fix = ("Fix: model.eval(), or dropout 0 in its config, for a check that compares computation only; "
            "training keeps dropout")
-    if run.spec.tp > 1:
-        return (f"{what}; tensor-parallel shards draw their masks over their shards of each tensor, which the "
-                f"unsplit model cannot draw alike, so the differences include chance. {fix}")
     if not draws.aligned:
         return (f"{what}, but the unsplit model's forward met {draws.seen} where the stages met {n} (code the trace "
                 f"did not see?), so its draws could not be lined up and the differences include chance. {fix}")

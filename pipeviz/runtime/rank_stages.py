@@ -132,6 +132,10 @@ def _runner(p: RankPayload, st: RankStage, device: torch.device, compute: torch.
 
         shard_stage(runner.stage, st.params, p.tp_placements, tp_mesh, p.sequence_parallel)
         runner.tp_mesh = tp_mesh
+        # dropout on a sharded tensor keeps its part of the unsplit model's mask (every shard seeded alike)
+        from pipeviz.runtime.rng import register_sharded_draws
+
+        register_sharded_draws()
         # pv.cross_entropy takes logits sharded by vocabulary as they are (torch's loss_parallel): no shard
         # gathers the whole logits. Another loss gets them whole.
         from pipeviz.schedule.training import cross_entropy

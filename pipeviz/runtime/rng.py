@@ -10,6 +10,13 @@ torch tags ``nondeterministic_seeded``) against each stage's count, taken when t
 (``CountDraws``). Within a stage both then draw the same numbers: the same ops, the same shapes, the same
 generator state.
 
+Sharded tensors (tensor parallelism's heads and token splits; context parallelism's sequence shares) draw as the
+unsplit model does: the whole tensor's mask from the same generator state, each shard keeping its part
+(``drawn_part``, given the full shape and the shard's slice; ``register_sharded_draws`` makes every random op on
+a DTensor do so). Every shard of a stage is seeded alike, so the generators stay in step after the draw too. What
+it costs: each shard draws the whole tensor's numbers (Megatron draws only its part, from a seed of its own, and
+so cannot check against the unsplit model).
+
 Example:
     >>> with CountDraws() as c:
     ...     stage(x)
@@ -22,13 +29,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["EVAL_SEED", "CountDraws", "RunDraws", "StageSeeds", "draws_random", "seed_device", "stage_seed"]
+__all__ = ["EVAL_SEED", "CountDraws", "RunDraws", "StageSeeds", "drawn_part", "draws_random", "register_sharded_draws",
+           "seed_device", "shard_slice", "stage_seed"]
 
 SEEDED = torch.Tag.nondeterministic_seeded
 
@@ -154,3 +163,114 @@ class RunDraws:
             yield
         self.aligned = self.aligned and mode.aligned
         self.seen = max(self.seen, mode.count)
+
+
+def drawn_part(full_shape: Sequence[int], part: Sequence[slice], draw: Callable[[torch.Tensor], object],
+               like: torch.Tensor) -> torch.Tensor:
+    """This shard's ``part`` (one slice per dim, e.g. ``shard_slice``'s) of what ``draw`` fills a whole tensor of
+    ``full_shape`` with (``like``'s dtype and device), drawn from the generator's current state: the numbers the
+    unsplit model draws for the whole tensor, cut to the shard. A sequence shard (context parallelism) passes its
+    tokens' slice of the sequence dim (a zig-zag share: call it once per contiguous chunk, in order, on the same
+    state, or cut the whole draw into its chunks).
+
+    Example:
+        >>> mask = drawn_part((8, 4, 16, 16), (slice(None), slice(2, 4)), lambda t: t.bernoulli_(0.9), heads_part)
+    """
+    whole = torch.empty(tuple(full_shape), dtype=like.dtype, device=like.device)
+    draw(whole)
+    return whole[tuple(part)]
+
+
+def shard_slice(value: Any) -> tuple[slice, ...] | None:
+    """The slice of the whole tensor a DTensor's local part is (one per dim), or None where its placements are
+    not plain shards and replicas (a partial sum, a strided cut)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, placements = value.device_mesh, value.placements
+    if not all(type(p) in (Shard, Replicate) for p in placements):
+        return None
+    part = [slice(None)] * value.ndim
+    sizes = list(value.shape)
+    starts = [0] * value.ndim
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            dim = p.dim % value.ndim
+            n, rank = mesh.size(axis), mesh.get_local_rank(axis)
+            size = sizes[dim]
+            chunk = -(-size // n)  # torch.chunk's sizes: the last shards may be shorter
+            lo = min(rank * chunk, size)
+            starts[dim] += lo
+            sizes[dim] = max(0, min(chunk, size - lo))
+    for dim in range(value.ndim):
+        if sizes[dim] != value.shape[dim]:
+            part[dim] = slice(starts[dim], starts[dim] + sizes[dim])
+    return tuple(part)
+
+
+# random ops that fill their first argument in place: on a sharded DTensor, filled with its part of a whole draw
+_FILLS = ("bernoulli_.float", "uniform_.default", "normal_.default", "exponential_.default",
+          "geometric_.default", "log_normal_.default", "cauchy_.default", "random_.default")
+
+
+def _fill(op: torch._ops.OpOverload, args: tuple[object, ...], kwargs: Mapping[str, object] | None) -> object:
+    """An in-place random op on a DTensor: its local part filled with this shard's part of the whole draw."""
+    value = args[0]
+    part = shard_slice(value)
+    local = value.to_local()  # type: ignore[attr-defined]
+    if part is None:
+        raise NotImplementedError(f"{op} on a DTensor laid out as {value.placements}: pipeviz draws a "  # type: ignore[attr-defined]
+                                  "shard's part of the whole tensor for plain shards and replicas only")
+    local.copy_(drawn_part(value.shape, part, lambda t: op(t, *args[1:], **(kwargs or {})), local))  # type: ignore[attr-defined]
+    return value
+
+
+def _native_dropout(op: torch._ops.OpOverload, args: tuple[object, ...],
+                    kwargs: Mapping[str, object] | None) -> object:
+    """``native_dropout`` (the fused dropout of CUDA, and of a CPU tensor whose input needs it) on a DTensor: the
+    whole tensor's mask drawn by the op itself, this shard's part kept, and its output computed from it."""
+    from torch.distributed.tensor import DTensor
+
+    value, *rest = args
+    assert isinstance(value, DTensor)
+    part = shard_slice(value)
+    if part is None:
+        raise NotImplementedError(f"{op} on a DTensor laid out as {value.placements}: pipeviz draws a shard's "
+                                  "part of the whole tensor for plain shards and replicas only")
+    local = value.to_local()
+    train = rest[1] if len(rest) > 1 else (kwargs or {}).get("train")
+    p = float(rest[0]) if rest else float((kwargs or {})["p"])  # type: ignore[arg-type]
+    if train is False:
+        out, mask = op(local, p, train)
+    else:
+        whole_mask: list[torch.Tensor] = []
+        drawn_part(value.shape, [slice(None)] * value.ndim, lambda t: whole_mask.append(op(t, p, train)[1]), local)
+        mask = whole_mask[0][part]
+        out = local * mask * (1.0 / (1.0 - p) if p < 1 else 0.0)
+    mesh, placements = value.device_mesh, value.placements
+    return (DTensor.from_local(out, mesh, placements, run_check=False),
+            DTensor.from_local(mask, mesh, placements, run_check=False))
+
+
+_SHARDED_DRAWS: list[bool] = []
+
+
+def register_sharded_draws() -> None:
+    """From now on, in this process, a random op on a DTensor (dropout's ``bernoulli_`` on CPU, ``native_dropout``,
+    ``uniform_``, ...) draws the whole tensor's numbers and keeps the DTensor's part (``drawn_part``), so a
+    sharded stage draws what the unsplit model draws. Through DTensor's handler table (private: where a torch
+    release drops it, nothing is registered and the shards draw their own masks, which ``pv.check_numerics``
+    then reports as a difference). Registered once per process."""
+    if _SHARDED_DRAWS:
+        return
+    from torch.distributed.tensor import DTensor
+
+    handlers = getattr(getattr(DTensor, "_op_dispatcher", None), "_custom_op_handlers", None)
+    if not isinstance(handlers, dict):
+        return
+    aten = torch.ops.aten
+    for name in _FILLS:
+        packet, overload = name.split(".")
+        op = getattr(getattr(aten, packet), overload)
+        handlers.setdefault(op, _fill)
+    handlers.setdefault(aten.native_dropout.default, _native_dropout)
+    _SHARDED_DRAWS.append(True)

@@ -2,8 +2,11 @@
 way Megatron-LM shards a transformer.
 
 The layout (``default_tp_plan``): the attention's q, k, v column-wise (each shard whole heads) and its output
-projection row-wise, the MLP's first projections column-wise and its last row-wise: the model's own HF
-``base_model_tp_plan`` where it has one, else by module name, else Megatron's rule for ``nn.Linear`` chains.
+projection row-wise (a fused ``[q | k | v]``, GPT-2's ``c_attn``, by heads: shard t its heads' q, k and v
+columns), the MLP's first projections column-wise and its last row-wise, the vocabulary (embedding rows, LM head
+columns, the loss on sharded logits): the model's own HF ``base_model_tp_plan`` where it has one, else by module
+name, else Megatron's rule for ``nn.Linear`` chains. The layout ``pv.plan_cluster`` prices
+(``Collectives(tp_layout="megatron")``).
 ``check_tp_plan`` refuses a layout that cannot work (sizes or heads ``tp`` does not divide) before any process.
 
 pipeviz's stages are flat graphs (``pipeviz.adapter.flatten_stage``), not trees of ``nn.Linear``, so torch's
@@ -40,8 +43,8 @@ if TYPE_CHECKING:
 
     from pipeviz.plan.split import SplitPlan
 
-__all__ = ["STYLES", "check_sequence_parallel", "check_tp_plan", "class_sharded", "default_tp_plan", "shard_stage",
-           "shard_summary", "sharded_modules", "tp_placements", "vocab_modules"]
+__all__ = ["FUSED_PIECES", "STYLES", "check_sequence_parallel", "check_tp_plan", "class_sharded", "default_tp_plan",
+           "shard_stage", "shard_summary", "sharded_modules", "tp_placements", "vocab_modules"]
 
 STYLES = ("colwise", "rowwise")
 
@@ -49,14 +52,17 @@ STYLES = ("colwise", "rowwise")
 # Megatron's layout by module name, for models without HF's own plan: the attention's q, k, v projections and the
 # MLP's first projections column-wise (each shard its heads / its slice of the hidden units), the attention's
 # output projection and the MLP's last one row-wise (their partial sums all-reduced). HF's own names (BERT,
-# DistilBERT, GPT-2's MLP, OPT, Llama-likes) and torch's. Fused projections (GPT-2's c_attn, packed q/k/v) stay
-# replicated: a column split of [q | k | v] would cut across them.
+# DistilBERT, GPT-2, OPT, Llama-likes) and torch's. GPT-2's fused c_attn ([q | k | v] in one projection) is cut
+# by heads as Megatron cuts its fused QKV: shard t holds q's, k's and v's columns of its heads (``FUSED``).
 _COLWISE = re.compile(r"(^|\.)(q_proj|k_proj|v_proj|query|key|value|q_lin|k_lin|v_lin|gate_proj|up_proj|fc1|c_fc|"
-                      r"lin1|w1|w3)$|\.intermediate\.dense$")
+                      r"lin1|w1|w3|c_attn)$|\.intermediate\.dense$")
 _ROWWISE = re.compile(r"(^|\.)(o_proj|out_proj|out_lin|down_proj|fc2|lin2|w2)$|\.attention\.output\.dense$|"
-                      r"\.mlp\.c_proj$|\.(layer|layers)\.\d+\.output\.dense$")
-_ATTENTION = re.compile(r"(^|\.)(q_proj|k_proj|v_proj|query|key|value|q_lin|k_lin|v_lin)$")
-_KV = re.compile(r"(^|\.)(k_proj|v_proj|key|value|k_lin|v_lin)$")
+                      r"\.(mlp|attn)\.c_proj$|\.(layer|layers)\.\d+\.output\.dense$")
+_ATTENTION = re.compile(r"(^|\.)(q_proj|k_proj|v_proj|query|key|value|q_lin|k_lin|v_lin|c_attn)$")
+# A fused q/k/v projection (GPT-2's c_attn): its output is [q | k | v], split in three by the attention
+_FUSED = re.compile(r"(^|\.)c_attn$")
+FUSED_PIECES = 3
+_KV = re.compile(r"(^|\.)(k_proj|v_proj|key|value|k_lin|v_lin|c_attn)$")
 
 
 def default_tp_plan(model: nn.Module, stages: list[tuple[str, ...]], tp: int | None = None) -> dict[str, str]:
@@ -213,12 +219,16 @@ def check_tp_plan(model: nn.Module, plan: Mapping[str, str], tp: int) -> dict[st
             fan_in, fan_out = _features(mod)
             size = fan_out if style == "colwise" else fan_in
             what = "output features" if style == "colwise" else "input features"
-        if size % tp:
-            raise ValueError(f"{name!r} has {size} {what}, which tp={tp} shards cannot share equally. Fix: a tp "
-                             f"that divides {size}, or leave {name!r} out of tp_plan (replicated).")
+        fused = style == "colwise" and bool(_FUSED.search(name))
+        if size % (tp * (FUSED_PIECES if fused else 1)):
+            shards = f"tp={tp} shards cannot share equally" + (
+                f" in each of its {FUSED_PIECES} parts (q, k, v)" if fused else "")
+            raise ValueError(f"{name!r} has {size} {what}, which {shards}. Fix: a tp that divides "
+                             f"{size // FUSED_PIECES if fused else size}, or leave {name!r} out of tp_plan "
+                             "(replicated).")
         bias = getattr(mod, "bias", None) is not None
         out.update(tp_placements(name, style, bias, transposed=_is_conv1d(mod),
-                                 embedding=isinstance(mod, nn.Embedding)))
+                                 embedding=isinstance(mod, nn.Embedding), fused=fused))
     _check_heads(model, plan, tp)
     return _with_aliases(model, out)
 
@@ -243,22 +253,19 @@ def _with_aliases(model: nn.Module, placements: dict[str, str]) -> dict[str, str
 
 def check_sequence_parallel(model: nn.Module, plan: Mapping[str, str], stages: list[tuple[str, ...]]) -> None:
     """Sequence parallelism splits the tokens between the sharded regions, so the attention's projections must be
-    sharded (a replicated one, as GPT-2's fused ``c_attn``, would attend over its shard's tokens only; per-token
-    projections, an LM head's transform, may stay whole) and every projection work on ``[batch, seq, hidden]``
-    (HF ``Conv1D`` flattens the tokens). Raises ``ValueError`` naming the first projection that is not, and the
-    fix."""
+    sharded (a replicated one would attend over its shard's tokens only; per-token projections, an LM head's
+    transform, may stay whole). HF ``Conv1D`` (GPT-2), which flattens the tokens, is gathered before it flattens
+    and split again after it unflattens (``pipeviz.adapter.dtensor_graph``). Raises ``ValueError`` naming the
+    first attention projection left whole, and the fix."""
     for layers in stages:
         for layer in layers:
-            for name, mod in _projections(model, layer):
+            for name, _ in _projections(model, layer):
                 mixes = _ATTENTION.search(name) or re.search(r"(^|\.)(c_attn|qkv|qkv_proj|Wqkv|in_proj)$", name)
-                if not _is_conv1d(mod) and (name in plan or not mixes):
+                if name in plan or not mixes:
                     continue
-                why = ("is a Conv1D, whose [batch x seq, hidden] layout the token split does not follow"
-                       if _is_conv1d(mod) else "is not sharded (tp_plan leaves it replicated), so it would see "
-                       "only its shard's tokens")
-                fix = "" if _is_conv1d(mod) else f", or a tp_plan that shards {name!r}"
-                raise ValueError(f"sequence_parallel=True: {name!r} {why}. Fix: sequence_parallel=False (the "
-                                 f"tensor-parallel regions are unchanged){fix}.")
+                raise ValueError(f"sequence_parallel=True: {name!r} is not sharded (tp_plan leaves it replicated), "
+                                 "so it would see only its shard's tokens. Fix: sequence_parallel=False (the "
+                                 f"tensor-parallel regions are unchanged), or a tp_plan that shards {name!r}.")
 
 
 def _check_heads(model: nn.Module, plan: Mapping[str, str], tp: int) -> None:
@@ -298,11 +305,12 @@ def shard_summary(model: nn.Module, plan: Mapping[str, str], tp: int) -> list[st
         kv = _config_int(config, "num_key_value_heads") or heads
         per, kv_per = heads // tp, max(kv // tp, 1)
         kv_part = f" (key/value heads {_span(kv_per)} of {kv})" if kv != heads else ""
-        lines.append(f"attention: shard t holds heads {_span(per)} of {heads}{kv_part}, and the output projection's "
-                     "matching input columns; their sums are all-reduced")
+        fused = " (of the fused q/k/v: its q, k and v columns of those heads)" if any(
+            _FUSED.search(n) for n in attention) else ""
+        lines.append(f"attention: shard t holds heads {_span(per)} of {heads}{kv_part}{fused}, and the output "
+                     "projection's matching input columns; their sums are all-reduced")
     elif heads:
-        lines.append("attention: whole on every shard (its projections are not in the plan: a fused q/k/v, as "
-                     "GPT-2's c_attn, cannot be cut by columns into whole heads)")
+        lines.append("attention: whole on every shard (its projections are not in the plan)")
     names = {id(m): n for n, m in mods.items()}
     embedding, head = (names.get(id(_embeddings(model, g))) for g in ("get_input_embeddings", "get_output_embeddings"))
     mlp = [n for n, style in plan.items()
@@ -341,13 +349,17 @@ def _config_int(config: object, *keys: str) -> int | None:
 
 
 def tp_placements(module: str, style: str, bias: bool, transposed: bool = False, embedding: bool = False,
-                  ) -> dict[str, str]:
-    """Parameter name -> placement (``"shard0"``, ``"shard1"``, ``"replicate"``) for one projection.
-    ``transposed``: the weight is stored ``[in, out]`` (HF's ``Conv1D``), so its dims swap. ``embedding``: an
-    ``nn.Embedding`` sharded row-wise (its vocabulary rows, dim 0)."""
+                  fused: bool = False) -> dict[str, str]:
+    """Parameter name -> placement (``"shard0"``, ``"shard1"``, ``"fused0"``, ``"fused1"``, ``"replicate"``) for
+    one projection. ``transposed``: the weight is stored ``[in, out]`` (HF's ``Conv1D``), so its dims swap.
+    ``embedding``: an ``nn.Embedding`` sharded row-wise (its vocabulary rows, dim 0). ``fused``: a column-wise
+    ``[q | k | v]`` projection, each of its ``FUSED_PIECES`` parts cut alike (``"fusedD"``: shard t holds the t-th
+    slice of each part along dim D, its heads' q, k and v: DTensor's ``_StridedShard(D, split_factor=3)``)."""
     if embedding:
         return {f"{module}.weight": "shard0"}
     out_dim, in_dim = ("shard1", "shard0") if transposed else ("shard0", "shard1")
+    if style == "colwise" and fused:
+        return {f"{module}.weight": "fused" + out_dim[-1], **({f"{module}.bias": "fused0"} if bias else {})}
     if style == "colwise":
         return {f"{module}.weight": out_dim, **({f"{module}.bias": "shard0"} if bias else {})}
     return {f"{module}.weight": in_dim, **({f"{module}.bias": "replicate"} if bias else {})}
@@ -361,8 +373,10 @@ def shard_stage(stage: nn.Module, params: Mapping[str, str], placements: Mapping
     held under two paths stays one tensor. ``sequence_parallel``: the activations between the sharded regions
     split by token (``prepare_graph``). Returns how many parameters were sharded."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard  # (torch's name for a strided cut)
 
-    kinds = {"shard0": Shard(0), "shard1": Shard(1), "replicate": Replicate()}
+    kinds = {"shard0": Shard(0), "shard1": Shard(1), "replicate": Replicate(),
+             **{f"fused{d}": _StridedShard(d, split_factor=FUSED_PIECES) for d in (0, 1)}}
     canonical = {inner: canon for canon, inner in params.items()}
     done: dict[int, Any] = {}
     sharded = 0

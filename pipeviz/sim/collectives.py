@@ -65,8 +65,12 @@ class Collectives:
               the parameters and activations (``tp_shares``: norms whole; the residual stream whole unless the
               config's ``sequence_parallel``).
             - ``"megatron"``: every block's attention and MLP and the vocabulary sharded, as Megatron-LM and
-              torchtitan run a large model: 2 all-reduces per block and a uniform 1/tp of the parameters and
-              activations (``pv.plan_cluster``'s rows).
+              torchtitan run a large model: 2 all-reduces per block each way and a uniform 1/tp of the
+              parameters and activations (``pv.plan_cluster``'s rows). It is the layout ``pv.launch`` runs by
+              default (``default_tp_plan``: GPT-2's fused q/k/v by heads, the vocabulary with a parallel loss),
+              so a row launches as priced; checked against a run's own events in
+              ``tests/test_tensor_parallel_hf.py`` (a block's all-reduces as counted, each shard's memory
+              within 12 %: norms and position tables stay whole, which ``"launch"`` counts).
         scatter_gather: pipeline hand-offs under tensor parallelism send 1/tp of the activation per shard, each
             over its own NIC, gathered over NVLink on arrival (Narayanan et al. 2021, sec. 4.1, the
             "scatter/gather optimization"; sequence parallelism's sharded activations hand on the same 1/tp).
