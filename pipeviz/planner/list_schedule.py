@@ -422,7 +422,7 @@ class Search:
             pol = Policy(split, tuple(float(rng.choice([0, 1, 2, 3, 4, math.inf])) for _ in range(ranks)),
                          rng.random() < 0.5, rng.random() < 0.5, rng.random() < 0.5,
                          tuple(float(rng.randint(1, 2 * ranks)) for _ in range(ranks)), rng.choice([1.0, 0.9, 0.75]),
-                         rng.choice(["one", "all", "none"]), rng.random() < 0.5, rng.choice([0, 0, 0.5, 1, 2]))
+                         rng.choice(["one", "all", "none"]), rng.random() < 0.5, rng.choice([0.0, 0.0, 0.5, 1.0, 2.0]))
             step, moved = self.evaluate(pol), True
             while moved:
                 moved = False
@@ -436,13 +436,16 @@ class Search:
 
 def _neighbours(pol: Policy, ranks: int) -> list[Policy]:
     out = []
-    for name, floor in (("lag", 0), ("cap", 1)):
-        vec = getattr(pol, name)
-        out += [replace(pol, **{name: tuple(v + d * (q == r) for q, v in enumerate(vec))})
-                for r in range(ranks) for d in (-1, 1) if not math.isinf(vec[r]) and vec[r] + d >= floor]
-    out += [replace(pol, **{f: not getattr(pol, f)}) for f in ("fill", "deep_f", "deep_b", "bwd_first")]
+    for r in range(ranks):
+        for d in (-1, 1):
+            if not math.isinf(pol.lag[r]) and pol.lag[r] + d >= 0:
+                out.append(replace(pol, lag=tuple(v + d * (q == r) for q, v in enumerate(pol.lag))))
+            if not math.isinf(pol.cap[r]) and pol.cap[r] + d >= 1:
+                out.append(replace(pol, cap=tuple(v + d * (q == r) for q, v in enumerate(pol.cap))))
+    out += [replace(pol, fill=not pol.fill), replace(pol, deep_f=not pol.deep_f), replace(pol, deep_b=not pol.deep_b),
+            replace(pol, bwd_first=not pol.bwd_first)]
     return (out + [replace(pol, reserve=rs) for rs in ("one", "all", "none")]
-            + [replace(pol, patience=pt) for pt in (0, 0.5, 1, 2)])
+            + [replace(pol, patience=pt) for pt in (0.0, 0.5, 1.0, 2.0)])
 
 
 def policies(p: Problem) -> list[Policy]:
