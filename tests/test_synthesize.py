@@ -1,7 +1,8 @@
 """``pv.synthesize_schedule``: the order it finds is at least as fast as every torch schedule that fits the memory
 limit on the same plan, microbatches and ranks; it finds one where none of torch's fits; it names the smallest
-feasible limit where no order fits; it recovers the known optimal points (ZB-H1, ZB-H2, ZB-V, V-Half); its order
-launches through torch's runtime and trains exactly within the limit; torch reads its CSV."""
+feasible limit where no order fits; it recovers the known optimal points (ZB-H1, ZB-H2, ZB-V, V-Half; V-Min with the
+widened search); on another model and stage count (a transformer in 6 stages) too; its order launches through
+torch's runtime and trains exactly within the limit; torch reads its CSV."""
 
 from __future__ import annotations
 
