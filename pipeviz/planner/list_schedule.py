@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import math
+import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -408,6 +409,43 @@ class Search:
                             break
             if not improved:
                 return
+
+
+    def widen(self, restarts: int, seed: int = 0) -> list[Candidate]:
+        """A wider search than ``run``'s (seconds to a minute, not interactive): ``restarts`` local searches, each
+        from a random rule (per-rank ``W`` lags and in-flight caps, either order of backward and forward, any memory
+        reserve and patience) moved one step at a time (a rank's lag or cap by one, one switch) while the step
+        shrinks. It reaches V-Min's point (docs/synthesis.md), which ``run``'s grid misses. Seeded: repeatable."""
+        rng, ranks = random.Random(seed), self.p.num_ranks
+        split = self.p.split
+        for _ in range(restarts):
+            pol = Policy(split, tuple(float(rng.choice([0, 1, 2, 3, 4, math.inf])) for _ in range(ranks)),
+                         rng.random() < 0.5, rng.random() < 0.5, rng.random() < 0.5,
+                         tuple(float(rng.randint(1, 2 * ranks)) for _ in range(ranks)), rng.choice([1.0, 0.9, 0.75]),
+                         rng.choice(["one", "all", "none"]), rng.random() < 0.5, rng.choice([0.0, 0.0, 0.5, 1.0, 2.0]))
+            step, moved = self.evaluate(pol), True
+            while moved:
+                moved = False
+                for trial in _neighbours(pol, ranks):
+                    got = self.evaluate(trial)
+                    if got < step - 1e-12:
+                        pol, step, moved = trial, got, True
+                        break
+        return sorted(self.seen.values(), key=lambda c: (c.step, c.peak))
+
+
+def _neighbours(pol: Policy, ranks: int) -> list[Policy]:
+    out = []
+    for r in range(ranks):
+        for d in (-1, 1):
+            if not math.isinf(pol.lag[r]) and pol.lag[r] + d >= 0:
+                out.append(replace(pol, lag=tuple(v + d * (q == r) for q, v in enumerate(pol.lag))))
+            if not math.isinf(pol.cap[r]) and pol.cap[r] + d >= 1:
+                out.append(replace(pol, cap=tuple(v + d * (q == r) for q, v in enumerate(pol.cap))))
+    out += [replace(pol, fill=not pol.fill), replace(pol, deep_f=not pol.deep_f), replace(pol, deep_b=not pol.deep_b),
+            replace(pol, bwd_first=not pol.bwd_first)]
+    return (out + [replace(pol, reserve=rs) for rs in ("one", "all", "none")]
+            + [replace(pol, patience=pt) for pt in (0.0, 0.5, 1.0, 2.0)])
 
 
 def policies(p: Problem) -> list[Policy]:
