@@ -70,7 +70,9 @@ def _sentence(prefix: str, exc: BaseException) -> str:
     """``exc``'s message as one sentence after ``prefix``: its later sentences as clauses, its "Fix: ..." (written
     for code) dropped."""
     reason = _BREAK.sub("; ", _FIX.sub("", str(exc).strip())).rstrip(" .;:")
-    return f"{prefix}{reason[:1].lower()}{reason[1:]}."
+    # a clause that began a sentence starts lower-case ("; its layers"), a name does not ("; MyNetwork has")
+    reason = re.sub(r"; ([A-Z][a-z]*)\b", lambda m: f"; {m.group(1).lower()}", reason)
+    return f"{prefix}{reason}."
 
 
 class Synthesizer:
