@@ -439,7 +439,8 @@ def compare(plan: SplitPlan, schedules: Sequence[str] | None = None, microbatche
                               f"{len(plan.graph.layer_names)} layers")
                 skipped[canon] = f"{why[canon]}. Fix: a finer graph (graph.expand(name)) or fewer ranks."
                 continue
-        cfg = base.replace(schedule=canon, microbatches=microbatches, stages_per_rank=None if v == 1 else v)
+        cfg = base.replace(schedule=canon, microbatches=microbatches, stages_per_rank=None if v == 1 else v,
+                           order=None)  # each row its schedule's own order (a config's custom one is not theirs)
         try:
             tl = simulate(run_plan, cfg, options=opts, **given)
         except ScheduleError as exc:

@@ -41,6 +41,7 @@ from pipeviz.widgets.panels import Change, guarded
 from pipeviz.widgets.run_panel import RunPanel, warm_up_launches
 from pipeviz.widgets.sim_section import SimSection
 from pipeviz.widgets.state import HERE, MODES, ExplorerState, Settings
+from pipeviz.widgets.tools import ExplorerTools
 
 __all__ = ["Explorer"]
 
@@ -228,12 +229,14 @@ class Explorer(W.VBox):
         self.launch_button, self.stop_button, self.progress = runner.launch_button, runner.stop_button, runner.progress
         self.launch_error, self.run_notes, self.here_button = runner.launch_error, runner.run_notes, runner.here_button
         self.numerics, self.run_view, self.run_section = runner.numerics, runner.run_view, runner.section
+        self.tools = ExplorerTools(self.state, controls.schedule, self._refresh_simulation)  # Synthesize, Export
         self._children = self._layout()
 
     def _layout(self) -> list[W.Widget]:
         # Launch sits under the controls that describe the run, its refusals and failures under it: graph, controls,
         # Launch and what it says fit one screen at 1280 px (below the stage preview it was 570-1,416 px away).
-        right = W.VBox([W.VBox(self.controls.rows(), layout=W.Layout(max_width="100%")), self.runner.launch_row,
+        right = W.VBox([W.VBox(self.controls.rows(), layout=W.Layout(max_width="100%")), self.tools.synth_row,
+                        self.runner.launch_row,
                         self.launch_error, self.errors, self.preview, self.mesh_view, self.pipe_button,
                         self.pipe_text],
                        layout=W.Layout(flex="1 1 380px", min_width="0", max_width="100%"))
@@ -241,7 +244,7 @@ class Explorer(W.VBox):
         from pipeviz.widgets.cluster import cluster_accordion  # "Plan for a cluster": self.cluster, collapsed
 
         return [self.notes, W.HBox([self.graph_column.box, right], layout=row_layout(align_items="flex-start")),
-                *self.sim_section.widgets(), self.run_section, cluster_accordion(self)]
+                *self.sim_section.widgets(), self.run_section, self.tools.export_box, cluster_accordion(self)]
 
     # ----------------------------------------------------------------- the plan (one source of truth: the state's)
     @property
@@ -439,6 +442,7 @@ class Explorer(W.VBox):
         self.runner.allow(refusal)
 
     def _refresh_simulation(self) -> None:
+        self.tools.follow()  # a synthesized order out once the plan or settings it was found for changed
         self.sim = None
         failed = False
         cfg = self.launch_config()  # one description: what is simulated is what Launch runs

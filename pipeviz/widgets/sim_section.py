@@ -82,7 +82,10 @@ class SimSection:
         if not self.comparison.rows:
             self.side_box.children = (W.HTML("<i>no schedule runs this plan here</i>"),)
             return
-        fig = side_by_side_figure(self.comparison)
+        rows = {r.schedule: self.comparison.timelines[r.schedule] for r in self.comparison.rows}
+        # a custom (synthesized) order, as simulated above, first among torch's schedules on these ranks
+        fig = side_by_side_figure(self.comparison if cfg.order is None else
+                                  {f"custom order ({cfg.schedule}'s placement)": self.sim, **rows})
         if self.side_figure is None:
             self.side_figure = LiveFigure()
             self.side_figure._config = {"responsive": True}
