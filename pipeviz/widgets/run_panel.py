@@ -148,7 +148,7 @@ class RunPanel:
         run = self.run
         if run is None:
             return None
-        return run_state(run.status, self.check, checking=self.checking, error=run.error or "",
+        return run_state(run.status, self.check, checking=self.checking, error="the error is under Launch",
                          changes=self.state.changes_since_launch())
 
     def show_state(self) -> None:
