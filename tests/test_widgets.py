@@ -714,3 +714,24 @@ def test_the_schedule_control_points_to_the_cheat_sheet(explorer: pv.Explorer) -
 
     assert "docs/schedules.md" in explorer.schedule.tooltip
     assert (Path(__file__).resolve().parent.parent / "docs" / "schedules.md").exists()
+
+
+def test_a_tp_runs_notes_name_the_measured_factor_and_its_cause(classic_graph: pv.ModelGraph) -> None:
+    """Issue 50, point 6: a tp run measured far off the simulated step says by how much and why, beside both."""
+    from types import SimpleNamespace
+
+    from pipeviz.widgets import panels
+
+    plan = classic_graph.split(["layer1"])
+    cfg = pv.LaunchConfig(schedule="1F1B", microbatches=4, tp=2)
+    slow = pv.simulate(plan, cfg)  # this machine's costs, as "measured"
+    fast = pv.simulate(plan, cfg, options=pv.CostOptions(hardware="h100-sxm", dtype="bfloat16"))
+    assert slow.step_time > 2 * fast.step_time
+    run = SimpleNamespace(timeline=lambda: slow, schedule=slow.schedule, layout=SimpleNamespace(num_stages=2),
+                          mesh=SimpleNamespace(world=4), spec=SimpleNamespace(tp=2))
+    notes = text(panels.run_notes_html(run, fast, None, 2, 0.0))  # type: ignore[arg-type]
+    factor = slow.step_time / fast.step_time
+    assert f"measured is {factor:.1f}× the simulated step: with tp 2 every sharded layer ends in an all-reduce" in notes
+    assert "4 processes share 2 CPU cores" in notes
+    run.spec.tp = 1  # pp only: no tp factor named
+    assert "all-reduce" not in text(panels.run_notes_html(run, fast, None, 2, 0.0))  # type: ignore[arg-type]
