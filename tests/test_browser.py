@@ -215,7 +215,7 @@ WATCH_PROGRESS = """() => {
   window.__pv.stoppedAt = null;
   const text = sel => { const e = el.querySelector(sel); return e ? e.textContent.trim() : ''; };
   const record = () => {
-    const status = text('.pipeviz-run-status');
+    const status = text('.pipeviz-run-status').split(/\\s/)[0];  // the state's word: "done" of "done ✓ matches ..."
     window.__pv.progress.push([Date.now(), status, text('.pipeviz-run-phase').replace(/^·\\s*/, ''), el.innerText]);
     if (status === 'stopped' && window.__pv.stoppedAt === null) window.__pv.stoppedAt = Date.now();
   };
@@ -223,6 +223,22 @@ WATCH_PROGRESS = """() => {
   window.__pv.observer = new MutationObserver(record);
   window.__pv.observer.observe(el, {subtree: true, childList: true, characterData: true});
   return Date.now();
+}"""
+
+# The words of an element's text that the browser broke across two lines (a box must wrap at spaces: issue 50).
+BROKEN_WORDS = """sel => {
+  const el = document.querySelector(sel);
+  if (!el) return null;
+  const broken = [], walker = document.createTreeWalker(el, NodeFilter.SHOW_TEXT);
+  for (let n = walker.nextNode(); n; n = walker.nextNode()) {
+    for (const m of n.textContent.matchAll(/\\S+/g)) {
+      const r = document.createRange();
+      r.setStart(n, m.index);
+      r.setEnd(n, m.index + m[0].length);
+      if (new Set(Array.from(r.getClientRects()).map(q => Math.round(q.top))).size > 1) broken.push(m[0]);
+    }
+  }
+  return broken;
 }"""
 
 # Every change of the Balance button's box (relative to the explorer, so scrolling does not count), watched at
@@ -430,9 +446,36 @@ def test_explorer_as_a_user_meets_it(lab: tuple[str, Path], request: pytest.Fixt
             assert page.evaluate(f"({GRAPH_STATE})()") == {"layers": 8, "colors": 1, "splits": 0}
             shot("1-rendered")
 
-            # A click on a layer splits after it; undo brings back the plan before.
+            # Issue 50: a fresh Explorer of one stage says why Launch cannot run, live, in one place, with the fix
+            # in the widget's terms (a click), and Launch disabled; a microbatch count that never launches is
+            # refused before the first split too; each refusal goes the moment its cause does.
+            refused = page.locator(".pipeviz-explorer .pipeviz-refused")
+            launch_button = page.locator("button.pipeviz-launch")
+            one_stage = ("Launch needs at least 2 stages and the plan has 1: click a layer in the graph to split after "
+                         "it (or set stages to 2 and press Balance).")
+            expect(refused).to_contain_text(one_stage, timeout=30_000)
+            expect(launch_button).to_be_disabled()
+            microbatches = page.get_by_label("microbatches", exact=True)
+            for count in ("5", "3", "64"):
+                microbatches.fill(count)
+                microbatches.press("Enter")
+                expect(refused).to_contain_text(f"⚠ microbatches {count} cannot launch: it does not divide the batch "
+                                                "of 16; valid: 1, 2, 4, 8, 16; set microbatches to one of them.",
+                                                timeout=30_000)
+                expect(refused).not_to_contain_text("Launch needs")  # one refusal at a time
+            microbatches.fill("4")
+            microbatches.press("Enter")
+            expect(refused).to_contain_text(one_stage, timeout=30_000)
+            # said once: not again under Launch or in the status line beside it
+            expect(page.locator(".pipeviz-explorer .pipeviz-launch-error")).to_have_text("")
+            expect(page.locator(".pipeviz-explorer .pipeviz-progress")).not_to_contain_text("Launch needs")
+            expect(page.locator(".pipeviz-explorer .pipeviz-preview")).not_to_contain_text("✓")
+
+            # A click on a layer splits after it (the refusal gone at once); undo brings back the plan before.
             click_marker("transformer.h.1")
             expect(preview_head).to_contain_text("2 stages", timeout=30_000)
+            expect(refused).to_have_text("", timeout=30_000)
+            expect(launch_button).to_be_enabled()
             two = plan(lambda d: len(d["stages"]) == 2, "2 stages after the click")
             assert two["stages"][0][-1] == "transformer.h.1", two["stages"]
             page.wait_for_function(f"({GRAPH_STATE})().splits === 1", timeout=30_000, polling=200)
@@ -495,13 +538,16 @@ def test_explorer_as_a_user_meets_it(lab: tuple[str, Path], request: pytest.Fixt
 
             # A setting Launch would refuse is refused at its control, the moment it is set: outlined, its refusal
             # right under the controls, nothing simulated, Launch disabled; put right, all comes back.
-            microbatches = page.get_by_label("microbatches", exact=True)
             microbatches.fill("5")
             microbatches.press("Enter")
-            refused = page.locator(".pipeviz-explorer .pipeviz-refused")
-            # one sentence: the control, why, and the valid values (issue 42)
+            # one sentence: the control, why, the valid values, why 1 and 2 are not among them, and the fix
             expect(refused).to_contain_text("⚠ microbatches 5 cannot launch: it does not divide the batch of 16; "
-                                            "valid: 4, 8, 16 (1F1B on 3 stages needs at least 3).", timeout=30_000)
+                                            "valid: 4, 8, 16 (1 and 2 are fewer than the 3 stages 1F1B needs); set "
+                                            "microbatches to one of them.", timeout=30_000)
+            # it wraps at spaces, never inside a word ("it do|es not divide"); no ✓ beside a refusal
+            assert page.evaluate(f"({BROKEN_WORDS})('.pipeviz-explorer .pipeviz-refused')") == []
+            expect(page.locator(".pipeviz-explorer .pipeviz-preview")).not_to_contain_text("✓")
+            expect(page.locator(".pipeviz-explorer .pipeviz-preview")).to_contain_text("but Launch is refused")
             expect(page.locator(".pipeviz-explorer .pipeviz-refused-control")).to_have_count(1)
             expect(page.locator("button.pipeviz-launch")).to_be_disabled()
             expect(page.locator(".pipeviz-sim-timeline")).to_be_hidden()
@@ -595,12 +641,16 @@ def test_explorer_as_a_user_meets_it(lab: tuple[str, Path], request: pytest.Fixt
             page.locator("button.pipeviz-launch").click()
             page.wait_for_function("() => window.__pv.progress.some(r => r[2] || !['', 'starting'].includes(r[1]))",
                                    timeout=30_000, polling=100)
-            status = page.locator(".pipeviz-explorer .pipeviz-run-status")
-            expect(status).to_have_text("done", timeout=120_000)
-            expect(page.locator(".pipeviz-explorer .pipeviz-numerics-check")).to_contain_text("✓ matches",
-                                                                                              timeout=60_000)
+            status = page.locator(".pipeviz-explorer .pipeviz-progress .pipeviz-run-status")
+            numerics = page.locator(".pipeviz-explorer .pipeviz-numerics-check")
+            chart_title = page.locator(".pipeviz-explorer .pipeviz-run-timeline .pipeviz-run-status")
+            # one vocabulary: the status line, the chart's title and the numerics line say the same state
+            expect(status).to_have_text("done ✓ matches the unsplit model", timeout=180_000)
+            expect(chart_title).to_have_text("done ✓ matches the unsplit model", timeout=30_000)
+            expect(numerics).to_contain_text("✓ matches the unsplit model trained the same way", timeout=60_000)
             # with dropout on: the check says the draws were made alike (it said "✗ differs" and nothing more)
-            expect(page.locator(".pipeviz-explorer .pipeviz-numerics-note")).to_contain_text("comparison is exact")
+            expect(numerics).to_contain_text("comparison is exact")
+            expect(numerics).not_to_contain_text("Fix:")
             # (ms after the click, status, phase) of every change of the progress line
             seen = [(t - t_click, status, phase) for t, status, phase, _ in page.evaluate("window.__pv.progress")]
             print(f"[{front_end}] progress: {seen}")
@@ -612,6 +662,16 @@ def test_explorer_as_a_user_meets_it(lab: tuple[str, Path], request: pytest.Fixt
             assert any(PHASES.search(phase) for _, status, phase in shown if status != "done"), seen
             assert any(PHASES.search(phase) for _, _, phase in shown), seen
             assert shown[-1][1] == "done" and "running" in {status for _, status, _ in shown}, seen
+            # any change of a setting (not the split only) makes the run out of date, in all three places
+            microbatches.fill("8")
+            microbatches.press("Enter")
+            stale = "out of date: microbatches 4 → 8"
+            for where in (page.locator(".pipeviz-explorer .pipeviz-progress"), numerics,
+                          page.locator(".pipeviz-explorer .pipeviz-run-timeline")):
+                expect(where).to_contain_text(stale, timeout=30_000)
+            microbatches.fill("4")
+            microbatches.press("Enter")
+            expect(page.locator(".pipeviz-explorer .pipeviz-out-of-date")).to_have_count(0, timeout=30_000)
             bars = page.locator(".pipeviz-run-timeline .js-plotly-plot g.trace.bars path")
             assert bars.count() >= 3 * 4 * 2, (bars.count(), page.evaluate("""() => {
                 const el = document.querySelector('.pipeviz-run-timeline');
@@ -657,7 +717,8 @@ def test_explorer_as_a_user_meets_it(lab: tuple[str, Path], request: pytest.Fixt
             # Shown once the kernel knew, and before the run's own end: a timed bound (it was < 1 s) failed 2 runs
             # in 5 at load 5-7 on 2 cores; the latency is printed above (0.004-0.30 s when the machine is calm).
             assert lag >= -0.05, f"the browser showed 'stopped' {-lag:.2f} s before the kernel knew"
-            expect(status).to_have_text("stopped")
+            expect(status).to_have_text("stopped · numerics not checked")
+            expect(numerics).to_have_text("Numerics check: not checked: the run was stopped.", timeout=10_000)
             expect(page.locator("button.pipeviz-launch")).to_be_enabled(timeout=10_000)
             shot("6-stopped")
 

@@ -82,21 +82,118 @@ def test_the_settings_make_one_launch_config(state: ExplorerState) -> None:
 
 
 def test_a_microbatch_count_that_never_launches_is_refused_at_one_stage(state: ExplorerState) -> None:
-    assert state.refusal() is None
+    assert str(state.refusal()).startswith("Launch needs at least 2 stages")  # a fresh Explorer: one stage
     state.update(microbatches=5)
     refusal = state.refusal()
     assert isinstance(refusal, LaunchError) and refusal.setting == "microbatches"
     assert str(refusal) == ("microbatches 5 cannot launch: it does not divide the batch of 32; valid: 1, 2, 4, 8, "
-                            "16, 32.")
+                            "16, 32; set microbatches to one of them.")
     # split: the schedule's rule joins in, and the sentence says why 1 and 2 are not valid
     state.set_plan(["layer0", "layer1"])
     assert str(state.refusal()) == ("microbatches 5 cannot launch: it does not divide the batch of 32; valid: 4, 8, "
-                                    "16, 32 (1F1B on 3 stages needs at least 3).")
+                                    "16, 32 (1 and 2 are fewer than the 3 stages 1F1B needs); set microbatches to one "
+                                    "of them.")
     state.update(microbatches=2)
     assert str(state.refusal()) == ("microbatches 2 cannot launch: 1F1B on 3 stages needs at least 3 microbatches; "
-                                    "valid: 4, 8, 16, 32.")
+                                    "valid: 4, 8, 16, 32; set microbatches to one of them.")
     state.update(microbatches=4)
     assert state.refusal() is None and state.launch_refusal() is None
+
+
+def test_every_check_runs_live_at_one_stage_and_the_fix_is_a_click(state: ExplorerState) -> None:
+    """Issue 50, point 1: a fresh one-stage state refuses Launch with the click as its fix; the checks that do not
+    depend on the stage count (here tp's) run on a stand-in split before the first click; the refusal goes the
+    moment its cause does."""
+    refusal = state.refusal()
+    assert refusal is not None and refusal.setting == "stages"
+    assert str(refusal) == ("Launch needs at least 2 stages and the plan has 1: click a layer in the graph to split "
+                            "after it (or set stages to 2 and press Balance).")
+    assert str(state.launch_refusal()) == str(refusal)  # what Launch says when pressed is what is shown
+    for microbatches in (5, 3, 64):  # the issue's three: refused before the first split, Launch's own words
+        state.update(microbatches=microbatches)
+        assert str(state.refusal()).startswith(f"microbatches {microbatches} cannot launch: it does not divide")
+    state.update(microbatches=4, tp=3)  # pv.launch's tp check, on a two-stage stand-in
+    refusal = state.refusal()
+    assert refusal is not None and refusal.setting == "tp" and str(refusal).startswith("tp 3 cannot launch: ")
+    assert str(refusal).endswith("; set tp to one of them.") and one_sentence(str(refusal))
+    state.update(tp=1, microbatches=1)  # 1F1B's rule on a stand-in's 2 stages: not said, the click is the fix
+    assert state.refusal() is not None and state.refusal().setting == "stages"  # type: ignore[union-attr]
+    state.toggle("layer1")  # now the rule is the plan's own
+    assert str(state.refusal()).startswith("microbatches 1 cannot launch: 1F1B on 2 stages needs at least 2")
+    state.update(microbatches=4)
+    assert state.refusal() is None  # gone the moment its cause is
+    state.toggle("layer2")
+    state.update(schedule="ZBVZeroBubble")  # 3 stages cannot make a V
+    refusal = state.refusal()
+    assert refusal is not None and refusal.setting == "schedule" and "the plan has 3" in str(refusal)
+    assert str(refusal).endswith("; pick one of them in schedule, or click layers to change the stage count.")
+
+
+def test_no_torch_history_or_tracker_number_in_the_widgets_words(state: ExplorerState) -> None:
+    """The rule's history stays in pv.launch's error (and docs/schedules.md); the widget says the rule."""
+    from pipeviz.schedule.traits import ScheduleError
+    from pipeviz.widgets.refusals import one_sentence as reword
+
+    exc = ScheduleError("1F1B needs at least 3 microbatches for 3 stages, got 2 (torch 2.13's Schedule1F1B refuses "
+                        "this when built; older torch hung, torchtitan#775). Fix: microbatches=4.")
+    exc.setting = "microbatches"  # type: ignore[attr-defined]
+    said = str(reword(exc, state.launch_config().replace(microbatches=2)))
+    assert said == "microbatches 2 cannot launch: 1F1B needs at least 3 microbatches for 3 stages, got 2."
+    assert "torch" not in said and "#" not in said and one_sentence(said)
+    state.set_plan(["layer0", "layer1"])
+    state.update(microbatches=2)
+    assert "torch" not in str(state.refusal()) and "#" not in str(state.refusal())
+
+
+def test_a_run_is_out_of_date_after_any_change_of_plan_or_setting(state: ExplorerState) -> None:
+    state.toggle("layer1")
+    assert state.changes_since_launch() == []  # nothing launched yet
+    state.launched()
+    assert state.changes_since_launch() == []
+    state.update(hardware="h100-sxm")  # prices the simulation only: the run is what it was
+    assert state.changes_since_launch() == []
+    state.update(microbatches=8)
+    assert state.changes_since_launch() == ["microbatches 4 → 8"]
+    state.update(tp=2, schedule="GPipe")
+    assert state.changes_since_launch() == ["schedule 1F1B → GPipe", "microbatches 4 → 8", "tp 1 → 2"]
+    state.update(tp=1, schedule="1F1B", microbatches=4)
+    assert state.changes_since_launch() == []  # back to what ran: current again
+    state.toggle("layer2")
+    assert state.changes_since_launch() == ["the split"]
+    state.undo()
+    state.update(recompute="full")
+    assert state.changes_since_launch() == ["recompute none → full"]
+
+
+def test_one_vocabulary_for_a_runs_state() -> None:
+    """Issue 50, point 5: the status line, the chart title and the numerics line say one state, in the same words;
+    no ✓ beside a fix; Stop says the numerics were not checked."""
+    from pipeviz.runtime.numerics import NumericsCheck
+    from pipeviz.widgets.run_state import run_state
+
+    ok = NumericsCheck(True, 1e-7, 2e-7, "w", 3, 10, 1e-5)
+    assert run_state("running").headline == "running" and run_state("running").numerics == ""
+    stopped = run_state("stopped")
+    assert stopped.headline == "stopped · numerics not checked"
+    assert stopped.numerics == "not checked: the run was stopped."
+    assert run_state("failed", error="RuntimeError: rank 1 died\n...").headline == "failed ✗ RuntimeError: rank 1 died"
+    assert run_state("done", checking=True).headline == "done · checking numerics against the unsplit model…"
+    done = run_state("done", ok, changes=["microbatches 4 → 8"])
+    assert done.headline == "done ✓ matches the unsplit model · out of date: microbatches 4 → 8"
+    assert done.numerics.startswith("✓ matches the unsplit model trained the same way: max |Δloss| 1.00e-07")
+    assert done.numerics.endswith(" · out of date: microbatches 4 → 8")
+    differs = run_state("done", NumericsCheck(False, 0.5, 0.1, "w", 3, 10, 1e-5))
+    assert differs.headline == "done ✗ differs from the unsplit model" and differs.numerics.startswith("✗ differs")
+    # tensor parallelism with dropout: the check's note says the differences include chance: no ✓, no "Fix:"
+    chance = NumericsCheck(True, 1e-3, 1e-3, "w", 3, 10, 1e-2, note=(
+        "The model draws random numbers (3 random ops per forward: dropout or the like); tensor-parallel shards "
+        "draw their masks over their shards of each tensor, which the unsplit model cannot draw alike, so the "
+        "differences include chance. Fix: model.eval(), or dropout 0 in its config, for a check that compares "
+        "computation only; training keeps dropout"))
+    vague = run_state("done", chance)
+    assert vague.headline == "done · numerics not conclusive (random draws)" and vague.mark == ""
+    assert "✓ matches" not in vague.numerics and "Fix:" not in vague.numerics
+    assert "with dropout 0 in the model's config" in vague.numerics
 
 
 def test_the_rounds_rule_is_said_in_the_widgets_words() -> None:
@@ -105,7 +202,7 @@ def test_the_rounds_rule_is_said_in_the_widgets_words() -> None:
     state.set_plan(pv.balance(graph, 6))  # 3 ranks of 2 stages
     assert str(state.refusal()) == ("microbatches 16 cannot launch: Interleaved1F1B on 3 ranks runs each rank's "
                                     "microbatches in rounds of 5, and 16 is not a whole number of rounds; valid: 1, 2, "
-                                    "4, 8.")
+                                    "4, 8; set microbatches to one of them.")
 
 
 def test_dp_and_schedule_refusals_name_the_control_and_the_valid_values(state: ExplorerState) -> None:
@@ -113,16 +210,17 @@ def test_dp_and_schedule_refusals_name_the_control_and_the_valid_values(state: E
     refusal = state.refusal()
     assert refusal is not None and refusal.setting == "dp"
     assert str(refusal) == "dp 3 cannot launch: 3 replicas cannot share the batch of 32 equally; valid with 4 " \
-                           "microbatches: 1, 2, 4, 8."
+                           "microbatches: 1, 2, 4, 8; set dp to one of them."
     state.update(dp=8, microbatches=8)  # 4 rows a replica cannot make 8 microbatches
     assert str(state.refusal()) == ("microbatches 8 cannot launch: it does not divide the 4 rows each of the 8 "
-                                    "data-parallel replicas takes from the batch of 32; valid: 1, 2, 4.")
+                                    "data-parallel replicas takes from the batch of 32; valid: 1, 2, 4; set "
+                                    "microbatches to one of them.")
     state.update(dp=1, microbatches=4, mode="infer", schedule="DualPipeV")
     refusal = state.refusal()
     assert refusal is not None and refusal.setting == "schedule"  # at one stage already
     assert str(refusal) == ("schedule DualPipeV cannot run forward only: torch's V-shaped schedule needs a backward; "
-                            "valid in infer mode: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble "
-                            "(or switch run to train).")
+                            "valid in infer mode: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble; "
+                            "pick one of them in schedule, or switch run to train.")
 
 
 def test_every_refusal_is_one_sentence(state: ExplorerState) -> None:
@@ -138,17 +236,11 @@ def test_every_refusal_is_one_sentence(state: ExplorerState) -> None:
         said.append(str(refusal))
         state.update(**{k: getattr(Settings("1F1B", 4, 2), k) for k in changes})
     assert all(one_sentence(s) for s in said), said
-    assert said[3].startswith("tp 2 cannot launch: nothing to shard: ") and said[3].endswith("; valid here: 1.")
+    assert said[3].startswith("tp 2 cannot launch: nothing to shard: ")
+    assert said[3].endswith("; valid here: 1; set tp to one of them.")
     assert said[5].startswith("schedule ZBVZeroBubble cannot launch: ")  # 3 stages cannot be V-shaped
-    assert said[5].endswith("; valid here: GPipe, 1F1B.")
-
-
-def test_launch_says_a_single_stage_in_the_widgets_terms(state: ExplorerState) -> None:
-    assert state.refusal() is None  # nothing wrong with the settings: the preview asks for a split
-    refusal = state.launch_refusal()
-    assert refusal is not None and str(refusal) == (
-        "Launch needs a pipeline of at least 2 stages and the plan has 1: click a layer in the graph to split after "
-        "it, or press Balance.")
+    assert said[5].endswith("; valid here: GPipe, 1F1B; pick one of them in schedule, or click layers to change the "
+                            "stage count.")
 
 
 def test_the_schedule_help_links_the_cheat_sheet() -> None:

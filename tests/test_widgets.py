@@ -218,7 +218,8 @@ def test_expand_and_collapse_keep_deep_models_readable() -> None:
     ex.undo()
     assert "transformer.h.3.mlp" in ex.graph.layer_names  # undo covers the view too
     ex.collapse("transformer.h")  # both splits fall inside the collapsed blocks
-    assert ex.plan.num_stages == 1 and len(ex.graph.layers) == 5 and ex.error == ""
+    assert ex.plan.num_stages == 1 and len(ex.graph.layers) == 5
+    assert ex.error == str(ex.refusal) and ex.refusal.setting == "stages"  # one stage: the click is the fix
     ex.regroup()
     assert len(ex.graph.layers) == 16
     ex.expand("lm_head")
@@ -301,6 +302,21 @@ def test_launch_fills_the_timeline_live_and_checks_numerics(explorer: pv.Explore
     assert len(live) >= 2 and all(title[:1] == notes for title, notes in live), pairs
     assert {t.meta[1] for t in explorer.run_view.figure.data if t.meta and len(t.x)} >= {"F", "B"}
     assert any(t.meta[0].endswith("(overlay)") and len(t.x) for t in explorer.run_view.figure.data)
+    # one vocabulary for the run's state: the status line, the chart's title and the numerics line (issue 50)
+    def said() -> list[str]:
+        return [text(w.value) for w in (explorer.progress, explorer.run_view.summary, explorer.numerics)]
+
+    assert all("✓ matches the unsplit model" in s for s in said()), said()
+    assert not any("out of date" in s for s in said())
+    explorer.microbatches.value = 8  # any setting, not the split only, makes the run out of date
+    assert all("out of date: microbatches 4 → 8" in s for s in said()), said()
+    assert "pipeviz-stale" in explorer.run_section._dom_classes
+    explorer.tp.value = 2
+    assert all("out of date: microbatches 4 → 8, tp 1 → 2" in s for s in said()), said()
+    explorer.microbatches.value, explorer.tp.value = 4, 1  # back to what ran
+    assert not any("out of date" in s for s in said()) and "pipeviz-stale" not in explorer.run_section._dom_classes
+    explorer.click("layer2")
+    assert all("out of date: the split" in s for s in said()), said()
 
 
 @pytest.mark.slow
@@ -378,7 +394,8 @@ def test_infer_switch_simulates_and_runs_forward_only(explorer: pv.Explorer) -> 
     explorer.schedule.value = "ZBVZeroBubble"  # V-shaped: needs a backward
     assert explorer.sim is None and explorer.error == (
         "schedule ZBVZeroBubble cannot run forward only: torch's V-shaped schedule needs a backward; valid in infer "
-        "mode: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble (or switch run to train).")
+        "mode: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble; pick one of them in schedule, or switch "
+        "run to train.")
     explorer.schedule.value = "GPipe"
     assert explorer.error == "" and explorer.sim is not None
     run = explorer.launch()
@@ -401,11 +418,16 @@ def test_errors_from_the_run_appear_in_the_widget(explorer: pv.Explorer) -> None
     # under the Launch button that caused it, not in the area under the controls
     assert "The run failed" in explorer.error and "loss exploded on purpose" in explorer.launch_error.value
     assert explorer.errors.value == ""
-    assert "failed" in explorer.progress.value and explorer.numerics.value == ""
-    # A loss that fails on any output is refused before a process starts, and the status beside Launch says so.
+    # the status line, the chart's title and the numerics line in one vocabulary; the error itself said once
+    assert "failed ✗ the error is under Launch" in text(explorer.progress.value)
+    assert "failed ✗" in text(explorer.run_view.summary.value)
+    assert text(explorer.numerics.value) == "Numerics check: not checked: the run failed."
+    assert "loss exploded" not in explorer.progress.value + explorer.numerics.value
+    # A loss that fails on any output is refused before a process starts: said once, under the controls
     explorer.loss_fn = lambda out, t: (_ for _ in ()).throw(ValueError("loss exploded on purpose"))
     assert explorer.launch() is None and "loss_fn(output, target) fails on an output like" in explorer.error
-    assert "refused" in explorer.progress.value and "loss_fn(output, target)" in explorer.launch_error.value
+    assert "loss_fn(output, target)" in explorer.refused.value and explorer.launch_button.disabled
+    assert "loss_fn" not in explorer.launch_error.value + explorer.progress.value
 
 
 @pytest.mark.slow
@@ -418,14 +440,20 @@ def test_stop_button_stops_the_run(explorer: pv.Explorer) -> None:
     while explorer.run.status != "running" and time.time() < deadline:
         time.sleep(0.05)
     explorer.stop_button.click()
-    assert explorer.wait(30) == "stopped" and "stopped" in explorer.progress.value
+    assert explorer.wait(30) == "stopped"
+    assert "stopped · numerics not checked" in text(explorer.progress.value)
+    assert text(explorer.numerics.value) == "Numerics check: not checked: the run was stopped."
 
 
 def test_bad_launch_is_shown_before_any_process(explorer: pv.Explorer) -> None:
     # in the widget's terms: the fix is a click (or Balance), not plan.toggle(<layer>)
-    said = "Launch needs a pipeline of at least 2 stages and the plan has 1: click a layer in the graph to split after"
+    said = "Launch needs at least 2 stages and the plan has 1: click a layer in the graph to split after it"
+    assert explorer.launch_button.disabled and said in text(explorer.refused.value)  # live, before any press
     assert explorer.launch() is None and said in explorer.error
-    assert "refused" in explorer.progress.value and said in explorer.launch_error.value
+    # one place: under the controls; not again under Launch or in the status line
+    assert said not in explorer.launch_error.value + explorer.progress.value
+    explorer.click("layer0")
+    assert explorer.refused.value == "" and not explorer.launch_button.disabled and explorer.error == ""
     explorer.plan = ["layer0", "layer1"]
     explorer.microbatches.value = 5
     assert explorer.launch() is None and explorer.run is None
@@ -442,16 +470,18 @@ def test_a_setting_that_cannot_launch_is_refused_at_its_control(explorer: pv.Exp
     assert explorer.sim is None and explorer.launch_button.disabled
     # one sentence: the control, why, the valid values (and why 1 and 2 are not among them)
     assert text(explorer.refused.value).endswith("⚠ microbatches 5 cannot launch: it does not divide the batch of "
-                                                 "32; valid: 4, 8, 16, 32 (1F1B on 3 stages needs at least 3).")
+                                                 "32; valid: 4, 8, 16, 32 (1 and 2 are fewer than the 3 stages 1F1B "
+                                                 "needs); set microbatches to one of them.")
     assert "pipeviz-refused-control" in explorer.microbatches._dom_classes
-    assert "these settings cannot run it" in explorer.preview.value  # not a bare "✓ balanced" beside a refusal
+    assert "but Launch is refused" in explorer.preview.value and "✓" not in explorer.preview.value  # no ✓ here
+    assert "overflow-wrap:anywhere" not in explorer.refused.value + explorer.preview.value  # wraps at spaces
     explorer.microbatches.value = 8
     assert explorer.refusal is None and explorer.refused.value == "" and explorer.sim is not None
     assert "pipeviz-refused-control" not in explorer.microbatches._dom_classes and not explorer.launch_button.disabled
     explorer.dp.value = 8  # 8 replicas of 4 rows each cannot take 8 microbatches
     assert explorer.refusal.setting == "microbatches" and str(explorer.refusal) == (
         "microbatches 8 cannot launch: it does not divide the 4 rows each of the 8 data-parallel replicas takes from "
-        "the batch of 32; valid: 4 (1F1B on 3 stages needs at least 3).")
+        "the batch of 32; valid: 4 (1 and 2 are fewer than the 3 stages 1F1B needs); set microbatches to one of them.")
     assert explorer.sim is None
     explorer.dp.value = 1
     explorer.mode.value = "infer"
@@ -463,13 +493,15 @@ def test_a_microbatch_count_that_never_launches_is_flagged_before_the_first_spli
     """At one stage nothing launches yet, but a microbatch count that does not divide the batch never will: it is
     flagged at once, in one sentence, and the flag goes the moment the count divides."""
     explorer.plan = []
-    assert explorer.plan.num_stages == 1 and explorer.refusal is None
+    assert explorer.plan.num_stages == 1 and explorer.refusal.setting == "stages"
     explorer.microbatches.value = 5
     assert explorer.refusal is not None and explorer.refusal.setting == "microbatches"
     assert text(explorer.refused.value).endswith("}⚠ microbatches 5 cannot launch: it does not divide the batch of "
-                                                  "32; valid: 1, 2, 4, 8, 16, 32.")
+                                                  "32; valid: 1, 2, 4, 8, 16, 32; set microbatches to one of them.")
     assert "pipeviz-refused-control" in explorer.microbatches._dom_classes and explorer.launch_button.disabled
     explorer.microbatches.value = 4
+    assert explorer.refusal.setting == "stages" and "microbatches" not in explorer.refused.value
+    explorer.click("layer0")
     assert explorer.refusal is None and explorer.refused.value == ""
 
 
@@ -682,3 +714,24 @@ def test_the_schedule_control_points_to_the_cheat_sheet(explorer: pv.Explorer) -
 
     assert "docs/schedules.md" in explorer.schedule.tooltip
     assert (Path(__file__).resolve().parent.parent / "docs" / "schedules.md").exists()
+
+
+def test_a_tp_runs_notes_name_the_measured_factor_and_its_cause(classic_graph: pv.ModelGraph) -> None:
+    """Issue 50, point 6: a tp run measured far off the simulated step says by how much and why, beside both."""
+    from types import SimpleNamespace
+
+    from pipeviz.widgets import panels
+
+    plan = classic_graph.split(["layer1"])
+    cfg = pv.LaunchConfig(schedule="1F1B", microbatches=4, tp=2)
+    slow = pv.simulate(plan, cfg)  # this machine's costs, as "measured"
+    fast = pv.simulate(plan, cfg, options=pv.CostOptions(hardware="h100-sxm", dtype="bfloat16"))
+    assert slow.step_time > 2 * fast.step_time
+    run = SimpleNamespace(timeline=lambda: slow, schedule=slow.schedule, layout=SimpleNamespace(num_stages=2),
+                          mesh=SimpleNamespace(world=4), spec=SimpleNamespace(tp=2))
+    notes = text(panels.run_notes_html(run, fast, None, 2, 0.0))  # type: ignore[arg-type]
+    factor = slow.step_time / fast.step_time
+    assert f"measured is {factor:.1f}× the simulated step: with tp 2 every sharded layer ends in an all-reduce" in notes
+    assert "4 processes share 2 CPU cores" in notes
+    run.spec.tp = 1  # pp only: no tp factor named
+    assert "all-reduce" not in text(panels.run_notes_html(run, fast, None, 2, 0.0))  # type: ignore[arg-type]

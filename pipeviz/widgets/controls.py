@@ -199,7 +199,7 @@ class Controls:
             self.refused.value = ""
             return
         small = f"<div style='font-size:11px;color:#555'>{html.escape(note)}</div>" if note else ""
-        self.refused.value = OUTLINE + panels.error_html(f"⚠ {refusal}") + small
+        self.refused.value = OUTLINE + panels.error_html(f"⚠ {refusal}", mono=False) + small
 
 
 def _icon_button(icon: str, tooltip: str, css: str) -> W.Button:

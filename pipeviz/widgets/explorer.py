@@ -17,8 +17,8 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TypedDict, Unpack
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import ipywidgets as W
 import plotly.graph_objects as go
@@ -68,32 +68,6 @@ class _Kept:
         setattr(getattr(obj, self.part), self.name, value)
 
 
-class ExplorerOptions(TypedDict, total=False):
-    """``pv.LaunchConfig`` fields the Explorer takes as keywords beside its own parameters (they override
-    ``config``'s): ``pv.Explorer(model, (x,), tp=2, tp_plan={...})``."""
-
-    stages_per_rank: int | None
-    timeout: float
-    pin_cpus: bool
-    on_nonfinite: str
-    clip_grad_norm: float | None
-    loss_reduction: str
-    accumulate: int
-    lr_scheduler: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None
-    eval_every: int | None
-    mixed_precision: str | None
-    compile: bool | str
-    recompute: str | Sequence[str]
-    init_seed: int
-    dp: int
-    dp_shard: bool
-    tp: int
-    tp_plan: Mapping[str, str] | None
-    sequence_parallel: bool
-    cp: int
-    order: Sequence[Sequence[str]] | None
-
-
 class Explorer(W.VBox):
     """One widget to split a model into pipeline stages and run it.
 
@@ -132,7 +106,9 @@ class Explorer(W.VBox):
             ``resume=``: weights, optimizer and scheduler state, steps), under the Explorer's split and schedule;
             ``explorer.resume`` may be set (or cleared) between launches.
         depth: granularity of the trace (``None``: the model's natural blocks).
-        **options: other ``pv.LaunchConfig`` fields (``tp_plan=``, ``dp=``, ``timeout=``, ...), over ``config``'s.
+        **options: other ``pv.LaunchConfig`` fields (``tp_plan=``, ``dp=``, ``timeout=``, ...), over ``config``'s:
+            ``pv.Explorer(model, (x,), tp=2)`` is ``pv.Explorer(model, (x,), config=pv.LaunchConfig(tp=2))``; an
+            unknown one is named with the valid fields (``LaunchConfig.replace``).
 
     Attributes:
         graph: the current ``ModelGraph`` (expand / collapse replace it).
@@ -168,7 +144,7 @@ class Explorer(W.VBox):
         optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
         devices: str | list[str] = UNSET, depth: int | None = None, mode: str = "train",
         eval_data: Iterable[object] | None = None, resume: str | os.PathLike[str] | None = None,
-        config: pv.LaunchConfig | None = None, **options: Unpack[ExplorerOptions],
+        config: pv.LaunchConfig | None = None, **options: Any,
     ) -> None:
         Settings(mode=mode)  # a bad mode is named before anything is traced
         graph = model if isinstance(model, ModelGraph) else pv.trace(model, example_args, example_kwargs, depth=depth)
@@ -271,7 +247,6 @@ class Explorer(W.VBox):
         self.controls.show_plan(plan, self.state.can_undo, self.state.can_redo)
         self.graph_column.show(plan)
         self._refresh_simulation()
-        self.runner.mark(plan)
         if self.pipe_button.value:
             self.pipe_view.show()
 
@@ -332,22 +307,18 @@ class Explorer(W.VBox):
 
     def launch(self) -> pv.Run | None:
         """Start ``pv.launch`` with the current plan and controls; the phases and the timeline show live. A refusal
-        (the one the controls show, or a single stage) is shown under the Launch button, and the status beside it
-        says so; returns None then."""
+        (the one the controls show, a single stage included) stays in its one place, under the controls, and is
+        ``explorer.error``; returns None then. What ``pv.launch`` itself raises shows under Launch."""
         self._clear_error()
         try:
-            refusal = self.state.launch_refusal() if not self.runner.going else None
-            if refusal is not None:  # the settings' own sentence, as the controls show it
-                self.error = str(refusal)
-                self.launch_error.value = panels.error_html(self.error)
-                self.runner.show_refused(refusal)
+            refusal = self.state.refusal() if not self.runner.going else None
+            if refusal is not None:  # said once, live, under the controls (Launch is disabled there)
+                self._show_refusal(refusal)
                 return None
             run = self.runner.launch()
         except Exception as exc:  # shown where the user pressed, never swallowed
             self._show_error(exc, area=self.launch_error)
-            self.runner.show_refused(exc)
             return None
-        self.runner.mark(self.plan)
         return run
 
     def launch_config(self) -> pv.LaunchConfig:
@@ -456,11 +427,12 @@ class Explorer(W.VBox):
             except (pv.ScheduleError, ValueError) as exc:  # the schedule does not fit the plan: said once, above
                 failed = True
                 self._show_error(exc, prefix=f"{cfg.schedule} cannot run {plural(self.plan.num_stages, 'stage')}: ")
-        self.preview.value = panels.preview_html(self.plan, self.sim, cfg.microbatches, failed,
+        self.preview.value = panels.preview_html(self.plan, self.sim, cfg.microbatches, failed or refusal is not None,
                                                  options=self.cost_options())
         self.mesh_view.value = panels.mesh_html(self.plan, cfg)
         self.cost_note.value = panels.cost_note_html(self.graph, self.cost_options())
         self.sim_section.show(self.sim)
+        self.runner.mark()  # a launched run is out of date after any change of plan or setting
 
     # ----------------------------------------------------------------- errors
     def _show_error(self, exc: BaseException, prefix: str = "", area: W.HTML | None = None) -> None:

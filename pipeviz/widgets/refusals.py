@@ -3,13 +3,14 @@ why, and the values that would launch (``ExplorerState.refusal`` asks these; hea
 
 The settings that can never launch on this batch (a microbatch count that does not divide it, data-parallel replicas
 that cannot share it, a schedule that needs a backward in a forward-only run) are refused at any stage count, before
-the model is split; the rest come from ``pv.launch``'s own checks (``validate_launch``) once it is, reworded into one
-sentence. The history and the references behind a rule live in the docs (docs/schedules.md), not here.
+the model is split; so is one stage (a click on a layer splits it); the rest come from ``pv.launch``'s own checks
+(``validate_launch``), reworded into one sentence that ends with the fix in the widget's terms: the control to set,
+or the click. The history and the references behind a rule live in the docs (docs/schedules.md), not here.
 
 Example:
     >>> microbatches_refusal(plan, config.replace(microbatches=5), batch=32)
-    LaunchError('microbatches 5 cannot launch: it does not divide the batch of 32; valid: 4, 8, 16, 32 (1F1B on 3
-    stages needs at least 3).')
+    LaunchError('microbatches 5 cannot launch: it does not divide the batch of 32; valid: 4, 8, 16, 32 (1 and 2 are
+    fewer than the 3 stages 1F1B needs); set microbatches to one of them.')
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ __all__ = ["SCHEDULES_DOC", "dp_refusal", "forward_only_refusal", "microbatches_
            "stages_refusal"]
 
 SCHEDULES_DOC = "docs/schedules.md"  # the schedules cheat sheet: every schedule's bubble, memory, traffic and rules
+FIX = {"schedule": "; pick one of them in schedule, or click layers to change the stage count",
+       "microbatches": "; set microbatches to one of them", "dp": "; set dp to one of them",
+       "tp": "; set tp to one of them"}  # the fix after "valid: ...", in the widget's terms (its controls)
 LABELS = {"schedule": "schedule", "microbatches": "microbatches", "steps": "steps", "dp": "dp", "tp": "tp",
           "sequence_parallel": "seq. parallel", "recompute": "recompute"}  # each setting's control, as labelled
 
@@ -46,7 +50,7 @@ def forward_only_refusal(config: LaunchConfig) -> LaunchError | None:
     able = [n for n, i in sched.SCHEDULES.items() if i.forward_only]
     shape = "V-shaped " if sched.info(name).v_shape else ""
     return LaunchError(f"schedule {name} cannot run forward only: torch's {shape}schedule needs a backward; valid in "
-                       f"infer mode: {', '.join(able)} (or switch run to train).",
+                       f"infer mode: {', '.join(able)}; pick one of them in schedule, or switch run to train.",
                        setting="schedule")
 
 
@@ -57,8 +61,8 @@ def dp_refusal(config: LaunchConfig, batch: int | None) -> LaunchError | None:
         return None
     valid = [d for d in divisors(batch) if batch // d % m == 0]
     return LaunchError(f"dp {dp} cannot launch: {dp} replicas cannot share the batch of {batch} equally; valid with "
-                       f"{m} microbatches: {_listed(valid, f'none until microbatches divides the batch of {batch}')}.",
-                       setting="dp")
+                       f"{m} microbatches: {_listed(valid, f'none until microbatches divides the batch of {batch}')}"
+                       f"{FIX['dp'] if valid else ''}.", setting="dp")
 
 
 def _rule_ok(plan: SplitPlan, config: LaunchConfig, k: int, rows: int) -> bool:
@@ -103,28 +107,42 @@ def microbatches_refusal(plan: SplitPlan, config: LaunchConfig, batch: int | Non
                f"{batch}")
     else:
         why = _rule(plan, config, m)
-    excluded = split and any(k not in valid for k in divisors(rows)) and rows % m
-    note = ""
-    if excluded:
-        lay = config.layout(plan.num_stages)
-        note = (f" ({lay.schedule} on {plan.num_stages} stages needs at least {plan.num_stages})"
-                if lay.info.microbatches == "at_least_stages" else
-                f" ({lay.schedule} on {lay.num_ranks} ranks takes whole rounds of max(1, microbatches // "
-                f"{lay.num_ranks}))")
+    missing = [k for k in divisors(rows) if k not in valid and k != m]
+    note = _why_missing(plan, config, missing) if missing and rows % m else ""
+    fix = FIX["microbatches"] if valid else ""
     return LaunchError(f"microbatches {m} cannot launch: {why}; valid: "
-                       f"{_listed(valid, f'none for a batch of {rows} (change the batch size)')}{note}.",
-                       setting="microbatches")
+                       f"{_listed(valid, f'none for a batch of {rows} (trace the model on another batch)')}{note}"
+                       f"{fix}.", setting="microbatches")
+
+
+def _why_missing(plan: SplitPlan, config: LaunchConfig, missing: list[int]) -> str:
+    """Why the divisors of the batch left out of "valid" are: the schedule's rule on this plan."""
+    lay = config.layout(plan.num_stages)
+    are = "is" if len(missing) == 1 else "are"
+    if lay.info.microbatches == "at_least_stages":
+        return f" ({_and(missing)} {are} fewer than the {plan.num_stages} stages {lay.schedule} needs)"
+    rounds = "is not a whole number" if len(missing) == 1 else "are not whole numbers"
+    return f" ({_and(missing)} {rounds} of {lay.schedule}'s rounds on {lay.num_ranks} ranks)"
+
+
+def _and(values: list[int]) -> str:
+    """``[1, 2, 3]`` -> ``"1, 2 and 3"``."""
+    words = [str(v) for v in values]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} and {words[-1]}"
 
 
 def stages_refusal(plan: SplitPlan) -> LaunchError | None:
     """A plan of one stage: no pipeline to launch yet (what Launch says when pressed then)."""
     if plan.num_stages > 1:
         return None
-    return LaunchError("Launch needs a pipeline of at least 2 stages and the plan has 1: click a layer in the graph to "
-                       "split after it, or press Balance.", setting="stages")
+    return LaunchError("Launch needs at least 2 stages and the plan has 1: click a layer in the graph to split after "
+                       "it (or set stages to 2 and press Balance).", setting="stages")
 
 
 _FIX = re.compile(r"\s*\bFix:.*$", re.S)
+# a parenthesis of torch's history or a tracker's number ("(torch 2.13's ...; older torch hung, torchtitan#775)"):
+# the docs' (docs/schedules.md), not the widget's
+_HISTORY = re.compile(r"\s*\([^()]*(?:\btorch \d|#\d)[^()]*\)")
 _BREAK = re.compile(r"\.\s+(?=[A-Z(])")  # a sentence ends: the next starts with a capital or a parenthesis
 
 
@@ -133,7 +151,7 @@ def one_sentence(exc: BaseException, config: LaunchConfig, valid: list[str] | No
     launch, with no keyword fix: its later sentences become clauses, its "Fix: ..." (written for code) is dropped;
     ``err.setting`` and the cause are kept."""
     setting = getattr(exc, "setting", None)
-    reason = _BREAK.sub("; ", _FIX.sub("", str(exc).strip())).rstrip(" .;:")
+    reason = _BREAK.sub("; ", _HISTORY.sub("", _FIX.sub("", str(exc).strip()))).rstrip(" .;:")
     if setting in LABELS:
         value = getattr(config, setting)
         shown = "on" if value is True else "off" if value is False else value
@@ -144,6 +162,7 @@ def one_sentence(exc: BaseException, config: LaunchConfig, valid: list[str] | No
         sentence = f"Launch would refuse these settings: {reason}"
     if valid is not None:
         sentence += f"; valid here: {_listed(valid, 'none with the other settings as they are')}"
+        sentence += FIX.get(str(setting), "") if valid else ""
     refusal = LaunchError(sentence + ".", setting=setting)
     refusal.__cause__ = exc
     return refusal

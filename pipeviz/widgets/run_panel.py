@@ -6,7 +6,6 @@ A view over an ``ExplorerState`` (what Launch runs: its plan and ``launch_config
 
 from __future__ import annotations
 
-import html
 import os
 import threading
 import time
@@ -17,9 +16,11 @@ import torch
 
 import pipeviz as pv
 from pipeviz.plan.split import SplitPlan
+from pipeviz.runtime.numerics import NumericsCheck
 from pipeviz.schedule.timeline import Timeline
 from pipeviz.widgets import panels
 from pipeviz.widgets.controls import row_layout
+from pipeviz.widgets.run_state import RunState, run_state
 from pipeviz.widgets.state import HERE, ExplorerState
 from pipeviz.widgets.timeline_view import TimelineView
 
@@ -44,6 +45,9 @@ class RunPanel:
         self.run: pv.Run | None = None
         self.run_plan: SplitPlan | None = None  # the plan the last run launched
         self.sim_here: Timeline | None = None
+        self.check: NumericsCheck | None = None  # the last run's numerics check, once made
+        self.checking = False  # being made now
+        self.check_error = ""  # why it could not be made
         self.finished = threading.Event()
         self.finished.set()
         self.refused = False  # the settings cannot launch (Launch stays disabled when a run ends)
@@ -84,7 +88,7 @@ class RunPanel:
         """Launch enabled only when the settings can launch (and no run is going); its tooltip says why not."""
         self.refused = refusal is not None
         self.launch_button.tooltip = ("pv.launch(plan, ...) in background processes" if refusal is None else
-                                      f"refused: {str(refusal).splitlines()[0][:200]}")
+                                      "refused: the reason is under the controls")
         if not self.going:
             self.launch_button.disabled = refusal is not None
 
@@ -100,23 +104,18 @@ class RunPanel:
         else:
             run = pv.launch(plan, config=cfg, inputs=args, input_kwargs=kwargs or None, target=state.launch_target(),
                             eval_data=state.eval_data, resume=state.resume)
-        self.run, self.run_plan = run, plan
+        self.run, self.run_plan, self.check, self.checking, self.check_error = run, plan, None, False, ""
+        state.launched()
         self.finished.clear()
         self.numerics.value = self.run_notes.value = ""
         self.here_button.layout.display = "none"
         self.sim_here = None
         self.section.layout.display = "flex"
         self.stop_button.disabled, self.launch_button.disabled = False, True
-        self.progress.value = panels.progress_html(run)
+        self.show_state()
         self.run_view.attach(run, overlay=self._simulated())
         run.subscribe_status(self._on_status)
         return run
-
-    def show_refused(self, exc: BaseException) -> None:
-        """The status line beside Launch after a refused press (the refusal itself shows under it)."""
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        self.progress.value = (f"<span class='pipeviz-run-status' style='color:#c0392b'><b>refused</b></span> · "
-                               f"{html.escape(first[:160])}")
 
     def stop(self) -> None:
         """Stop the running launch (``run.stop()``)."""
@@ -143,20 +142,41 @@ class RunPanel:
         self.explain(run)
         return self.sim_here
 
-    def mark(self, plan: SplitPlan) -> None:
-        """A finished run's chart says so when the plan has changed since."""
-        if self.run is not None and self.run_plan is not None and self.run_plan != plan:
+    def run_state(self) -> RunState | None:
+        """The last run's state in the one vocabulary (``run_state``): running, done ✓/✗ with its reason, stopped and
+        not checked, out of date since any change of the plan or a setting; None before the first Launch."""
+        run = self.run
+        if run is None:
+            return None
+        return run_state(run.status, self.check, checking=self.checking, error="the error is under Launch",
+                         changes=self.state.changes_since_launch())
+
+    def show_state(self) -> None:
+        """The run's state, in the same words, in the status line beside Launch, the measured chart's title and
+        the numerics line (after every status change, the numerics check, and any change of plan or setting)."""
+        run, now = self.run, self.run_state()
+        if run is None or now is None:
+            return
+        self.progress.value = panels.progress_html(run, now)
+        self.run_view.set_status(panels.run_state_html(now))
+        numerics = panels.numerics_html(now) if not self.check_error else (
+            f"<div class='pipeviz-numerics-check'><b>Numerics check:</b> {self.check_error}</div>")
+        if numerics != self.numerics.value:
+            self.numerics.value = numerics
+        if now.stale:
             self.section.add_class("pipeviz-stale")
-            self.run_view.summary.value = (f"<span class='pipeviz-stale-note'>⚠ this run used an earlier plan "
-                                           f"({html.escape(repr(self.run_plan))})</span>")
         else:
             self.section.remove_class("pipeviz-stale")
+
+    def mark(self, plan: SplitPlan | None = None) -> None:
+        """A change of the plan or a setting: the run's state says whether it is out of date (``show_state``)."""
+        self.show_state()
 
     def _on_status(self, run: pv.Run) -> None:
         # The status line and the buttons first (a cheap update); the charts redraw throttled behind it.
         if run is not self.run:
             return
-        self.progress.value = panels.progress_html(run)
+        self.show_state()
         if run.done:
             self.stop_button.disabled, self.launch_button.disabled = True, self.refused
             if not self.finished.is_set():
@@ -176,12 +196,16 @@ class RunPanel:
                 self._show_error(RuntimeError(f"The run failed: {run.error}"), "", self.launch_error)
             self.explain(run)
             if run.status == "done":
-                self.numerics.value = "<i>checking numerics against the unsplit model…</i>"
+                self.checking = True
+                self.show_state()
                 try:
-                    self.numerics.value = panels.numerics_html(run)
+                    self.check = pv.check_numerics(run)
                 except Exception as exc:
-                    self.numerics.value = "<b>Numerics check:</b> could not train the unsplit model (see the error)."
+                    self.check_error = "could not train the unsplit model (see the error)."
                     self._show_error(exc, "numerics check: ", None)
+                finally:
+                    self.checking = False
+            self.show_state()
         except Exception as exc:
             self._show_error(exc, "", None)
         finally:

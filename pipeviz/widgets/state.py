@@ -65,6 +65,17 @@ class Settings:
                              "mode='infer' for a forward-only run.")
 
 
+def _stage_bound(exc: BaseException) -> bool:
+    """A refusal that depends on the stage count (the schedule's layout and microbatch rules, a custom order, torch's
+    sends and receives): not said from a stand-in two-stage split."""
+    return isinstance(exc, sched.ScheduleError) or getattr(exc, "setting", None) in ("schedule", "microbatches",
+                                                                                      "order")
+
+
+def _shown(value: object) -> str:
+    return "on" if value is True else "off" if value is False else str(value)
+
+
 class ExplorerState:
     """The Explorer's model: plan history, settings, the launch configuration and its refusal, headless.
 
@@ -98,6 +109,7 @@ class ExplorerState:
         self._history: list[SplitPlan] = []
         self._future: list[SplitPlan] = []
         self._target: torch.Tensor | None = None  # the default target, made once
+        self._launched: tuple[SplitPlan, Settings] | None = None  # what the last Launch ran (``launched``)
 
     # ----------------------------------------------------------------- the plan and its history
     def set_plan(self, value: SplitPlan | Iterable[str], record: bool = True) -> SplitPlan:
@@ -217,18 +229,22 @@ class ExplorerState:
 
     # ----------------------------------------------------------------- what Launch would say
     def refusal(self) -> LaunchError | None:
-        """Why Launch would refuse the settings, as one sentence naming the control, why and the valid values (its
-        ``.setting`` names the control), else None. A setting that can never launch on this batch is refused at any
-        stage count; from 2 stages on, everything ``pv.launch`` checks before a process starts (a few ms)."""
+        """Why Launch would refuse the settings and the plan, as one sentence naming the control (or the click), why,
+        the valid values and the fix (its ``.setting`` names the control), else None. Everything ``pv.launch``
+        checks before a process starts runs at every change (a few ms), whatever the stage count: at one stage the
+        checks that do not depend on the stage count run on a two-stage split of the graph, then the single stage
+        itself is the refusal."""
         cfg = self.launch_config()
         own = self._own_refusal(cfg)
-        if own is not None or self.plan.num_stages < 2:
+        if own is not None:
             return own
-        exc = self._validate(cfg)
-        if exc is None:
-            return None
-        setting = getattr(exc, "setting", None)
-        return refusals.one_sentence(exc, cfg, self._valid(setting) if setting in ("schedule", "tp") else None)
+        plan = self.plan if self.plan.num_stages > 1 else self._probe()
+        exc = self._validate(cfg, plan) if plan is not None else None
+        if exc is not None and (plan is self.plan or not _stage_bound(exc)):
+            setting = getattr(exc, "setting", None)
+            valid = self._valid(setting, plan) if plan is not None and setting in ("schedule", "tp") else None
+            return refusals.one_sentence(exc, cfg, valid)
+        return refusals.stages_refusal(self.plan)
 
     def _own_refusal(self, cfg: LaunchConfig) -> LaunchError | None:
         """The settings that can never launch on this batch, at any stage count (``refusals``)."""
@@ -236,29 +252,63 @@ class ExplorerState:
         return (refusals.forward_only_refusal(cfg) or refusals.dp_refusal(cfg, batch)
                 or refusals.microbatches_refusal(self.plan, cfg, batch))
 
-    def _validate(self, cfg: LaunchConfig) -> BaseException | None:
-        """What ``pv.launch`` would raise first for this plan and ``cfg`` before any process starts, else None."""
+    def _probe(self) -> SplitPlan | None:
+        """A two-stage split of the graph (after its middle layer, else the nearest that splits), on which the
+        checks that do not depend on the stage count run before the first click; None for a graph that cannot
+        split."""
+        names = self.graph.layer_names[:-1]
+        for name in sorted(names, key=lambda n: abs(names.index(n) - (len(names) - 1) / 2)):
+            try:
+                return self.plan.toggle(name)
+            except ValueError:  # no module runs after it, ...
+                continue
+        return None
+
+    def _validate(self, cfg: LaunchConfig, plan: SplitPlan | None = None) -> BaseException | None:
+        """What ``pv.launch`` would raise first for ``plan`` (default: the plan) and ``cfg`` before any process
+        starts, else None."""
         args, kwargs = self.graph.example_args, dict(self.graph.example_kwargs)
         try:  # (the default target inside too: a model with several outputs has none)
-            validate_launch(self.plan, cfg, inputs=args, input_kwargs=kwargs or None,
+            validate_launch(plan or self.plan, cfg, inputs=args, input_kwargs=kwargs or None,
                             target=None if cfg.loss_fn is None else self.launch_target(),
                             eval_data=None if cfg.loss_fn is None else self.eval_data)
         except Exception as exc:  # LaunchError, ScheduleError, PlanError, or whatever else Launch would meet first
             return exc
         return None
 
-    def _valid(self, setting: str) -> list[str]:
-        """The values of ``schedule`` (every one) or ``tp`` (1, 2, 4, 8) that would launch with the other settings
-        as they are (checked only once a refusal is shown)."""
+    def _valid(self, setting: str, plan: SplitPlan) -> list[str]:
+        """The values of ``schedule`` (every one) or ``tp`` (1, 2, 4, 8) that would launch on ``plan`` with the other
+        settings as they are (checked only once a refusal is shown)."""
         tries = ([dataclasses.replace(self.settings, schedule=n) for n in sched.ALL] if setting == "schedule" else
                  [dataclasses.replace(self.settings, tp=k) for k in (1, 2, 4, 8)])
         configs = [(s, self.launch_config(s)) for s in tries]
         return [str(getattr(s, setting)) for s, cfg in configs
-                if self._own_refusal(cfg) is None and self._validate(cfg) is None]
+                if self._own_refusal(cfg) is None and self._validate(cfg, plan) is None]
 
     def launch_refusal(self) -> LaunchError | None:
-        """``refusal()``, or the plan's single stage: what Launch says when pressed."""
-        return self.refusal() or refusals.stages_refusal(self.plan)
+        """What Launch says when pressed: ``refusal()`` (the single stage included since round 3)."""
+        return self.refusal()
+
+    # ----------------------------------------------------------------- the run Launch started
+    def launched(self) -> None:
+        """Launch started a run of the plan and the settings now: ``changes_since_launch`` compares with them."""
+        self._launched = (self.plan, self.settings)
+
+    def changes_since_launch(self) -> list[str]:
+        """What changed since the last Launch, in the controls' words (``"microbatches 4 → 8"``, ``"the split"``):
+        any change of the plan or of a setting the run was launched with makes the run out of date (the cost
+        settings only price the simulation: not counted). Empty before any Launch."""
+        if self._launched is None:
+            return []
+        plan, then = self._launched
+        changed = [] if plan == self.plan else ["the split"]
+        for f in dataclasses.fields(Settings):
+            was, now = getattr(then, f.name), getattr(self.settings, f.name)
+            if f.name not in ("hardware", "recompute") and was != now:
+                changed.append(f"{refusals.LABELS.get(f.name, f.name)} {_shown(was)} → {_shown(now)}")
+        if then.recompute != self.settings.recompute and self.settings.mode == "train":  # (Launch runs it)
+            changed.append(f"recompute {then.recompute} → {self.settings.recompute}")
+        return changed
 
     def simulate(self) -> Timeline | None:
         """The settings' run simulated on the plan (None at one stage); a loaded cluster row's on its own batch and

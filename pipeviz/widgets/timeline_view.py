@@ -149,6 +149,8 @@ class TimelineView(W.VBox):
         self.redraw_s, self.live_redraws, self.busy = 0.0, 0, False
         self._cores = cores
         self._title, self._height = title, height
+        self._status = ""  # set_status's
+        self._shown: Timeline | None = None  # the timeline the summary describes (the last drawn)
         self._overlay = overlay
         self._timeline: Timeline | None = None
         self._run: Live | None = None
@@ -171,6 +173,20 @@ class TimelineView(W.VBox):
             self.summary.value = "<i>no timeline yet</i>"
 
     # ----------------------------------------------------------------- public
+    def set_status(self, status_html: str) -> None:
+        """What the chart's title starts with: a launched run's state in the Explorer's words ("done ✓ ... · out of
+        date: microbatches 4 → 8"), ``""`` for none; kept across redraws."""
+        self._status = status_html
+        if self._shown is not None:
+            self._show_summary(self._shown)
+
+    def _show_summary(self, shown: Timeline) -> None:
+        self._shown = shown
+        title = f"<b>{timeline_title(shown)}</b>" if self._title is None else self._title
+        text = " · ".join(p for p in (self._status, title) if p)
+        if text != self.summary.value:
+            self.summary.value = text
+
     @property
     def timeline(self) -> Timeline | None:
         """The ``Timeline`` drawn last."""
@@ -299,7 +315,7 @@ class TimelineView(W.VBox):
                 fig.layout.xaxis.update(layout["xaxis"])
         self._update_steps(tl)
         self._draw_losses()
-        self.summary.value = f"<b>{timeline_title(tl)}</b>" if self._title is None else self._title
+        self._show_summary(tl)
         self.redraws += 1
         self.live_redraws += 1
         self._last = self._clock()
