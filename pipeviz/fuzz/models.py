@@ -73,7 +73,7 @@ BUILTIN: dict[str, tuple[int, Callable[[], tuple[nn.Module, tuple[torch.Tensor, 
     "transformer": (4, lambda: _lm(zoo.TinyTransformer(16, 8, 2, 4, 4), 16, 4)),
     "gpt2": (5, lambda: _lm(zoo.gpt2(n_layer=4, n_embd=8, n_head=2, vocab_size=16, n_positions=8), 16, 4)),
     "llama": (6, lambda: _lm(zoo.llama(num_hidden_layers=4, hidden_size=16, num_attention_heads=2,
-                                       num_key_value_heads=1, vocab_size=16), 16, 4)),
+                                       num_key_value_heads=2, vocab_size=16), 16, 4)),
 }
 HF_MODELS = ("gpt2", "llama")
 

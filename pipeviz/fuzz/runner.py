@@ -114,7 +114,9 @@ def _launch(case: Case, fm: FuzzModel, graph: ModelGraph, cfg: LaunchConfig, fol
     """The case launched, or its outcome when it cannot be."""
     try:
         plan = graph.split(list(case.cuts))
-    except Exception as exc:  # the fuzzer drew the cuts from the graph's own candidates: any refusal is a bug
+    except PlanError as exc:  # split points valid one by one, not together (an empty stage between): said so
+        return Outcome("refused", "", f"PlanError [split]: {exc}")
+    except Exception as exc:
         return Outcome("failed", "build", f"graph.split({list(case.cuts)}) raised {type(exc).__name__}: {exc}")
     resume = None
     if case.option("resume"):

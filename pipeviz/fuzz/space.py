@@ -25,7 +25,7 @@ __all__ = ["CUSTOM_ORDERS", "DEGREES", "MESH_DIMS", "OPTIONS", "Case", "config_f
 
 # Every mesh dimension the fuzzer knows and the degrees it draws (world size stays small: 2 cores); only those
 # LaunchConfig has are drawn. Adding a dimension: one entry here.
-DEGREES: dict[str, tuple[int, ...]] = {"dp": (1, 1, 2), "tp": (1, 1, 2), "cp": (1, 1, 1, 1, 2), "ep": (1, 1, 1, 1, 2)}
+DEGREES: dict[str, tuple[int, ...]] = {"dp": (1, 1, 2), "tp": (1, 1, 2), "cp": (1,) * 9 + (2,), "ep": (1,) * 9 + (2,)}
 MESH_DIMS = tuple(d for d in DEGREES if d in {f.name for f in fields(LaunchConfig)})
 MAX_WORLD = 4
 
@@ -82,8 +82,9 @@ class Case:
 
     @property
     def torch_schedule(self) -> str:
-        """The schedule whose stage placement the run takes (a custom order's: one stage per rank)."""
-        return "1F1B" if self.schedule.startswith("custom:") else self.schedule
+        """The schedule whose stage placement the run takes (a custom order's: GPipe's, one stage per rank, no
+        microbatch rule of its own)."""
+        return "GPipe" if self.schedule.startswith("custom:") else self.schedule
 
     def option(self, name: str) -> object:
         return dict(self.options).get(name, OPTIONS[name][0])
@@ -133,11 +134,12 @@ def draw_case(rng: random.Random, models: Sequence[str], candidates: Callable[[s
     model = rng.choice(list(models))
     points = list(candidates(model))
     schedule = rng.choice([*sched.ALL, *sched.SINGLE, *CUSTOM_ORDERS])  # the two-stage ones a little more often
-    multi = sched.info("1F1B" if schedule.startswith("custom:") else schedule).multi
-    mesh = {d: rng.choice(DEGREES[d]) for d in MESH_DIMS}
-    extra = 1
-    for d in mesh.values():
-        extra *= d
+    multi = sched.info("GPipe" if schedule.startswith("custom:") else schedule).multi
+    mesh, extra = {}, 1
+    for d in MESH_DIMS:  # each degree drawn while two pipeline ranks still fit in MAX_WORLD
+        degree = rng.choice(DEGREES[d])
+        mesh[d] = degree if 2 * extra * degree <= MAX_WORLD else 1
+        extra *= mesh[d]
     pp_max = max(1, MAX_WORLD // extra)
     pp = rng.choice([p for p in (2, 2, 3, 4) if p <= pp_max] or [2])
     stages = min(pp * (2 if multi else 1), len(points) + 1)
