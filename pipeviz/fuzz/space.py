@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -143,7 +144,10 @@ def draw_case(rng: random.Random, models: Sequence[str], candidates: Callable[[s
     pp_max = max(1, MAX_WORLD // extra)
     pp = rng.choice([p for p in (2, 2, 3, 4) if p <= pp_max] or [2])
     stages = min(pp * (2 if multi else 1), len(points) + 1)
-    cuts = tuple(sorted(rng.sample(points, stages - 1), key=points.index))
+    for _ in range(20):  # mostly cuts that leave every stage a module (not a parent's end right after its child's)
+        cuts = tuple(sorted(rng.sample(points, stages - 1), key=points.index))
+        if not any(b and a.startswith(b + ".") for a, b in itertools.pairwise(cuts)):
+            break
     per_replica = 8 // mesh.get("dp", 1)
     microbatches = rng.choice([m for m in (1, 2, 4, 8) if pp <= m <= per_replica] or [1, 2, 4, 8]) \
         if rng.random() < 0.9 else rng.choice((1, 2, 4, 8))  # mostly what the schedule and batch allow
