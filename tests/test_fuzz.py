@@ -73,6 +73,15 @@ def test_batchnorm_with_one_value_per_channel_is_refused_before_launch() -> None
     validate_launch(graph.split(["layer1"]), cfg.replace(microbatches=4), inputs=fm.inputs, target=fm.target)
 
 
+def test_a_training_run_with_every_parameter_frozen_is_refused() -> None:
+    fm, graph, cfg = build_case(Case("mlp", ("layer1",), "GPipe", 2))
+    graph.model.requires_grad_(False)
+    with pytest.raises(pv.LaunchError, match="Every parameter of the model is frozen") as err:
+        pv.launch(graph.split(["layer1"]), cfg, inputs=fm.inputs, target=fm.target)
+    assert err.value.setting == "loss_fn"
+    validate_launch(graph.split(["layer1"]), cfg.replace(loss_fn=None, optimizer=None), inputs=fm.inputs)
+
+
 def test_tp_leaves_a_linear_pair_with_a_batchnorm_between_replicated() -> None:
     _, graph, _ = build_case(Case("batchnorm", ("layer1.0",), "GPipe", 2))
     sharded = sharded_modules(graph.split(["layer1.0"]), tp=2)

@@ -73,9 +73,10 @@ SCHEDULERS: dict[str, Callable[..., Any]] = {"warmup_cosine": warmup_cosine(1, 4
 
 
 def _freeze(model: torch.nn.Module) -> None:
-    """Freeze the first module that holds parameters (an embedding, a first layer), as a fine-tune freezes a base."""
-    for _, child in model.named_children():
-        if any(True for _ in child.parameters()):
+    """Freeze the first module that holds parameters of its own (an embedding, a first layer), as a fine-tune
+    freezes part of a base."""
+    for _, child in model.named_modules():
+        if any(True for _ in child.parameters(recurse=False)):
             child.requires_grad_(False)
             return
 

@@ -327,6 +327,12 @@ def _loss_fn(d: _Draft) -> None:
 
 
 def _optimizer(d: _Draft) -> None:
+    model = d.plan.graph.model
+    if not any(p.requires_grad for p in model.parameters()) and any(True for _ in model.parameters()):
+        # found by pipeviz fuzz: the run trained nothing, then check_numerics failed in the unsplit model's backward
+        raise LaunchError("Every parameter of the model is frozen (requires_grad=False): a training run has nothing "
+                          "to train. Fix: unfreeze the parameters to train, or drop loss_fn for a forward-only run.",
+                          setting="loss_fn")
     d.optimizer = d.config.optimizer if d.config.optimizer is not None else default_optimizer
     _try_optimizer(d.optimizer)
 
