@@ -75,9 +75,11 @@ SCHEDULERS: dict[str, Callable[..., Any]] = {"warmup_cosine": warmup_cosine(1, 4
 def _freeze(model: torch.nn.Module) -> None:
     """Freeze the first module that holds parameters of its own (an embedding, a first layer), as a fine-tune
     freezes part of a base."""
-    for _, child in model.named_modules():
-        if any(True for _ in child.parameters(recurse=False)):
-            child.requires_grad_(False)
+    for name, child in model.named_modules():
+        own = list(child.parameters(recurse=False))
+        if name and own:  # (the root's own, e.g. a position table, left trainable)
+            for p in own:
+                p.requires_grad_(False)
             return
 
 
@@ -103,7 +105,10 @@ def _checkpoint(fm: FuzzModel, graph: ModelGraph, cfg: LaunchConfig, folder: str
     points = graph.split_candidates
     first = LaunchConfig(schedule="GPipe", microbatches=2, steps=1, loss_fn=fm.loss_fn, optimizer=cfg.optimizer,
                          lr_scheduler=cfg.lr_scheduler, timeout=60.0)
-    run = launch(graph.split([points[len(points) // 2]]), first, inputs=fm.inputs, target=fm.target)
+    try:
+        run = launch(graph.split([points[len(points) // 2]]), first, inputs=fm.inputs, target=fm.target)
+    except Exception as exc:
+        return f"the run that saves the checkpoint to resume from was refused: {type(exc).__name__}: {exc}"
     if run.wait(RUN_TIMEOUT) != "done":
         run.stop()
         return f"the run that saves the checkpoint to resume from failed: {run.error}"
