@@ -92,6 +92,19 @@ def test_tp_leaves_a_linear_pair_with_a_batchnorm_between_replicated() -> None:
 
 
 @pytest.mark.slow
+def test_a_frozen_tied_weight_stays_frozen_under_adamw() -> None:
+    """The tied-gradient sum gave a frozen tied weight a zero gradient, and AdamW's weight decay then moved it."""
+    case = Case("tied", ("blocks.1",), "1F1B", 2, options=(("optimizer", "adamw"), ("freeze", True)))
+    fm, graph, cfg = build_case(case)
+    before = graph.model.embed.weight.detach().clone()
+    assert not graph.model.embed.weight.requires_grad and graph.model.head.weight is graph.model.embed.weight
+    run = pv.launch(graph.split(["blocks.1"]), cfg, inputs=fm.inputs, target=fm.target)
+    assert run.wait(120) == "done", run.error
+    assert float((run.state_dict()["embed.weight"] - before).abs().max()) == 0.0
+    assert pv.check_numerics(run).ok
+
+
+@pytest.mark.slow
 def test_batchnorm_between_linears_under_tp_matches_the_unsplit_model() -> None:
     outcome = run_case(Case("batchnorm", ("layer1.0",), "1F1B", 2, mesh=(("tp", 2),)))
     assert outcome.verdict in ("passed", "refused"), outcome

@@ -65,7 +65,7 @@ def refusal(exc: Exception) -> Outcome:
 
 def adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The fuzzer's AdamW (a module-level function: the ranks unpickle it)."""
-    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, eps=1e-3)
 
 
 OPTIMIZERS: dict[str, Callable[..., Any]] = {"sgd": sgd(lr=0.1), "adamw": adamw}
