@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # On a machine without an NVIDIA GPU pin the local CPU build: an unpinned torch pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test compat grid wheel lint bench calibrate render docs screenshots clean
+.PHONY: setup demo test compat grid wheel lint bench calibrate render docs screenshots fuzz clean
 
 setup: $(VENV)/.installed
 
@@ -45,6 +45,13 @@ grid:
 # classic` and lesson 01 run from outside the clone. Writes only under build/. See scripts/check_wheel.py.
 wheel: setup
 	$(PY) scripts/check_wheel.py
+
+# The composition fuzzer (docs/fuzz.md): random compositions checked against the unsplit model for FUZZ_SECONDS,
+# from FUZZ_SEED; a failure is shrunk and written to build/fuzz/ (repro.py, repro_torchrun.py) and exits 1.
+FUZZ_SECONDS ?= 180
+FUZZ_SEED ?= 0
+fuzz: setup
+	$(VENV)/bin/pipeviz fuzz --seconds $(FUZZ_SECONDS) --seed $(FUZZ_SEED) --out build/fuzz
 
 # Executed HTML renderings of every lesson and demo notebook (outputs and plotly figures embedded, readable offline)
 # in build/html/ (gitignored), with an index; exits 1 if a notebook fails. See scripts/render.py.

@@ -4,6 +4,7 @@
                  [--steps 5] [--devices auto] [--output pipeviz-report.html]
                  [--cluster-hardware h100] [--cluster-gpus 8]
     pipeviz lab  [notebook]      # JupyterLab on the notebooks and tutorials
+    pipeviz fuzz --seconds 120 --seed 0 --out fuzz-out [--model FILE_OR_NAME] [--cases N]
     pipeviz plan --model llama-3-8b --gpus 64 --hardware h100 --global-batch 512 [--seq-len 8192]
                  [--config path/to/config.json] [--memory-gib 80] [--dtype bfloat16] [--efficiency 0.55] [--top 10]
                  [--full-trace] [--no-synthesize] [--export torchtitan|megatron] [--export-path torchtitan.toml]
@@ -271,6 +272,29 @@ def lab(a: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, "-m", "jupyterlab", target])
 
 
+def fuzz(a: argparse.Namespace) -> int:
+    """Draw compositions, run and check each, shrink the first failure (pipeviz.fuzz)."""
+    warnings.filterwarnings("ignore")
+    from pipeviz.fuzz import fuzz as run_fuzz
+
+    try:
+        report = run_fuzz(a.seconds, a.seed, a.out, model=a.model, cases=a.cases)
+    except ValueError as exc:  # a --model that cannot be built
+        print(f"pipeviz: {exc}", file=sys.stderr)
+        return 2
+    return 1 if report.failed else 0
+
+
+FUZZ_HELP = (
+    "Check a model across layouts: draw compositions pipeviz accepts (a model, its split, a schedule or a custom "
+    "order, microbatches, pp x dp x tp and every mesh dimension pv.launch takes, accumulation, clipping, loss "
+    "reduction, mixed precision, recompute, compile, frozen parameters, overlapped or sharded gradient reduction, "
+    "resume across layouts) and check each: a refusal before any process starts must be a LaunchError naming the "
+    "setting, a run must match the unsplit model (pv.check_numerics). The first failure is shrunk to a minimal case "
+    "and written to --out as repro.py and repro_torchrun.py; exits 1 then. The same --seed draws the same cases. "
+    "See docs/fuzz.md.")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pipeviz", description="See, split, simulate and run pipeline parallelism.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -327,6 +351,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     lb = sub.add_parser("lab", help="JupyterLab on the notebooks")
     lb.add_argument("path", nargs="?")
     lb.set_defaults(func=lab)
+    fz = sub.add_parser("fuzz", help="check a model across layouts: random compositions against the unsplit model",
+                        description=FUZZ_HELP)
+    fz.add_argument("--seconds", type=float, default=120.0, help="time budget (a case started runs to its end)")
+    fz.add_argument("--seed", type=int, default=0, help="the cases drawn (the same seed, the same cases)")
+    fz.add_argument("--out", default="fuzz-out", help="where a failure's repro.py and repro_torchrun.py go")
+    fz.add_argument("--model", default=None, help="one model instead of the built-in ones: a name (mlp, skip, "
+                    "batchnorm, tied, transformer, gpt2, llama), a .py file defining fuzz_model() -> (model, inputs, "
+                    "target), or package.module:function")
+    fz.add_argument("--cases", type=int, default=None, help="at most this many cases")
+    fz.set_defaults(func=fuzz)
     args = ap.parse_args(argv)
     if getattr(args, "devices", None) and "," in args.devices:
         args.devices = args.devices.split(",")

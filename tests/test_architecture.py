@@ -107,7 +107,7 @@ def test_the_core_never_imports_a_view_library() -> None:
 
 # The parts, bottom up (docs/development.md, "Layout"): a module imports only from its own part or parts below it.
 LAYERS = ("base", "adapter", "capture", "plan", "graph", "schedule", "cost", "sim", "planner", "runtime", "face",
-          "widgets", "cli")
+          "fuzz", "widgets", "cli")
 # The modules under every part: a module's error types and its deprecation helper, and the version.
 BASE = {"pipeviz.errors", "pipeviz._compat", "pipeviz.version"}
 

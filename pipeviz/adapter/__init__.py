@@ -29,13 +29,13 @@ fails there loudly, not in a worker.
 """
 
 from pipeviz.adapter.backward import exact_split_backward
-from pipeviz.adapter.collectives import COLLECTIVES, timed_collectives
+from pipeviz.adapter.collectives import COLLECTIVES, plant_fault, timed_collectives
 from pipeviz.adapter.fake import defake, fake_cpu, fake_tensors
 from pipeviz.adapter.flat import FlatStage, canonical_name, compiled_submodules, describe, flatten_stage
 from pipeviz.adapter.schedules import regions_inlined, runtime_schedule, schedule_actions, split_graph, timed_waits
 from pipeviz.adapter.stage import OVERRIDDEN, check_stage_methods, timed_stage_class
 
 __all__ = ["COLLECTIVES", "OVERRIDDEN", "FlatStage", "canonical_name", "check_stage_methods", "compiled_submodules",
-           "defake", "describe", "exact_split_backward", "fake_cpu", "fake_tensors", "flatten_stage", "regions_inlined",
-           "runtime_schedule", "schedule_actions", "split_graph", "timed_collectives", "timed_stage_class",
-           "timed_waits"]
+           "defake", "describe", "exact_split_backward", "fake_cpu", "fake_tensors", "flatten_stage", "plant_fault",
+           "regions_inlined", "runtime_schedule", "schedule_actions", "split_graph", "timed_collectives",
+           "timed_stage_class", "timed_waits"]

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -142,7 +143,7 @@ def _plan_runnable(d: _Draft) -> None:
             "on CUDA devices only (on the CPU, torch 2.13 refuses: 'Operator "
             "aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy "
             "registered'), and pipeviz's GPU path for it is not built yet. pv.simulate and pv.plan_cluster price "
-            "it. Fix: cp=1 to launch.")
+            "it. Fix: cp=1 to launch.", setting="cp")
     if plan.num_stages < 2:
         raise LaunchError("The plan has 1 stage; a pipeline needs at least 2. Fix: plan.toggle(<layer>) to split.")
 
@@ -253,6 +254,29 @@ def _microbatches(d: _Draft) -> None:
             exc = type(exc)(f"{exc} (each of the dp={dp} replicas takes {d.batch // dp} of the batch of {d.batch})")
         exc.setting = "microbatches"  # type: ignore[attr-defined]
         raise exc from None
+    if cfg.loss_fn is not None:
+        _batch_statistics(d, d.batch // dp // cfg.microbatches)
+
+
+def _batch_statistics(d: _Draft, rows: int) -> None:
+    """A batch norm that trains needs more than one value per channel in each microbatch: torch raises in the forward
+    otherwise (the unsplit model trained on such microbatches would too). Found by pipeviz fuzz: the run failed
+    after launch, in the parent's stage build, instead of being refused."""
+    capture = d.plan.graph.capture
+    for op in capture.ops:
+        args: tuple[object, ...] = tuple(op.spec[0]) if op.spec else ()
+        if op.target != "aten.batch_norm.default" or len(args) < 6 or args[5] is not True:
+            continue
+        shape: tuple[int, ...] | None = getattr(args[0], "shape", None)
+        if not shape or len(shape) < 2 or not capture.batch_size:
+            continue
+        per_row = math.prod(shape) // shape[1] // capture.batch_size
+        if rows * per_row <= 1:
+            raise LaunchError(
+                f"microbatches={d.config.microbatches} leaves {rows} row per microbatch, and {op.stack[-1]!r} "
+                f"(batch norm, training) then sees 1 value per channel, which torch refuses. Valid: microbatches at "
+                f"most {d.batch // d.config.dp // 2}. Fix: fewer microbatches, a larger batch, or model.eval() for "
+                "that module.", setting="microbatches")
 
 
 def _comm_order(d: _Draft) -> None:
@@ -304,6 +328,12 @@ def _loss_fn(d: _Draft) -> None:
 
 
 def _optimizer(d: _Draft) -> None:
+    model = d.plan.graph.model
+    if not any(p.requires_grad for p in model.parameters()) and any(True for _ in model.parameters()):
+        # found by pipeviz fuzz: the run trained nothing, then check_numerics failed in the unsplit model's backward
+        raise LaunchError("Every parameter of the model is frozen (requires_grad=False): a training run has nothing "
+                          "to train. Fix: unfreeze the parameters to train, or drop loss_fn for a forward-only run.",
+                          setting="loss_fn")
     d.optimizer = d.config.optimizer if d.config.optimizer is not None else default_optimizer
     _try_optimizer(d.optimizer)
 

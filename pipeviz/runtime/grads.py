@@ -153,7 +153,9 @@ def sync_tied(local: dict[str, list[torch.Tensor]], tied: dict[str, list[int]],
 
     for canon in sorted(tied):
         copies = local.get(canon, [])
-        if not copies:
+        if not copies or not any(c.requires_grad for c in copies):
+            # frozen (the same on every rank holding a copy): no zero gradient, or AdamW's weight decay would move it
+            # (found by pipeviz fuzz: GPT-2 with its tied embedding frozen)
             continue
         for c in copies:
             if c.grad is None:

@@ -163,10 +163,11 @@ def check_sequence_parallel(plan: SplitPlan, config: LaunchConfig) -> None:
 
 def check_dp_shard(plan: SplitPlan, config: LaunchConfig) -> None:
     if not isinstance(config.dp_shard, bool):
-        raise LaunchError(f"dp_shard must be True or False, got {config.dp_shard!r}.")
+        raise LaunchError(f"dp_shard must be True or False, got {config.dp_shard!r}.", setting="dp_shard")
     if config.dp_shard and config.dp < 2:
         raise LaunchError(f"dp_shard=True shards parameters across data-parallel replicas, but dp={config.dp}: "
-                          "there is nothing to shard across. Fix: dp=2 (or more) with dp_shard=True, or drop it.")
+                          "there is nothing to shard across. Fix: dp=2 (or more) with dp_shard=True, or drop it.",
+                          setting="dp_shard")
     if config.dp_shard and config.tp > 1:
         raise LaunchError("dp_shard=True with tp > 1 (FSDP2 over tensor-parallel DTensors) is not supported yet. "
                           "Fix: dp_shard=False (replicas average their gradients), or tp=1.")

@@ -157,9 +157,10 @@ def _watch_parent(parent_pid: int) -> None:
 def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.device, torch.device] | None = None) -> None:
     import torch.distributed as dist
 
-    from pipeviz.adapter import exact_split_backward, timed_collectives, timed_waits
+    from pipeviz.adapter import exact_split_backward, plant_fault, timed_collectives, timed_waits
 
     clock, device, compute = connected or _connect(p, queue)
+    plant_fault()  # a testing hook: nothing unless $PIPEVIZ_PLANT_FAULT names a collective (docs/fuzz.md)
     step_box = [0, 0, 0]  # the step, its accumulated (or held-out) batch, and whether it evaluates
     pp_group, dp_group, dp_mesh, tp_mesh = _mesh_groups(p)
     stages, params, local, overlapped = rank_stages(p, clock, step_box, device, compute, pp_group, dp_group, tp_mesh,

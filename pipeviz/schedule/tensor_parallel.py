@@ -126,9 +126,10 @@ def _layers_plan(model: nn.Module, stages: list[tuple[str, ...]]) -> dict[str, s
         linears = [(name, mod) for layer in layers for name, mod in _projections(model, layer)
                    if isinstance(mod, nn.Linear) and mod is not head]
         i = 0
+        order = [n for layer in layers for n, _ in _modules(model, layer)]
         while i + 1 < len(linears):
             (a, la), (b, lb) = linears[i], linears[i + 1]
-            if la.out_features == lb.in_features:
+            if la.out_features == lb.in_features and not _running_stats_between(model, order, a, b):
                 plan[a], plan[b] = "colwise", "rowwise"
                 i += 2
             else:
@@ -174,6 +175,26 @@ def _projections(model: nn.Module, layer: str) -> list[tuple[str, nn.Module]]:
     except AttributeError:
         return []
     return [(f"{base}.{n}" if n else base, m) for n, m in root.named_modules() if _is_projection(m)]
+
+
+def _modules(model: nn.Module, layer: str) -> list[tuple[str, nn.Module]]:
+    base = layer.split("@")[0]
+    try:
+        root = model.get_submodule(base)
+    except AttributeError:
+        return []
+    return [(f"{base}.{n}" if n else base, m) for n, m in root.named_modules()]
+
+
+def _running_stats_between(model: nn.Module, order: list[str], a: str, b: str) -> bool:
+    """A batch norm keeping running statistics between two Linears: sharding the pair would hand it a shard of the
+    features under DTensor, which computes right but never updates its running statistics (found by pipeviz fuzz:
+    a BatchNorm between two Linears lost them under tp=2), so the pair stays replicated."""
+    if a not in order or b not in order:
+        return False
+    between = order[order.index(a) + 1:order.index(b)]
+    return any(isinstance(m := model.get_submodule(n), nn.modules.batchnorm._NormBase) and m.track_running_stats
+               for n in between)
 
 
 def _is_projection(mod: nn.Module) -> bool:
