@@ -310,7 +310,7 @@ class _Interpreter(fx.Interpreter):
         if float(opts.get("dropout_p", 0.0) or 0.0) > 0:
             raise ContextError(f"{n.name}: attention dropout {opts['dropout_p']} draws a mask per share, not the "
                                "whole sequence's")
-        for name, t, node in (("query", q, n.args[0]), ("key", k, n.args[1]), ("value", v, n.args[2])):
+        for name, t, node in zip(("query", "key", "value"), args[:3], n.args[:3], strict=True):  # (global shapes)
             if _differs(t, self.traced(node)) != [t.dim() - 2]:
                 raise ContextError(f"{n.name}: its {name} is not this share's tokens along dim -2 ({tuple(t.shape)})")
         if k.shape == v.shape:  # one exchange for both
