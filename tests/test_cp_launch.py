@@ -139,3 +139,19 @@ def test_attention_written_as_matmuls_is_refused() -> None:
         plan = pv.trace(model, example_args=(ids,)).split(["transformer.h.1"])
     with pytest.raises(pv.LaunchError, match=r"cp=2: .*ContextError.*attn_implementation='sdpa'"):
         pv.launch(plan, "1F1B", 2, cp=2, inputs=(ids,), target=ids, loss_fn=pv.cross_entropy, steps=1)
+
+
+def test_a_planner_row_with_cp_launches_as_it_is() -> None:
+    """pv.plan_cluster's row with cp 2 on a small model: its config (layout, schedule, microbatches) launched as
+    the planner gives it, exact."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (4, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = pv.trace(_model("gpt2"), example_args=(ids,))
+    result = pv.plan_cluster(graph, 4, "h100", global_batch=4, seq_len=16, cp=[2], tp=[1],
+                             schedules=["1F1B"], recompute="none", top=1000)
+    row = next(r for r in result.rows if r.cp == 2 and r.pp == 2)
+    run = pv.launch(row.plan, row.config, steps=1, inputs=(ids,), target=ids, loss_fn=pv.cross_entropy)
+    assert run.wait(300) == "done", run.error
+    assert run.mesh == pv.Mesh(pp=2, cp=2) and pv.check_numerics(run).ok
