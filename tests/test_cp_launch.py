@@ -155,3 +155,21 @@ def test_a_planner_row_with_cp_launches_as_it_is() -> None:
     run = pv.launch(row.plan, row.config, steps=1, inputs=(ids,), target=ids, loss_fn=pv.cross_entropy)
     assert run.wait(300) == "done", run.error
     assert run.mesh == pv.Mesh(pp=2, cp=2) and pv.check_numerics(run).ok
+
+
+def test_the_explorer_sets_cp_and_says_which_tokens_a_share_holds() -> None:
+    from pipeviz.widgets.controls import Controls
+    from pipeviz.widgets.panels import mesh_html
+    from pipeviz.widgets.state import ExplorerState, Settings
+
+    ids = torch.randint(0, 128, (4, 16))
+    plan = _plan("gpt2", "1F1B", ids)
+    state = ExplorerState(plan.graph, pv.LaunchConfig(cp=2))
+    assert state.settings.cp == 2 and state.launch_config().cp == 2
+    assert state.update(cp=4).cp == 4 and state.launch_config().cp == 4
+    state.update(cp=2)
+    box = mesh_html(plan, state.launch_config())
+    assert "4 processes" in box and "2 sequence shares" in box and "pv.Mesh(pp=2, dp=1, cp=2, tp=1)" in box
+    assert "cp0: tokens of chunks 0 and 3 of 4" in box and "cp1: tokens of chunks 1 and 2 of 4" in box
+    controls = Controls(Settings(cp=2), 4, lambda: None)
+    assert controls.values()["cp"] == 2 and controls.cp.description == "cp"
