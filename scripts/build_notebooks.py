@@ -65,6 +65,7 @@ SOLUTIONS: dict[str, tuple[str, str]] = {
         "             ['2F0', '2I0', '2F1', '2I1', '2F2', '2I2', '2F3', '2W0', '2I3', '2W1', '2W2', '2W3']]",
     ),
     "tutorials/11_composing_pp_dp_tp.ipynb": ("my_answer = 3 / 19", "my_answer = 3 / 67"),
+    "tutorials/12_long_sequences.ipynb": ("my_answer = [512, 1023, 3072, 3583]", "my_answer = [1024, 2047, 0, 0]"),
 }
 
 METADATA = {

@@ -81,7 +81,8 @@ def test_the_planner_searches_cp_and_each_row_reproduces(plan: pv.SplitPlan) -> 
     assert "cp" in result.table(top=len(result.rows)).splitlines()[1].split()
 
 
-def test_launch_refuses_cp_before_any_process(plan: pv.SplitPlan) -> None:
+def test_launch_refuses_a_sequence_2cp_does_not_divide(plan: pv.SplitPlan) -> None:
+    """pv.launch runs cp > 1 (tests/test_cp_launch.py); a sequence it cannot cut into 2·cp chunks is refused."""
     ids = torch.randint(0, 128, (4, 16))
-    with pytest.raises(pv.LaunchError, match=r"cp=2: pv\.launch does not run context parallelism.*Fix: cp=1"):
-        pv.launch(plan, "GPipe", 2, steps=1, inputs=(ids,), target=ids, loss_fn=pv.cross_entropy, cp=2)
+    with pytest.raises(pv.LaunchError, match=r"cp=3: a sequence of 16 tokens .*Valid cp for 16 tokens: 1, 2, 4, 8"):
+        pv.launch(plan, "GPipe", 2, steps=1, inputs=(ids,), target=ids, loss_fn=pv.cross_entropy, cp=3)

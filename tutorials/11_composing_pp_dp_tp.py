@@ -20,7 +20,8 @@
 # and its glossary (*Glossary · 术语表*, the notebook's last section: every term in English and Chinese); the
 # [schedules cheat sheet](../docs/schedules.md) (every schedule's bubble, memory and traffic on one page).
 #
-# **Lessons:** ← [Lesson 10 · Going multi-host](10_going_multi_host.ipynb)
+# **Lessons:** ← [Lesson 10 · Going multi-host](10_going_multi_host.ipynb) ·
+# [Lesson 12 · Long sequences](12_long_sequences.ipynb) →
 #
 # ## Three ways to cut the work
 #

@@ -10,7 +10,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch.utils import _pytree as pytree
@@ -22,7 +22,7 @@ from pipeviz.runtime.spec import FedBatch, LaunchSpec
 if TYPE_CHECKING:
     from pipeviz.capture.view import GraphView
 
-__all__ = ["data_batch", "eval_batches", "launch_inputs", "like_first", "share"]
+__all__ = ["data_batch", "eval_batches", "launch_inputs", "like_first", "seq_share", "sequence_length", "share"]
 
 T = TypeVar("T")
 
@@ -34,6 +34,36 @@ def share(tree: T, replica: int, replicas: int, batch: int) -> T:
         return tree
     return pytree.tree_map(lambda t: t.tensor_split(replicas)[replica]
                            if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t, tree)
+
+
+def seq_share(batch: tuple[Any, ...], share: int, shares: int, seq: int) -> tuple[Any, ...]:
+    """Context parallelism: share ``share`` of ``shares``'s tokens of a batch ``(args, kwargs[, target])``, each
+    tensor with ``seq`` in dim 1 cut to the share's global positions (``zigzag_positions``: chunks ``share`` and
+    ``2·shares−1−share`` of ``2·shares``). Inputs named ``*mask*`` stay whole (the attention mask is built over the
+    whole sequence; each share keeps its rows of it)."""
+    if shares == 1:
+        return batch
+    from pipeviz.adapter.context_graph import zigzag_positions
+
+    pos = zigzag_positions(seq, shares, share)
+
+    def cut(t: object) -> object:
+        if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == seq:
+            return t.index_select(1, pos.to(t.device))
+        return t
+
+    args, kwargs, *rest = batch
+    kept = {k: v if "mask" in k else pytree.tree_map(cut, v) for k, v in (kwargs or {}).items()}
+    return (pytree.tree_map(cut, args), kept if kwargs is not None else kwargs,
+            *(pytree.tree_map(cut, r) for r in rest))
+
+
+def sequence_length(args: object, kwargs: object) -> int | None:
+    """The sequence length of a batch: dim 1 of its first input of 2 or more dims (None: no such input)."""
+    for t in pytree.tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor) and t.dim() >= 2:
+            return int(t.shape[1])
+    return None
 
 
 def data_batch(item: object, step: int, training: bool) -> tuple[object, dict[str, object] | None, object]:

@@ -29,11 +29,11 @@ from torch.utils import _pytree as pytree
 from pipeviz.capture.export import batch_size_of
 from pipeviz.errors import LaunchError
 from pipeviz.plan.split import SplitPlan
-from pipeviz.runtime.batches import data_batch, eval_batches, launch_inputs
+from pipeviz.runtime.batches import data_batch, eval_batches, launch_inputs, sequence_length
 from pipeviz.runtime.settings import SETTING_CHECKS, tensor_parallel_placements
 from pipeviz.runtime.spec import LaunchSpec, default_optimizer
 from pipeviz.schedule import traits as sched
-from pipeviz.schedule.config import LaunchConfig
+from pipeviz.schedule.config import LaunchConfig, dp_reduce_mode
 
 if TYPE_CHECKING:
     from pipeviz.capture.export import Capture
@@ -68,12 +68,31 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
     cfg = d.config
     assert d.layout is not None  # (set by _layout)
     spec = LaunchSpec(d.schedule, d.layout, d.args, d.kwargs, d.target if isinstance(d.target, torch.Tensor) else None,
-                      cfg.loss_fn, d.optimizer, cfg.microbatches, cfg.steps, d.stream, dp=cfg.dp, tp=cfg.tp,
+                      cfg.loss_fn, d.optimizer, cfg.microbatches, cfg.steps, d.stream, dp=cfg.dp, tp=cfg.tp, cp=cfg.cp,
                       tp_placements=d.placements, config=cfg, dp_shard=cfg.dp_shard)
     if training:
         with _setting("eval_every"):
             spec.eval_batches = eval_batches(spec, eval_data)
+    if cfg.cp > 1:
+        _context_stages(d.plan, spec)
     return spec
+
+
+def _context_stages(plan: SplitPlan, spec: LaunchSpec) -> None:
+    """Each stage run once on one share's tokens (fake tensors; the launch's stages, cached for it): an op a share
+    cannot run exactly is refused here, before any process starts."""
+    from pipeviz.adapter.context_graph import ContextError
+    from pipeviz.runtime.payloads import launch_stages
+    from pipeviz.runtime.stages import StepError
+
+    try:
+        launch_stages(plan, spec)
+    except (ContextError, StepError) as exc:
+        if not isinstance(exc, ContextError) and not isinstance(exc.__cause__, ContextError):
+            raise
+        raise LaunchError(f"cp={spec.cp}: {exc}. Context parallelism runs attention as "
+                          "scaled_dot_product_attention (HF attn_implementation='sdpa') on each share's tokens. "
+                          "Fix: cp=1, or a model whose attention is fused.", setting="cp") from exc
 
 
 @dataclass
@@ -131,19 +150,11 @@ def _schedule_known(d: _Draft) -> None:
 
 
 def _plan_runnable(d: _Draft) -> None:
-    """What the trace could not capture, and a model changed since, are refused; so are context parallelism and a
-    plan of one stage."""
-    cfg, plan = d.config, d.plan
+    """What the trace could not capture, and a model changed since, are refused; so is a plan of one stage."""
+    plan = d.plan
     if plan.graph.capture.unsupported:
         raise LaunchError(plan.graph.capture.unsupported[0])
     _check_model_unchanged(plan)
-    if cfg.cp > 1:
-        raise LaunchError(
-            f"cp={cfg.cp}: pv.launch does not run context parallelism. torch's context_parallel shards attention "
-            "on CUDA devices only (on the CPU, torch 2.13 refuses: 'Operator "
-            "aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy "
-            "registered'), and pipeviz's GPU path for it is not built yet. pv.simulate and pv.plan_cluster price "
-            "it. Fix: cp=1 to launch.", setting="cp")
     if plan.num_stages < 2:
         raise LaunchError("The plan has 1 stage; a pipeline needs at least 2. Fix: plan.toggle(<layer>) to split.")
 
@@ -287,9 +298,44 @@ def _comm_order(d: _Draft) -> None:
         check_schedule_comms(d.schedule, d.plan.num_stages, d.config.microbatches, d.config.stages_per_rank)
 
 
+def _context(d: _Draft) -> None:
+    """Context parallelism: every sequence cut into 2·cp equal chunks, an attention each share can run exactly,
+    and the options it runs with."""
+    cfg, cp = d.config, d.config.cp
+    if cp == 1:
+        return
+    seq = sequence_length(d.args, d.kwargs)
+    if seq is None or seq % (2 * cp):
+        fits = [c for c in range(1, (seq or 0) // 2 + 1) if seq and seq % (2 * c) == 0]
+        raise LaunchError(
+            f"cp={cp}: a sequence of {seq} tokens (dim 1 of the inputs) cannot be cut into 2·cp = {2 * cp} equal "
+            "chunks (each share holds two, chunks r and 2·cp−1−r, so causal attention's work balances). Valid cp "
+            f"for {seq} tokens: {', '.join(map(str, fits)) or 'none'}; or pad the sequence to a multiple of "
+            f"{2 * cp}.", setting="cp")
+    unsupported = [(cfg.loss_fn is None, "a forward-only run (no loss_fn)", "pass loss_fn=... to train"),
+                   (d.stream is not None, "data= (batches after the first)", "one batch per launch"),
+                   (cfg.compile is not False, f"compile={cfg.compile!r}", "compile=False"),
+                   (any(m != "none" for m in ([cfg.recompute] if isinstance(cfg.recompute, str) else cfg.recompute)),
+                    f"recompute={cfg.recompute!r}", "recompute='none'"),
+                   (cfg.dp_shard, "dp_shard=True (FSDP2)", "dp_shard=False"),
+                   (dp_reduce_mode(cfg) == "zero1", "dp_reduce='zero1'", "dp_reduce=None"),
+                   (cfg.sequence_parallel and cfg.tp > 1, "sequence_parallel=True", "sequence_parallel=False")]
+    for bad, what, fix in unsupported:
+        if bad:
+            raise LaunchError(f"cp={cp} with {what}: not built for context parallelism. Fix: {fix}, or cp=1.",
+                              setting="cp")
+    config = getattr(getattr(d.plan.graph.capture, "model", None), "config", None)
+    for attr, what in (("attn_logit_softcapping", "logit soft-capping"), ("is_encoder_decoder", "cross-attention "
+                       "(an encoder-decoder)"), ("add_cross_attention", "cross-attention")):
+        if getattr(config, attr, None):
+            raise LaunchError(f"cp={cp}: the model's attention uses {what} ({attr}={getattr(config, attr)!r}), which "
+                              "a share of the sequence cannot compute exactly from gathered keys and values. Fix: "
+                              "cp=1.", setting="cp")
+
+
 _INPUT_CHECKS: tuple[tuple[str | None, Check], ...] = (
     (None, _steps), (None, _timeout), (None, _first_batch), (None, _inputs), (None, _batch), (None, _microbatches),
-    (None, _comm_order),
+    (None, _comm_order), (None, _context),
 )
 
 

@@ -119,7 +119,8 @@ def export_torchrun(
     from pipeviz.version import __version__
 
     mesh = spec.mesh
-    layout = "".join(f" x {n} {what}" for n, what in ((mesh.dp, "replicas"), (mesh.tp, "shards")) if n > 1)
+    layout = "".join(f" x {n} {what}" for n, what in ((mesh.dp, "replicas"), (mesh.cp, "sequence shares"),
+                                                       (mesh.tp, "shards")) if n > 1)
     summary = (f"{type(plan.graph.model).__name__}, {plan.num_stages} stages on {spec.layout.num_ranks} ranks{layout}, "
                f"{spec.schedule}, {spec.microbatches} microbatches, {spec.steps} steps")
     script.write_text(_SCRIPT.format(version=__version__, summary=summary, ranks=mesh.world,

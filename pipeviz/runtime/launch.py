@@ -115,6 +115,10 @@ def launch(
         tp_plan: ``{module name: "colwise" | "rowwise"}`` for ``nn.Linear`` (and ``"rowwise"`` for
             ``nn.Embedding``) modules; default ``default_tp_plan``: the model's HF plan, attention and MLP by name,
             else Linear pairs (a Linear feeding the next Linear's input column-wise, that one row-wise).
+        cp: context-parallel shares of every sequence (pp × dp × cp × tp processes): each process of a stage runs it
+            on 1/cp of every sequence (zig-zag: chunks r and 2·cp−1−r of 2·cp), keys and values all-gathered per
+            attention (``pipeviz.adapter.context_graph``; docs/composing.md); the sequence length must divide by
+            2·cp.
         sequence_parallel: with ``tp`` > 1, norms, dropout and the residual stream sharded by token between the
             tensor-parallel regions (their activations 1/tp per shard; reduce-scatters and all-gathers in place of
             the all-reduces).

@@ -114,6 +114,7 @@ class RankPayload:
     loss_scaling: bool = False  # fp16: a dynamic loss scale across every process (pipeviz.runtime.loss_scale)
     order: tuple[tuple[sched.Action, ...], ...] | None = None  # a custom order: every pipeline rank's actions
     seed: int = 0  # random draws (dropout): each stage forward seeds from it (pipeviz.runtime.rng.stage_seed)
+    seq: int = 0  # context parallelism: the whole sequence's length (each share holds seq / cp tokens of it)
 
     @property
     def split_backward(self) -> bool:
@@ -121,6 +122,12 @@ class RankPayload:
         if self.order is not None:
             return any(a.kind in (sched.Kind.I, sched.Kind.W) for acts in self.order for a in acts)
         return sched.info(self.schedule).split_backward
+
+    @property
+    def replicas(self) -> int:
+        """The processes a stage's gradients are averaged over: its ``dp`` replicas × ``cp`` shares of every
+        sequence (each share's loss is the mean over its tokens; their average is the whole sequence's)."""
+        return self.mesh.dp * self.mesh.cp if self.mesh is not None else 1
 
     @property
     def coords(self) -> Coords:
@@ -193,7 +200,7 @@ def spec_stages(plan: SplitPlan, spec: LaunchSpec) -> tuple[StageSet, dict[str, 
     args0, kwargs0 = _replica_inputs(spec)
     with TRACE_LOCK:  # torch.export keeps global tracing state: two runs starting at once trace in turn
         stages = build_stages(_with_inputs(plan, args0, kwargs0), spec.microbatches,
-                              whole_output=spec.loss_fn is None, autocast=autocast_dtype(spec))
+                              whole_output=spec.loss_fn is None, autocast=autocast_dtype(spec), cp=spec.cp)
     return stages, tied_ranks(stages, spec.layout.stage_ranks)
 
 
@@ -232,7 +239,7 @@ def launch_stages(plan: SplitPlan, spec: LaunchSpec) -> tuple[StageSet, dict[str
     if cap.traced:
         args0, kwargs0 = _replica_inputs(spec)
         key = (id(cap), plan.splits, tuple(plan.graph.layer_names), spec.microbatches, spec.loss_fn is None,
-               shape_signature((args0, kwargs0)), autocast_dtype(spec))
+               shape_signature((args0, kwargs0)), autocast_dtype(spec), spec.cp)
         with _CACHE_LOCK:
             hit = _STAGE_CACHE.get(key)
             if hit is not None and hit[0]() is cap:
@@ -361,16 +368,17 @@ def rank_payload(spec: LaunchSpec, stages: StageSet, tied: dict[str, list[int]],
     """Process ``rank``'s share of a launch (a ``worker.RankPayload``), the one builder ``pv.launch`` and an
     exported script's ranks use: its coordinates' stages, its replica's share of the batch (the inputs on the
     first pipeline rank, the target on the last), and the layout."""
+    from pipeviz.runtime.batches import sequence_length
     from pipeviz.runtime.stages import rank_stages
     lay, mesh = spec.layout, spec.mesh
     c = mesh.coords(rank)
     pp, replica = c.pp, c.dp
     batch = batch_size_of(spec.args, spec.kwargs) or 1
-    args, kwargs, target = share((spec.args, spec.kwargs, spec.target), replica, mesh.dp, batch)
+    args, kwargs, target = _tokens(share((spec.args, spec.kwargs, spec.target), replica, mesh.dp, batch), c.cp, mesh.cp)
     first, last = lay.stage_ranks[0], lay.stage_ranks[-1]
     held_out = []  # each held-out batch: this replica's share, the inputs on the first stage, the target on the last
     for b in spec.eval_batches:
-        a, k, t = share(b, replica, mesh.dp, batch_size_of(b[0], b[1]) or 1)
+        a, k, t = _tokens(share(b, replica, mesh.dp, batch_size_of(b[0], b[1]) or 1), c.cp, mesh.cp)
         held_out.append((a if pp == first else (), k if pp == first else {}, t if pp == last else None))
     return RankPayload(
         rank=rank, world=mesh.world, port=port, backend=backend, device=device, compute_device=compute,
@@ -392,8 +400,20 @@ def rank_payload(spec: LaunchSpec, stages: StageSet, tied: dict[str, list[int]],
         dp_reduce=dp_reduce_mode(spec.config),
         loss_scaling=autocast_dtype(spec) is torch.float16 and spec.loss_fn is not None,
         order=None if (acts := spec.config.actions()) is None else tuple(tuple(r) for r in acts),
-        seed=spec.init_seed,
+        seed=spec.init_seed, seq=(sequence_length(spec.args, spec.kwargs) or 0) if mesh.cp > 1 else 0,
     )
+
+
+def _tokens(batch: tuple[Any, Any, Any], share: int, shares: int) -> tuple[Any, Any, Any]:
+    """Context parallelism: a batch's tokens this share holds (``batches.seq_share``), the target's too."""
+    if shares == 1:
+        return batch
+    from pipeviz.runtime.batches import seq_share, sequence_length
+
+    seq = sequence_length(batch[0], batch[1])
+    assert seq is not None  # (launch checks: a sequence dim 2·cp divides)
+    a, k, t = seq_share(batch, share, shares, seq)
+    return a, k, t
 
 
 def stage_sources(plan: SplitPlan, stages: StageSet, spec: LaunchSpec) -> list[StageSource]:

@@ -71,7 +71,7 @@ def scaled_by_step(p: RankPayload) -> bool:
     each ``schedule.step``, the earlier batches' sums too: torchtitan PR #1732's bug), or replicas averaged by
     ``dp_reduce="overlap"`` (their average starts in the stage's last backward, before torch's scaling at the
     step's end would change the gradients), or fp16's loss scaling."""
-    overlapped = p.dp_reduce in ("overlap", "zero1") and p.mesh is not None and p.mesh.dp > 1 and not p.dp_shard
+    overlapped = p.dp_reduce in ("overlap", "zero1") and p.replicas > 1 and not p.dp_shard
     # fp16's loss scale: the backward must carry the gradients at their final size (the unsplit model's, times the
     # scale), or a value that fits there overflows here (torch's scale_grads divides only at the step's end)
     return p.loss_reduction != "mean" or p.accumulate > 1 or overlapped or p.loss_scaling
@@ -107,7 +107,7 @@ def step_scale(p: RankPayload, targets: list[object], dp_group: ProcessGroup | N
 
     from pipeviz.runtime.loss import IGNORE_INDEX
 
-    dp = p.mesh.dp if p.mesh is not None else 1
+    dp = p.replicas  # (dp replicas x cp shares: each a part of the step's tokens)
     if p.loss_reduction == "mean":
         return 1.0 / (p.microbatches * p.accumulate)
     if p.loss_reduction == "sum":

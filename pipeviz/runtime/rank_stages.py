@@ -32,7 +32,8 @@ __all__ = ["rank_stages"]
 
 def rank_stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch.device,
             compute: torch.device, pp_group: ProcessGroup | None = None, dp_group: ProcessGroup | None = None,
-            tp_mesh: DeviceMesh | None = None, shard_mesh: DeviceMesh | None = None,
+            tp_mesh: DeviceMesh | None = None, shard_mesh: DeviceMesh | None = None, *,
+            cp_group: ProcessGroup | None = None,
             ) -> tuple[list[PipelineStage], list[torch.nn.Parameter], dict[str, list[torch.Tensor]],
                        OverlappedReduction | None]:
     """torch's ``PipelineStage`` around each of this rank's runners (timed; in this replica's pipeline group),
@@ -47,7 +48,8 @@ def rank_stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch
     (refused before launch) and with ``"after_flush"`` ``average_replicas`` averages them after the step. With
     ``shard_mesh`` (``dp_shard=True``) each
     runner is sharded across the replicas by FSDP2's ``fully_shard`` instead (torch's stage unshards, reshards and
-    reduce-scatters it)."""
+    reduce-scatters it). With ``cp_group`` (context parallelism) each runner runs its graph on this process's share of
+    every sequence (``adapter.context_graph``), its exchanges timed as ``CP`` events."""
     from pipeviz.adapter import timed_stage_class
 
     Stage = timed_stage_class(_timed_span(p, clock, step_box, compute))
@@ -58,7 +60,7 @@ def rank_stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch
         def reduced(stage: int, start: float, end: float) -> None:
             clock.record_async((p.rank, stage, "DP", -1, start - clock.t0, end - clock.t0, step_box[0]))
 
-        reduction = OverlappedReduction(dp_group, p.mesh.dp, reduced)
+        reduction = OverlappedReduction(dp_group, p.replicas, reduced)
 
     num_stages = len(p.stage_ranks)
     stages = []
@@ -66,6 +68,8 @@ def rank_stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch
     local: dict[str, list[torch.Tensor]] = {}
     for st in p.stages:
         runner = _runner(p, st, device, compute, tp_mesh)
+        if cp_group is not None:
+            _context(p, runner, cp_group, clock, step_box)
         # Static shapes, so torch never runs its shape inference (an extra forward/backward in step 1).
         # Activations from another stage need grads; model inputs and integer tensors (masks) do not.
         ins = tuple(_like(t, device, grad=st.index > 0 and t.is_floating_point()) for t in st.inputs)
@@ -155,6 +159,19 @@ def _runner(p: RankPayload, st: RankStage, device: torch.device, compute: torch.
     if p.recompute and p.recompute[st.index] != "none":
         runner.recompute(p.recompute[st.index])
     return runner
+
+
+def _context(p: RankPayload, runner: StageRunner, group: ProcessGroup, clock: Clock, step_box: list[int]) -> None:
+    """The runner's graph run on this process's share of every sequence, each exchange of keys and values (or of
+    their gradients) a ``CP`` event of the stage acting."""
+    from pipeviz.adapter.context_graph import ContextGraph, Share
+
+    def record(start: float, end: float) -> None:
+        clock.record_async((p.rank, clock.stage, "CP", -1, start - clock.t0, end - clock.t0, step_box[0]))
+
+    assert p.mesh is not None
+    share = Share(p.seq, p.mesh.cp, p.coords.cp, group, record=record)
+    runner.context = ContextGraph(runner.stage, share, runner.traced_shapes)  # type: ignore[arg-type]
 
 
 def _replicated(p: RankPayload, runner: StageRunner, stage: int, clock: Clock, step_box: list[int],

@@ -83,6 +83,9 @@ class StageRunner(nn.Module):
         self.layer_names: tuple[str, ...] = ()
         self.attention: tuple[tuple[str, ...], ...] = ()
         self.recomputed: Callable[..., object] | None = None
+        # context parallelism: the stage graph run on this share of every sequence (adapter.context_graph)
+        self.context: Callable[..., object] | None = None
+        self.traced_shapes: dict[str, Any] = {}  # (its graph's values' shapes at the whole sequence, for it)
 
     def compile_stage(self, backend: str) -> None:
         """Run ``stage`` through ``torch.compile(stage, backend=backend)`` from now on. The compiled module is kept
@@ -118,6 +121,8 @@ class StageRunner(nn.Module):
         run = self.stage if self.compiled is None else self.compiled
         if self.recomputed is not None:
             run = self.recomputed
+        if self.context is not None:
+            run = self.context
         if self.autocast is not None:
             run = _autocast(run, self.autocast_device, self.autocast)
         try:
@@ -240,10 +245,12 @@ def _top_level(pipe: Pipe) -> tuple[list[str], list[list[Value]], object]:
 
 
 def build_stages(plan: SplitPlan, microbatches: int, whole_output: bool = False,
-                 autocast: torch.dtype | None = None) -> StageSet:
+                 autocast: torch.dtype | None = None, cp: int = 1) -> StageSet:
     """Build one ``StageRunner`` per stage from torch's ``Pipe`` (or, for a manual plan, the pruned
     module copies) and record every stage's example inputs and outputs for one microbatch (no model
-    buffer is touched: BatchNorm statistics see only the training run's forwards)."""
+    buffer is touched: BatchNorm statistics see only the training run's forwards). With ``cp`` > 1 the examples
+    are one share's of every sequence (``adapter.context_graph``: what each context-parallel process sends); an op
+    a share cannot run raises ``ContextError`` here."""
     cap = plan.graph.capture
     n = plan.num_stages
     aliases = {alias: name for name, group in cap.aliases.items() for alias in group}
@@ -311,21 +318,49 @@ def build_stages(plan: SplitPlan, microbatches: int, whole_output: bool = False,
         for b in bs:
             owner.setdefault(b, i)
     stage_set = StageSet(runners, params, tied, owner, buffers)
-    _record_examples(stage_set, plan, microbatches)
+    _record_examples(stage_set, plan, microbatches, cp)
     for r, outs in zip(runners, stage_set.outputs, strict=True):
         r.out_dtypes = tuple(t.dtype if isinstance(t, torch.Tensor) else None for t in outs)
     return stage_set
 
 
-def _record_examples(stages: StageSet, plan: SplitPlan, microbatches: int) -> None:
+def _record_examples(stages: StageSet, plan: SplitPlan, microbatches: int, cp: int = 1) -> None:
     """Run one microbatch through the runners in sequence to learn every stage's input and output shapes:
     torch's stages get static shapes from it, so they never run shape inference (an extra forward and
     backward inside the first step). Fake tensors first (no compute); a forward that branches on values
     (a manual plan's data-dependent model) runs for real instead. Either way every buffer is put back, so
     BatchNorm statistics see only the training run's forwards."""
+    args, kwargs = plan.microbatch_inputs(microbatches)
+    if cp > 1:  # the whole sequence's shapes, then one share's tokens through every stage (exchanges in shape only)
+        from pipeviz.adapter.context_graph import ContextGraph, ShapeRecorder, Share
+        from pipeviz.runtime.batches import seq_share, sequence_length
+
+        seq = sequence_length(args, kwargs)
+        assert seq is not None
+        recorders = [ShapeRecorder(r.stage) for r in stages.runners]  # type: ignore[arg-type]
+        for r, rec in zip(stages.runners, recorders, strict=True):
+            r.context = rec
+        try:
+            _record_chain(stages, args, kwargs)
+        finally:
+            for r in stages.runners:
+                r.context = None
+        stages.inputs.clear()
+        stages.outputs.clear()
+        args, kwargs = seq_share((args, kwargs), 0, cp, seq)
+        for r, rec in zip(stages.runners, recorders, strict=True):
+            r.traced_shapes = rec.shapes
+            r.context = ContextGraph(r.stage, Share(seq, cp, 0, dry=True), rec.shapes)  # type: ignore[arg-type]
+    try:
+        _record_chain(stages, args, kwargs)
+    finally:
+        for r in stages.runners:
+            r.context = None
+
+
+def _record_chain(stages: StageSet, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     from pipeviz.adapter import defake, fake_cpu, fake_tensors
 
-    args, kwargs = plan.microbatch_inputs(microbatches)
     every = nn.ModuleList(stages.runners)
     if any(t.is_meta for t in [*every.parameters(), *every.buffers()]):  # a meta model: fake CPU tensors
         mode = fake_cpu(every)

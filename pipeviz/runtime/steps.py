@@ -191,7 +191,7 @@ class _Training:
                 ctx.reduction.launch(st.stage_index)  # (a stage torch never told of its last backward: now)
             ctx.reduction.wait()
         elif ctx.dp_group is not None and averaged_after_step(p):
-            average_replicas(ctx.params, ctx.dp_group, p.mesh.dp, ctx.clock, p.rank, step)
+            average_replicas(ctx.params, ctx.dp_group, p.replicas, ctx.clock, p.rank, step)
         sync_tied(self.tied_local, p.tied, ctx.groups)
 
     def _loss(self, losses: list[torch.Tensor]) -> tuple[float, bool]:
@@ -210,7 +210,7 @@ class _Training:
         if ctx.last and ctx.dp_group is not None:  # the global batch's loss: the replicas' mean (shards agree)
             total = torch.tensor([loss], dtype=torch.float64)
             dist.all_reduce(total, group=ctx.dp_group)
-            loss = float(total.item()) / p.mesh.dp
+            loss = float(total.item()) / p.replicas
         return loss, skip
 
     def _stopped(self, loss: float, step: int) -> bool:
@@ -312,7 +312,7 @@ def evaluate(ctx: StepContext, step: int) -> None:
     if dp_group is not None:  # the replicas' shares: means averaged, sums and token counts added
         dist.all_reduce(value, group=dp_group)
         if p.loss_reduction == "mean":
-            value[0] /= p.mesh.dp
+            value[0] /= p.replicas
     loss = float(value[0] / max(float(value[1]), 1.0)) if p.loss_reduction == "token_mean" else float(value[0])
     if p.coords.dp == p.coords.tp == p.coords.cp == 0:
         clock.post(EvalLoss(p.rank, p.coords, step, loss))

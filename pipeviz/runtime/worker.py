@@ -162,9 +162,9 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
     clock, device, compute = connected or _connect(p, queue)
     plant_fault()  # a testing hook: nothing unless $PIPEVIZ_PLANT_FAULT names a collective (docs/fuzz.md)
     step_box = [0, 0, 0]  # the step, its accumulated (or held-out) batch, and whether it evaluates
-    pp_group, dp_group, dp_mesh, tp_mesh = _mesh_groups(p)
+    pp_group, dp_group, dp_mesh, tp_mesh, cp_group = _mesh_groups(p)
     stages, params, local, overlapped = rank_stages(p, clock, step_box, device, compute, pp_group, dp_group, tp_mesh,
-                                                dp_mesh if p.dp_shard else None)
+                                                dp_mesh if p.dp_shard else None, cp_group=cp_group)
     reduction: OverlappedReduction | ZeroOne | None = overlapped
     stepped, names = params, param_names(p)  # what the optimizer steps (ZeRO-1: its shards)
     if p.dp_reduce == "zero1" and dp_mesh is not None and p.loss_fn is not None:
@@ -292,15 +292,30 @@ def _connect(p: Boot | RankPayload, queue: Sink) -> tuple[Clock, torch.device, t
 
 
 def _mesh_groups(p: RankPayload) -> tuple[ProcessGroup | None, ProcessGroup | None, DeviceMesh | None,
-                                          DeviceMesh | None]:
-    """This process's pipeline group, data-parallel group, data-parallel (1-D) mesh and tensor-parallel (1-D)
-    mesh from torch's ``DeviceMesh`` (named dims); Nones for a pure pipeline, whose pipeline is the world."""
+                                          DeviceMesh | None, ProcessGroup | None]:
+    """This process's pipeline group, the group its stages' gradients are averaged over (its data-parallel
+    replicas and, with context parallelism, every share of the sequence: dp × cp processes), the data-parallel
+    (1-D) mesh, the tensor-parallel (1-D) mesh from torch's ``DeviceMesh`` (named dims), and its context-parallel
+    group; Nones for a pure pipeline, whose pipeline is the world."""
+    import torch.distributed as dist
+
     if p.mesh is None or p.mesh.world == p.mesh.pp:
-        return None, None, None, None
-    dm = p.mesh.device_mesh("cuda" if p.backend == "nccl" else "cpu")
-    dp = p.mesh.dp > 1
-    return (dm.get_group("pp"), dm.get_group("dp") if dp else None, dm["dp"] if dp else None,
-            dm["tp"] if p.mesh.tp > 1 else None)
+        return None, None, None, None, None
+    mesh = p.mesh
+    dm = mesh.device_mesh("cuda" if p.backend == "nccl" else "cpu")
+    dp = mesh.dp > 1
+    reduce_group, cp_group = dm.get_group("dp") if dp else None, None
+    if mesh.cp > 1:
+        cp_group = dm.get_group("cp")
+        me = mesh.coords(p.rank)
+        for pp in range(mesh.pp):  # every process makes every group, in one order (torch's new_group rule)
+            for t in range(mesh.tp):
+                ranks = [mesh.rank(pp, dp=d, tp=t, cp=c) for d in range(mesh.dp) for c in range(mesh.cp)]
+                group = dist.new_group(ranks) if dp else cp_group
+                if (me.pp, me.tp) == (pp, t):
+                    reduce_group = group
+    return (dm.get_group("pp"), reduce_group, dm["dp"] if dp else None,
+            dm["tp"] if mesh.tp > 1 else None, cp_group)
 
 
 def _tied_groups(p: RankPayload) -> dict[str, ProcessGroup | None]:
@@ -309,13 +324,13 @@ def _tied_groups(p: RankPayload) -> dict[str, ProcessGroup | None]:
     import torch.distributed as dist
 
     me = p.mesh.coords(p.rank) if p.mesh is not None else None
-    pipelines = [(d, t) for d in range(p.mesh.dp) for t in range(p.mesh.tp)] if p.mesh is not None else [(0, 0)]
+    pipelines = p.mesh.pipelines() if p.mesh is not None else [(0, 0, 0)]
     out: dict[str, ProcessGroup | None] = {}
     for name, holders in sorted(p.tied.items()):
-        for d, t in pipelines:
-            ranks = [p.mesh.rank(h, dp=d, tp=t) for h in holders] if p.mesh is not None else list(holders)
+        for d, t, c in pipelines:
+            ranks = [p.mesh.rank(h, dp=d, tp=t, cp=c) for h in holders] if p.mesh is not None else list(holders)
             group = dist.new_group(ranks) if len(ranks) > 1 else None
-            if me is None or (me.dp, me.tp) == (d, t):
+            if me is None or (me.dp, me.tp, me.cp) == (d, t, c):
                 out[name] = group
     return out
 

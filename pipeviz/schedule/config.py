@@ -113,8 +113,9 @@ class LaunchConfig:
         sequence_parallel: with ``tp`` > 1, the activations between the tensor-parallel regions (norms, dropout,
             the residual stream) sharded by token over the shards (Korthikanti et al. 2022): a row-wise
             projection's all-reduce becomes a reduce-scatter and a column-wise group's input an all-gather.
-        cp: context-parallel shares of every sequence (``pv.simulate`` and ``pv.plan_cluster``; ``pv.launch``
-            refuses cp > 1, naming why).
+        cp: context-parallel shares of every sequence: each process of a stage holds 1/cp of every sequence (the
+            2·cp-chunk zig-zag order), keys and values all-gathered per attention (``pipeviz.adapter.context_graph``);
+            priced by ``pv.simulate`` and ``pv.plan_cluster``.
         order: a custom schedule: one list of actions per pipeline rank, each a ``pv.schedule.Action`` or its text
             in torch's notation (``"1F0"``: stage 1's forward of microbatch 0; kinds ``F``, ``B``, or ``I`` and
             ``W`` for a split backward); held as ``Action``s (``actions()`` gives them typed). The stages stay

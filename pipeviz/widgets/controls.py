@@ -103,6 +103,9 @@ class Controls:
                                    style=WIDE, tooltip="data-parallel replicas of the pipeline (pv.launch(..., dp=N))")
         self.tp = W.BoundedIntText(value=s.tp, min=1, max=64, description="tp", layout=W.Layout(width="90px"),
                                    style=WIDE, tooltip="tensor-parallel shards of every stage (pv.launch(..., tp=K))")
+        self.cp = W.BoundedIntText(value=s.cp, min=1, max=64, description="cp", layout=W.Layout(width="90px"),
+                                   style=WIDE, tooltip="context-parallel shares of every sequence: each process of a "
+                                                       "stage holds 1/cp of its tokens (pv.launch(..., cp=N))")
         self.sequence_parallel = W.Checkbox(
             value=s.sequence_parallel, description="seq. parallel", indent=False, disabled=s.tp == 1,
             layout=W.Layout(width="110px"),
@@ -134,14 +137,15 @@ class Controls:
                        layout=row_layout()),
                 W.HBox([self.mode, self.schedule, self.schedule_help, self.microbatches, self.steps],
                        layout=row_layout()),
-                W.HBox([self.dp, self.tp, self.sequence_parallel, self.hardware, self.recompute], layout=row_layout()),
+                W.HBox([self.dp, self.cp, self.tp, self.sequence_parallel, self.hardware, self.recompute],
+                       layout=row_layout()),
                 self.hint, self.cost_note, self.refused]
 
     def settings_widgets(self) -> dict[str, W.ValueWidget]:
         """Every control the run is described by (steps too: the simulation carries the whole LaunchConfig), by its
         ``Settings`` field."""
         return {"schedule": self.schedule, "microbatches": self.microbatches, "steps": self.steps, "mode": self.mode,
-                "dp": self.dp, "tp": self.tp, "sequence_parallel": self.sequence_parallel,
+                "dp": self.dp, "cp": self.cp, "tp": self.tp, "sequence_parallel": self.sequence_parallel,
                 "hardware": self.hardware, "recompute": self.recompute}
 
     def values(self) -> dict[str, object]:

@@ -152,7 +152,7 @@ class Explorer(W.VBox):
                             **options)
         self.state = ExplorerState(graph, cfg, Settings(sched.canonical(cfg.schedule), cfg.microbatches,
                                                         cfg.steps or 1, mode=mode, dp=cfg.dp, tp=cfg.tp,
-                                                        sequence_parallel=cfg.sequence_parallel),
+                                                        sequence_parallel=cfg.sequence_parallel, cp=cfg.cp),
                                    target=target, loss_fn=loss_fn, optimizer=optimizer, eval_data=eval_data,
                                    resume=resume)
         self.sim: Timeline | None = None
@@ -186,6 +186,7 @@ class Explorer(W.VBox):
         self.undo_button, self.redo_button, self.mode = controls.undo_button, controls.redo_button, controls.mode
         self.schedule, self.microbatches, self.steps = controls.schedule, controls.microbatches, controls.steps
         self.dp, self.tp, self.sequence_parallel = controls.dp, controls.tp, controls.sequence_parallel
+        self.cp = controls.cp
         self.hardware, self.recompute, self.refused = controls.hardware, controls.recompute, controls.refused
         self.hint, self.cost_note = controls.hint, controls.cost_note
         self.mesh_view = W.HTML(layout=W.Layout(max_width="100%", overflow="auto"))

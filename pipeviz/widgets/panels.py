@@ -337,11 +337,20 @@ def mesh_html(plan: SplitPlan, config: pv.LaunchConfig) -> str:
                          f"each shard holds 1/{mesh.tp} of the tokens")
         shards = "".join(f"<div class='pipeviz-shards'>{html.escape(line).replace('.', '.<wbr>')}</div>"
                          for line in lines)
+    if mesh.cp > 1:  # which tokens each share holds (the zig-zag chunks of adapter.context_graph)
+        shards += "".join(f"<div class='pipeviz-shares'>{html.escape(line)}</div>" for line in _share_lines(mesh.cp))
     what = " × ".join(f"{getattr(mesh, d)} {_DIM_WORDS[d]}" for d in mesh.dims)
     degrees = ", ".join(f"{d}={getattr(mesh, d)}" for d in DIMS if d != "cp" or mesh.cp > 1)
     return (f"<div class='pipeviz-mesh-box' style='font-size:12px;max-width:100%;overflow-x:auto'>"
             f"<b>{mesh.world} process{'es' * (mesh.world != 1)}</b> ({what}: pv.Mesh({degrees}))"
             f"<table style='border-collapse:collapse'>{''.join(rows)}</table>{shards}</div>")
+
+
+def _share_lines(cp: int) -> list[str]:
+    """Per cp share, the tokens it holds of every sequence: chunks r and 2·cp−1−r of 2·cp equal chunks."""
+    n = 2 * cp
+    return [f"cp{r}: tokens of chunks {r} and {n - 1 - r} of {n} (fractions {r}/{n}–{r + 1}/{n} and "
+            f"{n - 1 - r}/{n}–{n - r}/{n} of every sequence; 1/{cp} of its tokens)" for r in range(cp)]
 
 
 _DIM_WORDS = {"pp": "pipeline ranks", "dp": "replicas", "cp": "sequence shares", "tp": "shards"}

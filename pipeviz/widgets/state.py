@@ -46,7 +46,7 @@ MODES = ("train", "infer")  # the run switch: train, or forward only
 @dataclass(frozen=True)
 class Settings:
     """What the Explorer's controls set: the run's schedule, microbatches, steps, mode (train or infer) and layout
-    (``dp``, ``tp``, sequence parallelism), and what the costs assume (``hardware``: ``HERE`` or a GPU preset,
+    (``dp``, ``tp``, ``cp``, sequence parallelism), and what the costs assume (``hardware``: ``HERE`` or a GPU preset,
     ``recompute``)."""
 
     schedule: str = "1F1B"
@@ -57,6 +57,7 @@ class Settings:
     tp: int = 1
     sequence_parallel: bool = False
     hardware: str = HERE
+    cp: int = 1  # context-parallel shares of every sequence
     recompute: str = "none"
 
     def __post_init__(self) -> None:
@@ -99,7 +100,8 @@ class ExplorerState:
         self.graph = graph
         self.config = config
         self.settings = settings or Settings(sched.canonical(config.schedule), config.microbatches, config.steps or 1,
-                                             dp=config.dp, tp=config.tp, sequence_parallel=config.sequence_parallel)
+                                             dp=config.dp, tp=config.tp, sequence_parallel=config.sequence_parallel,
+                                             cp=config.cp)
         self.target, self.devices = target, config.devices
         self.loss_fn, self.optimizer = loss_fn or config.loss_fn, optimizer or config.optimizer
         self.eval_data = list(eval_data) if eval_data is not None else None  # held-out batches (train mode)
@@ -197,7 +199,7 @@ class ExplorerState:
             clip_grad_norm=None if infer else base.clip_grad_norm, accumulate=1 if infer else base.accumulate,
             lr_scheduler=None if infer else base.lr_scheduler,
             eval_every=None if infer or self.eval_data is None else base.eval_every,
-            devices=self.devices, dp=s.dp, tp=s.tp, sequence_parallel=bool(s.sequence_parallel) and s.tp > 1,
+            devices=self.devices, dp=s.dp, tp=s.tp, cp=s.cp, sequence_parallel=bool(s.sequence_parallel) and s.tp > 1,
             recompute="none" if infer else s.recompute)
 
     def cost_options(self) -> pv.CostOptions:
