@@ -109,6 +109,7 @@ def test_the_explorer_keeps_the_training_options_and_its_infer_mode_runs_without
     pytest.importorskip("ipywidgets")
     model, ids, _ = _batch()
     ex = pv.Explorer(model, example_args=(ids,), loss_reduction="token_mean", clip_grad_norm=0.5)
+    ex.click(ex.plan.graph.split_candidates[0])  # (a fresh Explorer has one stage, which Launch refuses)
     cfg = ex.launch_config()
     assert cfg.loss_reduction == "token_mean" and cfg.clip_grad_norm == 0.5 and ex.refusal is None
     ex.mode.value = "infer"

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 from collections import OrderedDict
@@ -85,6 +86,9 @@ def _context_stages(plan: SplitPlan, spec: LaunchSpec) -> None:
     from pipeviz.runtime.payloads import launch_stages
     from pipeviz.runtime.stages import StepError
 
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)  # (it logs the op's traceback at ERROR before raising; the refusal says it)
     try:
         launch_stages(plan, spec)
     except (ContextError, StepError) as exc:
@@ -93,6 +97,8 @@ def _context_stages(plan: SplitPlan, spec: LaunchSpec) -> None:
         raise LaunchError(f"cp={spec.cp}: {exc}. Context parallelism runs attention as "
                           "scaled_dot_product_attention (HF attn_implementation='sdpa') on each share's tokens. "
                           "Fix: cp=1, or a model whose attention is fused.", setting="cp") from exc
+    finally:
+        fake_log.setLevel(level)
 
 
 @dataclass
@@ -192,8 +198,18 @@ def _placements(d: _Draft) -> None:
     d.placements = tensor_parallel_placements(d.plan, d.config.tp, d.config.tp_plan)
 
 
+def _experts(d: _Draft) -> None:
+    """Expert parallelism (``LaunchConfig.ep``): a layout the mesh admits; the runtime does not run it yet."""
+    cfg = d.config
+    if cfg.ep == 1:
+        return
+    cfg.mesh(d.plan.num_stages)  # (an ep that does not divide dp x cp: MeshError, named "ep" by _setting)
+    raise LaunchError(f"ep={cfg.ep}: pv.launch does not run expert parallelism yet (pv.simulate and pv.plan_cluster "
+                      "price it); every process holds every expert. Fix: ep=1 to launch.", setting="ep")
+
+
 _PLAN_CHECKS: tuple[tuple[str | None, Check], ...] = (
-    (None, _on_nonfinite), (None, _is_plan), (None, _schedule_known), (None, _plan_runnable),
+    (None, _on_nonfinite), (None, _is_plan), (None, _schedule_known), ("ep", _experts), (None, _plan_runnable),
     (None, _forward_only_schedule), ("schedule", _layout), (None, _order), ("tp", _placements),
 )
 
@@ -304,6 +320,13 @@ def _context(d: _Draft) -> None:
     cfg, cp = d.config, d.config.cp
     if cp == 1:
         return
+    if not any("scaled_dot_product" in op.target for op in d.plan.graph.capture.ops):
+        # found by pipeviz fuzz: an MLP's dim 1 (its features) was cut as if it were a sequence, and the first
+        # Linear failed inside the processes
+        raise LaunchError(f"cp={cp}: the model's trace has no scaled_dot_product_attention (no attention, or "
+                          "attention written as matmuls), and context parallelism cuts dim 1 of the inputs into "
+                          "shares of every sequence and gathers keys and values per fused attention. Fix: cp=1, or "
+                          "a model whose attention is fused (HF: attn_implementation='sdpa').", setting="cp")
     seq = sequence_length(d.args, d.kwargs)
     if seq is None or seq % (2 * cp):
         fits = [c for c in range(1, (seq or 0) // 2 + 1) if seq and seq % (2 * c) == 0]

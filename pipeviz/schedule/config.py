@@ -116,6 +116,9 @@ class LaunchConfig:
         cp: context-parallel shares of every sequence: each process of a stage holds 1/cp of every sequence (the
             2·cp-chunk zig-zag order), keys and values all-gathered per attention (``pipeviz.adapter.context_graph``);
             priced by ``pv.simulate`` and ``pv.plan_cluster``.
+        ep: expert parallelism: each MoE block's routed experts sharded over ``ep`` of a stage's ``dp × cp``
+            processes (no processes added; ``ep`` divides ``dp * cp``), tokens sent to their experts' processes by
+            all-to-all. ``pv.launch`` refuses ep > 1 until it runs it (naming why).
         order: a custom schedule: one list of actions per pipeline rank, each a ``pv.schedule.Action`` or its text
             in torch's notation (``"1F0"``: stage 1's forward of microbatch 0; kinds ``F``, ``B``, or ``I`` and
             ``W`` for a split backward); held as ``Action``s (``actions()`` gives them typed). The stages stay
@@ -125,7 +128,7 @@ class LaunchConfig:
             backward of every microbatch must appear once, in an order that can run.
 
     Raises:
-        MeshError: ``dp``, ``cp`` or ``tp`` not a positive int (a ``LaunchError``).
+        MeshError: ``dp``, ``cp``, ``tp`` or ``ep`` not a positive int (a ``LaunchError``).
     """
 
     schedule: str = "1F1B"
@@ -155,9 +158,10 @@ class LaunchConfig:
     sequence_parallel: bool = False
     cp: int = 1
     order: Sequence[Sequence[Action | str]] | None = None
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "cp", "tp"):  # one check for every front door (pipeviz.schedule.mesh)
+        for name in ("dp", "cp", "tp", "ep"):  # one check for every front door (pipeviz.schedule.mesh)
             check_degree(name, getattr(self, name))
         if self.order is not None:  # read once here, text or Actions (an unknown kind raises), held as Actions
             object.__setattr__(self, "order", tuple(tuple(r) for r in sched.order_of(self.order)))
@@ -174,7 +178,7 @@ class LaunchConfig:
 
     def mesh(self, num_stages: int) -> Mesh:
         """The run's layout for a plan of ``num_stages`` stages: its pipeline ranks × ``dp`` × ``cp`` × ``tp``."""
-        return Mesh(self.layout(num_stages).num_ranks, self.dp, self.tp, self.cp)
+        return Mesh(self.layout(num_stages).num_ranks, self.dp, self.tp, self.cp, self.ep)
 
     def replace(self, **changes: object) -> LaunchConfig:
         """A copy with ``changes``; an unknown option is named with the valid ones."""

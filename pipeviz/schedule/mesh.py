@@ -35,10 +35,13 @@ PipelineRank = NewType("PipelineRank", int)  # a place in the pipeline: 0 .. pp 
 
 DIMS = ("pp", "dp", "cp", "tp")  # outermost first: the order of ranks and of torch's DeviceMesh dims
 _WHAT = {"pp": "pipeline ranks", "dp": "data-parallel replicas of the pipeline",
-         "cp": "context-parallel shares of every sequence", "tp": "tensor-parallel shards of every stage"}
+         "cp": "context-parallel shares of every sequence", "tp": "tensor-parallel shards of every stage",
+         "ep": "expert-parallel groups each MoE block's routed experts are sharded over"}
 _FIX = {"pp": "a plan with more stages, or fewer stages per rank", "dp": "dp=1 for one pipeline, dp=2 for two "
         "replicas each training on half of every batch", "cp": "cp=1 to keep each sequence whole, cp=2 to split "
-        "every sequence in two", "tp": "tp=1 for whole stages, tp=2 to shard each stage's layers in two"}
+        "every sequence in two", "tp": "tp=1 for whole stages, tp=2 to shard each stage's layers in two",
+        "ep": "ep=1 for every expert on every rank, ep=2 to shard each MoE block's routed experts over 2 of a stage's "
+        "dp x cp ranks"}
 
 
 class MeshError(LaunchError):
@@ -54,7 +57,7 @@ def check_degree(name: str, value: object) -> int:
     """
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise MeshError(f"{name} must be a positive int (the number of {_WHAT[name]}), got {value!r}. "
-                        f"Fix: {_FIX[name]}.")
+                        f"Fix: {_FIX[name]}.", setting=name)
     return value
 
 
@@ -82,20 +85,29 @@ class Coords(NamedTuple):
 class Mesh:
     """Degrees of pipeline (``pp``: pipeline ranks, each holding one or more stages), data (``dp``: replicas),
     tensor (``tp``: shards per stage) and context (``cp``: shares of every sequence) parallelism;
-    ``world = pp * dp * cp * tp`` processes.
+    ``world = pp * dp * cp * tp`` processes. ``ep`` (expert parallelism) adds no processes: each MoE block's routed
+    experts are sharded over ``ep`` of a stage's ``dp × cp`` processes (as torchtitan and Megatron carve it), so it
+    must divide ``dp * cp``.
 
     Raises:
-        MeshError: a degree that is not a positive int.
+        MeshError: a degree that is not a positive int, or an ``ep`` that does not divide ``dp * cp``.
     """
 
     pp: int
     dp: int = 1
     tp: int = 1
     cp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in DIMS:
+        for name in (*DIMS, "ep"):
             check_degree(name, getattr(self, name))
+        if (self.dp * self.cp) % self.ep:
+            fits = [str(e) for e in range(1, self.dp * self.cp + 1) if (self.dp * self.cp) % e == 0]
+            raise MeshError(f"ep={self.ep} does not divide dp × cp = {self.dp} × {self.cp} = {self.dp * self.cp}: "
+                            "the expert-parallel groups are carved out of a stage's data- and context-parallel "
+                            f"processes. Valid ep: {', '.join(fits)}. Fix: one of those, or dp={self.ep * self.cp} "
+                            "(more replicas).")
 
     @property
     def world(self) -> int:
@@ -113,8 +125,10 @@ class Mesh:
         return tuple(d for d in DIMS if d == "pp" or getattr(self, d) > 1)
 
     def describe(self) -> str:
-        """``"pp=2 × dp=2 × tp=1"`` (``cp`` named when above 1: ``"pp=2 × dp=1 × cp=4 × tp=1"``)."""
-        return " × ".join(f"{d}={getattr(self, d)}" for d in DIMS if d != "cp" or self.cp > 1)
+        """``"pp=2 × dp=2 × tp=1"`` (``cp`` named when above 1: ``"pp=2 × dp=1 × cp=4 × tp=1"``; ``ep``, which adds
+        no processes, after it: ``"pp=2 × dp=4 × tp=1 (ep=2)"``)."""
+        dims = " × ".join(f"{d}={getattr(self, d)}" for d in DIMS if d != "cp" or self.cp > 1)
+        return dims + (f" (ep={self.ep})" if self.ep > 1 else "")
 
     def check(self, world: int) -> None:
         """Raise ``MeshError`` unless the degrees multiply to ``world`` (naming each degree and what fits)."""
