@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import pipeviz as pv
 from pipeviz.cli import main
@@ -167,3 +168,25 @@ def test_ep_is_refused_naming_ep_before_any_process_starts() -> None:
     with pytest.raises(pv.LaunchError, match="ep must be a positive int") as err:
         cfg.replace(ep=0)
     assert err.value.setting == "ep"
+
+
+def test_a_fused_qkv_ending_its_stage_stays_replicated() -> None:
+    """Found by `pipeviz fuzz --seed 0`: GPT-2 split right after ``h.1.attn.c_attn`` under tp=2 sharded c_attn by
+    heads although its split into q, k and v runs in the next stage, and the run failed inside the processes."""
+    pytest.importorskip("transformers")
+    _, graph, _ = build_case(Case("gpt2", ("transformer.h.1.attn.c_attn",), "1F1B", 2))
+    ending = sharded_modules(graph.split(["transformer.h.1.attn.c_attn"]), tp=2)
+    assert "transformer.h.1.attn.c_attn" not in ending and ending["transformer.h.0.attn.c_attn"] == "colwise"
+    whole = sharded_modules(graph.split(["transformer.h.1"]), tp=2)
+    assert whole["transformer.h.1.attn.c_attn"] == "colwise"
+
+
+def test_a_summed_loss_is_compared_at_its_own_size() -> None:
+    """Found by `pipeviz fuzz --seed 0`: GPT-2, tp=2, loss_reduction="sum": a loss in the hundreds 1.5e-5 apart
+    (float32 rounding at its size; parameters 2.4e-7 apart) failed an absolute 1e-5."""
+    from pipeviz.runtime.numerics import compare_to_reference
+
+    state = {"w": torch.zeros(2)}
+    assert compare_to_reference([600.000015], state, [600.0], state).ok
+    assert not compare_to_reference([600.02], state, [600.0], state).ok
+    assert not compare_to_reference([0.500015], state, [0.5], state).ok  # below 1: the absolute bound

@@ -120,7 +120,7 @@ def _layers_plan(model: nn.Module, stages: list[tuple[str, ...]]) -> dict[str, s
     named = {name: "colwise" if _COLWISE.search(name) else "rowwise"
              for name, _ in inside if (_COLWISE.search(name) or _ROWWISE.search(name))}
     if "colwise" in named.values() and "rowwise" in named.values():
-        return named
+        return _fused_with_their_split(model, stages, named)
     plan: dict[str, str] = {}
     for layers in stages:
         linears = [(name, mod) for layer in layers for name, mod in _projections(model, layer)
@@ -135,6 +135,22 @@ def _layers_plan(model: nn.Module, stages: list[tuple[str, ...]]) -> dict[str, s
             else:
                 i += 1
     return plan
+
+
+def _fused_with_their_split(model: nn.Module, stages: list[tuple[str, ...]], named: dict[str, str]) -> dict[str, str]:
+    """``named`` less each fused q/k/v projection whose stage holds none of its attention's row-wise projections:
+    the stage ends at the projection, so the split into q, k and v that sharding by heads needs runs in the next
+    stage (found by pipeviz fuzz: GPT-2 split after ``h.1.attn.c_attn`` under tp=2 failed inside the processes).
+    Such a projection stays replicated."""
+    out = dict(named)
+    for layers in stages:
+        held = {name for layer in layers for name, _ in _projections(model, layer)}
+        for name in held:
+            if _FUSED.search(name) and name in out:
+                parent = name.rsplit(".", 1)[0] + "."
+                if not any(o.startswith(parent) and out.get(o) == "rowwise" for o in held):
+                    del out[name]
+    return out
 
 
 def sharded_modules(plan: SplitPlan, tp_plan: Mapping[str, str] | None = None, tp: int | None = None,
