@@ -34,7 +34,7 @@ def _compiled(run: pv.Run) -> dict[str, float]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("schedule", "layout"), [
-    ("1F1B", {}), ("ZBVZeroBubble", {}), ("DualPipeV", {}),
+    ("1F1B", {}), pytest.param("ZBVZeroBubble", {}, marks=pytest.mark.compat), ("DualPipeV", {}),
     ("Interleaved1F1B", {"tp": 2, "tp_plan": {"l2": "colwise", "l3": "rowwise"}}),
     # (make compat: keeps make test within 10 minutes)
     pytest.param("Interleaved1F1B", {}, marks=pytest.mark.compat),

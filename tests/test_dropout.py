@@ -158,7 +158,8 @@ def _tp_run(kind: str, schedule: str, layers: int = 2, sequence_parallel: bool =
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("kind", "sequence_parallel"), [
-    ("gpt2", False), ("bert", False), ("llama", False), ("gpt2", True), ("bert", True)])
+    ("gpt2", False), ("bert", False), ("llama", False), ("gpt2", True),
+    pytest.param("bert", True, marks=pytest.mark.compat)])  # make compat (CI): keeps make test within 10 minutes
 def test_tensor_parallel_runs_with_dropout_on_check_exactly(kind: str, sequence_parallel: bool) -> None:
     """pp 2 x tp 2 (4 processes) at the models' default configs under 1F1B: each shard keeps its part of the
     unsplit model's masks, so ``check_numerics`` is exact (before: 4.5e-04 off on BERT, each shard drawing its

@@ -150,7 +150,7 @@ def test_chrome_trace_is_valid(tmp_path: Path) -> None:
     assert json.loads(sim.read_text())["traceEvents"]
 
 
-
+@pytest.mark.compat  # make compat (CI): a saved run and a resumed script, 5 s; keeps make test within 10 minutes
 def test_exported_script_resumes_a_saved_run(tmp_path: Path) -> None:
     """``resume=``: the script goes on from ``run.save``'s checkpoint (weights, AdamW's state, the scheduler, the
     step), as ``pv.launch(..., resume=)`` does: its losses and rates are the straight 4-step run's last two."""

@@ -233,12 +233,13 @@ def notebook_runs(request: pytest.FixtureRequest,
             future.cancel()
 
 
-# Run by `make compat` (CI runs both), keeping `make test` within its 10 minutes on 2 cores: the demos that scale
-# out or build big models and the lessons from the fourth on (each 20-50 s of real runs; with lesson 10 in it,
-# `make test`'s pytest took 10 min 13-23 s here, and 9 min 16 s with lesson 4 on a clean clone, where ruff, mypy
-# and the notebook check add 1 min 17 s).
-COMPAT_NOTEBOOKS = {"notebooks/05_scale_out.ipynb", "notebooks/06_llama_moe_and_big_models.ipynb",
-                    *(n for n in TUTORIALS if int(Path(n).name.split("_")[0]) >= 4)}
+# Run by `make compat` (CI runs both), keeping `make test` within its 10 minutes on 2 cores: the demos that compare
+# schedules, scale out or build big models and the lessons from the third on (each 9-50 s of real runs; with lesson
+# 10 in it, `make test`'s pytest took 10 min 13-23 s here, and 9 min 16 s with lesson 4 on a clean clone, where ruff,
+# mypy and the notebook check add 1 min 17 s; 9 min 43 s with lesson 3 and demo 3, 2026-12-06).
+COMPAT_NOTEBOOKS = {"notebooks/03_schedules_compared.ipynb", "notebooks/05_scale_out.ipynb",
+                    "notebooks/06_llama_moe_and_big_models.ipynb",
+                    *(n for n in TUTORIALS if int(Path(n).name.split("_")[0]) >= 3)}
 
 
 @pytest.mark.slow

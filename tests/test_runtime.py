@@ -91,7 +91,8 @@ def test_events_stream_while_running_and_share_one_clock() -> None:
     assert run.first_event_at is not None and run.first_event_at - run.started_at < 30
 
 
-@pytest.mark.parametrize("which", ["gpt2", "bert", "t5"])
+# T5 (encoder-decoder, 10 s) in `make compat`, beside the HF matrix's T5 rows.
+@pytest.mark.parametrize("which", ["gpt2", "bert", pytest.param("t5", marks=pytest.mark.compat)])
 def test_hf_models_train_pipelined(which: str) -> None:
     pytest.importorskip("transformers")
     from pipeviz import zoo

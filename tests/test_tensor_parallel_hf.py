@@ -145,7 +145,8 @@ def test_hf_models_train_exactly_under_tensor_parallelism(kind: str, schedule: s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama", "bert", "gpt2"])
+# BERT's sequence parallelism (12 s on 2 cores) in `make compat`; tp on BERT stays in `make test` above.
+@pytest.mark.parametrize("kind", ["llama", pytest.param("bert", marks=pytest.mark.compat), "gpt2"])
 def test_sequence_parallelism_trains_exactly_and_issues_what_the_model_charges(kind: str) -> None:
     """Norms, dropout and the residual stream split by token between the sharded regions (Korthikanti et al.
     2022): exact, with reduce-scatters and all-gathers where the all-reduces were, as ``launch_collectives``

@@ -28,6 +28,7 @@ PROFILED = SCRIPT.replace(
 
 
 @pytest.mark.slow
+@pytest.mark.compat  # make compat (CI): torchrun with the profiler, 7 s; keeps make test within 10 minutes
 def test_the_seeds_program_profiled_under_torchrun_is_imported_and_analysed(tmp_path: Path) -> None:
     """3 gloo ranks, torch's ScheduleGPipe forward only, 4 microbatches: torch names each forward 'Forward <i>'."""
     assert PROFILED != SCRIPT  # the profiler went in
