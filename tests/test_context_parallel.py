@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import pipeviz as pv
+from pipeviz.cost.calibration import constant
 from pipeviz.costs import attention_kv_bytes, stage_costs
 from pipeviz.zoo import gpt2
 
@@ -57,13 +58,22 @@ def test_cp_2_against_costs_computed_by_hand(plan: pv.SplitPlan) -> None:
         f2 = next(e.duration for e in two.events if (e.stage, e.kind, e.mb) == (s, "F", 0))
         b2 = next(e.duration for e in two.events if (e.stage, e.kind, e.mb) == (s, "B", 0))
         o = base.overhead
-        assert f2 == pytest.approx((f1 - o) / cp + o + gather, rel=1e-9)
-        # the backward gathers them again and reduce-scatters their gradients: twice the forward's exchange
+        # (on a CPU the share runs its stage graph op by op: a measured constant per op of the stage)
+        ops = sum(1 for op in plan.graph.capture.ops if plan._stage_of_op(op.index) == s)
+        assert f2 == pytest.approx((f1 - o) / cp + o + gather + ops * constant("cpu_cp_op_overhead"), rel=1e-9)
+        # the backward reduce-scatters their gradients: on gloo an all-reduce, twice the forward's exchange
         assert b2 == pytest.approx((b1 - o) / cp + o + 2 * gather, rel=1e-9)
-    # each share saves half the activations (GPipe holds every microbatch's); the shares hold the same parameters:
-    # their gradients are averaged, as replicas' are
+        # each exchange a CP action inside the action issuing it
+        cps = [e for e in two.events if (e.stage, e.kind, e.mb) == (s, "CP", 0)]
+        assert len(cps) == 2 and all(c.duration == pytest.approx(gather * k) for c, k in zip(sorted(
+            cps, key=lambda e: e.start), (1, 2), strict=True))
+    # each share saves half the activations (GPipe holds every microbatch's), but its attention keeps the keys and
+    # values it gathered whole: the other share's half of them too; the shares hold the same parameters: their
+    # gradients are averaged, as replicas' are
     assert one.meta["peak_activation_bytes"] == [m * a for a in base.activation_bytes]
-    assert two.meta["peak_activation_bytes"] == [m * round(a / cp) for a in base.activation_bytes]
+    gathered = [round(k / m * (cp - 1) / cp) for k in kv]
+    assert two.meta["peak_activation_bytes"] == [m * (round(a / cp) + g)
+                                                 for a, g in zip(base.activation_bytes, gathered, strict=True)]
     assert two.meta["dp_bytes"] == list(base.param_bytes) and "dp_bytes" not in one.meta
     assert any(e.kind == "B" for e in two.events) and two.step_time > 0
 
@@ -78,6 +88,7 @@ def test_the_planner_searches_cp_and_each_row_reproduces(plan: pv.SplitPlan) -> 
     assert " cp2 " in f" {row.label()} " and row.config.cp == 2
     tl = pv.simulate(row.plan, row.config, options=row.options, collectives=row.collectives)
     assert max(e.end for e in tl.events) - min(e.start for e in tl.events) == pytest.approx(row.step_time)
+    assert row.peak_memory == max(tl.memory_bytes)  # the gathered keys and values kept whole, in both
     assert "cp" in result.table(top=len(result.rows)).splitlines()[1].split()
 
 
