@@ -97,3 +97,21 @@ def test_launch_refuses_a_sequence_2cp_does_not_divide(plan: pv.SplitPlan) -> No
     ids = torch.randint(0, 128, (4, 16))
     with pytest.raises(pv.LaunchError, match=r"cp=3: a sequence of 16 tokens .*Valid cp for 16 tokens: 1, 2, 4, 8"):
         pv.launch(plan, "GPipe", 2, steps=1, inputs=(ids,), target=ids, loss_fn=pv.cross_entropy, cp=3)
+
+
+def test_the_exchanges_are_drawn_in_their_own_colour(plan: pv.SplitPlan) -> None:
+    """A simulated cp step's exchanges: one ``CP`` action per attention op in each forward and backward, inside
+    the action issuing it, drawn as their own kind (own colour and legend entry, as TP's collectives are)."""
+    from pipeviz.widgets.figures import KIND_COLORS, timeline_traces
+
+    tl = pv.simulate(plan, "1F1B", 2, cp=2, bandwidth=BW, latency=LAT)
+    cps = [e for e in tl.events if e.kind == "CP"]
+    assert len(cps) == 2 * 2 * 2  # 2 stages x 2 microbatches x (forward + backward), one attention op a stage
+    for c in cps:
+        host = next(e for e in tl.events if e.kind in ("F", "B") and (e.stage, e.mb) == (c.stage, c.mb)
+                    and e.start <= c.start and c.end <= e.end)
+        assert host.rank == c.rank
+    drawn = [t for t in timeline_traces(tl) if t["meta"][1] == "CP"]
+    assert len(drawn) == 1 and len(drawn[0]["x"]) == len(cps)
+    assert drawn[0]["marker"]["color"] == KIND_COLORS["CP"] not in {KIND_COLORS[k] for k in KIND_COLORS if k != "CP"}
+    assert drawn[0]["name"].startswith("CP · context-parallel exchange")

@@ -2,10 +2,12 @@
 
 A GPT-2 (4 layers, 256 tokens) split in 2 stages runs under 1F1B twice: cp=1 (2 processes) and cp=2 (4 processes,
 ``pv.launch(..., cp=2)``). The cp=1 run's median forward and backward per stage are the op speed; ``pv.simulate``
-then prices the cp=2 step from them (compute 1/cp, each attention's key/value all-gather and its backward's
-exchange on the gloo link ``--bandwidth`` / ``--latency``), and the table puts that next to the cp=2 run's median
-step. Goal: within 10 %. With more processes than cores the measured step includes waiting for a core: run it on a
-machine with 4 free cores (``nproc``) for a fair number.
+then prices the cp=2 step from them (compute 1/cp; each attention's key/value all-gather and its backward's
+all-reduce on the gloo link, ``LINKS["gloo"]`` unless ``--bandwidth`` / ``--latency``; on a CPU what running the
+share's stage graph op by op adds, ``cpu_cp_op_overhead`` per op, and with more processes than cores each
+exchange's wait for a core, ``cpu_cp_exchange_wait``: both measured by ``benchmarks/calibration/cpu_constants.py``),
+and the table puts that next to the cp=2 run's median step, then the CP actions of both side by side (count per
+process and step, median seconds). Goal: within 10 %.
 
     PYTHONPATH=. python benchmarks/accuracy/cp_step.py [--steps 6] [--seq 256]
 """
@@ -34,8 +36,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--bandwidth", type=float, default=2e9, help="gloo bytes/s between processes on one host")
-    ap.add_argument("--latency", type=float, default=5e-5)
+    ap.add_argument("--bandwidth", type=float, default=None, help="gloo bytes/s (default LINKS['gloo'])")
+    ap.add_argument("--latency", type=float, default=None, help="seconds (default LINKS['gloo'])")
     a = ap.parse_args()
     torch.manual_seed(0)
     with warnings.catch_warnings():
@@ -64,7 +66,11 @@ def main() -> None:
     for label, s, meas in (("pp2 (op speed)", sim1.step_time, measured1), ("pp2 x cp2", sim.step_time, measured)):
         print(f"{label:<18}{s * 1e3:>14.1f}{meas * 1e3:>14.1f}{s / meas - 1:>8.1%}")
     cps = [e for e in runs[2].timeline().events if e.kind == "CP" and e.step > 0]
-    print(f"cp=2: {len(cps)} CP actions after step 0, median {statistics.median(e.duration for e in cps) * 1e3:.2f} ms")
+    per = len(cps) / (4 * (a.steps - 1))  # per process and step
+    sims = [e for e in sim.events if e.kind == "CP"]
+    print(f"CP actions per process and step: measured {per:.0f}, simulated {len(sims) / 2:.0f}; median measured "
+          f"{statistics.median(e.duration for e in cps) * 1e3:.2f} ms, simulated "
+          f"{statistics.median(e.duration for e in sims) * 1e3:.2f} ms; {cores} cores, load {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":
