@@ -6,8 +6,11 @@ then prices the cp=2 step from them (compute 1/cp; each attention's key/value al
 all-reduce on the gloo link, ``LINKS["gloo"]`` unless ``--bandwidth`` / ``--latency``; on a CPU what running the
 share's stage graph op by op adds, ``cpu_cp_op_overhead`` per op, and with more processes than cores each
 exchange's wait for a core, ``cpu_cp_exchange_wait``: both measured by ``benchmarks/calibration/cpu_constants.py``),
-and the table puts that next to the cp=2 run's median step, then the CP actions of both side by side (count per
-process and step, median seconds). Goal: within 10 %.
+and the table puts that next to the cp=2 run's median step; then where a difference sits: each action, the
+compute per process and step (``F`` and ``B`` less the ``CP`` actions inside them) and the CP actions of both side
+by side (count per process and step, median seconds). Goal: within 10 %. The run's op speed is the cp=1 run's, a
+few seconds earlier: on a shared CPU it moves by up to 2x between the two (the "pp2 (op speed)" row shows how well
+the cp=1 run itself is simulated from its own medians).
 
     PYTHONPATH=. python benchmarks/accuracy/cp_step.py [--steps 6] [--seq 256]
 """
@@ -15,6 +18,7 @@ process and step, median seconds). Goal: within 10 %.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import warnings
 from dataclasses import replace
@@ -30,6 +34,12 @@ def median_action(run: pv.Run, kind: str, stage: int) -> float:
     tl = run.timeline()
     xs = [e.duration for e in tl.events if e.kind == kind and e.stage == stage and e.step > 0]
     return statistics.median(xs)
+
+
+def compute_per_process(events: list[pv.Event], processes: int, steps: int) -> float:
+    """Seconds of forward and backward per process and step, less the CP exchanges inside them."""
+    fb = sum(e.duration for e in events if e.kind in ("F", "B"))
+    return (fb - sum(e.duration for e in events if e.kind == "CP")) / (processes * steps)
 
 
 def main() -> None:
@@ -51,21 +61,29 @@ def main() -> None:
         run = pv.launch(plan, "1F1B", m, steps=a.steps, inputs=(ids,), target=ids, loss_fn=pv.cross_entropy, cp=cp)
         assert run.wait(900) == "done", run.error
         runs[cp] = run
-    base = stage_costs(plan, m, bandwidth=a.bandwidth, latency=a.latency)
+    link = {"bandwidth": a.bandwidth, "latency": a.latency}
+    base = stage_costs(plan, m, **link)
     measured_costs = replace(base, forward=tuple(median_action(runs[1], "F", s) for s in range(2)),
                              backward=tuple(median_action(runs[1], "B", s) for s in range(2)), source="measured")
-    import os
-
+    print("cp=1 F / B per stage (the op speed), ms: " + ", ".join(
+        f"{f * 1e3:.1f} / {b * 1e3:.1f}" for f, b in zip(measured_costs.forward, measured_costs.backward, strict=True)))
     cores = len(os.sched_getaffinity(0))  # processes beyond the cores wait for one: the simulator's cores= models it
-    sim = pv.simulate(plan, "1F1B", m, cp=2, costs=measured_costs, bandwidth=a.bandwidth, latency=a.latency,
-                      cores=cores)
+    sim = pv.simulate(plan, "1F1B", m, cp=2, costs=measured_costs, cores=cores, **link)
+    events2 = [e for e in runs[2].timeline().events if e.step > 0]
     measured = statistics.median(runs[2].timeline().step_times[1:])
-    sim1 = pv.simulate(plan, "1F1B", m, costs=measured_costs, bandwidth=a.bandwidth, latency=a.latency, cores=cores)
+    sim1 = pv.simulate(plan, "1F1B", m, costs=measured_costs, cores=cores, **link)
     measured1 = statistics.median(runs[1].timeline().step_times[1:])
     print(f"{'case':<18}{'simulated ms':>14}{'measured ms':>14}{'error':>8}")
     for label, s, meas in (("pp2 (op speed)", sim1.step_time, measured1), ("pp2 x cp2", sim.step_time, measured)):
         print(f"{label:<18}{s * 1e3:>14.1f}{meas * 1e3:>14.1f}{s / meas - 1:>8.1%}")
-    cps = [e for e in runs[2].timeline().events if e.kind == "CP" and e.step > 0]
+    for kind in ("F", "B"):  # where the step's difference sits: each action of the cp=2 run against its price
+        row = [(median_action(runs[2], kind, st), statistics.median(
+            e.duration for e in sim.events if e.kind == kind and e.stage == st)) for st in range(2)]
+        print(f"cp=2 {kind} per stage, measured / simulated ms: "
+              + ", ".join(f"{m * 1e3:.1f} / {p * 1e3:.1f}" for m, p in row))
+    work = compute_per_process(events2, 4, a.steps - 1), compute_per_process(sim.events, 2, 1)
+    print(f"cp=2 compute per process and step, measured / simulated ms: {work[0] * 1e3:.1f} / {work[1] * 1e3:.1f}")
+    cps = [e for e in events2 if e.kind == "CP"]
     per = len(cps) / (4 * (a.steps - 1))  # per process and step
     sims = [e for e in sim.events if e.kind == "CP"]
     print(f"CP actions per process and step: measured {per:.0f}, simulated {len(sims) / 2:.0f}; median measured "
