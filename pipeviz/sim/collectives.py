@@ -279,7 +279,7 @@ class CpExchanges:
     forward: tuple[tuple[float, ...], ...]
     backward: tuple[tuple[float, ...], ...]
     op_seconds: tuple[float, ...]
-    saved_bytes: tuple[int, ...] = ()
+    saved_bytes: tuple[int, ...]
 
     def each(self, stage: int, kind: str) -> tuple[float, ...]:
         """The exchanges an action of ``kind`` (``F``, ``B``, ``I``, ``W``) of ``stage`` issues, in order."""
