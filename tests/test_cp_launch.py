@@ -126,12 +126,14 @@ def test_every_schedule(schedule: str) -> None:
 def test_with_replicas() -> None:
     run = _train("gpt2", dp=2)
     assert run.mesh == pv.Mesh(pp=2, dp=2, cp=2)
+    _simulated_as_run(run, "gpt2", memory=False)
 
 
 @pytest.mark.compat
 def test_with_tensor_parallel() -> None:
     run = _train("llama", tp=2)
     assert run.mesh.world == 8
+    _simulated_as_run(run, "llama", memory=False)
 
 
 def test_refused_before_any_process() -> None:
