@@ -115,3 +115,15 @@ def test_the_exchanges_are_drawn_in_their_own_colour(plan: pv.SplitPlan) -> None
     assert len(drawn) == 1 and len(drawn[0]["x"]) == len(cps)
     assert drawn[0]["marker"]["color"] == KIND_COLORS["CP"] not in {KIND_COLORS[k] for k in KIND_COLORS if k != "CP"}
     assert drawn[0]["name"].startswith("CP · context-parallel exchange")
+
+
+def test_on_gpus_the_backward_reduce_scatters_and_nothing_runs_op_by_op(plan: pv.SplitPlan) -> None:
+    """On a GPU preset the backward's exchange is NCCL's reduce-scatter, as long as the forward's all-gather (gloo
+    all-reduces instead: twice as long), and no CPU constant is charged."""
+    gpu = pv.simulate(plan, "1F1B", 2, cp=2, hardware="h100", cores=1)
+    cpu = pv.simulate(plan, "1F1B", 2, cp=2, bandwidth=BW, latency=LAT)
+    for tl, ratio in ((gpu, 1.0), (cpu, 2.0)):
+        f = [e.duration for e in tl.events if e.kind == "CP" and e.stage == 0]
+        assert len(f) == 4 and sorted(f)[-1] == pytest.approx(ratio * sorted(f)[0])
+    # no wait for a core (cpu_cp_exchange_wait, milliseconds) though the processes outnumber cores=1
+    assert max(e.duration for e in gpu.events if e.kind == "CP") < constant("cpu_cp_exchange_wait") / 10
