@@ -14,10 +14,11 @@ the cp=1 run itself is simulated from its own medians).
 
     PYTHONPATH=. python benchmarks/accuracy/cp_step.py [--steps 6] [--seq 256]
 
-Measured 2026-12-06 on the 2-core development machine with other jobs running (load 4.6-10.7), 12 runs: the CP
+Measured 2026-12-06 on the 2-core development machine with other jobs running (load 3.6-10.7), 14 runs: the CP
 actions per process and step 16 measured, 16 simulated, every run; the step's error -24.5, -13.9, -5.7, +24.2,
-+2.2, -44.7 (--steps 4), +31.4, -31.1, +28.3, +21.0, +20.5, -6.2 % (median -1.8 %), while the cp=1 run simulated
-from its own medians was off by -3.4 to -44 % in the same runs: the op speed moves by up to 2x between the two runs
++2.2, -44.7 (--steps 4), +31.4, -31.1, +28.3, +21.0, +20.5, -6.2, and at the lowest loads (3.6, 5.9) +5.1, +1.9 %
+(median +2.1 %), while the cp=1 run simulated
+from its own medians was off by -3.4 to -73 % in the same runs: the op speed moves by up to 2x between the two runs
 (stage 0's cp=1 backward 38-151 ms), so the 10 % goal is neither met nor refuted here; run it with 4 free cores and
 nothing else running. The measured CP action's median 2.9-6.6 ms against 3.4 ms priced (0.7 ms of gloo link, 2.7
 ms of measured wait for a core). The model before (9bc302b: no op-by-op forward, no exchange wait, the backward a
