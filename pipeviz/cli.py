@@ -204,8 +204,12 @@ def plan(a: argparse.Namespace) -> int:
           f"device at {seq} tokens in {time.time() - t:.1f} s{how}")
     t = time.time()
     limit = a.memory_gib * 2**30 if a.memory_gib else None
-    cp = pv.plan_cluster(graph, a.gpus, hw, global_batch=a.global_batch, memory_limit=limit, dtype=a.dtype, top=a.top,
-                         dp_reduce=a.dp_reduce)
+    try:
+        cp = pv.plan_cluster(graph, a.gpus, hw, global_batch=a.global_batch, memory_limit=limit, dtype=a.dtype,
+                             top=a.top, dp_reduce=a.dp_reduce, cp=a.cp)
+    except ValueError as exc:  # a bad --cp (or other degree): named by the planner's own message
+        print(f"pipeviz: {exc}", file=sys.stderr)
+        return 2
     print(f"planned in {time.time() - t:.1f} s\n")
     print(cp.table(a.top))
     if not a.no_synthesize:
@@ -341,6 +345,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--dp-reduce", nargs="+", default=None, choices=["ddp", "overlap", "after_flush", "distributed"],
                    help="how replicas may reduce their gradients, searched per row (default: ddp overlap)")
+    p.add_argument("--cp", nargs="+", type=int, default=None, metavar="N",
+                   help="context-parallel degrees to consider (default: 1, and 2..16 where each share keeps 8,192 "
+                        "tokens or more)")
     p.add_argument("--full-trace", action="store_true", help="trace every block (default: 2, the last repeated)")
     p.add_argument("--no-synthesize", action="store_true",
                    help="skip the synthesized schedule for the best pipelined layout (pv.synthesize_schedule)")

@@ -88,3 +88,26 @@ def test_demo_recomputes_activations(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "Why the simulated step takes what it takes" in page and "critical path" in page
     errors = [float(e) for e in re.findall(r"<td>([+-][0-9.]+)%</td></tr>", page)]
     assert errors and all(abs(e) <= 10 for e in errors), errors
+
+
+def test_plan_searches_the_cp_degrees_asked_for(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``pipeviz plan --cp 2``: every row splits each sequence in two (a cp column); ``--cp 0`` is refused naming cp,
+    the value and the fix."""
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    from pipeviz.cli import main
+
+    cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,
+                                   architectures=["LlamaForCausalLM"])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    args = ["plan", "--config", str(path), "--gpus", "8", "--global-batch", "32", "--top", "3", "--no-synthesize"]
+    assert main([*args, "--cp", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("#"))
+    assert lines[header].split()[:5] == ["#", "pp", "dp", "cp", "tp"]
+    assert [line.split()[3] for line in lines[header + 1:header + 4]] == ["2", "2", "2"]
+    assert main([*args, "--cp", "0"]) == 2
+    assert "pipeviz: cp must be a positive int" in capsys.readouterr().err

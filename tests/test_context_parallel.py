@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import pipeviz as pv
+from pipeviz.cost.calibration import constant
 from pipeviz.costs import attention_kv_bytes, stage_costs
 from pipeviz.zoo import gpt2
 
@@ -57,13 +58,22 @@ def test_cp_2_against_costs_computed_by_hand(plan: pv.SplitPlan) -> None:
         f2 = next(e.duration for e in two.events if (e.stage, e.kind, e.mb) == (s, "F", 0))
         b2 = next(e.duration for e in two.events if (e.stage, e.kind, e.mb) == (s, "B", 0))
         o = base.overhead
-        assert f2 == pytest.approx((f1 - o) / cp + o + gather, rel=1e-9)
-        # the backward gathers them again and reduce-scatters their gradients: twice the forward's exchange
+        # (on a CPU the share runs its stage graph op by op: a measured constant per op of the stage)
+        ops = sum(1 for op in plan.graph.capture.ops if plan._stage_of_op(op.index) == s)
+        assert f2 == pytest.approx((f1 - o) / cp + o + gather + ops * constant("cpu_cp_op_overhead"), rel=1e-9)
+        # the backward reduce-scatters their gradients: on gloo an all-reduce, twice the forward's exchange
         assert b2 == pytest.approx((b1 - o) / cp + o + 2 * gather, rel=1e-9)
-    # each share saves half the activations (GPipe holds every microbatch's); the shares hold the same parameters:
-    # their gradients are averaged, as replicas' are
+        # each exchange a CP action inside the action issuing it
+        cps = [e for e in two.events if (e.stage, e.kind, e.mb) == (s, "CP", 0)]
+        assert len(cps) == 2 and all(c.duration == pytest.approx(gather * k) for c, k in zip(sorted(
+            cps, key=lambda e: e.start), (1, 2), strict=True))
+    # each share saves half the activations (GPipe holds every microbatch's), but its attention keeps the keys and
+    # values it gathered whole: the other share's half of them too; the shares hold the same parameters: their
+    # gradients are averaged, as replicas' are
     assert one.meta["peak_activation_bytes"] == [m * a for a in base.activation_bytes]
-    assert two.meta["peak_activation_bytes"] == [m * round(a / cp) for a in base.activation_bytes]
+    gathered = [round(k / m * (cp - 1) / cp) for k in kv]
+    assert two.meta["peak_activation_bytes"] == [m * (round(a / cp) + g)
+                                                 for a, g in zip(base.activation_bytes, gathered, strict=True)]
     assert two.meta["dp_bytes"] == list(base.param_bytes) and "dp_bytes" not in one.meta
     assert any(e.kind == "B" for e in two.events) and two.step_time > 0
 
@@ -78,6 +88,7 @@ def test_the_planner_searches_cp_and_each_row_reproduces(plan: pv.SplitPlan) -> 
     assert " cp2 " in f" {row.label()} " and row.config.cp == 2
     tl = pv.simulate(row.plan, row.config, options=row.options, collectives=row.collectives)
     assert max(e.end for e in tl.events) - min(e.start for e in tl.events) == pytest.approx(row.step_time)
+    assert row.peak_memory == max(tl.memory_bytes)  # the gathered keys and values kept whole, in both
     assert "cp" in result.table(top=len(result.rows)).splitlines()[1].split()
 
 
@@ -86,3 +97,33 @@ def test_launch_refuses_a_sequence_2cp_does_not_divide(plan: pv.SplitPlan) -> No
     ids = torch.randint(0, 128, (4, 16))
     with pytest.raises(pv.LaunchError, match=r"cp=3: a sequence of 16 tokens .*Valid cp for 16 tokens: 1, 2, 4, 8"):
         pv.launch(plan, "GPipe", 2, steps=1, inputs=(ids,), target=ids, loss_fn=pv.cross_entropy, cp=3)
+
+
+def test_the_exchanges_are_drawn_in_their_own_colour(plan: pv.SplitPlan) -> None:
+    """A simulated cp step's exchanges: one ``CP`` action per attention op in each forward and backward, inside
+    the action issuing it, drawn as their own kind (own colour and legend entry, as TP's collectives are)."""
+    from pipeviz.widgets.figures import KIND_COLORS, timeline_traces
+
+    tl = pv.simulate(plan, "1F1B", 2, cp=2, bandwidth=BW, latency=LAT)
+    cps = [e for e in tl.events if e.kind == "CP"]
+    assert len(cps) == 2 * 2 * 2  # 2 stages x 2 microbatches x (forward + backward), one attention op a stage
+    for c in cps:
+        host = next(e for e in tl.events if e.kind in ("F", "B") and (e.stage, e.mb) == (c.stage, c.mb)
+                    and e.start <= c.start and c.end <= e.end)
+        assert host.rank == c.rank
+    drawn = [t for t in timeline_traces(tl) if t["meta"][1] == "CP"]
+    assert len(drawn) == 1 and len(drawn[0]["x"]) == len(cps)
+    assert drawn[0]["marker"]["color"] == KIND_COLORS["CP"] not in {KIND_COLORS[k] for k in KIND_COLORS if k != "CP"}
+    assert drawn[0]["name"].startswith("CP · context-parallel exchange")
+
+
+def test_on_gpus_the_backward_reduce_scatters_and_nothing_runs_op_by_op(plan: pv.SplitPlan) -> None:
+    """On a GPU preset the backward's exchange is NCCL's reduce-scatter, as long as the forward's all-gather (gloo
+    all-reduces instead: twice as long), and no CPU constant is charged."""
+    gpu = pv.simulate(plan, "1F1B", 2, cp=2, hardware="h100", cores=1)
+    cpu = pv.simulate(plan, "1F1B", 2, cp=2, bandwidth=BW, latency=LAT)
+    for tl, ratio in ((gpu, 1.0), (cpu, 2.0)):
+        f = [e.duration for e in tl.events if e.kind == "CP" and e.stage == 0]
+        assert len(f) == 4 and sorted(f)[-1] == pytest.approx(ratio * sorted(f)[0])
+    # no wait for a core (cpu_cp_exchange_wait, milliseconds) though the processes outnumber cores=1
+    assert max(e.duration for e in gpu.events if e.kind == "CP") < constant("cpu_cp_exchange_wait") / 10

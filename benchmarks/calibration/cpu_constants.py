@@ -5,9 +5,14 @@ measurement, in ``pipeviz/cost/calibration.json`` (what ``pipeviz.cost.calibrati
   already there (1F1B runs of a small MLP on 2 ranks, 8 microbatches);
 - ``gloo``: gloo's all-reduce bus bandwidth as a share of a send's, two processes (4-32 MiB, medians of 10);
 - ``contention``: an op's time while the other core runs the same, over its time alone (``cpu_contention.py``'s
-  method: a weight-streaming matmul, seven alternations per repeat).
+  method: a weight-streaming matmul, seven alternations per repeat);
+- ``cp_op``: what context parallelism's share of a sequence adds per op of a stage's forward (the stage graph run
+  op by op, ``pipeviz.adapter.context_graph``): a small GPT-2 stage's forward on one share (cp 2) over half its
+  plain forward, per op, in one process;
+- ``cp_wait``: an exchange's wait beyond its link time when the processes outnumber the cores (pp 2 x cp 2, four
+  processes): the median ``CP`` action of a small GPT-2's run less the link's all-gather or all-reduce time.
 
-    python benchmarks/calibration/cpu_constants.py [--only action_overhead,gloo,contention] [--write]
+    python benchmarks/calibration/cpu_constants.py [--only action_overhead,gloo,contention,cp_op,cp_wait] [--write]
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import torch.multiprocessing as mp
 from pipeviz.cost.calibration import PATH, entries
 
 NAMES = {"action_overhead": "cpu_action_overhead", "gloo": "gloo_allreduce_efficiency",
-         "contention": "cpu_contention"}
+         "contention": "cpu_contention", "cp_op": "cpu_cp_op_overhead", "cp_wait": "cpu_cp_exchange_wait"}
 
 
 def action_overhead(runs: int = 3) -> tuple[float, str]:
@@ -121,6 +126,68 @@ def contention() -> tuple[float, str]:
     return value, f"medians of four repeats of seven alternations {min(medians):.3f}-{max(medians):.3f}"
 
 
+def _small_gpt2(seq: int, width: int) -> tuple[object, torch.Tensor]:
+    import pipeviz as pv
+    from pipeviz.zoo import gpt2
+
+    torch.manual_seed(0)
+    model = gpt2(n_layer=2, n_embd=width, n_head=2, vocab_size=64, n_positions=seq)
+    ids = torch.randint(0, 64, (4, seq))
+    return pv.trace(model, example_args=(ids,)).split(["transformer.h.0"]), ids
+
+
+def cp_op(repeats: int = 3) -> tuple[float, str]:
+    """Per op, a stage's forward on one share of the sequence (cp 2, ``ContextGraph`` on the runtime's own stage
+    graph, the exchange in shape only) less half its plain forward, with gradients on, one thread: a 2-layer GPT-2
+    of width 32 at 16 tokens, whose ops' compute is small beside what running each op adds."""
+    from pipeviz.adapter.context_graph import ContextGraph, Share
+    from pipeviz.runtime.batches import seq_share
+    from pipeviz.runtime.stages import build_stages
+
+    torch.set_num_threads(1)
+    plan, ids = _small_gpt2(16, 32)
+    runner = build_stages(plan, 1, cp=2).runners[0]  # type: ignore[arg-type]
+    graph = runner.stage
+    (share,), _ = seq_share(((ids,), {}), 0, 2, 16)
+    ctx = ContextGraph(graph, Share(16, 2, 0, dry=True), runner.traced_shapes)  # type: ignore[arg-type]
+    ops = sum(1 for n in graph.graph.nodes if n.op == "call_function")
+
+    def median(f: object, *args: object) -> float:
+        xs = []
+        for _ in range(300):
+            start = time.perf_counter()
+            f(*args)  # type: ignore[operator]
+            xs.append(time.perf_counter() - start)
+        return statistics.median(xs)
+
+    per = []
+    for _ in range(repeats):
+        plain, shared = median(graph, ids), median(ctx, share)
+        per.append((shared - plain / 2) / ops)
+    value = statistics.median(per)
+    return value, (f"a share's forward less half the plain one, per op ({ops} ops of a GPT-2 stage, width 32, 16 "
+                   f"tokens, one thread): {', '.join(f'{p * 1e6:.1f}' for p in per)} us")
+
+
+def cp_wait() -> tuple[float, str]:
+    """The median ``CP`` action of a pp 2 x cp 2 run (4 processes) of a small GPT-2 (width 64, 64 tokens: a few
+    KB an exchange) less the gloo link's time for it, steps 1-3."""
+    import pipeviz as pv
+    from pipeviz.cost.comm import all_reduce_time, backend_link, cp_exchange_bytes
+
+    plan, ids = _small_gpt2(64, 64)
+    run = pv.launch(plan, "1F1B", 4, steps=4, inputs=(ids,), target=ids, loss_fn=pv.cross_entropy, cp=2)
+    assert run.wait(300) == "done", run.error
+    cps = [e.duration for e in run.events if e.kind == "CP" and e.step > 0]
+    nbytes = max(max(xs) for xs in cp_exchange_bytes(plan)) / 4  # a microbatch's
+    link = all_reduce_time(nbytes, 2, backend_link("cpu"))  # the backward's all-reduce, the longer of the two
+    value = max(0.0, statistics.median(cps) - link)
+    cores = len(os.sched_getaffinity(0))
+    return value, (f"4 processes on {cores} cores: median CP action {statistics.median(cps) * 1e3:.2f} ms "
+                   f"({len(cps)} actions, IQR {statistics.quantiles(cps, n=4)[0] * 1e3:.2f}-"
+                   f"{statistics.quantiles(cps, n=4)[2] * 1e3:.2f} ms) less the link's {link * 1e6:.0f} us")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=",".join(NAMES), help=f"comma-separated among {', '.join(NAMES)}")
@@ -130,9 +197,10 @@ def main() -> None:
     table = dict(entries())
     machine = f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores"
     for name in a.only.split(","):
-        value, how = {"action_overhead": action_overhead, "gloo": gloo, "contention": contention}[name]()
+        value, how = {"action_overhead": action_overhead, "gloo": gloo, "contention": contention, "cp_op": cp_op,
+                      "cp_wait": cp_wait}[name]()
         key = NAMES[name]
-        old = table[key]["value"]
+        old = table[key]["value"] if key in table else float("nan")
         print(f"{key}: {value:.4g} (recorded {old:.4g}): {how}")
         table[key] = {**table[key], "value": round(value, 4 if value > 0.01 else 6),
                       "measured": f"{datetime.date.today()}, {machine}: {how}"}

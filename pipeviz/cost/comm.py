@@ -8,7 +8,7 @@ microbatch's compute, activations and hand-off bytes scale by 1/(dp x cp); each 
 holds 1/tp of its parameters (gradients, optimizer state) and, roughly, of its activations (norms and buffers are
 replicated in truth: an approximation). Tensor parallelism pays all-reduces of layer outputs on the critical path
 (``tp_all_reduces``), context parallelism an all-gather of each attention op's keys and values
-(``cp_collectives``), and the replicas and shares average their gradients once per step (``all_reduce_time`` of
+(``cp_exchange_seconds``), and the replicas and shares average their gradients once per step (``all_reduce_time`` of
 the rank's parameter bytes; ``pv.simulate`` places it).
 
 Example:
@@ -32,6 +32,8 @@ __all__ = [
     "attention_kv_bytes",
     "backend_link",
     "cp_collectives",
+    "cp_exchange_bytes",
+    "cp_exchange_seconds",
     "ddp_buckets",
     "tp_all_reduces",
     "tp_collectives",
@@ -101,26 +103,60 @@ def tp_collectives(plan: SplitPlan, microbatches: float, dp: int = 1, tp: int = 
     )
 
 
+def cp_exchange_bytes(plan: SplitPlan) -> list[list[float]]:
+    """Per stage, in op order, the bytes of each key/value exchange its attention ops issue in one forward of the
+    traced batch, as ``pipeviz.adapter.context_graph`` issues them: one per ``scaled_dot_product_attention`` (its
+    keys and values stacked) where they have one shape, one each otherwise; the whole sequence's bytes (what a share
+    holds once gathered). Its backward issues as many, of their gradients."""
+    ops = plan.graph.capture.ops
+    out: list[list[float]] = [[] for _ in range(plan.num_stages)]
+    for op in ops:
+        if "scaled_dot_product" not in op.target:
+            continue
+        stage = out[plan._stage_of_op(op.index)]
+        if len(op.inputs) < 3:  # (the trace does not tell keys from values: twice the output, one exchange)
+            stage.append(2.0 * op.out_bytes)
+            continue
+        k, v = (ops[i] for i in op.inputs[1:3])
+        same = k.out_bytes == v.out_bytes and _shape(k) == _shape(v)
+        stage.extend([float(k.out_bytes + v.out_bytes)] if same else [float(k.out_bytes), float(v.out_bytes)])
+    return out
+
+
+def _shape(op: object) -> object:
+    spec = getattr(op, "spec", None)
+    return getattr(spec, "shape", None)
+
+
 def attention_kv_bytes(plan: SplitPlan) -> list[float]:
     """Per stage, the bytes of keys and values its attention ops read in one forward of the traced batch
     (``scaled_dot_product_attention``'s second and third inputs; twice its output where the trace does not tell
     them apart): what context parallelism gathers from the other shares of the sequence."""
-    ops = plan.graph.capture.ops
-    out = [0.0] * plan.num_stages
-    for op in ops:
-        if "scaled_dot_product" not in op.target:
-            continue
-        kv = sum(ops[i].out_bytes for i in op.inputs[1:3]) if len(op.inputs) >= 3 else 2 * op.out_bytes
-        out[plan._stage_of_op(op.index)] += kv
-    return out
+    return [sum(xs) for xs in cp_exchange_bytes(plan)]
+
+
+def cp_exchange_seconds(plan: SplitPlan, microbatches: float, mesh: Mesh, via: tuple[float, float],
+                        scale: float = 1.0, gloo: bool = True) -> tuple[list[list[float]], list[list[float]]]:
+    """Per stage, the seconds of each exchange of context parallelism in one forward and in one backward of one
+    microbatch (``cp_exchange_bytes`` of a microbatch on one replica, ``scale``: the bytes' dtype and batch relative
+    to the traced ones): the forward all-gathers the keys and values, ``(cp-1)/cp x bytes / bandwidth + (cp-1) x
+    latency`` (half a ring all-reduce); the backward reduce-scatters their gradients, as long on NCCL, while on
+    ``gloo`` (no reduce-scatter) the run all-reduces them and each share keeps its part: a whole all-reduce.
+
+    Example:
+        >>> fwd, bwd = cp_exchange_seconds(plan, 4, pv.Mesh(pp=2, cp=2), backend_link("cpu"))
+    """
+    fwd, bwd = [], []
+    for xs in cp_exchange_bytes(plan):
+        whole = [all_reduce_time(b * scale / (microbatches * mesh.dp), mesh.cp, via) for b in xs]
+        fwd.append([t / 2 for t in whole])
+        bwd.append(whole if gloo else [t / 2 for t in whole])
+    return fwd, bwd
 
 
 def cp_collectives(plan: SplitPlan, microbatches: float, mesh: Mesh, via: tuple[float, float],
                    scale: float = 1.0) -> tuple[float, ...]:
-    """Per stage, seconds of context parallelism's exchange in one forward of one microbatch: the keys and values
-    of every attention op all-gathered across the ``cp`` shares of the sequence (torch's ``context_parallel`` and
-    torchtitan default to this all-gather rotation: ``(cp-1)/cp x bytes / bandwidth + (cp-1) x latency``, half a
-    ring all-reduce), not overlapped; its backward gathers them again and reduce-scatters their gradients: twice
-    as much (``pv.simulate`` adds that to the backward)."""
-    return tuple(all_reduce_time(kv * scale / (microbatches * mesh.dp), mesh.cp, via) / 2
-                 for kv in attention_kv_bytes(plan))
+    """Per stage, seconds of context parallelism's exchanges in one forward of one microbatch (the sum of
+    ``cp_exchange_seconds``' forward ones: every attention op's keys and values all-gathered across the ``cp``
+    shares of the sequence, as torchtitan's all-gather rotation does), not overlapped."""
+    return tuple(sum(xs) for xs in cp_exchange_seconds(plan, microbatches, mesh, via, scale)[0])

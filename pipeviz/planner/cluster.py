@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, NamedTuple, TypedDict
 
 from pipeviz._compat import deprecated
-from pipeviz.cost.comm import cp_collectives, tp_collectives
+from pipeviz.cost.comm import attention_kv_bytes, cp_collectives, tp_collectives
 from pipeviz.cost.machine import Hardware
 from pipeviz.cost.memory import static_memory
 from pipeviz.cost.model import Costs, overlapped, parallel_costs, stage_costs
@@ -364,6 +364,10 @@ class SearchPricing:
                                        scale) if c > 1 else (0.0,) * n)
                 coll = tuple(x + y for x, y in zip(tp_s, cp_s, strict=True))
             costs = parallel_costs(self.stage_costs(n, b, mode), mesh, collective=coll)
+            if c > 1:  # attention keeps the keys and values it gathered whole (pv.simulate's cp_exchanges)
+                costs = replace(costs, activation_bytes=tuple(
+                    a + round(k * scale * (c - 1) / c)
+                    for a, k in zip(costs.activation_bytes, attention_kv_bytes(plan), strict=True)))
             # (pv.simulate overlaps them the same way: the bound below must not exceed its step)
             self._device[key] = overlapped(costs) if self.collectives.tp_overlap else costs
         return self._device[key]

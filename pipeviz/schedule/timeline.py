@@ -28,6 +28,8 @@ KINDS = {
     "W": "backward, weight grads only", "COMM": "waiting on communication",
     "DP": "data-parallel gradient all-reduce across replicas",
     "TP": "tensor-parallel collective within a stage's shards (launch to wait)",
+    "CP": "context-parallel exchange of an attention's keys and values (or their gradients) among a stage's "
+          "sequence shares",
     "EVAL": "forward of a held-out batch (evaluation after the step, no gradients)",
 }
 

@@ -1,6 +1,8 @@
 """Where the collectives of a simulated step go: ``Collectives`` (how a framework reduces the replicas' gradients,
-overlaps tensor-parallel collectives, scatters hand-offs) and ``Reduction`` (the replicas' gradient reduction placed
-on a simulated rank's timeline, as torch DDP, Megatron-LM or Megatron-Core's distributed optimizer do it).
+overlaps tensor-parallel collectives, scatters hand-offs), ``Reduction`` (the replicas' gradient reduction placed
+on a simulated rank's timeline, as torch DDP, Megatron-LM or Megatron-Core's distributed optimizer do it) and
+``CpExchanges`` (context parallelism's key/value exchanges, each a ``CP`` action inside the compute action that
+issues it: ``cp_actions``).
 
 Example:
     >>> megatron_2021 = Collectives(dp_reduce="after_flush", grad_dtype="float16", scatter_gather=True)
@@ -11,15 +13,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pipeviz.cost.comm import DDP_BUCKET_BYTES, all_reduce_time, ddp_buckets
+from pipeviz.cost.calibration import constant
+from pipeviz.cost.comm import DDP_BUCKET_BYTES, all_reduce_time, cp_exchange_bytes, cp_exchange_seconds, ddp_buckets
 from pipeviz.cost.machine import dtype_name
 from pipeviz.cost.memory import stages_and_kinds
 from pipeviz.cost.model import Costs
 from pipeviz.schedule import traits as sched
+from pipeviz.schedule.mesh import Mesh
 from pipeviz.schedule.timeline import Event
 
-__all__ = ["DP_REDUCE", "MEGATRON_BUCKET_PARAMS", "Collectives", "Reduction", "reduction_floor"]
+if TYPE_CHECKING:
+    from pipeviz.cost.options import CostOptions
+    from pipeviz.plan.split import SplitPlan
+
+__all__ = ["DP_REDUCE", "MEGATRON_BUCKET_PARAMS", "Collectives", "CpExchanges", "Reduction", "cp_actions",
+           "cp_exchanges", "reduction_floor", "simulated_cp"]
 
 DP_REDUCE = ("ddp", "after_flush", "distributed", "overlap")
 TP_LAYOUTS = ("launch", "megatron")
@@ -249,3 +259,86 @@ class Reduction:
                 end = last[rank]
                 out.append(Event(rank, -1, "DP", -1, end, end + t))
         return out
+
+
+@dataclass(frozen=True)
+class CpExchanges:
+    """Context parallelism's exchanges as a run issues them (``pipeviz.adapter.context_graph``), per stage: the
+    seconds of each in one forward (keys and values all-gathered, one per attention op) and in one backward (their
+    gradients reduce-scattered; ``I`` under a split backward, never ``W``), and ``op_seconds``, what the share's
+    forward pays beside its compute for running the stage graph op by op (on a CPU: ``cpu_cp_op_overhead`` per op;
+    0 elsewhere, where the host runs ahead of the device), and ``saved_bytes``, what a share saves beyond 1/cp of
+    a microbatch's activations: attention keeps the keys and values it gathered, the whole sequence's, for its
+    backward (``(cp-1)/cp`` of their bytes).
+
+    Example:
+        >>> ex = cp_exchanges(plan, 4, pv.Mesh(pp=2, cp=2), (1e9, 5e-5))
+        >>> ex.seconds("F"), len(ex.each(0, "B"))      # per stage; the exchanges of stage 0's backward
+    """
+
+    forward: tuple[tuple[float, ...], ...]
+    backward: tuple[tuple[float, ...], ...]
+    op_seconds: tuple[float, ...]
+    saved_bytes: tuple[int, ...]
+
+    def each(self, stage: int, kind: str) -> tuple[float, ...]:
+        """The exchanges an action of ``kind`` (``F``, ``B``, ``I``, ``W``) of ``stage`` issues, in order."""
+        if kind == "F":
+            return self.forward[stage]
+        return self.backward[stage] if kind in ("B", "I") else ()
+
+    def seconds(self, kind: str) -> tuple[float, ...]:
+        """Per stage, the exchanges' seconds in one action of ``kind``."""
+        return tuple(sum(self.each(s, kind)) for s in range(len(self.forward)))
+
+
+def cp_exchanges(plan: SplitPlan, microbatches: float, mesh: Mesh, via: tuple[float, float], scale: float = 1.0,
+                 cpu: bool = True, oversubscribed: bool = False) -> CpExchanges:
+    """The exchanges of a ``mesh.cp`` > 1 run of ``plan`` (``cp_exchange_seconds`` on link ``via``; gloo's
+    all-reduce for the backward's reduce-scatter on a ``cpu``). On a ``cpu`` each forward also pays
+    ``cpu_cp_op_overhead`` per op of the stage (the share runs the graph op by op, each op's shapes checked), and
+    with more processes than cores (``oversubscribed``) each exchange waits ``cpu_cp_exchange_wait`` more for the
+    other shares' processes to get a core (both measured: ``pipeviz/cost/calibration.json``)."""
+    fwd, bwd = cp_exchange_seconds(plan, microbatches, mesh, via, scale, gloo=cpu)
+    whole = cp_exchange_bytes(plan)  # the traced batch's: a microbatch of one replica holds 1 / (m x dp) of them
+    saved = tuple(round(sum(xs) * scale / (microbatches * mesh.dp) * (mesh.cp - 1) / mesh.cp) for xs in whole)
+    wait = constant("cpu_cp_exchange_wait") if cpu and oversubscribed else 0.0
+    per_op = constant("cpu_cp_op_overhead") if cpu else 0.0
+    ops = [0] * plan.num_stages
+    for op in plan.graph.capture.ops:
+        ops[plan._stage_of_op(op.index)] += 1
+    return CpExchanges(tuple(tuple(t + wait for t in xs) for xs in fwd),
+                       tuple(tuple(t + wait for t in xs) for xs in bwd), tuple(n * per_op for n in ops), saved)
+
+
+def simulated_cp(plan: SplitPlan, microbatches: int, mesh: Mesh, via: tuple[float, float], scale: float,
+                 opts: CostOptions, cores: int | None) -> CpExchanges | None:
+    """What ``pv.simulate`` charges for context parallelism (None without it): ``cp_exchanges`` on a CPU (no
+    hardware and a CPU device, or ``"cpu"``) with the share's op-by-op forward, and a wait per exchange where the
+    processes outnumber the ``cores``; NCCL's reduce-scatter elsewhere."""
+    if mesh.cp == 1:
+        return None
+    hw = opts.hw
+    cpu = hw.name == "cpu" if hw is not None else not str(opts.device).startswith("cuda")
+    return cp_exchanges(plan, microbatches, mesh, via, scale, cpu, cores is not None and mesh.world > cores)
+
+
+def cp_actions(events: Sequence[Event], ex: CpExchanges) -> list[Event]:
+    """A ``CP`` event for each exchange of every simulated compute action, inside it, as the run times them: the
+    action's exchanges spread over its span with its compute between them (where in the action an attention
+    falls is not modelled; their count and seconds are what the run issues)."""
+    out = []
+    for e in events:
+        if e.kind not in ("F", "B", "I") or e.stage < 0:
+            continue
+        xs = ex.each(e.stage, e.kind)
+        if not xs:
+            continue
+        gap = max(0.0, e.duration - sum(xs)) / (len(xs) + 1)
+        t = e.start
+        for x in xs:
+            t += gap
+            end = min(e.end, t + x)
+            out.append(Event(e.rank, e.stage, "CP", e.mb, t, end, e.step))
+            t = end
+    return out

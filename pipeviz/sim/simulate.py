@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Unpack
 
 from pipeviz._compat import deprecated, positional_legacy
-from pipeviz.cost.comm import cp_collectives, tp_collectives
+from pipeviz.cost.comm import tp_collectives
 from pipeviz.cost.machine import DTYPE_BYTES
 from pipeviz.cost.memory import activation_curve, memory_per_rank, peak_activations
 from pipeviz.cost.model import Costs, overlapped, parallel_costs, stage_costs
@@ -43,7 +43,7 @@ from pipeviz.schedule.config import LaunchConfig, dp_reduce_mode, launch_config
 from pipeviz.schedule.mesh import Mesh
 from pipeviz.schedule.tensor_parallel import sharded_modules
 from pipeviz.schedule.timeline import Event, Timeline
-from pipeviz.sim.collectives import DP_REDUCE, Collectives, Reduction
+from pipeviz.sim.collectives import DP_REDUCE, Collectives, Reduction, cp_actions, simulated_cp
 from pipeviz.sim.engine import check_order, contended, play, play_on_cores, runtime_actions
 
 if TYPE_CHECKING:
@@ -149,8 +149,9 @@ def simulate(
       all-reduce per rank after its last action (a ``"DP"`` event), as torch's runtime does.
     - ``cp`` shares each take 1/cp of every sequence (context parallelism, as Llama 3 and torchtitan train long
       sequences): compute, activations and hand-off bytes scale by 1/cp; every attention op all-gathers its keys
-      and values across the shares in its forward and again, with a reduce-scatter of their gradients, in its
-      backward (``pipeviz.costs.cp_collectives``), on the link the group spans, not overlapped.
+      and values across the shares in its forward and reduce-scatters their gradients in its backward, on the
+      link the group spans, not overlapped, each a ``"CP"`` event inside its action, as the run issues and times
+      them (``pipeviz.sim.collectives.cp_exchanges``; on a CPU with what running a share op by op costs).
     - ``tp`` shards per stage: compute divides by tp, parameters (with gradients and optimizer state) and
       activations by what the launch's layout cuts (``pipeviz.cost.sharding.tp_shares``); each forward and each
       backward (or input-grad pass) pays the collectives that layout issues (``config.tp_plan`` or
@@ -290,7 +291,7 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
     if cores is not None and (not isinstance(cores, int) or isinstance(cores, bool) or cores < 1):
         raise ValueError(f"cores must be a positive int or None, got {cores!r}.")
     links = _links(mesh, opts, x)
-    collective, collective_back, shares = None, None, None
+    collective, collective_back, shares, ex = None, None, None, None
     if (tp > 1 or cp > 1) and plan is not None:
         scale = opts.byte_scale(plan.graph) * opts.batch_scale
         launch = tp > 1 and coll.tp_layout == "launch"  # else Megatron's: 2 all-reduces per block, a uniform 1/tp
@@ -302,20 +303,22 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
         else:
             tp_s = tp_collectives(plan, microbatches, dp * cp, tp, links["tp"], scale) if tp > 1 else (0.0,) * n
             tp_b = tp_s
-        cp_s = cp_collectives(plan, microbatches, mesh, links["cp"], scale) if cp > 1 else (0.0,) * n
-        collective = tuple(a + b for a, b in zip(tp_s, cp_s, strict=True))
-        collective_back = tuple(a + b for a, b in zip(tp_b, cp_s, strict=True)) if launch else None
+        ex = simulated_cp(plan, microbatches, mesh, links["cp"], scale, opts, cores)
+        cp_f, cp_b = (ex.seconds("F"), ex.seconds("B")) if ex is not None else ((0.0,) * n, (0.0,) * n)
+        collective = tuple(a + b for a, b in zip(tp_s, cp_f, strict=True))
+        collective_back = tuple(a + b for a, b in zip(tp_b, cp_b, strict=True)) if launch or cp > 1 else None
     costs = parallel_costs(costs, replace(mesh, dp=1, cp=1) if per_replica else mesh, collective=collective,
                            shares=shares, collective_backward=collective_back)
+    if ex is not None:  # (op by op: compute of the process's own, contended like the rest; the gathered keys kept)
+        costs = replace(costs, forward=tuple(f + o for f, o in zip(costs.forward, ex.op_seconds, strict=True)),
+                        activation_bytes=tuple(a + k for a, k in zip(costs.activation_bytes, ex.saved_bytes,
+                                                                     strict=True)))
     if coll.tp_overlap and costs.collective:
         costs = overlapped(costs)
+    # (full recomputation: the backward's recomputed forward pays the forward's collectives again; Megatron-LM:
+    # 4 all-reduces per block in a recomputing backward, 2 in a forward)
     extra_backward = [c * int(opts.recompute == "full") for c in costs.collective] if costs.collective else []
-    if collective is not None and cp > 1:
-        # context parallelism's backward gathers the keys and values again and reduce-scatters their gradients
-        extra_backward = [e + c for e, c in zip(extra_backward or [0.0] * n, cp_s, strict=True)]
     if any(extra_backward):
-        # (full recomputation: the backward's recomputed forward pays the forward's all-reduces again; Megatron-LM:
-        # 4 all-reduces per block in a recomputing backward, 2 in a forward)
         costs = replace(costs, backward=tuple(b + e for b, e in zip(costs.backward, extra_backward, strict=True)))
     if costs.overhead and not costs.runtime and lay.info.multi:
         costs = replace(costs, runtime=runtime_actions(lay, costs.overhead))
@@ -343,6 +346,8 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
         events, red = run(costs)
     if red is not None:
         events += red.after_step(events)
+    if ex is not None:
+        events += cp_actions(events, ex)
     peaks = ([max(costs.activation_bytes[s] for s in lay.stages_of(r)) for r in lay.ranks] if forward_only
              else peak_activations(acts, costs.activation_bytes, costs.weight_fraction, costs.input_freed))
     memory = memory_per_rank(None, lay.schedule, microbatches, spr, optimizer_states, costs=costs,
