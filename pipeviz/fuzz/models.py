@@ -74,6 +74,7 @@ BUILTIN: dict[str, tuple[int, Callable[[], tuple[nn.Module, tuple[torch.Tensor, 
     "gpt2": (5, lambda: _lm(zoo.gpt2(n_layer=4, n_embd=8, n_head=2, vocab_size=16, n_positions=8), 16, 4)),
     "llama": (6, lambda: _lm(zoo.llama(num_hidden_layers=4, hidden_size=16, num_attention_heads=2,
                                        num_key_value_heads=2, vocab_size=16), 16, 4)),
+    "moe": (7, lambda: _lm(zoo.MoENet(vocab=16, d=8, layers=4, experts=4), 16, 4)),  # routed experts: ep runs
 }
 HF_MODELS = ("gpt2", "llama")
 

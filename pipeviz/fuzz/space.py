@@ -77,8 +77,8 @@ class Case:
     def world(self) -> int:
         pp = self.stages // (2 if sched.info(self.torch_schedule).multi else 1)
         n = pp
-        for _, d in self.mesh:
-            n *= d
+        for name, d in self.mesh:
+            n *= 1 if name == "ep" else d  # (ep adds no processes: carved out of dp x cp)
         return n
 
     @property
@@ -131,7 +131,8 @@ def draw_case(rng: random.Random, models: Sequence[str], candidates: Callable[[s
     """One composition drawn from ``rng``: ``candidates(model)`` lists the model's split points in order.
 
     Mostly ones that can run (world size at most ``MAX_WORLD``, microbatches the batch allows), with a share a
-    launch must refuse (a microbatch count a schedule rejects, a dimension ``pv.launch`` does not run yet)."""
+    launch must refuse (a microbatch count a schedule rejects, an ep that does not divide dp, a model without routed
+    experts under ep)."""
     model = rng.choice(list(models))
     points = list(candidates(model))
     schedule = rng.choice([*sched.ALL, *sched.SINGLE, *CUSTOM_ORDERS])  # the two-stage ones a little more often
@@ -139,6 +140,9 @@ def draw_case(rng: random.Random, models: Sequence[str], candidates: Callable[[s
     mesh, extra = {}, 1
     for d in MESH_DIMS:  # each degree drawn while two pipeline ranks still fit in MAX_WORLD
         degree = rng.choice(DEGREES[d])
+        if d == "ep":  # no processes of its own (carved out of dp x cp): runs where it divides dp (and the model
+            mesh[d] = degree  # has routed experts), refused naming ep elsewhere
+            continue
         mesh[d] = degree if 2 * extra * degree <= MAX_WORLD else 1
         extra *= mesh[d]
     pp_max = max(1, MAX_WORLD // extra)

@@ -164,7 +164,8 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
     step_box = [0, 0, 0]  # the step, its accumulated (or held-out) batch, and whether it evaluates
     pp_group, dp_group, dp_mesh, tp_mesh, cp_group = _mesh_groups(p)
     stages, params, local, overlapped = rank_stages(p, clock, step_box, device, compute, pp_group, dp_group, tp_mesh,
-                                                dp_mesh if p.dp_shard else None, cp_group=cp_group)
+                                                dp_mesh if p.dp_shard else None, cp_group=cp_group,
+                                                ep_group=_ep_group(p))
     reduction: OverlappedReduction | ZeroOne | None = overlapped
     stepped, names = params, param_names(p)  # what the optimizer steps (ZeRO-1: its shards)
     if p.dp_reduce == "zero1" and dp_mesh is not None and p.loss_fn is not None:
@@ -316,6 +317,24 @@ def _mesh_groups(p: RankPayload) -> tuple[ProcessGroup | None, ProcessGroup | No
                     reduce_group = group
     return (dm.get_group("pp"), reduce_group, dm["dp"] if dp else None,
             dm["tp"] if mesh.tp > 1 else None, cp_group)
+
+
+def _ep_group(p: RankPayload) -> ProcessGroup | None:
+    """This process's expert-parallel group (``LaunchConfig.ep``): the ``ep`` replicas of its stages that share out
+    every MoE block's experts (replicas ``g·ep .. (g+1)·ep − 1``); None without expert parallelism. Every process
+    makes every group, in one order (torch's ``new_group`` rule)."""
+    import torch.distributed as dist
+
+    mesh = p.mesh
+    if mesh is None or mesh.ep == 1:
+        return None
+    me, mine = mesh.coords(p.rank), None
+    for pp in range(mesh.pp):
+        for g in range(mesh.dp // mesh.ep):
+            group = dist.new_group([mesh.rank(pp, dp=d) for d in range(g * mesh.ep, (g + 1) * mesh.ep)])
+            if me.pp == pp and me.dp // mesh.ep == g:
+                mine = group
+    return mine
 
 
 def _tied_groups(p: RankPayload) -> dict[str, ProcessGroup | None]:

@@ -28,6 +28,8 @@ KINDS = {
     "W": "backward, weight grads only", "COMM": "waiting on communication",
     "DP": "data-parallel gradient all-reduce across replicas",
     "TP": "tensor-parallel collective within a stage's shards (launch to wait)",
+    "CP": "context-parallel exchange of keys and values (or their gradients) within a stage's sequence shares",
+    "A2A": "expert-parallel all-to-all: tokens dispatched to their experts' processes, or combined back",
     "EVAL": "forward of a held-out batch (evaluation after the step, no gradients)",
 }
 
