@@ -122,3 +122,40 @@ def test_a_model_without_routed_experts_is_refused_naming_ep() -> None:
         pv.launch(plan, "1F1B", 2, inputs=(x,), target=torch.randint(0, 4, (8,)), loss_fn=pv.cross_entropy, dp=2,
                   ep=2)
     assert err.value.setting == "ep"
+
+
+def _as_traced(kind: str, plan: pv.SplitPlan, ids: torch.Tensor) -> None:
+    # One process playing every share (no exchange): the blocks found, the reordered graph's output and gradients
+    # as the traced graph's (MoENet bit for bit; transformers 5.x's fused experts as their eager loop, to rounding)
+    from pipeviz.adapter.expert_graph import ExpertGraph, Team, find_blocks
+    from pipeviz.runtime.stages import build_stages
+
+    stages = build_stages(plan, 1)  # (one microbatch of the traced two rows)
+    stage = stages.runners[1].stage
+    blocks = find_blocks(stage)  # type: ignore[arg-type]
+    assert [(b.count, b.fused) for b in blocks] == [(4, kind != "moenet")] * 2
+    inputs = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in stages.runners[0](ids))  # type: ignore[union-attr]
+    team = Team(ep=2, rank=0, dry=True, count=lambda block, counts: seen.append((block, counts)))
+    seen: list[tuple[str, list[int]]] = []
+    want, got = stage(*inputs), ExpertGraph(stage, blocks, team)(*inputs)  # type: ignore[arg-type, operator]
+    want, got = (w[0] if isinstance(w, tuple | list) else w for w in (want, got))
+    params = [p for p in stage.parameters() if p.requires_grad]
+    grads = [torch.autograd.grad(t.sum(), params, allow_unused=True) for t in (want, got)]
+    tol = 0.0 if kind == "moenet" else 1e-5
+    assert torch.allclose(want, got, rtol=0, atol=tol)
+    for a, b in zip(*grads, strict=True):
+        assert (a is None) == (b is None) and (a is None or torch.allclose(a, b, rtol=1e-5, atol=tol))
+    assert [b for b, _ in seen] == [b.name for b in blocks] and all(sum(c) == 2 * 6 * 2 for _, c in seen)  # top-2
+
+
+def test_the_expert_graph_computes_a_stage_as_traced(moe_plan: tuple[pv.SplitPlan, torch.Tensor]) -> None:
+    plan, ids = moe_plan
+    _as_traced("moenet", plan, ids[:2])
+
+
+@pytest.mark.compat
+def test_the_expert_graph_computes_fused_hf_experts_as_their_eager_loop() -> None:
+    pytest.importorskip("transformers")
+    torch.manual_seed(1)
+    ids = torch.randint(0, 96, (2, 6))
+    _as_traced("Qwen2-MoE", _plan("Qwen2-MoE", "1F1B", ids), ids)

@@ -188,9 +188,8 @@ def _experts(p: RankPayload, runner: StageRunner, group: ProcessGroup, clock: Cl
         clock.record_async((p.rank, clock.stage, "A2A", clock.mb, start - clock.t0, end - clock.t0, step_box[0]))
 
     def count(block: str, counts: list[int]) -> None:
-        if not step_box[2]:  # training forwards (a held-out batch's are evaluation)
-            mb = step_box[1] * p.microbatches + clock.mb
-            clock.post(ExpertTokens(p.rank, p.coords, step_box[0], clock.stage, mb, block, counts))
+        if not step_box[2]:  # training forwards (a held-out batch's are evaluation); mb as the F event's
+            clock.post(ExpertTokens(p.rank, p.coords, step_box[0], clock.stage, clock.mb, block, counts))
 
     assert p.mesh is not None
     team = Team(p.mesh.ep, p.coords.dp % p.mesh.ep, group, record=record, count=count)
