@@ -13,8 +13,8 @@ import pipeviz as pv
 from pipeviz.runtime.messages import (
     Done,
     EvalLoss,
-    ExpertTokens,
     Events,
+    ExpertTokens,
     Failed,
     GradNorm,
     LearningRate,
