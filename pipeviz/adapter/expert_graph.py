@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -150,7 +150,6 @@ class Team:
     dry: bool = False
     record: Callable[[float, float], None] | None = None
     count: Callable[[str, list[int]], None] | None = None
-    touched: list[torch.Tensor] = field(default_factory=list)
 
     def owned(self, experts: int) -> range:
         per = experts // self.ep
