@@ -159,3 +159,29 @@ def test_the_expert_graph_computes_fused_hf_experts_as_their_eager_loop() -> Non
     torch.manual_seed(1)
     ids = torch.randint(0, 96, (2, 6))
     _as_traced("Qwen2-MoE", _plan("Qwen2-MoE", "1F1B", ids), ids)
+
+
+@pytest.mark.compat
+@pytest.mark.slow
+def test_an_exported_torchrun_script_shares_the_experts_out_too(tmp_path: Any) -> None:
+    # pp 2 x dp 2 x ep 2 under torchrun: the exported ranks build their payloads (and expert groups) as pv.launch's
+    import subprocess
+    import sys
+
+    from pipeviz.runtime.procs import free_port
+
+    torch.manual_seed(1)
+    ids = torch.randint(0, 32, (8, 6))
+    plan = _plan("moenet", "1F1B", ids)
+    cfg = pv.LaunchConfig(schedule="1F1B", microbatches=4, steps=2, loss_fn=pv.cross_entropy, dp=2, ep=2)
+    script = pv.export_torchrun(plan, tmp_path / "ep.py", config=cfg, inputs=(ids,), target=ids)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr",
+                           "127.0.0.1", "--master-port", str(free_port()), str(script)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    watched = pv.watch(tmp_path / "ep_events", timeout=30)
+    assert watched.wait(30) == "done", watched.error
+    run = pv.launch(plan, config=cfg, inputs=(ids,), target=ids)
+    assert run.wait(120) == "done", run.error
+    assert watched.losses == pytest.approx(run.losses, abs=1e-6)
+    assert any(e.kind == "A2A" for e in watched.events) and len(watched.expert_tokens) == len(run.expert_tokens)
