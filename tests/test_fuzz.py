@@ -170,10 +170,19 @@ def test_ep_without_routed_experts_is_refused_naming_ep_before_any_process_start
     assert err.value.setting == "ep"
 
 
+@pytest.mark.compat  # (the default suite runs pp2 x dp2 x ep2 in tests/test_ep_launch.py)
 @pytest.mark.slow
 def test_the_moe_model_runs_with_ep_and_passes() -> None:
     case = Case("moe", ("blocks.1",), "1F1B", 2, mesh=(("dp", 2), ("ep", 2)))
     outcome = run_case(case)
+    assert outcome.verdict == "passed", outcome
+
+
+@pytest.mark.slow
+def test_a_rank_whose_stages_hold_no_parameter_still_steps() -> None:
+    """Found by `pipeviz fuzz --seed 0` once the moe model was drawn too: BatchNormNet cut around its ReLU left
+    stage 1 without parameters, and torch's optimizer refused the empty list inside that process."""
+    outcome = run_case(Case("batchnorm", ("layer1.1", "layer1.2"), "GPipe", 1))
     assert outcome.verdict == "passed", outcome
 
 

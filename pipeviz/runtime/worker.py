@@ -195,7 +195,9 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
         return build_schedule(q, built), built
 
     shapes = Shapes(schedule, stages, build)
-    optimizer = p.optimizer(stepped) if p.loss_fn is not None else None
+    # A rank whose stages hold no parameter (a split around a ReLU) still steps: torch's optimizers refuse an empty
+    # list, so it gets one empty placeholder (no gradient, nothing updated; its learning rate schedules as the rest).
+    optimizer = (p.optimizer(stepped or [torch.nn.Parameter(torch.zeros(0))]) if p.loss_fn is not None else None)
     scheduler = p.lr_scheduler(optimizer) if optimizer is not None and p.lr_scheduler is not None else None
     if p.resume is not None and optimizer is not None:  # resume=: the checkpoint's state for this rank's parameters
         from pipeviz.runtime.checkpoint import load_optimizer
