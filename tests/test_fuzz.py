@@ -156,18 +156,34 @@ def test_tp_under_bf16_is_checked_at_the_tp_tolerance() -> None:
     assert check.loss_diff > 0  # (rounded differently: the looser bound is needed, not merely allowed)
 
 
-def test_ep_is_refused_naming_ep_before_any_process_starts() -> None:
+def test_ep_without_routed_experts_is_refused_naming_ep_before_any_process_starts() -> None:
     fm, graph, cfg = build_case(Case("mlp", ("layer1",), "GPipe", 2))
     plan = graph.split(["layer1"])
     with pytest.raises(pv.LaunchError, match=r"ep=2 does not divide dp × cp = 1 × 1 = 1.*Valid ep: 1") as err:
         pv.launch(plan, cfg.replace(ep=2), inputs=fm.inputs, target=fm.target)
     assert err.value.setting == "ep"
-    with pytest.raises(pv.LaunchError, match="does not run expert parallelism yet") as err:
+    with pytest.raises(pv.LaunchError, match="ep=2: the model has no routed experts") as err:
         pv.launch(plan, cfg.replace(ep=2, dp=2), inputs=fm.inputs, target=fm.target)
     assert err.value.setting == "ep"
     with pytest.raises(pv.LaunchError, match="ep must be a positive int") as err:
         cfg.replace(ep=0)
     assert err.value.setting == "ep"
+
+
+@pytest.mark.compat  # (the default suite runs pp2 x dp2 x ep2 in tests/test_ep_launch.py)
+@pytest.mark.slow
+def test_the_moe_model_runs_with_ep_and_passes() -> None:
+    case = Case("moe", ("blocks.1",), "1F1B", 2, mesh=(("dp", 2), ("ep", 2)))
+    outcome = run_case(case)
+    assert outcome.verdict == "passed", outcome
+
+
+@pytest.mark.slow
+def test_a_rank_whose_stages_hold_no_parameter_still_steps() -> None:
+    """Found by `pipeviz fuzz --seed 0` once the moe model was drawn too: BatchNormNet cut around its ReLU left
+    stage 1 without parameters, and torch's optimizer refused the empty list inside that process."""
+    outcome = run_case(Case("batchnorm", ("layer1.1", "layer1.2"), "GPipe", 1))
+    assert outcome.verdict == "passed", outcome
 
 
 def test_a_fused_qkv_ending_its_stage_stays_replicated() -> None:

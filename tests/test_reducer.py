@@ -14,6 +14,7 @@ from pipeviz.runtime.messages import (
     Done,
     EvalLoss,
     Events,
+    ExpertTokens,
     Failed,
     GradNorm,
     LearningRate,
@@ -44,6 +45,7 @@ def _one_of_each(rank: int = 1) -> list[Message]:
             Memory(rank, c, [(0.1, 100, 40)]), Loss(rank, c, 0, 2.5), Output(rank, c, 0, _saved([torch.ones(2)])),
             StepEnd(rank, c, 0, 0.3), NonFinite(rank, c, 0, ["the loss is nan"]), GradNorm(rank, c, 0, 1.5),
             LearningRate(rank, c, 0, 0.05), EvalLoss(rank, c, 0, 2.75),
+            ExpertTokens(rank, c, 0, 1, 2, "blocks.1.experts", [3, 0, 5, 4]),
             OptimState(rank, c, _saved({"tensors": {"w": {"exp_avg": torch.ones(1)}}, "optimizer": "AdamW"})),
             State(rank, c, _saved({"w": torch.zeros(1)})), Done(rank, c)]
 
@@ -62,6 +64,7 @@ def test_every_kind_of_message_changes_what_the_reducer_holds() -> None:
     assert r.grad_norms == [1.5] and r.learning_rates == [0.05] and r.eval_losses == [(0, 2.75)]
     assert set(r.optim) == {"w"} and torch.equal(r.optim["w"]["exp_avg"], torch.ones(1))
     assert r.trainer == {"optimizer": "AdamW"}
+    assert [tuple(x) for x in r.expert_tokens] == [(0, 1, "blocks.1.experts", 2, 0, (3, 0, 5, 4))]
     r.apply(StepEnd(0, Coords(0), 0, 0.4))
     assert r.step == 1 and r.step_ends == {0: 0.4}
     r.apply(Failed(0, Coords(0), "ValueError: boom", "Traceback ...\nValueError: boom"))

@@ -16,7 +16,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import os
 from collections import OrderedDict
@@ -31,6 +30,8 @@ from pipeviz.capture.export import batch_size_of
 from pipeviz.errors import LaunchError
 from pipeviz.plan.split import SplitPlan
 from pipeviz.runtime.batches import data_batch, eval_batches, launch_inputs, sequence_length
+from pipeviz.runtime.context_checks import context_stages
+from pipeviz.runtime.expert_checks import expert_stages, experts_layout
 from pipeviz.runtime.settings import SETTING_CHECKS, tensor_parallel_placements
 from pipeviz.runtime.spec import LaunchSpec, default_optimizer
 from pipeviz.schedule import traits as sched
@@ -70,35 +71,16 @@ def validate_launch(plan: SplitPlan, config: LaunchConfig | None = None, *, inpu
     assert d.layout is not None  # (set by _layout)
     spec = LaunchSpec(d.schedule, d.layout, d.args, d.kwargs, d.target if isinstance(d.target, torch.Tensor) else None,
                       cfg.loss_fn, d.optimizer, cfg.microbatches, cfg.steps, d.stream, dp=cfg.dp, tp=cfg.tp, cp=cfg.cp,
-                      tp_placements=d.placements, config=cfg, dp_shard=cfg.dp_shard)
+                      ep=cfg.ep, tp_placements=d.placements, config=cfg, dp_shard=cfg.dp_shard)
     if training:
         with _setting("eval_every"):
             spec.eval_batches = eval_batches(spec, eval_data)
     if cfg.cp > 1:
-        _context_stages(d.plan, spec)
+        context_stages(d.plan, spec)
+    if cfg.ep > 1:
+        with _setting("ep"):
+            expert_stages(d.plan, spec)
     return spec
-
-
-def _context_stages(plan: SplitPlan, spec: LaunchSpec) -> None:
-    """Each stage run once on one share's tokens (fake tensors; the launch's stages, cached for it): an op a share
-    cannot run exactly is refused here, before any process starts."""
-    from pipeviz.adapter.context_graph import ContextError
-    from pipeviz.runtime.payloads import launch_stages
-    from pipeviz.runtime.stages import StepError
-
-    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
-    level = fake_log.level
-    fake_log.setLevel(logging.CRITICAL)  # (it logs the op's traceback at ERROR before raising; the refusal says it)
-    try:
-        launch_stages(plan, spec)
-    except (ContextError, StepError) as exc:
-        if not isinstance(exc, ContextError) and not isinstance(exc.__cause__, ContextError):
-            raise
-        raise LaunchError(f"cp={spec.cp}: {exc}. Context parallelism runs attention as "
-                          "scaled_dot_product_attention (HF attn_implementation='sdpa') on each share's tokens. "
-                          "Fix: cp=1, or a model whose attention is fused.", setting="cp") from exc
-    finally:
-        fake_log.setLevel(level)
 
 
 @dataclass
@@ -198,18 +180,8 @@ def _placements(d: _Draft) -> None:
     d.placements = tensor_parallel_placements(d.plan, d.config.tp, d.config.tp_plan)
 
 
-def _experts(d: _Draft) -> None:
-    """Expert parallelism (``LaunchConfig.ep``): a layout the mesh admits; the runtime does not run it yet."""
-    cfg = d.config
-    if cfg.ep == 1:
-        return
-    cfg.mesh(d.plan.num_stages)  # (an ep that does not divide dp x cp: MeshError, named "ep" by _setting)
-    raise LaunchError(f"ep={cfg.ep}: pv.launch does not run expert parallelism yet (pv.simulate and pv.plan_cluster "
-                      "price it); every process holds every expert. Fix: ep=1 to launch.", setting="ep")
-
-
 _PLAN_CHECKS: tuple[tuple[str | None, Check], ...] = (
-    (None, _on_nonfinite), (None, _is_plan), (None, _schedule_known), ("ep", _experts), (None, _plan_runnable),
+    (None, _on_nonfinite), (None, _is_plan), (None, _schedule_known), ("ep", experts_layout), (None, _plan_runnable),
     (None, _forward_only_schedule), ("schedule", _layout), (None, _order), ("tp", _placements),
 )
 

@@ -56,6 +56,7 @@ class Clock:
         self.finished: collections.deque[EventRecord] = collections.deque()  # from other threads
         self.meter = MemoryMeter(cuda)
         self.stage = -1  # the stage of the action running now (what a tensor-parallel collective belongs to)
+        self.mb = -1  # and its microbatch (what an expert all-to-all belongs to)
         self.memory: list[tuple[float, int, int]] = []  # (time, total bytes, saved-activation bytes)
         self.sent_at = 0.0
         self.queue: Any = None
@@ -150,7 +151,7 @@ class Span:
 
     def __enter__(self) -> None:
         c = self.clock
-        c.stage = self.key[1]
+        c.stage, c.mb = self.key[1], self.key[3]
         c.sample()
         if c.cuda is not None:
             if c.anchor is None:

@@ -17,8 +17,8 @@ from typing import Any, ClassVar
 from pipeviz.schedule.mesh import Coords
 from pipeviz.schedule.timeline import Event
 
-__all__ = ["Batch", "Done", "End", "EvalLoss", "Events", "Failed", "Feed", "GradNorm", "LearningRate", "Loss",
-           "Memory", "Message", "NonFinite", "OptimState", "Output", "Phase", "State", "StepEnd"]
+__all__ = ["Batch", "Done", "End", "EvalLoss", "Events", "ExpertTokens", "Failed", "Feed", "GradNorm", "LearningRate",
+           "Loss", "Memory", "Message", "NonFinite", "OptimState", "Output", "Phase", "State", "StepEnd"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,18 @@ class Events(Message):
     """A batch of timed actions (``pv.Event``: process rank, stage, kind, microbatch, start, end, step)."""
 
     events: list[Event]
+
+
+@dataclass(frozen=True)
+class ExpertTokens(Message):
+    """Expert parallelism: the tokens this process routed to each expert of MoE block ``block`` (the experts'
+    module) in one forward of stage ``stage``, microbatch ``mb`` of step ``step`` (its replica's numbering)."""
+
+    step: int
+    stage: int
+    mb: int
+    block: str
+    counts: list[int]
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ __all__ = ["rank_stages"]
 def rank_stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch.device,
             compute: torch.device, pp_group: ProcessGroup | None = None, dp_group: ProcessGroup | None = None,
             tp_mesh: DeviceMesh | None = None, shard_mesh: DeviceMesh | None = None, *,
-            cp_group: ProcessGroup | None = None,
+            cp_group: ProcessGroup | None = None, ep_group: ProcessGroup | None = None,
             ) -> tuple[list[PipelineStage], list[torch.nn.Parameter], dict[str, list[torch.Tensor]],
                        OverlappedReduction | None]:
     """torch's ``PipelineStage`` around each of this rank's runners (timed; in this replica's pipeline group),
@@ -49,7 +49,9 @@ def rank_stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch
     ``shard_mesh`` (``dp_shard=True``) each
     runner is sharded across the replicas by FSDP2's ``fully_shard`` instead (torch's stage unshards, reshards and
     reduce-scatters it). With ``cp_group`` (context parallelism) each runner runs its graph on this process's share of
-    every sequence (``adapter.context_graph``), its exchanges timed as ``CP`` events."""
+    every sequence (``adapter.context_graph``), its exchanges timed as ``CP`` events. With ``ep_group`` (expert
+    parallelism) each runner computes this process's share of every MoE block's experts, the tokens routed to the
+    others' sent there and back (``adapter.expert_graph``), each all-to-all an ``A2A`` event."""
     from pipeviz.adapter import timed_stage_class
 
     Stage = timed_stage_class(_timed_span(p, clock, step_box, compute))
@@ -70,6 +72,8 @@ def rank_stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch
         runner = _runner(p, st, device, compute, tp_mesh)
         if cp_group is not None:
             _context(p, runner, cp_group, clock, step_box)
+        if ep_group is not None:
+            _experts(p, runner, ep_group, clock, step_box)
         # Static shapes, so torch never runs its shape inference (an extra forward/backward in step 1).
         # Activations from another stage need grads; model inputs and integer tensors (masks) do not.
         ins = tuple(_like(t, device, grad=st.index > 0 and t.is_floating_point()) for t in st.inputs)
@@ -172,6 +176,26 @@ def _context(p: RankPayload, runner: StageRunner, group: ProcessGroup, clock: Cl
     assert p.mesh is not None
     share = Share(p.seq, p.mesh.cp, p.coords.cp, group, record=record)
     runner.context = ContextGraph(runner.stage, share, runner.traced_shapes)  # type: ignore[arg-type]
+
+
+def _experts(p: RankPayload, runner: StageRunner, group: ProcessGroup, clock: Clock, step_box: list[int]) -> None:
+    """The runner's graph with this process's share of every MoE block's experts, each all-to-all an ``A2A`` event
+    and the tokens routed to each expert per forward an ``ExpertTokens`` message."""
+    from pipeviz.adapter.expert_graph import ExpertGraph, Team, find_blocks
+    from pipeviz.runtime.messages import ExpertTokens
+
+    def record(start: float, end: float) -> None:
+        clock.record_async((p.rank, clock.stage, "A2A", clock.mb, start - clock.t0, end - clock.t0, step_box[0]))
+
+    def count(block: str, counts: list[int]) -> None:
+        if not step_box[2]:  # training forwards (a held-out batch's are evaluation); mb as the F event's
+            clock.post(ExpertTokens(p.rank, p.coords, step_box[0], clock.stage, clock.mb, block, counts))
+
+    assert p.mesh is not None
+    team = Team(p.mesh.ep, p.coords.dp % p.mesh.ep, group, record=record, count=count)
+    blocks = find_blocks(runner.stage)  # type: ignore[arg-type]
+    if blocks:
+        runner.context = ExpertGraph(runner.stage, blocks, team)  # type: ignore[arg-type]
 
 
 def _replicated(p: RankPayload, runner: StageRunner, stage: int, clock: Clock, step_box: list[int],

@@ -14,7 +14,7 @@ import io
 import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -22,6 +22,7 @@ from pipeviz.runtime.messages import (
     Done,
     EvalLoss,
     Events,
+    ExpertTokens,
     Failed,
     GradNorm,
     LearningRate,
@@ -54,6 +55,18 @@ class Update:
     output: tuple[int, int, list[torch.Tensor]] | None = None  # (step, replica, the output's leaves)
 
 
+class ExpertLoad(NamedTuple):
+    """The tokens one replica routed to each expert of one MoE block (``block``: the experts' module) in one forward:
+    ``counts[e]`` for expert ``e`` (``run.expert_tokens``, expert parallelism)."""
+
+    step: int
+    stage: int
+    block: str
+    mb: int
+    replica: int
+    counts: tuple[int, ...]
+
+
 class Reducer:
     """What a run's messages have said so far: events, losses, memory per process, steps, phases, NaN/inf found,
     trained tensors, which processes ended and which failed (``world``: the processes expected, when known).
@@ -74,6 +87,7 @@ class Reducer:
         self.grad_norms: list[float] = []
         self.learning_rates: list[float] = []
         self.eval_losses: list[tuple[int, float]] = []
+        self.expert_tokens: list[ExpertLoad] = []
         self.memory: dict[int, list[tuple[float, int]]] = {}
         self.activation_memory: dict[int, list[tuple[float, int]]] = {}
         self.nonfinite: list[tuple[int, str]] = []
@@ -103,6 +117,9 @@ class Reducer:
             self.grad_norms.append(msg.value)
         elif isinstance(msg, LearningRate):  # one per step, from process 0, with an lr_scheduler
             self.learning_rates.append(msg.value)
+        elif isinstance(msg, ExpertTokens):  # expert parallelism: per forward and MoE block, from every process
+            self.expert_tokens.append(ExpertLoad(msg.step, msg.stage, msg.block, msg.mb, msg.coords.dp,
+                                                 tuple(msg.counts)))
         elif isinstance(msg, EvalLoss):  # after every eval_every steps, with eval_data=
             self.eval_losses.append((msg.step, msg.value))
         elif isinstance(msg, Output):

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from multiprocessing.queues import Queue
 
     from pipeviz.runtime.payloads import Boot
+    from pipeviz.runtime.reducer import ExpertLoad
     from pipeviz.schedule.hang import HangReport
 
 __all__ = ["Run"]
@@ -62,6 +63,8 @@ class Run(RunResults):
         learning_rates: with ``lr_scheduler``, the learning rate each step updated with.
         eval_losses: with ``eval_data=``, ``(step, loss)``: the loss over the held-out batches after that step
             (0-based; every ``eval_every`` steps and after the last).
+        expert_tokens: with ``ep`` > 1, per training forward and MoE block, the tokens a replica routed to each
+            expert (``ExpertLoad``: step, stage, block, mb, replica, counts): the load imbalance.
         outputs: a forward-only run's (no ``loss_fn``) output for the whole batch at each step, in the model's
             output structure, on the CPU (microbatches joined back along the batch dim).
         error: for a failed run, the root cause first (which rank and stage, what failed, on what), then its
@@ -95,6 +98,7 @@ class Run(RunResults):
         self.grad_norms: list[float] = self._reducer.grad_norms
         self.learning_rates: list[float] = self._reducer.learning_rates
         self.eval_losses: list[tuple[int, float]] = self._reducer.eval_losses
+        self.expert_tokens: list[ExpertLoad] = self._reducer.expert_tokens
         self.nonfinite: list[tuple[int, str]] = self._reducer.nonfinite
         self.memory: dict[int, list[tuple[float, int]]] = self._reducer.memory
         self.activation_memory: dict[int, list[tuple[float, int]]] = self._reducer.activation_memory

@@ -48,6 +48,7 @@ class LaunchSpec:
     dp_shard: bool = False  # replicas shard their stages' parameters (FSDP2) instead of replicating them (DDP)
     tp: int = 1  # tensor-parallel shards of every stage
     cp: int = 1  # context-parallel shares of every sequence (pipeviz.adapter.context_graph)
+    ep: int = 1  # expert-parallel shares of every MoE block's routed experts (pipeviz.adapter.expert_graph)
     tp_placements: dict[str, str] = field(default_factory=dict)  # canonical parameter name -> "shard0"/"shard1"
     config: LaunchConfig = field(default_factory=LaunchConfig)  # the options it was validated from
     eval_batches: list[FedBatch] = field(default_factory=list)  # eval_data=: held-out batches, checked
@@ -60,8 +61,8 @@ class LaunchSpec:
     @property
     def mesh(self) -> Mesh:
         """The layout of the run's processes: ``layout.num_ranks`` pipeline ranks × ``dp`` replicas × ``tp``
-        shards × ``cp`` shares of every sequence."""
-        return Mesh(pp=self.layout.num_ranks, dp=self.dp, tp=self.tp, cp=self.cp)
+        shards × ``cp`` shares of every sequence; ``ep`` (no processes of its own) shards the experts over dp."""
+        return Mesh(pp=self.layout.num_ranks, dp=self.dp, tp=self.tp, cp=self.cp, ep=self.ep)
 
 
 def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

@@ -42,6 +42,7 @@ class Watch:
         self.grad_norms: list[float] = self._reducer.grad_norms
         self.learning_rates: list[float] = self._reducer.learning_rates
         self.eval_losses: list[tuple[int, float]] = self._reducer.eval_losses
+        self.expert_tokens = self._reducer.expert_tokens  # (expert parallelism: tokens per expert per forward)
         self.memory = self._reducer.memory
         self.activation_memory = self._reducer.activation_memory
         self.nonfinite = self._reducer.nonfinite

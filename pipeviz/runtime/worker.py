@@ -163,8 +163,10 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
     plant_fault()  # a testing hook: nothing unless $PIPEVIZ_PLANT_FAULT names a collective (docs/fuzz.md)
     step_box = [0, 0, 0]  # the step, its accumulated (or held-out) batch, and whether it evaluates
     pp_group, dp_group, dp_mesh, tp_mesh, cp_group = _mesh_groups(p)
+    ep_group = _ep_group(p)
     stages, params, local, overlapped = rank_stages(p, clock, step_box, device, compute, pp_group, dp_group, tp_mesh,
-                                                dp_mesh if p.dp_shard else None, cp_group=cp_group)
+                                                dp_mesh if p.dp_shard else None, cp_group=cp_group,
+                                                ep_group=ep_group)
     reduction: OverlappedReduction | ZeroOne | None = overlapped
     stepped, names = params, param_names(p)  # what the optimizer steps (ZeRO-1: its shards)
     if p.dp_reduce == "zero1" and dp_mesh is not None and p.loss_fn is not None:
@@ -186,14 +188,16 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
         # not wrapped again per replica: the reduction built for the first shape's stages takes theirs too.
         rebind(new, p.stages)
         q = dataclasses.replace(p, stages=new)
-        built = rank_stages(q, clock, step_box, device, compute, pp_group)[0]
+        built = rank_stages(q, clock, step_box, device, compute, pp_group, ep_group=ep_group)[0]
         for st in built:
             if reduction is not None:
                 st.grads_final = reduction.launch  # type: ignore[attr-defined]
         return build_schedule(q, built), built
 
     shapes = Shapes(schedule, stages, build)
-    optimizer = p.optimizer(stepped) if p.loss_fn is not None else None
+    # A rank whose stages hold no parameter (a split around a ReLU) still steps: torch's optimizers refuse an empty
+    # list, so it gets one empty placeholder (no gradient, nothing updated; its learning rate schedules as the rest).
+    optimizer = (p.optimizer(stepped or [torch.nn.Parameter(torch.zeros(0))]) if p.loss_fn is not None else None)
     scheduler = p.lr_scheduler(optimizer) if optimizer is not None and p.lr_scheduler is not None else None
     if p.resume is not None and optimizer is not None:  # resume=: the checkpoint's state for this rank's parameters
         from pipeviz.runtime.checkpoint import load_optimizer
@@ -316,6 +320,24 @@ def _mesh_groups(p: RankPayload) -> tuple[ProcessGroup | None, ProcessGroup | No
                     reduce_group = group
     return (dm.get_group("pp"), reduce_group, dm["dp"] if dp else None,
             dm["tp"] if mesh.tp > 1 else None, cp_group)
+
+
+def _ep_group(p: RankPayload) -> ProcessGroup | None:
+    """This process's expert-parallel group (``LaunchConfig.ep``): the ``ep`` replicas of its stages that share out
+    every MoE block's experts (replicas ``g·ep .. (g+1)·ep − 1``); None without expert parallelism. Every process
+    makes every group, in one order (torch's ``new_group`` rule)."""
+    import torch.distributed as dist
+
+    mesh = p.mesh
+    if mesh is None or mesh.ep == 1:
+        return None
+    me, mine = mesh.coords(p.rank), None
+    for pp in range(mesh.pp):
+        for g in range(mesh.dp // mesh.ep):
+            group = dist.new_group([mesh.rank(pp, dp=d) for d in range(g * mesh.ep, (g + 1) * mesh.ep)])
+            if me.pp == pp and me.dp // mesh.ep == g:
+                mine = group
+    return mine
 
 
 def _tied_groups(p: RankPayload) -> dict[str, ProcessGroup | None]:

@@ -30,6 +30,7 @@ KINDS = {
     "TP": "tensor-parallel collective within a stage's shards (launch to wait)",
     "CP": "context-parallel exchange of an attention's keys and values (or their gradients) among a stage's "
           "sequence shares",
+    "A2A": "expert-parallel all-to-all: tokens dispatched to their experts' processes, or combined back",
     "EVAL": "forward of a held-out batch (evaluation after the step, no gradients)",
 }
 

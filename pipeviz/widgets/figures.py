@@ -31,8 +31,8 @@ __all__ = ["GL_THRESHOLD", "KIND_COLORS", "STAGE_COLORS", "comparison_figure", "
 STAGE_COLORS = ("#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3", "#FF6692", "#B6E880",
                 "#FF97FF", "#FECB52")
 KIND_COLORS = {"F": "#4C78A8", "B": "#F58518", "I": "#E45756", "W": "#54A24B", "COMM": "#BAB0AC", "DP": "#B279A2",
-               "TP": "#9D755D", "CP": "#EECA3B", "EVAL": "#72B7B2"}
-KIND_ORDER = ("F", "B", "I", "W", "COMM", "DP", "TP", "CP", "EVAL")
+               "TP": "#9D755D", "CP": "#EECA3B", "A2A": "#D62728", "EVAL": "#72B7B2"}
+KIND_ORDER = ("F", "B", "I", "W", "COMM", "DP", "TP", "CP", "A2A", "EVAL")
 # Above this many events a Gantt chart is drawn as WebGL line segments: thousands of SVG bars make the
 # browser stutter on every live redraw, GL segments do not.
 GL_THRESHOLD = 3000

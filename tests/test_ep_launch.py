@@ -1,0 +1,187 @@
+"""Expert parallelism at launch (``LaunchConfig(ep=N)``): each MoE block's routed experts shared out over ``ep`` of a
+stage's replicas (share r computes experts [r·E/ep, (r+1)·E/ep)), tokens sent to their experts' processes and back
+by all-to-all, exact against the unsplit model on ``pipeviz.zoo.MoENet`` (experts in an ``nn.ModuleList``, routing
+by ``torch.where``), HF Qwen2-MoE and Mixtral (transformers 5.x's fused experts), with experts that receive no
+token; its all-to-alls timed as ``A2A`` actions, the tokens per expert on ``run.expert_tokens``; refused naming ep
+before any process starts where it cannot run."""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+
+import pipeviz as pv
+from tests.foreign import routed_moe_net
+
+_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def _model(kind: str) -> tuple[torch.nn.Module, int, str]:
+    torch.manual_seed(0)
+    if kind == "moenet":
+        return routed_moe_net(), 32, "blocks"
+    from tests.compat import ROWS
+
+    row = next(r for r in ROWS if r.name == kind)
+    return row.build(), 96, "model.layers"
+
+
+def _plan(kind: str, schedule: str, ids: torch.Tensor) -> pv.SplitPlan:
+    model, _, blocks = _model(kind)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = pv.trace(model, example_args=(ids[:2],))
+    one = schedule in ("GPipe", "1F1B")
+    return graph.split([f"{blocks}.1"] if one else [f"{blocks}.{i}" for i in range(3)])
+
+
+def _train(kind: str, schedule: str, steps: int = 2, **launch: Any) -> pv.Run:
+    vocab = 32 if kind == "moenet" else 96
+    torch.manual_seed(1)
+    ids = torch.randint(0, vocab, (8, 6))
+    run = pv.launch(_plan(kind, schedule, ids), schedule, 4, steps=steps, inputs=(ids,), target=ids,
+                    loss_fn=pv.cross_entropy, optimizer=pv.sgd(lr=0.1), dp=2, ep=2, **launch)
+    assert run.wait(300) == "done", f"{kind} {schedule}: {run.error}"
+    check = pv.check_numerics(run)
+    assert check.ok and check.loss_diff <= 1e-6 and check.param_diff <= 1e-6, f"{kind} {schedule}: {check}"
+    return run
+
+
+@pytest.mark.slow
+def test_moenet_pp2_dp2_ep2_under_1f1b_is_exact_with_a2a_actions_and_tokens_per_expert() -> None:
+    run = _train("moenet", "1F1B", steps=1)
+    kinds = Counter(e.kind for e in run.events)
+    # each of 4 processes (one stage each), per block of its stage (2), per microbatch (4): the forward's dispatch
+    # and combine, the backward's two reversed
+    assert kinds["A2A"] == 4 * 2 * 4 * (2 + 2), kinds
+    a2a = [e for e in run.events if e.kind == "A2A"]
+    assert {e.mb for e in a2a} == {0, 1, 2, 3} and all(e.end >= e.start for e in a2a)
+    loads = run.expert_tokens
+    # every replica's forward of every block and microbatch: 4 blocks x 4 microbatches x 2 replicas
+    assert len(loads) == 4 * 4 * 2
+    assert {ld.block for ld in loads} == {f"blocks.{i}.experts" for i in range(4)}
+    rows_per_mb = 8 // 2 // 4 * 6  # tokens of one microbatch on one replica
+    assert all(sum(ld.counts) == 2 * rows_per_mb and len(ld.counts) == 4 for ld in loads)  # top-2 routing
+    assert any(0 in ld.counts for ld in loads)  # an expert that receives no token in some microbatch
+
+
+@pytest.mark.compat
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", _SCHEDULES)
+@pytest.mark.parametrize("kind", ["moenet", "Qwen2-MoE", "Mixtral"])
+def test_every_schedule_trains_exactly_with_experts_sharded(kind: str, schedule: str) -> None:
+    if kind != "moenet":
+        pytest.importorskip("transformers")
+    run = _train(kind, schedule)
+    assert Counter(e.kind for e in run.events)["A2A"] > 0 and run.expert_tokens
+
+
+def _refused(plan: pv.SplitPlan, ids: torch.Tensor, match: str, **launch: Any) -> pv.LaunchError:
+    with pytest.raises(pv.LaunchError, match=match) as err:
+        pv.launch(plan, "1F1B", 4, inputs=(ids,), target=ids, loss_fn=pv.cross_entropy, **launch)
+    assert err.value.setting == "ep", err.value
+    assert "ep=" in str(err.value) and "Fix:" in str(err.value)
+    return err.value
+
+
+@pytest.fixture(scope="module")
+def moe_plan() -> tuple[pv.SplitPlan, torch.Tensor]:
+    torch.manual_seed(1)
+    ids = torch.randint(0, 32, (12, 6))
+    return _plan("moenet", "1F1B", ids), ids
+
+
+def test_ep_not_dividing_dp_or_the_experts_is_refused(moe_plan: tuple[pv.SplitPlan, torch.Tensor]) -> None:
+    plan, ids = moe_plan
+    _refused(plan, ids, r"ep=2 does not divide dp × cp = 1 × 1 = 1.*Valid ep: 1", ep=2)
+    _refused(plan, ids, r"ep=3 does not divide the 4 routed experts of blocks.0.experts.*Valid ep: 1", dp=3, ep=3)
+
+
+@pytest.mark.parametrize(("option", "words"), [
+    ({"tp": 2}, "tp=2"), ({"cp": 2}, "cp=2"), ({"dp_shard": True}, "dp_shard=True"),
+    ({"mixed_precision": "bf16"}, "mixed_precision='bf16'"), ({"compile": True}, "compile=True"),
+    ({"recompute": "full"}, "recompute='full'"), ({"dp_reduce": "zero1"}, "dp_reduce='zero1'"),
+])
+def test_settings_ep_does_not_run_with_are_refused_naming_both(moe_plan: tuple[pv.SplitPlan, torch.Tensor],
+                                                                option: dict[str, Any], words: str) -> None:
+    plan, ids = moe_plan
+    dp = 4 if "cp" in option else 2
+    exc = _refused(plan, ids, "ep=2 with ", dp=dp, ep=2, **option)
+    assert words in str(exc)
+
+
+def test_a_model_without_routed_experts_is_refused_naming_ep() -> None:
+    model = pv.zoo.MyNetwork(8, [8, 8, 8, 8], 4)
+    x = torch.randn(8, 8)
+    plan = pv.trace(model, example_args=(x,)).split(["layer1"])
+    with pytest.raises(pv.LaunchError, match="ep=2: the model has no routed experts") as err:
+        pv.launch(plan, "1F1B", 2, inputs=(x,), target=torch.randint(0, 4, (8,)), loss_fn=pv.cross_entropy, dp=2,
+                  ep=2)
+    assert err.value.setting == "ep"
+
+
+def _as_traced(kind: str, plan: pv.SplitPlan, ids: torch.Tensor) -> None:
+    # One process playing every share (no exchange): the blocks found, the reordered graph's output and gradients
+    # as the traced graph's (MoENet bit for bit; transformers 5.x's fused experts as their eager loop, to rounding)
+    from pipeviz.adapter.expert_graph import ExpertGraph, Team, find_blocks
+    from pipeviz.runtime.stages import build_stages
+
+    stages = build_stages(plan, 1)  # (one microbatch of the traced two rows)
+    stage = stages.runners[1].stage
+    blocks = find_blocks(stage)  # type: ignore[arg-type]
+    assert [(b.count, b.fused) for b in blocks] == [(4, kind != "moenet")] * 2
+    inputs = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in stages.runners[0](ids))  # type: ignore[union-attr]
+    team = Team(ep=2, rank=0, dry=True, count=lambda block, counts: seen.append((block, counts)))
+    seen: list[tuple[str, list[int]]] = []
+    want, got = stage(*inputs), ExpertGraph(stage, blocks, team)(*inputs)  # type: ignore[arg-type, operator]
+    want, got = (w[0] if isinstance(w, tuple | list) else w for w in (want, got))
+    params = [p for p in stage.parameters() if p.requires_grad]
+    grads = [torch.autograd.grad(t.sum(), params, allow_unused=True) for t in (want, got)]
+    tol = 0.0 if kind == "moenet" else 1e-5
+    assert torch.allclose(want, got, rtol=0, atol=tol)
+    for a, b in zip(*grads, strict=True):
+        assert (a is None) == (b is None) and (a is None or torch.allclose(a, b, rtol=1e-5, atol=tol))
+    assert [b for b, _ in seen] == [b.name for b in blocks] and all(sum(c) == 2 * 6 * 2 for _, c in seen)  # top-2
+
+
+def test_the_expert_graph_computes_a_stage_as_traced(moe_plan: tuple[pv.SplitPlan, torch.Tensor]) -> None:
+    plan, ids = moe_plan
+    _as_traced("moenet", plan, ids[:2])
+
+
+@pytest.mark.compat
+def test_the_expert_graph_computes_fused_hf_experts_as_their_eager_loop() -> None:
+    pytest.importorskip("transformers")
+    torch.manual_seed(1)
+    ids = torch.randint(0, 96, (2, 6))
+    _as_traced("Qwen2-MoE", _plan("Qwen2-MoE", "1F1B", ids), ids)
+
+
+@pytest.mark.compat
+@pytest.mark.slow
+def test_an_exported_torchrun_script_shares_the_experts_out_too(tmp_path: Any) -> None:
+    # pp 2 x dp 2 x ep 2 under torchrun: the exported ranks build their payloads (and expert groups) as pv.launch's
+    import subprocess
+    import sys
+
+    from pipeviz.runtime.procs import free_port
+
+    torch.manual_seed(1)
+    ids = torch.randint(0, 32, (8, 6))
+    plan = _plan("moenet", "1F1B", ids)
+    cfg = pv.LaunchConfig(schedule="1F1B", microbatches=4, steps=2, loss_fn=pv.cross_entropy, dp=2, ep=2)
+    script = pv.export_torchrun(plan, tmp_path / "ep.py", config=cfg, inputs=(ids,), target=ids)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr",
+                           "127.0.0.1", "--master-port", str(free_port()), str(script)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    watched = pv.watch(tmp_path / "ep_events", timeout=30)
+    assert watched.wait(30) == "done", watched.error
+    run = pv.launch(plan, config=cfg, inputs=(ids,), target=ids)
+    assert run.wait(120) == "done", run.error
+    assert watched.losses == pytest.approx(run.losses, abs=1e-6)
+    assert any(e.kind == "A2A" for e in watched.events) and len(watched.expert_tokens) == len(run.expert_tokens)
