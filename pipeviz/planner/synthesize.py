@@ -57,6 +57,7 @@ from pipeviz.planner.list_schedule import (
     torch_names,
     torch_orders,
 )
+from pipeviz.planner.receives import charged_step
 from pipeviz.schedule import traits as sched
 from pipeviz.schedule.config import LaunchConfig, launch_config
 from pipeviz.schedule.timeline import Timeline
@@ -83,7 +84,10 @@ class Synthesis:
     ``timeline`` (its ``pv.simulate``); ``config`` launches it (the given config with ``order``, and the schedule
     whose placement the order uses: ``pv.launch(plan, syn.config, ...)``). ``baselines``: torch's schedules on the
     same ranks, simulated by name; ``fits``: those within the limit. ``policy``: the rule that built the order (or
-    the torch schedule whose order won); ``evaluated``: candidate orders played."""
+    the torch schedule whose order won); ``evaluated``: candidate orders played. ``charged_step``: the order's step
+    with each receive charged where torch's runtime posts it (``pipeviz.planner.receives``), what the order was
+    chosen by; ``charged_baselines`` the same for torch's schedules: the order's is never above theirs where they
+    fit."""
 
     order: tuple[tuple[sched.Action, ...], ...]
     timeline: Timeline
@@ -93,10 +97,16 @@ class Synthesis:
     policy: str
     baselines: dict[str, Timeline] = field(default_factory=dict)
     evaluated: int = 0
+    charged_step: float = 0.0
 
     @property
     def step_time(self) -> float:
         return self.timeline.step_time
+
+    @property
+    def charged_baselines(self) -> dict[str, float]:
+        """Per torch schedule, its step with each receive charged where torch's runtime posts it."""
+        return {k: charged_step(t) for k, t in self.baselines.items()}
 
     @property
     def memory_bytes(self) -> list[int]:
@@ -119,13 +129,14 @@ class Synthesis:
         return out
 
     def table(self) -> str:
-        """The synthesized order beside each torch schedule: step, and peak memory per rank."""
+        """The synthesized order beside each torch schedule: step, the step with receives charged where torch's
+        runtime posts them ("as posted", what the order was chosen by), and peak memory per rank."""
         def line(name: str, tl: Timeline, note: str = "") -> str:
             mem = ", ".join(_bytes(b) for b in tl.meta["memory_bytes"])
-            return f"{name:<24}{_secs(tl.step_time):>12}  [{mem}]{note}"
+            return f"{name:<24}{_secs(tl.step_time):>12}{_secs(charged_step(tl)):>13}  [{mem}]{note}"
 
         lim = "no limit" if self.memory_limit is None else f"limit {_bytes(self.memory_limit)} per rank"
-        rows = [f"{'schedule':<24}{'step':>12}  memory per rank ({lim})",
+        rows = [f"{'schedule':<24}{'step':>12}{'as posted':>13}  memory per rank ({lim})",
                 line(f"synthesized ({self.placement})", self.timeline)]
         rows += [line(k, t, "" if k in self.fits else "  over the limit") for k, t in self.baselines.items()]
         return "\n".join(rows)
@@ -215,17 +226,20 @@ def synthesize_schedule(
         search.consider(sequential(p), "one microbatch at a time (the least memory)")
         ranked = search.run()
         evaluated += search.evaluated
-        pool += ranked[:_FINALISTS] + [c for c in ranked[_FINALISTS:] if c.policy.startswith("torch's")][:1]
+        # every torch order too: the answer's step as its receives are posted is never above theirs
+        pool += ranked[:_FINALISTS] + [c for c in ranked[_FINALISTS:] if c.policy.startswith("torch's")]
     return _finish(pool, {p.placement: c for p, c in problems}, sim, limit, baselines, evaluated)
 
 
 def _finish(pool: list[Candidate], cfgs: dict[str, LaunchConfig], sim: Callable[[LaunchConfig], Timeline],
             limit: int | None, baselines: dict[str, Timeline], evaluated: int) -> Synthesis:
     """The candidates simulated by ``pv.simulate`` (which plays their sends and receives as torch's runtime will
-    and refuses a deadlock), fastest first by the search's own play: the fastest within the limit wins. The
-    simulator only adds to the search's play (replicas' reductions, shared cores), so once the best simulated step
-    is no longer than the next candidate's played one, no later candidate can win."""
-    best: tuple[float, int, Timeline, Candidate, LaunchConfig] | None = None
+    and refuses a deadlock), fastest first by the search's own play: the fastest within the limit wins, by its step
+    with each receive charged where torch's runtime posts it (``pipeviz.planner.receives.charged_step``: a launched
+    order follows that one, not the simulated step, where their receives differ). Both only add to the search's
+    play (replicas' reductions, shared cores, late receives), so once the best charged step is no longer than the
+    next candidate's played one, no later candidate can win."""
+    best: tuple[float, int, float, Timeline, Candidate, LaunchConfig] | None = None
     tried = 0
     ranked = sorted(pool, key=lambda c: (c.step, c.peak))
     # torch's own orders are tried however many candidates before them fail: the answer is never slower
@@ -243,15 +257,17 @@ def _finish(pool: list[Candidate], cfgs: dict[str, LaunchConfig], sim: Callable[
         mem = max(tl.meta["memory_bytes"])
         if limit is not None and mem > limit:
             continue
-        if best is None or (tl.step_time, mem) < (best[0], best[1]):
-            best = (tl.step_time, mem, tl, cand, cfg)
+        charged = charged_step(tl)
+        # ties (several orders share a step) go to the one whose simulated step is least, then the least memory
+        if best is None or (charged, tl.step_time, mem) < (best[0], best[2], best[1]):
+            best = (charged, mem, tl.step_time, tl, cand, cfg)
     if best is None:  # pragma: no cover (the one-at-a-time order always fits and plays)
         raise sched.ScheduleError("No synthesized order passed pv.simulate's checks.")
-    _, _, tl, cand, cfg = best
+    charged, _, _, tl, cand, cfg = best
     order = cfg.actions()
     assert order is not None
     return Synthesis(tuple(tuple(r) for r in order), tl, cfg, limit, cand.problem.placement, cand.policy,
-                     baselines, evaluated)
+                     baselines, evaluated, charged)
 
 
 def _secs(t: float) -> str:
