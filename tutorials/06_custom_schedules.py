@@ -365,7 +365,8 @@ launch_cfg = pv.LaunchConfig(schedule="1F1B", microbatches=4, steps=2, loss_fn=F
 limit = max(pv.simulate(plan, launch_cfg).meta["memory_bytes"])             # 1F1B's peak on these 2 ranks
 syn = pv.synthesize_schedule(plan, launch_cfg, memory_limit=limit)
 print(syn.table())
-assert all(syn.step_time <= tl.step_time for tl in syn.fits.values())
+# (chosen by its step with each receive charged where torch's runtime posts it: the "as posted" column)
+assert all(syn.charged_step <= syn.charged_baselines[name] for name in syn.fits)
 run = pv.launch(plan, syn.config, inputs=(x,), target=y)
 assert run.wait(180) == "done", run.error
 for rank in range(2):

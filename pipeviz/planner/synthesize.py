@@ -20,7 +20,10 @@ keeps pending, how many microbatches it admits), each candidate played exactly b
 orders for the same placement, and the one-microbatch-at-a-time order (the least memory any order needs), join the
 pool. The best candidates are then simulated by ``pv.simulate`` itself, which also plays their sends and receives as
 torch's runtime lowers them (``pipeviz.schedule.comm_order``): the answer is the fastest that plays without a
-deadlock and whose ``memory_bytes`` stay within the limit.
+deadlock and whose ``memory_bytes`` stay within the limit, "fastest" by its step with each receive charged where
+torch's runtime posts it (``pipeviz.planner.receives.charged_step``; ``Synthesis.charged_step``): the runtime posts
+some receives only just before their consumer, so their hand-offs cannot hide under compute as ``pv.simulate``
+lets them, and a launched order follows that step (docs/synthesis.md, "Runs as simulated").
 
 Why this method: the ranks' idle time comes from waiting on each other, which a list scheduler sees directly, and
 the known good schedules are such greedy rules (1F1B, ZB-H1 and ZB-H2 are "backward first, defer W" under
@@ -28,9 +31,9 @@ different memory windows; Qi et al. built ZB's automatic schedules with the same
 grid over the rules contains them; every candidate costs one pass over the actions (milliseconds), so a few hundred
 fit in an interactive second, where a MILP over the same decisions (OptPipe's approach) needs a solver dependency and
 grows quickly with ranks x microbatches.
-The search is not exhaustive: what it guarantees is that torch's orders are in the pool (the answer is never slower
-than any torch schedule that fits) and that an order exists whenever the limit is at least the smallest feasible one
-(``MemoryLimitError`` names it otherwise). On the textbook costs it recovers ZB-H1, ZB-H2, ZB-V and V-Half at their
+The search is not exhaustive: what it guarantees is that torch's orders are in the pool (the answer's step, its
+receives charged as posted, is never above any torch schedule's that fits, charged alike) and that an order exists
+whenever the limit is at least the smallest feasible one (``MemoryLimitError`` names it otherwise). On the textbook costs it recovers ZB-H1, ZB-H2, ZB-V and V-Half at their
 memory (and beats ZB-H2's rule where ``W`` is cheaper than ``I``); V-Min only with the wider, slower search
 (``list_schedule.Search.widen``, docs/synthesis.md).
 """
@@ -186,7 +189,9 @@ def synthesize_schedule(
         costs: per-stage ``pv.Costs`` of a what-if without a plan (``pv.Costs.uniform(4)``: 4 stages).
 
     Returns:
-        A ``Synthesis``: ``order``, ``timeline``, ``config`` (launchable with a ``loss_fn``), ``baselines``.
+        A ``Synthesis``: ``order``, ``timeline``, ``config`` (launchable with a ``loss_fn``), ``baselines``, and
+        ``charged_step``: the step with each receive charged where torch's runtime posts it, which the order was
+        chosen by (``timeline.step_time`` is ``pv.simulate``'s; equal where no receive is posted late).
 
     Raises:
         MemoryLimitError: no order fits the limit; ``err.smallest`` (also in the message) is the least that does.
@@ -255,8 +260,8 @@ def _finish(pool: list[Candidate], cfgs: dict[str, LaunchConfig], sim: Callable[
         except sched.ScheduleError:
             continue  # its communication order would hang under torch's runtime
         mem = max(tl.meta["memory_bytes"])
-        if limit is not None and mem > limit:
-            continue
+        if (limit is not None and mem > limit) or (best is not None and tl.step_time > best[0]):
+            continue  # over the limit, or slower than the best already (charging its receives only adds)
         charged = charged_step(tl)
         # ties (several orders share a step) go to the one whose simulated step is least, then the least memory
         if best is None or (charged, tl.step_time, mem) < (best[0], best[2], best[1]):
