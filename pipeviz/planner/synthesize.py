@@ -34,8 +34,8 @@ grows quickly with ranks x microbatches.
 The search is not exhaustive: what it guarantees is that torch's orders are in the pool (the answer's step, its
 receives charged as posted, is never above any torch schedule's that fits, charged alike) and that an order exists
 whenever the limit is at least the smallest feasible one (``MemoryLimitError`` names it otherwise). On the
-textbook costs it recovers ZB-H1, ZB-H2, ZB-V and V-Half at their memory (and beats ZB-H2's rule where ``W`` is cheaper than ``I``); V-Min only with the wider, slower search
-(``list_schedule.Search.widen``, docs/synthesis.md).
+textbook costs it recovers ZB-H1, ZB-H2, ZB-V and V-Half at their memory (and beats ZB-H2's rule where ``W`` is
+cheaper than ``I``); V-Min only with the wider, slower search (``list_schedule.Search.widen``, docs/synthesis.md).
 """
 
 from __future__ import annotations
