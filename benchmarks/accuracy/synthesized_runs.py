@@ -13,9 +13,21 @@ torch's runtime (``pv.launch(plan, syn.config, ...)``, gloo, 2 ranks pinned to t
   simulated step scaled by that ratio, step by step (the median over the steps after the first of each step's time
   over the simulated step at the speed of that step's own ops). That ratio is the error of the schedule's model
   (bubbles, hand-offs, the order's waits), which is what the synthesis chose by; the goal is within 10 %.
+- **as posted**: the simulated step with each receive charged where torch's runtime posts it
+  (``pipeviz.planner.receives.charged_step``, what the synthesis ranks by), and the measured step at run speed over
+  it.
+- **receive waits**: where a consumer waited on a hand-off, the measured time from the later of the producer's end,
+  the receive's posting and the rank's previous action to the consumer's start, apart for receives torch's runtime
+  posted after the data was ready ("late": the ``RECV`` sits just before its consumer in the lowered list) and the
+  others. This is the measurement behind the ranking: a late receive's transfer starts only when posted.
 - **memory**: per rank, the peak of the tensors autograd saved for backward (``run.activation_memory``) against the
   simulated one and against what the limit leaves for activations (the limit less the rank's weights and
   gradients), and the measured total (``run.memory``) against the limit.
+- **comm-bound control**: torch's LoopedBFS, Interleaved1F1B and ZBVZeroBubble on a small MLP whose hand-offs
+  outweigh its compute, measured against the simulated step and the step as posted (each over Interleaved1F1B's):
+  there the two predictions rank LoopedBFS oppositely, and the run says which is right.
+
+Measured results, with the machine's load: docs/synthesis.md, "Runs as simulated".
 
 Cases (an MLP of 7 layers of 1024-2048, 4 stages, 2 per rank; the batch of 64 in 8 microbatches): the order
 synthesized without a limit; synthesized under a limit one byte below the least of torch's schedules' peaks on these
