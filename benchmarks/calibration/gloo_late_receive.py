@@ -10,8 +10,8 @@
 gloo moves a message only once both sides have posted; a late receive is answered by the sender's gloo thread, which
 waits for the sender's core. Measured 2026-12-06 at load 7 (docs/synthesis.md, "Runs as simulated"): early 5.33 ms
 (the 5 ms of waiting + 0.33), late with the sender computing 2.97 ms (10th-90th percentile 0.35-17.9), late with
-the sender asleep 0.40 ms; again at load 6: 5.25, 1.87 (0.19-100), 0.75 (0.18-7.8) ms. The late receive's extra is not in the cost model (``pipeviz.planner.receives`` charges
-the link's time only).
+the sender asleep 0.40 ms; again at load 6: 5.25, 1.87 (0.19-100), 0.75 (0.18-7.8) ms. The late receive's extra
+is not in the cost model (``pipeviz.planner.receives`` charges the link's time only).
 
     python benchmarks/calibration/gloo_late_receive.py [--repeats 30]
 """
