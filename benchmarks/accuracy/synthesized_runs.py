@@ -13,9 +13,21 @@ torch's runtime (``pv.launch(plan, syn.config, ...)``, gloo, 2 ranks pinned to t
   simulated step scaled by that ratio, step by step (the median over the steps after the first of each step's time
   over the simulated step at the speed of that step's own ops). That ratio is the error of the schedule's model
   (bubbles, hand-offs, the order's waits), which is what the synthesis chose by; the goal is within 10 %.
+- **as posted**: the simulated step with each receive charged where torch's runtime posts it
+  (``pipeviz.planner.receives.charged_step``, what the synthesis ranks by), and the measured step at run speed over
+  it.
+- **receive waits**: where a consumer waited on a hand-off, the measured time from the later of the producer's end,
+  the receive's posting and the rank's previous action to the consumer's start, apart for receives torch's runtime
+  posted after the data was ready ("late": the ``RECV`` sits just before its consumer in the lowered list) and the
+  others. This is the measurement behind the ranking: a late receive's transfer starts only when posted.
 - **memory**: per rank, the peak of the tensors autograd saved for backward (``run.activation_memory``) against the
   simulated one and against what the limit leaves for activations (the limit less the rank's weights and
   gradients), and the measured total (``run.memory``) against the limit.
+- **comm-bound control**: torch's LoopedBFS, Interleaved1F1B and ZBVZeroBubble on a small MLP whose hand-offs
+  outweigh its compute, measured against the simulated step and the step as posted (each over Interleaved1F1B's):
+  there the two predictions rank LoopedBFS oppositely, and the run says which is right.
+
+Measured results, with the machine's load: docs/synthesis.md, "Runs as simulated".
 
 Cases (an MLP of 7 layers of 1024-2048, 4 stages, 2 per rank; the batch of 64 in 8 microbatches): the order
 synthesized without a limit; synthesized under a limit one byte below the least of torch's schedules' peaks on these
@@ -39,6 +51,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 import pipeviz as pv
+from pipeviz.adapter.schedules import comm_actions
+from pipeviz.planner.receives import charged_step
 from pipeviz.schedule.timeline import COMPUTE
 from pipeviz.zoo import MyNetwork
 
@@ -58,6 +72,12 @@ class Case:
     at_speed: list[float] = field(default_factory=list)  # per round: median over steps of step / (sim x its speed)
     act_peak: list[int] = field(default_factory=list)  # per rank, the largest over rounds
     total_peak: list[int] = field(default_factory=list)
+    waits: dict[str, list[float]] = field(default_factory=lambda: {"early": [], "late": []})  # see receive_waits
+
+    @property
+    def charged(self) -> float:
+        """The simulated step with each receive charged where torch's runtime posts it (what synthesis ranks by)."""
+        return charged_step(self.simulated)
 
     def ratios(self) -> list[float]:
         """Per round: measured step over the simulated step at that run's op speed."""
@@ -100,24 +120,74 @@ def measure(c: Case, plan: pv.SplitPlan, x: torch.Tensor, y: torch.Tensor) -> No
     c.speed.append(statistics.median(speeds))
     c.at_speed.append(statistics.median(t / (c.simulated.step_time * v)
                                         for t, v in zip(tl.step_times[1:], speeds, strict=True)))
+    for k, v in receive_waits(tl, c.simulated, c.config).items():
+        c.waits[k] += v
     acts = [max(b for _, b in run.activation_memory[r]) for r in range(RANKS)]
     totals = [max(b for _, b in run.memory[r]) for r in range(RANKS)]
     c.act_peak = [max(a, b) for a, b in zip(c.act_peak or acts, acts, strict=True)]
     c.total_peak = [max(a, b) for a, b in zip(c.total_peak or totals, totals, strict=True)]
 
 
+def receive_waits(run: pv.Timeline, sim: pv.Timeline, cfg: pv.LaunchConfig) -> dict[str, list[float]]:
+    """The measured cost of a hand-off where the consumer had to wait for it, split by where torch's runtime posted
+    its receive: ``late`` where the rank posted the ``irecv`` (at the end of the compute action before the ``RECV``
+    in its lowered list) after the producer had finished, ``early`` otherwise. Each value: seconds from the later of
+    the producer's end, the receive's posting and the consumer rank's previous action's end, to the consumer's
+    start (steps after the first two)."""
+    ranks = cfg.layout(sim.num_stages).stage_ranks
+    order = [[str(a) for a in sim.order(r)] for r in range(sim.num_ranks)]
+    before: dict[str, str | None] = {}  # a RECV -> the compute action before it in its rank's list
+    for acts in comm_actions(order, ranks, sim.microbatches):
+        last = None
+        for a in acts:
+            if "RECV" in a:
+                before[a] = last
+            elif "SEND" not in a:
+                last = a
+    out: dict[str, list[float]] = {"early": [], "late": []}
+    last_stage = sim.num_stages - 1
+    for st in run.steps[2:]:
+        ev = {e.label: e for e in run.step_events(st) if e.kind in COMPUTE}
+        t0 = min(e.start for e in ev.values())
+        for e in ev.values():
+            s, mb = e.stage, e.mb
+            if e.kind == "F" and s > 0 and ranks[s - 1] != ranks[s]:
+                prod, recv = ev[f"{s - 1}F{mb}"], f"{s}RECV_F{mb}"
+            elif e.kind in "BI" and s < last_stage and ranks[s + 1] != ranks[s]:
+                prod, recv = ev.get(f"{s + 1}I{mb}") or ev[f"{s + 1}B{mb}"], f"{s}RECV_B{mb}"
+            else:
+                continue
+            b = before[recv]
+            posted = t0 if b is None else ev[b].end
+            prev = max((o.end for o in ev.values() if o.rank == e.rank and o.end <= e.start + 1e-9), default=t0)
+            if e.start - prev < 3e-4:
+                continue  # the rank did not wait (the gap is the runtime's per-action overhead)
+            late = posted > prod.end and posted >= prev - 1e-4
+            out["late" if late else "early"].append(e.start - max(prod.end, posted, prev))
+    return out
+
+
 def report(cases: list[Case]) -> None:
-    print(f"{'case':<32}{'simulated':>10}{'measured':>10}{'min-max':>15}{'meas/sim':>9}{'speed':>7}"
-          f"{'at run speed':>13}{'per round':>22}")
+    print(f"{'case':<32}{'simulated':>10}{'as posted':>10}{'measured':>10}{'min-max':>15}{'meas/sim':>9}"
+          f"{'speed':>7}{'at run speed':>13}{'per round':>22}{'vs as posted':>13}")
     worst = 0.0
     for c in cases:
         med, ratios = statistics.median(c.measured), c.ratios()
         at = statistics.median(ratios)
         worst = max(worst, abs(at - 1)) if c.limit is not None or "synth" in c.name else worst
-        print(f"{c.name:<32}{c.simulated.step_time * 1e3:>8.1f}ms{med * 1e3:>8.1f}ms"
+        print(f"{c.name:<32}{c.simulated.step_time * 1e3:>8.1f}ms{c.charged * 1e3:>8.1f}ms{med * 1e3:>8.1f}ms"
               f"{f'{min(c.measured) * 1e3:.0f}-{max(c.measured) * 1e3:.0f}ms':>15}"
               f"{med / c.simulated.step_time:>9.2f}{statistics.median(c.speed):>7.2f}{at:>13.3f}"
-              f"{', '.join(f'{r:.2f}' for r in ratios):>22}")
+              f"{', '.join(f'{r:.2f}' for r in ratios):>22}{at * c.simulated.step_time / c.charged:>13.3f}")
+    print("\nwhere a consumer waited on a hand-off: ms from the later of the producer's end, the receive's posting "
+          "and the rank's previous action, to the consumer's start (median [10th-90th percentile], count)")
+    for c in cases:
+        cells = []
+        for k in ("early", "late"):
+            v = sorted(c.waits[k])
+            cells.append(f"{k}-posted {statistics.median(v) * 1e3:.2f} [{v[len(v) // 10] * 1e3:.2f}-"
+                         f"{v[9 * len(v) // 10] * 1e3:.2f}] n={len(v)}" if v else f"{k}-posted none")
+        print(f"{c.name:<32}{';  '.join(cells)}")
     print("\nmemory per rank (bytes): measured peak of saved activations / simulated / what the limit leaves for "
           "them; measured total / limit")
     for c in cases:
@@ -131,6 +201,38 @@ def report(cases: list[Case]) -> None:
                   f"{c.total_peak[r]:>12,} / {'-' if c.limit is None else f'{c.limit:,}'}{ok}")
     print(f"\nsynthesized orders at their runs' own op speed: max |measured / simulated - 1| = {worst:.1%} "
           f"(goal {GOAL:.0%})")
+
+
+def comm_bound(steps: int, rounds: int) -> None:
+    """Where hand-offs outweigh compute (an MLP of widths 32-256 in 4 stages on 2 ranks, 8 microbatches of 4 rows),
+    torch's schedules measured against their simulated step and their step as posted, round-robin: the two
+    predictions rank LoopedBFS against Interleaved1F1B oppositely, and the run says which is right."""
+    torch.manual_seed(0)
+    model = MyNetwork(64, [128, 64, 256, 64, 128, 32, 128, 64, 192])
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    plan = pv.balance(pv.trace(model, example_args=(x,)), 2 * RANKS)
+    opts = pv.CostOptions(hardware="cpu", dtype="float32", optimizer_states=0)
+    cfg = pv.LaunchConfig(schedule="Interleaved1F1B", stages_per_rank=2, microbatches=8, steps=steps,
+                          loss_fn=pv.cross_entropy, optimizer=pv.sgd(lr=1e-3))
+    names = ("LoopedBFS", "Interleaved1F1B", "ZBVZeroBubble")
+    measured: dict[str, list[float]] = {k: [] for k in names}
+    for _ in range(rounds):
+        for k in names:
+            run = pv.launch(plan, cfg.replace(schedule=k), inputs=(x,), target=y)
+            if run.wait(600) != "done":
+                raise RuntimeError(f"{k}: {run.error}")
+            measured[k].append(statistics.median(run.timeline().step_times[1:]))
+    hand_off = pv.simulate(plan, cfg, options=opts).meta["stage_costs"].comm[0]
+    print(f"\ncomm-bound stages (4 on 2 ranks, hand-offs {hand_off * 1e3:.2f} ms): {'simulated':>10}{'as posted':>10}"
+          f"{'measured':>10}  (each over Interleaved1F1B's)")
+    rel = {}
+    for k in names:
+        tl = pv.simulate(plan, cfg.replace(schedule=k), options=opts)
+        rel[k] = (tl.step_time, charged_step(tl), statistics.median(measured[k]))
+    for k, (sim, posted, meas) in rel.items():
+        base = rel["Interleaved1F1B"]
+        print(f"{k:<32}{sim * 1e3:>8.1f}ms{posted * 1e3:>8.1f}ms{meas * 1e3:>8.1f}ms  "
+              f"({sim / base[0]:.3f}, {posted / base[1]:.3f}, {meas / base[2]:.3f})")
 
 
 def main() -> None:
@@ -156,6 +258,8 @@ def main() -> None:
             measure(c, plan, x, y)
     report(cases)
     print(f"load (1-min) at round starts: {', '.join(f'{v:.2f}' for v in loads)}")
+    comm_bound(a.steps, a.rounds)
+    print(f"load (1-min) after: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

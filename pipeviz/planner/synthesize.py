@@ -20,7 +20,10 @@ keeps pending, how many microbatches it admits), each candidate played exactly b
 orders for the same placement, and the one-microbatch-at-a-time order (the least memory any order needs), join the
 pool. The best candidates are then simulated by ``pv.simulate`` itself, which also plays their sends and receives as
 torch's runtime lowers them (``pipeviz.schedule.comm_order``): the answer is the fastest that plays without a
-deadlock and whose ``memory_bytes`` stay within the limit.
+deadlock and whose ``memory_bytes`` stay within the limit, "fastest" by its step with each receive charged where
+torch's runtime posts it (``pipeviz.planner.receives.charged_step``; ``Synthesis.charged_step``): the runtime posts
+some receives only just before their consumer, so their hand-offs cannot hide under compute as ``pv.simulate``
+lets them, and a launched order follows that step (docs/synthesis.md, "Runs as simulated").
 
 Why this method: the ranks' idle time comes from waiting on each other, which a list scheduler sees directly, and
 the known good schedules are such greedy rules (1F1B, ZB-H1 and ZB-H2 are "backward first, defer W" under
@@ -28,11 +31,11 @@ different memory windows; Qi et al. built ZB's automatic schedules with the same
 grid over the rules contains them; every candidate costs one pass over the actions (milliseconds), so a few hundred
 fit in an interactive second, where a MILP over the same decisions (OptPipe's approach) needs a solver dependency and
 grows quickly with ranks x microbatches.
-The search is not exhaustive: what it guarantees is that torch's orders are in the pool (the answer is never slower
-than any torch schedule that fits) and that an order exists whenever the limit is at least the smallest feasible one
-(``MemoryLimitError`` names it otherwise). On the textbook costs it recovers ZB-H1, ZB-H2, ZB-V and V-Half at their
-memory (and beats ZB-H2's rule where ``W`` is cheaper than ``I``); V-Min only with the wider, slower search
-(``list_schedule.Search.widen``, docs/synthesis.md).
+The search is not exhaustive: what it guarantees is that torch's orders are in the pool (the answer's step, its
+receives charged as posted, is never above any torch schedule's that fits, charged alike) and that an order exists
+whenever the limit is at least the smallest feasible one (``MemoryLimitError`` names it otherwise). On the
+textbook costs it recovers ZB-H1, ZB-H2, ZB-V and V-Half at their memory (and beats ZB-H2's rule where ``W`` is
+cheaper than ``I``); V-Min only with the wider, slower search (``list_schedule.Search.widen``, docs/synthesis.md).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from pipeviz.planner.list_schedule import (
     torch_names,
     torch_orders,
 )
+from pipeviz.planner.receives import charged_step
 from pipeviz.schedule import traits as sched
 from pipeviz.schedule.config import LaunchConfig, launch_config
 from pipeviz.schedule.timeline import Timeline
@@ -83,7 +87,10 @@ class Synthesis:
     ``timeline`` (its ``pv.simulate``); ``config`` launches it (the given config with ``order``, and the schedule
     whose placement the order uses: ``pv.launch(plan, syn.config, ...)``). ``baselines``: torch's schedules on the
     same ranks, simulated by name; ``fits``: those within the limit. ``policy``: the rule that built the order (or
-    the torch schedule whose order won); ``evaluated``: candidate orders played."""
+    the torch schedule whose order won); ``evaluated``: candidate orders played. ``charged_step``: the order's step
+    with each receive charged where torch's runtime posts it (``pipeviz.planner.receives``), what the order was
+    chosen by; ``charged_baselines`` the same for torch's schedules: the order's is never above theirs where they
+    fit."""
 
     order: tuple[tuple[sched.Action, ...], ...]
     timeline: Timeline
@@ -93,10 +100,16 @@ class Synthesis:
     policy: str
     baselines: dict[str, Timeline] = field(default_factory=dict)
     evaluated: int = 0
+    charged_step: float = 0.0
 
     @property
     def step_time(self) -> float:
         return self.timeline.step_time
+
+    @property
+    def charged_baselines(self) -> dict[str, float]:
+        """Per torch schedule, its step with each receive charged where torch's runtime posts it."""
+        return {k: charged_step(t) for k, t in self.baselines.items()}
 
     @property
     def memory_bytes(self) -> list[int]:
@@ -119,13 +132,14 @@ class Synthesis:
         return out
 
     def table(self) -> str:
-        """The synthesized order beside each torch schedule: step, and peak memory per rank."""
+        """The synthesized order beside each torch schedule: step, the step with receives charged where torch's
+        runtime posts them ("as posted", what the order was chosen by), and peak memory per rank."""
         def line(name: str, tl: Timeline, note: str = "") -> str:
             mem = ", ".join(_bytes(b) for b in tl.meta["memory_bytes"])
-            return f"{name:<24}{_secs(tl.step_time):>12}  [{mem}]{note}"
+            return f"{name:<24}{_secs(tl.step_time):>12}{_secs(charged_step(tl)):>13}  [{mem}]{note}"
 
         lim = "no limit" if self.memory_limit is None else f"limit {_bytes(self.memory_limit)} per rank"
-        rows = [f"{'schedule':<24}{'step':>12}  memory per rank ({lim})",
+        rows = [f"{'schedule':<24}{'step':>12}{'as posted':>13}  memory per rank ({lim})",
                 line(f"synthesized ({self.placement})", self.timeline)]
         rows += [line(k, t, "" if k in self.fits else "  over the limit") for k, t in self.baselines.items()]
         return "\n".join(rows)
@@ -175,7 +189,9 @@ def synthesize_schedule(
         costs: per-stage ``pv.Costs`` of a what-if without a plan (``pv.Costs.uniform(4)``: 4 stages).
 
     Returns:
-        A ``Synthesis``: ``order``, ``timeline``, ``config`` (launchable with a ``loss_fn``), ``baselines``.
+        A ``Synthesis``: ``order``, ``timeline``, ``config`` (launchable with a ``loss_fn``), ``baselines``, and
+        ``charged_step``: the step with each receive charged where torch's runtime posts it, which the order was
+        chosen by (``timeline.step_time`` is ``pv.simulate``'s; equal where no receive is posted late).
 
     Raises:
         MemoryLimitError: no order fits the limit; ``err.smallest`` (also in the message) is the least that does.
@@ -215,17 +231,20 @@ def synthesize_schedule(
         search.consider(sequential(p), "one microbatch at a time (the least memory)")
         ranked = search.run()
         evaluated += search.evaluated
-        pool += ranked[:_FINALISTS] + [c for c in ranked[_FINALISTS:] if c.policy.startswith("torch's")][:1]
+        # every torch order too: the answer's step as its receives are posted is never above theirs
+        pool += ranked[:_FINALISTS] + [c for c in ranked[_FINALISTS:] if c.policy.startswith("torch's")]
     return _finish(pool, {p.placement: c for p, c in problems}, sim, limit, baselines, evaluated)
 
 
 def _finish(pool: list[Candidate], cfgs: dict[str, LaunchConfig], sim: Callable[[LaunchConfig], Timeline],
             limit: int | None, baselines: dict[str, Timeline], evaluated: int) -> Synthesis:
     """The candidates simulated by ``pv.simulate`` (which plays their sends and receives as torch's runtime will
-    and refuses a deadlock), fastest first by the search's own play: the fastest within the limit wins. The
-    simulator only adds to the search's play (replicas' reductions, shared cores), so once the best simulated step
-    is no longer than the next candidate's played one, no later candidate can win."""
-    best: tuple[float, int, Timeline, Candidate, LaunchConfig] | None = None
+    and refuses a deadlock), fastest first by the search's own play: the fastest within the limit wins, by its step
+    with each receive charged where torch's runtime posts it (``pipeviz.planner.receives.charged_step``: a launched
+    order follows that one, not the simulated step, where their receives differ). Both only add to the search's
+    play (replicas' reductions, shared cores, late receives), so once the best charged step is no longer than the
+    next candidate's played one, no later candidate can win."""
+    best: tuple[float, int, float, Timeline, Candidate, LaunchConfig] | None = None
     tried = 0
     ranked = sorted(pool, key=lambda c: (c.step, c.peak))
     # torch's own orders are tried however many candidates before them fail: the answer is never slower
@@ -241,17 +260,19 @@ def _finish(pool: list[Candidate], cfgs: dict[str, LaunchConfig], sim: Callable[
         except sched.ScheduleError:
             continue  # its communication order would hang under torch's runtime
         mem = max(tl.meta["memory_bytes"])
-        if limit is not None and mem > limit:
-            continue
-        if best is None or (tl.step_time, mem) < (best[0], best[1]):
-            best = (tl.step_time, mem, tl, cand, cfg)
+        if (limit is not None and mem > limit) or (best is not None and tl.step_time > best[0]):
+            continue  # over the limit, or slower than the best already (charging its receives only adds)
+        charged = charged_step(tl)
+        # ties (several orders share a step) go to the one whose simulated step is least, then the least memory
+        if best is None or (charged, tl.step_time, mem) < (best[0], best[2], best[1]):
+            best = (charged, mem, tl.step_time, tl, cand, cfg)
     if best is None:  # pragma: no cover (the one-at-a-time order always fits and plays)
         raise sched.ScheduleError("No synthesized order passed pv.simulate's checks.")
-    _, _, tl, cand, cfg = best
+    charged, _, _, tl, cand, cfg = best
     order = cfg.actions()
     assert order is not None
     return Synthesis(tuple(tuple(r) for r in order), tl, cfg, limit, cand.problem.placement, cand.policy,
-                     baselines, evaluated)
+                     baselines, evaluated, charged)
 
 
 def _secs(t: float) -> str:
