@@ -58,6 +58,7 @@ def test_exported_script_matches_launch_and_is_watched_live(tmp_path: Path) -> N
     assert tl.order(0, step=0) == sched_traits.orders("1F1B", 3, 4)[0]
 
 
+@pytest.mark.compat  # make compat (CI): 6 s; keeps make test within 10 minutes
 def test_exported_script_accumulates_schedules_the_rate_and_evaluates(tmp_path: Path) -> None:
     """The training options travel in the payload: 2 batches a step, a warm-up-cosine rate, full recomputation and a
     held-out batch evaluated after each step give the losses, rates, held-out losses and saved-activation peaks

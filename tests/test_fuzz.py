@@ -115,6 +115,7 @@ def test_batchnorm_between_linears_under_tp_matches_the_unsplit_model() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.compat  # make compat; CI's `make fuzz` runs the same command for 3 minutes besides
 def test_a_clean_fuzz_session_from_a_fixed_seed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["fuzz", "--seconds", "40", "--seed", "1", "--cases", "6", "--model", "mlp", "--out", str(tmp_path)])
     out = capsys.readouterr().out

@@ -32,6 +32,6 @@ def test_every_message_round_trips_through_json_with_its_sender(msg: Message) ->
 
 def test_an_unknown_message_type_is_named_with_the_valid_ones() -> None:
     with pytest.raises(ValueError,
-                       match=r"Unknown message type 'Heartbeat'; valid: Done, EvalLoss, Events, Failed, GradNorm, "
-                             r"LearningRate, Loss"):
+                       match=r"Unknown message type 'Heartbeat'; valid: Done, EvalLoss, Events, ExpertTokens, Failed, "
+                             r"GradNorm, LearningRate, Loss"):
         Message.from_json({"type": "Heartbeat", "rank": 0, "coords": [0, 0, 0]})
