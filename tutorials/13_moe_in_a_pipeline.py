@@ -243,7 +243,8 @@ pv.timeline_figure(pv.simulate(None, "DualPipeV", 8, costs=pv.Costs.uniform(4), 
 # %% [markdown]
 # **What pipeviz does not do yet:** it runs DualPipeV's order exactly (`pv.launch(..., schedule="DualPipeV", dp=2,
 # ep=2)` trains exact, `tests/test_ep_launch.py`), but each pair's forward and backward one after the other, as
-# torch's runtime runs an `OVERLAP_F_B` action today; the simulator plays one action at a time per rank as well.
+# torch's runtime runs an `OVERLAP_F_B` action (torch 2.13, installed here, runs its two sub-actions in turn); the
+# simulator plays one action at a time per rank as well.
 # So the all-to-alls above stay exposed under every schedule. The overlap itself needs the model's chunk split
 # into its attention, dispatch, MLP and combine, and the two microbatches' parts interleaved on separate streams,
 # which a GPU provides and these CPU runs do not.
