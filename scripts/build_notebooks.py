@@ -66,6 +66,11 @@ SOLUTIONS: dict[str, tuple[str, str]] = {
     ),
     "tutorials/11_composing_pp_dp_tp.ipynb": ("my_answer = 3 / 19", "my_answer = 3 / 67"),
     "tutorials/12_long_sequences.ipynb": ("my_answer = [512, 1023, 3072, 3583]", "my_answer = [1024, 2047, 0, 0]"),
+    "tutorials/13_moe_in_a_pipeline.ipynb": (
+        "loads = [ld for ld in run.expert_tokens if (ld.step, ld.block, ld.mb) == (0, 'blocks.0.experts', 0)]\n"
+        "my_answer = max(sum(sum(ld.counts[2 * s:2 * s + 2]) for ld in loads) for s in range(2))",
+        "my_answer = 32",
+    ),
 }
 
 METADATA = {

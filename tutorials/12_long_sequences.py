@@ -18,7 +18,8 @@
 # **See also:** [notebook 01, the quickstart](../notebooks/01_quickstart.ipynb) and its glossary;
 # [docs/composing.md](../docs/composing.md) (the cp section: what runs, what is refused).
 #
-# **Lessons:** ← [Lesson 11 · Composing pipeline, data and tensor parallelism](11_composing_pp_dp_tp.ipynb)
+# **Lessons:** ← [Lesson 11 · Composing pipeline, data and tensor parallelism](11_composing_pp_dp_tp.ipynb) ·
+# [Lesson 13 · Mixture of experts in a pipeline](13_moe_in_a_pipeline.ipynb) →
 #
 # ## Activations grow with the sequence
 #
