@@ -34,6 +34,7 @@ from pipeviz.schedule.config import UNSET, launch_config
 from pipeviz.schedule.timeline import Timeline
 from pipeviz.widgets import panels
 from pipeviz.widgets.controls import Controls, row_layout
+from pipeviz.widgets.experts import expert_tokens_figure
 from pipeviz.widgets.figures import plural, timeline_figure
 from pipeviz.widgets.graph_column import GRAPH_WIDTH, GraphColumn
 from pipeviz.widgets.graph_figures import graph_figure
@@ -152,7 +153,8 @@ class Explorer(W.VBox):
                             **options)
         self.state = ExplorerState(graph, cfg, Settings(sched.canonical(cfg.schedule), cfg.microbatches,
                                                         cfg.steps or 1, mode=mode, dp=cfg.dp, tp=cfg.tp,
-                                                        sequence_parallel=cfg.sequence_parallel, cp=cfg.cp),
+                                                        sequence_parallel=cfg.sequence_parallel, cp=cfg.cp,
+                                                        ep=cfg.ep),
                                    target=target, loss_fn=loss_fn, optimizer=optimizer, eval_data=eval_data,
                                    resume=resume)
         self.sim: Timeline | None = None
@@ -186,7 +188,7 @@ class Explorer(W.VBox):
         self.undo_button, self.redo_button, self.mode = controls.undo_button, controls.redo_button, controls.mode
         self.schedule, self.microbatches, self.steps = controls.schedule, controls.microbatches, controls.steps
         self.dp, self.tp, self.sequence_parallel = controls.dp, controls.tp, controls.sequence_parallel
-        self.cp = controls.cp
+        self.cp, self.ep = controls.cp, controls.ep
         self.hardware, self.recompute, self.refused = controls.hardware, controls.recompute, controls.refused
         self.hint, self.cost_note = controls.hint, controls.cost_note
         self.mesh_view = W.HTML(layout=W.Layout(max_width="100%", overflow="auto"))
@@ -356,13 +358,15 @@ class Explorer(W.VBox):
         return self.runner.wait(timeout)
 
     def figures(self) -> dict[str, go.Figure]:
-        """Plain plotly figures of what the widget shows (graph, simulated and measured timelines): they
-        render without a widget manager (nbconvert HTML, static previews)."""
+        """Plain plotly figures of what the widget shows (graph, simulated and measured timelines, an ep run's tokens
+        per expert): they render without a widget manager (nbconvert HTML, static previews)."""
         figs = {"graph": graph_figure(self.plan)}
         if self.sim is not None:
             figs["simulated"] = timeline_figure(self.sim)
         if self.run is not None:
             figs["run"] = timeline_figure(self.run.timeline(), overlay=self.sim_here or self.sim)
+            if self.run.expert_tokens:  # a run with ep > 1: the tokens routed to each expert
+                figs["expert_tokens"] = expert_tokens_figure(self.run)
         return figs
 
     # ----------------------------------------------------------------- handlers

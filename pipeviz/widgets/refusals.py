@@ -26,11 +26,12 @@ __all__ = ["SCHEDULES_DOC", "dp_refusal", "forward_only_refusal", "microbatches_
            "stages_refusal"]
 
 SCHEDULES_DOC = "docs/schedules.md"  # the schedules cheat sheet: every schedule's bubble, memory, traffic and rules
+# the fix after "valid: ...", in the widget's terms (its controls)
 FIX = {"schedule": "; pick one of them in schedule, or click layers to change the stage count",
        "microbatches": "; set microbatches to one of them", "dp": "; set dp to one of them",
-       "tp": "; set tp to one of them"}  # the fix after "valid: ...", in the widget's terms (its controls)
+       "tp": "; set tp to one of them", "ep": "; set ep to one of them"}
 LABELS = {"schedule": "schedule", "microbatches": "microbatches", "steps": "steps", "dp": "dp", "tp": "tp",
-          "sequence_parallel": "seq. parallel", "recompute": "recompute"}  # each setting's control, as labelled
+          "ep": "ep", "sequence_parallel": "seq. parallel", "recompute": "recompute"}  # each control, as labelled
 
 
 def divisors(n: int) -> list[int]:

@@ -46,8 +46,8 @@ MODES = ("train", "infer")  # the run switch: train, or forward only
 @dataclass(frozen=True)
 class Settings:
     """What the Explorer's controls set: the run's schedule, microbatches, steps, mode (train or infer) and layout
-    (``dp``, ``tp``, ``cp``, sequence parallelism), and what the costs assume (``hardware``: ``HERE`` or a GPU preset,
-    ``recompute``)."""
+    (``dp``, ``tp``, ``cp``, ``ep``, sequence parallelism), and what the costs assume (``hardware``: ``HERE`` or a GPU
+    preset, ``recompute``)."""
 
     schedule: str = "1F1B"
     microbatches: int = 4
@@ -58,6 +58,7 @@ class Settings:
     sequence_parallel: bool = False
     hardware: str = HERE
     cp: int = 1  # context-parallel shares of every sequence
+    ep: int = 1  # expert-parallel shares of every MoE block's routed experts (carved out of dp)
     recompute: str = "none"
 
     def __post_init__(self) -> None:
@@ -101,7 +102,7 @@ class ExplorerState:
         self.config = config
         self.settings = settings or Settings(sched.canonical(config.schedule), config.microbatches, config.steps or 1,
                                              dp=config.dp, tp=config.tp, sequence_parallel=config.sequence_parallel,
-                                             cp=config.cp)
+                                             cp=config.cp, ep=config.ep)
         self.target, self.devices = target, config.devices
         self.loss_fn, self.optimizer = loss_fn or config.loss_fn, optimizer or config.optimizer
         self.eval_data = list(eval_data) if eval_data is not None else None  # held-out batches (train mode)
@@ -199,7 +200,8 @@ class ExplorerState:
             clip_grad_norm=None if infer else base.clip_grad_norm, accumulate=1 if infer else base.accumulate,
             lr_scheduler=None if infer else base.lr_scheduler,
             eval_every=None if infer or self.eval_data is None else base.eval_every,
-            devices=self.devices, dp=s.dp, tp=s.tp, cp=s.cp, sequence_parallel=bool(s.sequence_parallel) and s.tp > 1,
+            devices=self.devices, dp=s.dp, tp=s.tp, cp=s.cp, ep=s.ep,
+            sequence_parallel=bool(s.sequence_parallel) and s.tp > 1,
             recompute="none" if infer else s.recompute)
 
     def cost_options(self) -> pv.CostOptions:
