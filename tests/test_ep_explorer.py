@@ -46,10 +46,11 @@ def test_the_ep_control_sets_the_launch_is_refused_live_and_names_each_shares_ex
     refusal = state.refusal()
     assert refusal is not None and refusal.setting == "ep", refusal
     assert str(refusal).startswith("ep 3 cannot launch: does not divide dp × cp = 2 × 1 = 2") and \
-        "Valid ep: 1, 2" in str(refusal), refusal
+        str(refusal).endswith("; valid here: 1, 2; set ep to one of them."), refusal
     state.update(ep=2, tp=2)
     refusal = state.refusal()
     assert refusal is not None and refusal.setting == "ep" and "with tp=2" in str(refusal), refusal
+    assert str(refusal).endswith("; valid here: 1; set ep to one of them."), refusal
     state.update(ep=1, tp=1)
     assert state.launch_config().ep == 1 and "pipeviz-experts" not in mesh_html(state.plan, state.launch_config())
     controls = Controls(Settings(dp=2, ep=2), len(graph.layers), lambda: None)

@@ -153,6 +153,8 @@ def one_sentence(exc: BaseException, config: LaunchConfig, valid: list[str] | No
     ``err.setting`` and the cause are kept."""
     setting = getattr(exc, "setting", None)
     reason = _BREAK.sub("; ", _HISTORY.sub("", _FIX.sub("", str(exc).strip()))).rstrip(" .;:")
+    if valid is not None and setting == "ep":  # the checks' "Valid ep: ..." said once, as "valid here" below
+        reason = re.sub(r";?\s*Valid ep: [\d, ]+$", "", reason)
     if setting in LABELS:
         value = getattr(config, setting)
         shown = "on" if value is True else "off" if value is False else value

@@ -246,7 +246,7 @@ class ExplorerState:
         exc = self._validate(cfg, plan) if plan is not None else None
         if exc is not None and (plan is self.plan or not _stage_bound(exc)):
             setting = getattr(exc, "setting", None)
-            valid = self._valid(setting, plan) if plan is not None and setting in ("schedule", "tp") else None
+            valid = self._valid(setting, plan) if plan is not None and setting in ("schedule", "tp", "ep") else None
             return refusals.one_sentence(exc, cfg, valid)
         return refusals.stages_refusal(self.plan)
 
@@ -281,10 +281,12 @@ class ExplorerState:
         return None
 
     def _valid(self, setting: str, plan: SplitPlan) -> list[str]:
-        """The values of ``schedule`` (every one) or ``tp`` (1, 2, 4, 8) that would launch on ``plan`` with the other
-        settings as they are (checked only once a refusal is shown)."""
-        tries = ([dataclasses.replace(self.settings, schedule=n) for n in sched.ALL] if setting == "schedule" else
-                 [dataclasses.replace(self.settings, tp=k) for k in (1, 2, 4, 8)])
+        """The values of ``schedule`` (every one), ``tp`` (1, 2, 4, 8) or ``ep`` (the divisors of dp × cp) that would
+        launch on ``plan`` with the other settings as they are (checked only once a refusal is shown)."""
+        s = self.settings
+        tries = ([dataclasses.replace(s, schedule=n) for n in sched.ALL] if setting == "schedule" else
+                 [dataclasses.replace(s, ep=k) for k in refusals.divisors(s.dp * s.cp)] if setting == "ep" else
+                 [dataclasses.replace(s, tp=k) for k in (1, 2, 4, 8)])
         configs = [(s, self.launch_config(s)) for s in tries]
         return [str(getattr(s, setting)) for s, cfg in configs
                 if self._own_refusal(cfg) is None and self._validate(cfg, plan) is None]
