@@ -91,3 +91,29 @@ def test_an_ep_run_from_the_explorer_draws_its_a2a_actions_and_tokens_per_expert
     assert len(pv.expert_tokens_figure(run.expert_tokens).data) == 4
     with pytest.raises(ValueError, match=r"run\.expert_tokens is empty.*Fix"):
         pv.expert_tokens_figure([])
+
+
+def test_experts_are_found_by_module_and_the_imbalance_is_max_over_mean() -> None:
+    from pipeviz.runtime.reducer import ExpertLoad
+    from pipeviz.widgets.experts import expert_blocks, expert_imbalance
+
+    class Fused(torch.nn.Module):  # transformers 5.x's fused experts: 3-D weights, the expert count first
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.zeros(6, 8, 4))
+            self.down_proj = torch.nn.Parameter(torch.zeros(6, 4, 4))
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Module(), torch.nn.Module()])
+    model.layers[0].experts = Fused()
+    model.layers[1].experts = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(4))
+    assert expert_blocks(model) == [("layers.0.experts", 6), ("layers.1.experts", 4)]
+    assert expert_blocks(MoENet(vocab=8, d=4, layers=2, experts=2)) == [("blocks.0.experts", 2),
+                                                                         ("blocks.1.experts", 2)]
+    # two replicas' tokens summed per microbatch: mb 0 all on expert 0 (4.0), mb 1 even (1.0); over the run 6 / 3 = 2.0
+    loads = [ExpertLoad(0, 0, "b.experts", 0, 0, (2, 0, 0, 0)), ExpertLoad(0, 0, "b.experts", 0, 1, (2, 0, 0, 0)),
+             ExpertLoad(0, 0, "b.experts", 1, 0, (1, 1, 1, 1)), ExpertLoad(0, 0, "b.experts", 1, 1, (1, 1, 1, 1))]
+    assert expert_imbalance(loads) == {"b.experts": (2.0, 4.0)}
+    fig = pv.expert_tokens_figure(loads)
+    assert [list(r) for r in fig.data[0].z] == [[4, 2], [0, 2], [0, 2], [0, 2]]
+    assert "max/mean 2.00, worst microbatch 4.00" in fig.layout.annotations[0].text
