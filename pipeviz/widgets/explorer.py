@@ -91,8 +91,8 @@ class Explorer(W.VBox):
         splits: the starting plan: a ``SplitPlan`` or layer names to split after (default: one stage).
         schedule, microbatches, steps: starting values of the controls (default: ``config``'s).
         config: a ``pv.LaunchConfig``, the one launch configuration ``pv.launch`` and ``pv.export_torchrun`` take:
-            its schedule, microbatches, steps, ``dp`` and ``tp`` start the controls; Launch runs the config the
-            controls make (``explorer.launch_config()``) with its other options (timeouts, pinning, ...).
+            its schedule, microbatches, steps, ``dp``, ``cp``, ``ep`` and ``tp`` start the controls; Launch runs the
+            config the controls make (``explorer.launch_config()``) with its other options (timeouts, pinning, ...).
         mode: ``"train"`` (Launch trains: forwards, backwards, optimizer steps) or ``"infer"`` (forward only:
             the simulated timeline has no backwards, Launch runs ``pv.launch`` without a ``loss_fn`` and the
             numerics check compares ``run.outputs`` with the unsplit model's outputs). A switch in the controls.
@@ -117,6 +117,8 @@ class Explorer(W.VBox):
         run: the last launched ``pv.Run``.
         sim, sim_here: the simulated timeline of the plan, and the one "as run here" (on this machine's cores).
         sim_view, run_view: the ``TimelineView``s of the simulated and the measured timeline.
+        ep: the expert-parallel input (with ``dp``, ``cp``, ``tp``): a run with ``ep`` > 1 draws its all-to-alls as
+            ``A2A`` actions and its tokens per expert (``pv.expert_tokens_figure``) under the measured timeline.
         player_button, player: "Step through" under the simulated timeline, and the ``StepPlayer`` it shows (None
             until first shown): the simulated step action by action, with each rank's memory at that instant.
         side_button, comparison, side_figure: "Schedules side by side": ``pv.compare`` of the plan and the controls'
@@ -326,7 +328,7 @@ class Explorer(W.VBox):
 
     def launch_config(self) -> pv.LaunchConfig:
         """The ``pv.LaunchConfig`` Launch runs (``ExplorerState.launch_config``): the Explorer's ``config`` with the
-        controls' schedule, microbatches, steps, dp, tp and recomputation (in infer mode, no loss, optimizer or
+        controls' schedule, microbatches, steps, dp, cp, ep, tp and recomputation (in infer mode, no loss, optimizer or
         recomputation); ``pv.export_torchrun(plan, path, config=explorer.launch_config(), ...)`` writes the same
         run for torchrun."""
         return self.state.launch_config()
