@@ -92,8 +92,8 @@ __all__ = [
     "watch",
 ]
 
-_VIEWS = ("Explorer", "TimelineView", "comparison_figure", "graph_figure", "player_figure", "side_by_side_figure",
-          "timeline_figure")
+_VIEWS = ("Explorer", "TimelineView", "comparison_figure", "expert_tokens_figure", "graph_figure", "player_figure",
+          "side_by_side_figure", "timeline_figure")
 
 
 # Modules reached as attributes before 0.4 (pv.schedules, pv.timeline, pv.training; pv.costs from 0.2).

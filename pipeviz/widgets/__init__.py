@@ -13,6 +13,7 @@ _LAZY = {
     "Explorer": "pipeviz.widgets.explorer",
     "TimelineView": "pipeviz.widgets.timeline_view",
     "comparison_figure": "pipeviz.widgets.figures",
+    "expert_tokens_figure": "pipeviz.widgets.experts",
     "graph_figure": "pipeviz.widgets.graph_figures",
     "player_figure": "pipeviz.widgets.teaching_figures",
     "side_by_side_figure": "pipeviz.widgets.teaching_figures",

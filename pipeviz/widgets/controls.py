@@ -106,6 +106,11 @@ class Controls:
         self.cp = W.BoundedIntText(value=s.cp, min=1, max=64, description="cp", layout=W.Layout(width="90px"),
                                    style=WIDE, tooltip="context-parallel shares of every sequence: each process of a "
                                                        "stage holds 1/cp of its tokens (pv.launch(..., cp=N))")
+        self.ep = W.BoundedIntText(value=s.ep, min=1, max=1024, description="ep", layout=W.Layout(width="90px"),
+                                   style=WIDE, tooltip="expert-parallel shares of every MoE block's routed experts, "
+                                                       "carved out of the dp replicas: each computes 1/ep of them "
+                                                       "(pv.launch(..., dp=D, ep=N))")
+        self.ep.add_class("pipeviz-ep")
         self.sequence_parallel = W.Checkbox(
             value=s.sequence_parallel, description="seq. parallel", indent=False, disabled=s.tp == 1,
             layout=W.Layout(width="110px"),
@@ -137,7 +142,7 @@ class Controls:
                        layout=row_layout()),
                 W.HBox([self.mode, self.schedule, self.schedule_help, self.microbatches, self.steps],
                        layout=row_layout()),
-                W.HBox([self.dp, self.cp, self.tp, self.sequence_parallel, self.hardware, self.recompute],
+                W.HBox([self.dp, self.cp, self.ep, self.tp, self.sequence_parallel, self.hardware, self.recompute],
                        layout=row_layout()),
                 self.hint, self.cost_note, self.refused]
 
@@ -145,7 +150,7 @@ class Controls:
         """Every control the run is described by (steps too: the simulation carries the whole LaunchConfig), by its
         ``Settings`` field."""
         return {"schedule": self.schedule, "microbatches": self.microbatches, "steps": self.steps, "mode": self.mode,
-                "dp": self.dp, "cp": self.cp, "tp": self.tp, "sequence_parallel": self.sequence_parallel,
+                "dp": self.dp, "cp": self.cp, "ep": self.ep, "tp": self.tp, "sequence_parallel": self.sequence_parallel,
                 "hardware": self.hardware, "recompute": self.recompute}
 
     def values(self) -> dict[str, object]:

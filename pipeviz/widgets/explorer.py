@@ -34,6 +34,7 @@ from pipeviz.schedule.config import UNSET, launch_config
 from pipeviz.schedule.timeline import Timeline
 from pipeviz.widgets import panels
 from pipeviz.widgets.controls import Controls, row_layout
+from pipeviz.widgets.experts import expert_tokens_figure
 from pipeviz.widgets.figures import plural, timeline_figure
 from pipeviz.widgets.graph_column import GRAPH_WIDTH, GraphColumn
 from pipeviz.widgets.graph_figures import graph_figure
@@ -90,8 +91,8 @@ class Explorer(W.VBox):
         splits: the starting plan: a ``SplitPlan`` or layer names to split after (default: one stage).
         schedule, microbatches, steps: starting values of the controls (default: ``config``'s).
         config: a ``pv.LaunchConfig``, the one launch configuration ``pv.launch`` and ``pv.export_torchrun`` take:
-            its schedule, microbatches, steps, ``dp`` and ``tp`` start the controls; Launch runs the config the
-            controls make (``explorer.launch_config()``) with its other options (timeouts, pinning, ...).
+            its schedule, microbatches, steps, ``dp``, ``cp``, ``ep`` and ``tp`` start the controls; Launch runs the
+            config the controls make (``explorer.launch_config()``) with its other options (timeouts, pinning, ...).
         mode: ``"train"`` (Launch trains: forwards, backwards, optimizer steps) or ``"infer"`` (forward only:
             the simulated timeline has no backwards, Launch runs ``pv.launch`` without a ``loss_fn`` and the
             numerics check compares ``run.outputs`` with the unsplit model's outputs). A switch in the controls.
@@ -116,6 +117,8 @@ class Explorer(W.VBox):
         run: the last launched ``pv.Run``.
         sim, sim_here: the simulated timeline of the plan, and the one "as run here" (on this machine's cores).
         sim_view, run_view: the ``TimelineView``s of the simulated and the measured timeline.
+        ep: the expert-parallel input (with ``dp``, ``cp``, ``tp``): a run with ``ep`` > 1 draws its all-to-alls as
+            ``A2A`` actions and its tokens per expert (``pv.expert_tokens_figure``) under the measured timeline.
         player_button, player: "Step through" under the simulated timeline, and the ``StepPlayer`` it shows (None
             until first shown): the simulated step action by action, with each rank's memory at that instant.
         side_button, comparison, side_figure: "Schedules side by side": ``pv.compare`` of the plan and the controls'
@@ -152,7 +155,8 @@ class Explorer(W.VBox):
                             **options)
         self.state = ExplorerState(graph, cfg, Settings(sched.canonical(cfg.schedule), cfg.microbatches,
                                                         cfg.steps or 1, mode=mode, dp=cfg.dp, tp=cfg.tp,
-                                                        sequence_parallel=cfg.sequence_parallel, cp=cfg.cp),
+                                                        sequence_parallel=cfg.sequence_parallel, cp=cfg.cp,
+                                                        ep=cfg.ep),
                                    target=target, loss_fn=loss_fn, optimizer=optimizer, eval_data=eval_data,
                                    resume=resume)
         self.sim: Timeline | None = None
@@ -186,7 +190,7 @@ class Explorer(W.VBox):
         self.undo_button, self.redo_button, self.mode = controls.undo_button, controls.redo_button, controls.mode
         self.schedule, self.microbatches, self.steps = controls.schedule, controls.microbatches, controls.steps
         self.dp, self.tp, self.sequence_parallel = controls.dp, controls.tp, controls.sequence_parallel
-        self.cp = controls.cp
+        self.cp, self.ep = controls.cp, controls.ep
         self.hardware, self.recompute, self.refused = controls.hardware, controls.recompute, controls.refused
         self.hint, self.cost_note = controls.hint, controls.cost_note
         self.mesh_view = W.HTML(layout=W.Layout(max_width="100%", overflow="auto"))
@@ -324,7 +328,7 @@ class Explorer(W.VBox):
 
     def launch_config(self) -> pv.LaunchConfig:
         """The ``pv.LaunchConfig`` Launch runs (``ExplorerState.launch_config``): the Explorer's ``config`` with the
-        controls' schedule, microbatches, steps, dp, tp and recomputation (in infer mode, no loss, optimizer or
+        controls' schedule, microbatches, steps, dp, cp, ep, tp and recomputation (in infer mode, no loss, optimizer or
         recomputation); ``pv.export_torchrun(plan, path, config=explorer.launch_config(), ...)`` writes the same
         run for torchrun."""
         return self.state.launch_config()
@@ -356,13 +360,15 @@ class Explorer(W.VBox):
         return self.runner.wait(timeout)
 
     def figures(self) -> dict[str, go.Figure]:
-        """Plain plotly figures of what the widget shows (graph, simulated and measured timelines): they
-        render without a widget manager (nbconvert HTML, static previews)."""
+        """Plain plotly figures of what the widget shows (graph, simulated and measured timelines, an ep run's tokens
+        per expert): they render without a widget manager (nbconvert HTML, static previews)."""
         figs = {"graph": graph_figure(self.plan)}
         if self.sim is not None:
             figs["simulated"] = timeline_figure(self.sim)
         if self.run is not None:
             figs["run"] = timeline_figure(self.run.timeline(), overlay=self.sim_here or self.sim)
+            if self.run.expert_tokens:  # a run with ep > 1: the tokens routed to each expert
+                figs["expert_tokens"] = expert_tokens_figure(self.run)
         return figs
 
     # ----------------------------------------------------------------- handlers

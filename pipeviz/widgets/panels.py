@@ -19,6 +19,7 @@ from pipeviz.plan.preview import human_bytes
 from pipeviz.plan.split import SplitPlan
 from pipeviz.planner.balance import slowest_stage
 from pipeviz.schedule.timeline import COMPUTE, Timeline
+from pipeviz.widgets.experts import expert_share_lines
 from pipeviz.widgets.figures import plural, stage_color
 from pipeviz.widgets.run_state import RunState
 
@@ -339,8 +340,11 @@ def mesh_html(plan: SplitPlan, config: pv.LaunchConfig) -> str:
                          for line in lines)
     if mesh.cp > 1:  # which tokens each share holds (the zig-zag chunks of adapter.context_graph)
         shards += "".join(f"<div class='pipeviz-shares'>{html.escape(line)}</div>" for line in _share_lines(mesh.cp))
+    # with ep > 1: which routed experts each ep share computes (pipeviz.widgets.experts)
+    shards += "".join(f"<div class='pipeviz-experts'>{html.escape(t)}</div>" for t in expert_share_lines(plan, mesh))
     what = " × ".join(f"{getattr(mesh, d)} {_DIM_WORDS[d]}" for d in mesh.dims)
-    degrees = ", ".join(f"{d}={getattr(mesh, d)}" for d in DIMS if d != "cp" or mesh.cp > 1)
+    degrees = ", ".join(f"{d}={getattr(mesh, d)}" for d in DIMS if d != "cp" or mesh.cp > 1) + (
+        f", ep={mesh.ep}" if mesh.ep > 1 else "")
     return (f"<div class='pipeviz-mesh-box' style='font-size:12px;max-width:100%;overflow-x:auto'>"
             f"<b>{mesh.world} process{'es' * (mesh.world != 1)}</b> ({what}: pv.Mesh({degrees}))"
             f"<table style='border-collapse:collapse'>{''.join(rows)}</table>{shards}</div>")

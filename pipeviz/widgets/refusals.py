@@ -26,11 +26,12 @@ __all__ = ["SCHEDULES_DOC", "dp_refusal", "forward_only_refusal", "microbatches_
            "stages_refusal"]
 
 SCHEDULES_DOC = "docs/schedules.md"  # the schedules cheat sheet: every schedule's bubble, memory, traffic and rules
+# the fix after "valid: ...", in the widget's terms (its controls)
 FIX = {"schedule": "; pick one of them in schedule, or click layers to change the stage count",
        "microbatches": "; set microbatches to one of them", "dp": "; set dp to one of them",
-       "tp": "; set tp to one of them"}  # the fix after "valid: ...", in the widget's terms (its controls)
+       "tp": "; set tp to one of them", "ep": "; set ep to one of them"}
 LABELS = {"schedule": "schedule", "microbatches": "microbatches", "steps": "steps", "dp": "dp", "tp": "tp",
-          "sequence_parallel": "seq. parallel", "recompute": "recompute"}  # each setting's control, as labelled
+          "ep": "ep", "sequence_parallel": "seq. parallel", "recompute": "recompute"}  # each control, as labelled
 
 
 def divisors(n: int) -> list[int]:
@@ -152,6 +153,8 @@ def one_sentence(exc: BaseException, config: LaunchConfig, valid: list[str] | No
     ``err.setting`` and the cause are kept."""
     setting = getattr(exc, "setting", None)
     reason = _BREAK.sub("; ", _HISTORY.sub("", _FIX.sub("", str(exc).strip()))).rstrip(" .;:")
+    if valid is not None and setting == "ep":  # the checks' "Valid ep: ..." said once, as "valid here" below
+        reason = re.sub(r";?\s*Valid ep: [\d, ]+$", "", reason)
     if setting in LABELS:
         value = getattr(config, setting)
         shown = "on" if value is True else "off" if value is False else value

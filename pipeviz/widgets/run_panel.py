@@ -20,6 +20,8 @@ from pipeviz.runtime.numerics import NumericsCheck
 from pipeviz.schedule.timeline import Timeline
 from pipeviz.widgets import panels
 from pipeviz.widgets.controls import row_layout
+from pipeviz.widgets.experts import expert_tokens_figure
+from pipeviz.widgets.live_figure import LiveFigure
 from pipeviz.widgets.run_state import RunState, run_state
 from pipeviz.widgets.state import HERE, ExplorerState
 from pipeviz.widgets.timeline_view import TimelineView
@@ -73,9 +75,15 @@ class RunPanel:
         self.run_view = TimelineView(None)
         self.run_view.drawn.append(self._on_drawn)
         self.run_view.add_class("pipeviz-run-timeline")
+        # With ep > 1: the tokens routed to each expert per microbatch (run.expert_tokens), redrawn with the timeline
+        self.expert_chart = LiveFigure()
+        self.expert_chart._config = {"responsive": True}
+        self.expert_chart.add_class("pipeviz-expert-tokens")
+        self.expert_box = W.VBox([self.expert_chart], layout=W.Layout(display="none", width="100%"))
+        self._experts_drawn = 0  # how many ExpertLoad records the chart shows
         self.launch_row = W.HBox([self.launch_button, self.stop_button, self.progress], layout=row_layout())
         self.launch_row.add_class("pipeviz-launch-row")
-        self.section = W.VBox([self.run_notes, self.here_button, self.numerics, self.run_view],
+        self.section = W.VBox([self.run_notes, self.here_button, self.numerics, self.run_view, self.expert_box],
                               layout=W.Layout(display="none", max_width="100%"))
         self.section.add_class("pipeviz-run-section")
 
@@ -109,6 +117,7 @@ class RunPanel:
         self.finished.clear()
         self.numerics.value = self.run_notes.value = ""
         self.here_button.layout.display = "none"
+        self.expert_box.layout.display, self._experts_drawn = "none", 0
         self.sim_here = None
         self.section.layout.display = "flex"
         self.stop_button.disabled, self.launch_button.disabled = False, True
@@ -189,12 +198,24 @@ class RunPanel:
         run = self.run
         if run is not None and not run.done and shown.source == "measured" and shown.events:
             self.explain(run, shown)
+            self.show_experts(run)
+
+    def show_experts(self, run: pv.Run) -> None:
+        """The tokens-per-expert chart (``expert_tokens_figure``) of a run with ``ep`` > 1, shown once it has records
+        and redrawn when more came in (as often as the timeline redraws, and once the run ended)."""
+        loads = list(run.expert_tokens)
+        if not loads or len(loads) == self._experts_drawn:
+            return
+        self.expert_chart.replace(expert_tokens_figure(loads))
+        self._experts_drawn = len(loads)
+        self.expert_box.layout.display = "flex"
 
     def _finish(self, run: pv.Run) -> None:
         try:
             if run.status == "failed":  # under the Launch button and its status line
                 self._show_error(RuntimeError(f"The run failed: {run.error}"), "", self.launch_error)
             self.explain(run)
+            self.show_experts(run)
             if run.status == "done":
                 self.checking = True
                 self.show_state()

@@ -46,8 +46,8 @@ MODES = ("train", "infer")  # the run switch: train, or forward only
 @dataclass(frozen=True)
 class Settings:
     """What the Explorer's controls set: the run's schedule, microbatches, steps, mode (train or infer) and layout
-    (``dp``, ``tp``, ``cp``, sequence parallelism), and what the costs assume (``hardware``: ``HERE`` or a GPU preset,
-    ``recompute``)."""
+    (``dp``, ``tp``, ``cp``, ``ep``, sequence parallelism), and what the costs assume (``hardware``: ``HERE`` or a GPU
+    preset, ``recompute``)."""
 
     schedule: str = "1F1B"
     microbatches: int = 4
@@ -58,6 +58,7 @@ class Settings:
     sequence_parallel: bool = False
     hardware: str = HERE
     cp: int = 1  # context-parallel shares of every sequence
+    ep: int = 1  # expert-parallel shares of every MoE block's routed experts (carved out of dp)
     recompute: str = "none"
 
     def __post_init__(self) -> None:
@@ -101,7 +102,7 @@ class ExplorerState:
         self.config = config
         self.settings = settings or Settings(sched.canonical(config.schedule), config.microbatches, config.steps or 1,
                                              dp=config.dp, tp=config.tp, sequence_parallel=config.sequence_parallel,
-                                             cp=config.cp)
+                                             cp=config.cp, ep=config.ep)
         self.target, self.devices = target, config.devices
         self.loss_fn, self.optimizer = loss_fn or config.loss_fn, optimizer or config.optimizer
         self.eval_data = list(eval_data) if eval_data is not None else None  # held-out batches (train mode)
@@ -199,7 +200,8 @@ class ExplorerState:
             clip_grad_norm=None if infer else base.clip_grad_norm, accumulate=1 if infer else base.accumulate,
             lr_scheduler=None if infer else base.lr_scheduler,
             eval_every=None if infer or self.eval_data is None else base.eval_every,
-            devices=self.devices, dp=s.dp, tp=s.tp, cp=s.cp, sequence_parallel=bool(s.sequence_parallel) and s.tp > 1,
+            devices=self.devices, dp=s.dp, tp=s.tp, cp=s.cp, ep=s.ep,
+            sequence_parallel=bool(s.sequence_parallel) and s.tp > 1,
             recompute="none" if infer else s.recompute)
 
     def cost_options(self) -> pv.CostOptions:
@@ -244,7 +246,7 @@ class ExplorerState:
         exc = self._validate(cfg, plan) if plan is not None else None
         if exc is not None and (plan is self.plan or not _stage_bound(exc)):
             setting = getattr(exc, "setting", None)
-            valid = self._valid(setting, plan) if plan is not None and setting in ("schedule", "tp") else None
+            valid = self._valid(setting, plan) if plan is not None and setting in ("schedule", "tp", "ep") else None
             return refusals.one_sentence(exc, cfg, valid)
         return refusals.stages_refusal(self.plan)
 
@@ -279,10 +281,12 @@ class ExplorerState:
         return None
 
     def _valid(self, setting: str, plan: SplitPlan) -> list[str]:
-        """The values of ``schedule`` (every one) or ``tp`` (1, 2, 4, 8) that would launch on ``plan`` with the other
-        settings as they are (checked only once a refusal is shown)."""
-        tries = ([dataclasses.replace(self.settings, schedule=n) for n in sched.ALL] if setting == "schedule" else
-                 [dataclasses.replace(self.settings, tp=k) for k in (1, 2, 4, 8)])
+        """The values of ``schedule`` (every one), ``tp`` (1, 2, 4, 8) or ``ep`` (the divisors of dp × cp) that would
+        launch on ``plan`` with the other settings as they are (checked only once a refusal is shown)."""
+        s = self.settings
+        tries = ([dataclasses.replace(s, schedule=n) for n in sched.ALL] if setting == "schedule" else
+                 [dataclasses.replace(s, ep=k) for k in refusals.divisors(s.dp * s.cp)] if setting == "ep" else
+                 [dataclasses.replace(s, tp=k) for k in (1, 2, 4, 8)])
         configs = [(s, self.launch_config(s)) for s in tries]
         return [str(getattr(s, setting)) for s, cfg in configs
                 if self._own_refusal(cfg) is None and self._validate(cfg, plan) is None]
