@@ -60,6 +60,7 @@ def test_the_ep_control_sets_the_launch_is_refused_live_and_names_each_shares_ex
 
 
 @pytest.mark.slow
+@pytest.mark.compat  # make compat (CI): a 4-process run from the widget, 9 s; keeps make test within 10 minutes
 def test_an_ep_run_from_the_explorer_draws_its_a2a_actions_and_tokens_per_expert(
         moe: tuple[pv.ModelGraph, torch.Tensor]) -> None:
     from pipeviz.widgets.experts import expert_imbalance
