@@ -56,6 +56,23 @@ def test_the_simulated_all_to_alls_are_the_runs_per_process_and_step() -> None:
     assert slower.step_time >= sim.step_time
 
 
+@pytest.mark.compat
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "schedule"), [("Qwen2-MoE", "1F1B"), ("moenet", "ZBVZeroBubble")])
+def test_fused_hf_experts_and_a_split_backward_simulated_as_run(kind: str, schedule: str) -> None:
+    """transformers 5.x's fused experts (rows read from the grouped matmul's input) and a split backward (the
+    input-grad pass exchanges, the weight-grad pass does not): the run's A2A count per process and step."""
+    if kind != "moenet":
+        pytest.importorskip("transformers")
+    run = _train(kind, schedule, steps=1)
+    sim = pv.simulate(run.plan, run.spec.config)
+    simulated = Counter(e.rank for e in sim.events if e.kind == "A2A")
+    counts = Counter((e.rank, e.step) for e in run.timeline().events if e.kind == "A2A")
+    assert simulated and all(n == simulated[run.mesh.coords(r).pp] for (r, _), n in counts.items()), (counts,
+                                                                                                      simulated)
+    assert all(s.row_bytes and all(b > 0 for b in s.row_bytes) for s in moe_stages(run.plan))
+
+
 def test_a_split_backward_exchanges_in_its_input_grad_pass(graph: pv.ModelGraph) -> None:
     plan = graph.split(["blocks.0", "blocks.1", "blocks.2"])  # one MoE block per stage, two stages per rank
     tl = pv.simulate(plan, _cfg("ZBVZeroBubble"))
