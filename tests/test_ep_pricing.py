@@ -100,6 +100,10 @@ def test_each_all_to_all_moves_the_rows_a_rank_sends_over_the_ep_link(graph: pv.
     assert tl.step_time > pv.simulate(plan, _cfg(), ep_bandwidth=100 * bw).step_time
     # the busiest owner's compute: charged on the experts' share of the stage, forward and backward
     assert pv.simulate(plan, _cfg(), expert_imbalance=2.0).step_time > pv.simulate(plan, _cfg()).step_time
+    # on a hardware (each replica's microbatch costed at its own size), the group's link: NVLink within a node
+    gpu = pv.simulate(plan, "1F1B", 4, dp=8, ep=8, hardware="h100")
+    assert Counter(e.rank for e in gpu.events if e.kind == "A2A") == {0: 32, 1: 32}
+    assert gpu.step_time < pv.simulate(plan, "1F1B", 4, dp=8, ep=8, hardware="h100", ep_bandwidth=1e9).step_time
 
 
 def test_a_rank_holds_one_ep_th_of_the_experts_weights_grads_and_optimizer_state(graph: pv.ModelGraph) -> None:

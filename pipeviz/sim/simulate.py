@@ -317,7 +317,7 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
         cp_f, cp_b = (ex.seconds("F"), ex.seconds("B")) if ex is not None else ((0.0,) * n, (0.0,) * n)
         collective = tuple(a + b for a, b in zip(tp_s, cp_f, strict=True))
         collective_back = tuple(a + b for a, b in zip(tp_b, cp_b, strict=True)) if launch or cp > 1 else None
-    costs = parallel_costs(costs, replace(mesh, dp=1, cp=1) if per_replica else mesh, collective=collective,
+    costs = parallel_costs(costs, replace(mesh, dp=1, cp=1, ep=1) if per_replica else mesh, collective=collective,
                            shares=shares, collective_backward=collective_back)
     if ex is not None:  # (op by op: compute of the process's own, contended like the rest; the gathered keys kept)
         costs = replace(costs, forward=tuple(f + o for f, o in zip(costs.forward, ex.op_seconds, strict=True)),
