@@ -49,7 +49,7 @@ def test_the_simulated_all_to_alls_are_the_runs_per_process_and_step() -> None:
     assert len(counts) == 4 and simulated == {0: 32, 1: 32}, (counts, simulated)
     assert all(n == simulated[run.mesh.coords(r).pp] for (r, _), n in counts.items()), (counts, simulated)
     assert {_enclosing(sim, e) for e in sim.events if e.kind == "A2A"} == {"F", "B"}
-    # the run's routing, read back as the factor the simulator takes: a random router is far from balanced
+    # the run's routing, read back as the factor the simulator takes (random weights: 1.12 measured, 3 steps)
     imbalance = measured_imbalance(run.expert_tokens, 2)
     assert 1.0 <= imbalance <= 2.0
     slower = pv.simulate(run.plan, run.spec.config, expert_imbalance=imbalance)

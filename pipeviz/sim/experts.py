@@ -27,7 +27,6 @@ Example:
 from __future__ import annotations
 
 import re
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -82,7 +81,7 @@ def moe_stages(plan: SplitPlan) -> list[MoeStage]:
     param_bytes = plan.graph.capture.param_bytes
     weightish = {op.index for op in ops if op.params and not op.inputs}  # ops of parameters alone
     seen_unit: set[str] = set()
-    rows: list[dict[str, float]] = [defaultdict(float) for _ in range(plan.num_stages)]
+    rows: list[dict[str, float]] = [{} for _ in range(plan.num_stages)]
     flops = [0] * plan.num_stages
     params: list[set[str]] = [set() for _ in range(plan.num_stages)]
     for op in ops:
