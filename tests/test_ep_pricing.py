@@ -124,3 +124,10 @@ def test_measured_imbalance_is_the_busiest_owners_tokens_over_the_mean() -> None
     assert measured_imbalance([], 2) == 1.0
     with pytest.raises(ValueError, match=r"expert_imbalance=0.5.*at least 1.0.*Fix"):
         pv.CostOptions(expert_imbalance=0.5)
+
+
+def test_ep_on_a_model_without_routed_experts_is_refused_naming_ep() -> None:
+    x = torch.randn(8, 8)
+    plan = pv.trace(pv.zoo.MyNetwork(8, [8, 8, 8, 8], 4), example_args=(x,)).split(["layer1"])
+    with pytest.raises(ValueError, match=r"ep=2: the model has no routed experts.*Fix: ep=1"):
+        pv.simulate(plan, "1F1B", 2, dp=2, ep=2)

@@ -166,9 +166,17 @@ def simulated_ep(plan: SplitPlan, microbatches: int, mesh: Mesh, via: tuple[floa
                  opts: CostOptions, cores: int | None) -> EpExchanges | None:
     """What ``pv.simulate`` charges for expert parallelism's exchanges (None without it): ``ep_exchanges``, on a CPU
     (no hardware and a CPU device, or ``"cpu"``) with the op-by-op forward, and a wait per ``A2A`` where the
-    processes outnumber the ``cores``."""
+    processes outnumber the ``cores``.
+
+    Raises:
+        ValueError: ``ep`` > 1 on a model without routed experts (as ``pv.launch`` refuses it, naming ep).
+    """
     if mesh.ep == 1:
         return None
+    if not any(st.blocks for st in moe_stages(plan)):
+        raise ValueError(f"ep={mesh.ep}: the model has no routed experts (no module named '<block>.experts.<e>' in an "
+                         "nn.ModuleList, nor transformers' fused experts) for expert parallelism to shard. Fix: ep=1, "
+                         "or a mixture-of-experts model.")
     hw = opts.hw
     cpu = hw.name == "cpu" if hw is not None else not str(opts.device).startswith("cuda")
     return ep_exchanges(plan, microbatches, mesh, via, scale, cpu, cores is not None and mesh.world > cores)
