@@ -51,9 +51,21 @@ def _train(kind: str, schedule: str, steps: int = 2, **launch: Any) -> pv.Run:
     return run
 
 
+_RUNS: dict[tuple[str, str, int], pv.Run] = {}
+
+
+def _train_once(kind: str, schedule: str, steps: int = 2) -> pv.Run:
+    """One finished (and checked) run per model, schedule and steps, read by every test that asks for it: each
+    launch is 4 processes, and the tests read a finished run without changing it."""
+    key = (kind, schedule, steps)
+    if key not in _RUNS:
+        _RUNS[key] = _train(kind, schedule, steps=steps)
+    return _RUNS[key]
+
+
 @pytest.mark.slow
 def test_moenet_pp2_dp2_ep2_under_1f1b_is_exact_with_a2a_actions_and_tokens_per_expert() -> None:
-    run = _train("moenet", "1F1B", steps=1)
+    run = _train_once("moenet", "1F1B", steps=1)
     kinds = Counter(e.kind for e in run.events)
     # each of 4 processes (one stage each), per block of its stage (2), per microbatch (4): the forward's dispatch
     # and combine, the backward's two reversed

@@ -39,6 +39,7 @@ class CostChanges(LinkOptions, total=False):
     recompute: str | None
     optimizer_states: int | None
     batch_scale: float | None
+    expert_imbalance: float | None
 
 
 
@@ -73,9 +74,15 @@ class CostOptions:
         batch_scale: the step's batch as a multiple of the traced example batch, in tokens (``pv.plan_cluster``
             plans a global batch and sequence length the graph was not traced with): compute, activations and
             hand-offs scale with it, parameters do not.
+        expert_imbalance: under expert parallelism (``ep`` > 1), the busiest expert owner's routed tokens over
+            the mean (``pipeviz.sim.experts.measured_imbalance(run.expert_tokens, ep)`` reads it from a run): every
+            rank of a group waits for it, so the routed experts' compute is charged that many times. Default 1.0,
+            a balanced router (what load-balancing losses aim at; a small random MoE measured higher, see
+            docs/experts.md).
 
     Raises:
-        ValueError: an unknown recompute mode, hardware or dtype (the message lists the valid ones).
+        ValueError: an unknown recompute mode, hardware or dtype (the message lists the valid ones), or an
+            ``expert_imbalance`` below 1.
     """
 
     hardware: Hardware | str | None = None
@@ -88,6 +95,7 @@ class CostOptions:
     backend: str | None = None
     optimizer_states: int = OPTIMIZER_STATES
     batch_scale: float = 1.0
+    expert_imbalance: float = 1.0
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
@@ -101,6 +109,10 @@ class CostOptions:
             object.__setattr__(self, "dtype", dtype_name(self.dtype))
         if not self.batch_scale > 0:
             raise ValueError(f"batch_scale must be positive, got {self.batch_scale!r}.")
+        if not self.expert_imbalance >= 1.0:
+            raise ValueError(f"expert_imbalance={self.expert_imbalance!r}: the busiest expert owner's tokens over the "
+                             "mean, at least 1.0. Fix: 1.0 (balanced) or a measured factor "
+                             "(pipeviz.sim.experts.measured_imbalance).")
 
     @classmethod
     def of(cls, options: CostOptions | None = None, **changes: Unpack[CostChanges]) -> CostOptions:

@@ -27,8 +27,8 @@ from pipeviz.schedule import traits as sched
 from pipeviz.schedule.config import LaunchConfig
 from pipeviz.schedule.mesh import DIMS, Mesh
 from pipeviz.schedule.training import cross_entropy
-from pipeviz.sim.collectives import Collectives, reduction_floor
-from pipeviz.sim.simulate import gradient_bytes, replica_link
+from pipeviz.sim.collectives import Collectives, gradient_bytes, reduction_floor
+from pipeviz.sim.simulate import replica_link
 
 if TYPE_CHECKING:
     from pipeviz.capture.view import GraphView

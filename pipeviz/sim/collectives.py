@@ -17,19 +17,21 @@ from typing import TYPE_CHECKING
 
 from pipeviz.cost.calibration import constant
 from pipeviz.cost.comm import DDP_BUCKET_BYTES, all_reduce_time, cp_exchange_bytes, cp_exchange_seconds, ddp_buckets
-from pipeviz.cost.machine import dtype_name
+from pipeviz.cost.machine import DTYPE_BYTES, dtype_name
 from pipeviz.cost.memory import stages_and_kinds
 from pipeviz.cost.model import Costs
 from pipeviz.schedule import traits as sched
 from pipeviz.schedule.mesh import Mesh
 from pipeviz.schedule.timeline import Event
+from pipeviz.sim.experts import EpExchanges
 
 if TYPE_CHECKING:
     from pipeviz.cost.options import CostOptions
     from pipeviz.plan.split import SplitPlan
 
 __all__ = ["DP_REDUCE", "MEGATRON_BUCKET_PARAMS", "Collectives", "CpExchanges", "Reduction", "cp_actions",
-           "cp_exchanges", "reduction_floor", "simulated_cp"]
+           "cp_exchanges", "gradient_bytes", "reduction_floor", "replica_reduction",
+           "simulated_cp", "traced_element_bytes"]
 
 DP_REDUCE = ("ddp", "after_flush", "distributed", "overlap")
 TP_LAYOUTS = ("launch", "megatron")
@@ -323,10 +325,11 @@ def simulated_cp(plan: SplitPlan, microbatches: int, mesh: Mesh, via: tuple[floa
     return cp_exchanges(plan, microbatches, mesh, via, scale, cpu, cores is not None and mesh.world > cores)
 
 
-def cp_actions(events: Sequence[Event], ex: CpExchanges) -> list[Event]:
-    """A ``CP`` event for each exchange of every simulated compute action, inside it, as the run times them: the
-    action's exchanges spread over its span with its compute between them (where in the action an attention
-    falls is not modelled; their count and seconds are what the run issues)."""
+def cp_actions(events: Sequence[Event], ex: CpExchanges | EpExchanges, kind: str = "CP") -> list[Event]:
+    """A ``CP`` event (``kind``: ``"A2A"`` for expert parallelism's ``EpExchanges``) for each exchange of every
+    simulated compute action, inside it, as the run times them: the action's exchanges spread over its span with
+    its compute between them (where in the action an attention or a MoE block falls is not modelled; their count
+    and seconds are what the run issues)."""
     out = []
     for e in events:
         if e.kind not in ("F", "B", "I") or e.stage < 0:
@@ -339,6 +342,34 @@ def cp_actions(events: Sequence[Event], ex: CpExchanges) -> list[Event]:
         for x in xs:
             t += gap
             end = min(e.end, t + x)
-            out.append(Event(e.rank, e.stage, "CP", e.mb, t, end, e.step))
+            out.append(Event(e.rank, e.stage, kind, e.mb, t, end, e.step))
             t = end
     return out
+
+
+def gradient_bytes(plan: SplitPlan | None, coll: Collectives) -> tuple[float, float]:
+    """How the replicas' gradients are reduced, in bytes: their size relative to the traced parameters' (the
+    ``grad_dtype``'s, 1 without one) and the bytes of one element (what Megatron's buckets count in)."""
+    traced = traced_element_bytes(plan)
+    if not coll.grad_dtype:
+        return 1.0, traced
+    return DTYPE_BYTES[coll.grad_dtype] / traced, float(DTYPE_BYTES[coll.grad_dtype])
+
+
+def traced_element_bytes(plan: SplitPlan | None) -> float:
+    """Bytes of one parameter element as traced (the parameters' average; 4 without a plan)."""
+    if plan is None:
+        return 4.0
+    cap = plan.graph.capture
+    numel = sum(cap.param_numel.values())
+    return (sum(cap.param_bytes.values()) / numel if numel else 4.0) or 4.0
+
+
+def replica_reduction(plan: SplitPlan | None, acts: sched.Order, lay: sched.Layout, costs: Costs, holders: int,
+                      via: tuple[float, float], coll: Collectives, dtype: str | None) -> Reduction:
+    """The ``Reduction`` of ``pv.simulate``: the gradients of ``holders`` processes holding the same parameters
+    averaged on link ``via`` as ``coll`` says, in its ``grad_dtype`` (else the traced one), the distributed
+    optimizer's parameters gathered in the training ``dtype``."""
+    grad, element = gradient_bytes(plan, coll)
+    param = DTYPE_BYTES[dtype] / traced_element_bytes(plan) if dtype else 1.0
+    return Reduction(acts, lay, costs, holders, via, coll.dp_reduce, grad, param, element)

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 from pipeviz._compat import deprecated, positional_legacy
 from pipeviz.cost.comm import tp_collectives
-from pipeviz.cost.machine import DTYPE_BYTES
 from pipeviz.cost.memory import activation_curve, memory_per_rank, peak_activations
 from pipeviz.cost.model import Costs, overlapped, parallel_costs, stage_costs
 from pipeviz.cost.options import CostChanges, CostOptions
@@ -43,8 +42,9 @@ from pipeviz.schedule.config import LaunchConfig, dp_reduce_mode, launch_config
 from pipeviz.schedule.mesh import Mesh
 from pipeviz.schedule.tensor_parallel import sharded_modules
 from pipeviz.schedule.timeline import Event, Timeline
-from pipeviz.sim.collectives import DP_REDUCE, Collectives, Reduction, cp_actions, simulated_cp
+from pipeviz.sim.collectives import DP_REDUCE, Collectives, Reduction, cp_actions, replica_reduction, simulated_cp
 from pipeviz.sim.engine import check_order, contended, play, play_on_cores, runtime_actions
+from pipeviz.sim.experts import simulated_ep, with_experts
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -72,6 +72,7 @@ class SimulateOptions(CostChanges, total=False):
     dp: int
     cp: int
     tp: int
+    ep: int
     dp_shard: bool
     tp_plan: Mapping[str, str] | None
     sequence_parallel: bool
@@ -95,6 +96,7 @@ def simulate(
     dp_bandwidth: float | None = None,
     tp_bandwidth: float | None = None,
     cp_bandwidth: float | None = None,
+    ep_bandwidth: float | None = None,
     **given: Unpack[SimulateOptions],
 ) -> Timeline:
     """Simulate one step of ``plan`` as ``pv.launch`` would run it with ``config``.
@@ -137,8 +139,9 @@ def simulate(
             measured 12-24 % longer than simulated.
         optimizer_states (a ``CostOptions`` field, as a keyword too): tensors of optimizer state per parameter for
             the memory figure (default Adam's 2).
-        dp_bandwidth, tp_bandwidth, cp_bandwidth: bytes/s of the replicas', shards' and sequence shares' links
-            (default: the pipeline's link, or the hardware's for the span of the group; latency from the same).
+        dp_bandwidth, tp_bandwidth, cp_bandwidth, ep_bandwidth: bytes/s of the replicas', shards', sequence
+            shares' and expert-parallel groups' links (default: the pipeline's link, or the hardware's for the span
+            of the group; latency from the same).
 
     The layout (``config.dp``, ``cp``, ``tp``):
 
@@ -152,6 +155,11 @@ def simulate(
       and values across the shares in its forward and reduce-scatters their gradients in its backward, on the
       link the group spans, not overlapped, each a ``"CP"`` event inside its action, as the run issues and times
       them (``pipeviz.sim.collectives.cp_exchanges``; on a CPU with what running a share op by op costs).
+    - ``ep``: each MoE block's routed experts shared out over ``ep`` replicas (``pipeviz.sim.experts``): per block
+      each forward and backward (or ``I``) pays two all-to-alls (``"A2A"`` events inside it, as the run issues
+      them) on the group's link, the forward a count exchange (on a CPU its op-by-op run) too, compute the
+      busiest owner's (``expert_imbalance``), and a rank holds 1/ep of the experts' weights (the layout
+      torchtitan runs; ``pv.launch`` still holds them all, so its measured memory is higher).
     - ``tp`` shards per stage: compute divides by tp, parameters (with gradients and optimizer state) and
       activations by what the launch's layout cuts (``pipeviz.cost.sharding.tp_shares``); each forward and each
       backward (or input-grad pass) pays the collectives that layout issues (``config.tp_plan`` or
@@ -197,7 +205,8 @@ def simulate(
     coll = collectives or _run_collectives(cfg)
     acts = None if order is None else sched.order_of(order)  # a user's order, text or Actions, read here once
     return _simulate(plan, cfg, forward_only, _Extras(costs, opts, coll, acts, num_stages, cores,
-                                                       dp_bandwidth, tp_bandwidth, cp_bandwidth, stage_modes))
+                                                       dp_bandwidth, tp_bandwidth, cp_bandwidth, stage_modes,
+                                                       ep_bandwidth))
 
 
 @functools.lru_cache(maxsize=256)  # (a deep pipeline's order holds 10^5 actions: a few MB each)
@@ -257,6 +266,7 @@ class _Extras:
     tp_bandwidth: float | None
     cp_bandwidth: float | None
     stage_modes: tuple[str, ...] = ()  # per stage recomputation modes, where they differ (else options.recompute)
+    ep_bandwidth: float | None = None
 
 
 def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: _Extras) -> Timeline:
@@ -267,7 +277,7 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
     if n is None:
         raise ValueError("simulate() needs a plan, or num_stages with costs.")
     lay = sched.layout(cfg.schedule, n, spr)
-    mesh = Mesh(lay.num_ranks, cfg.dp, cfg.tp, cfg.cp)
+    mesh = Mesh(lay.num_ranks, cfg.dp, cfg.tp, cfg.cp, cfg.ep)
     dp, cp, tp = mesh.dp, mesh.cp, mesh.tp
     order = x.order if x.order is not None else cfg.actions()
     acts = ([list(rank_acts) for rank_acts in order] if order is not None
@@ -307,7 +317,7 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
         cp_f, cp_b = (ex.seconds("F"), ex.seconds("B")) if ex is not None else ((0.0,) * n, (0.0,) * n)
         collective = tuple(a + b for a, b in zip(tp_s, cp_f, strict=True))
         collective_back = tuple(a + b for a, b in zip(tp_b, cp_b, strict=True)) if launch or cp > 1 else None
-    costs = parallel_costs(costs, replace(mesh, dp=1, cp=1) if per_replica else mesh, collective=collective,
+    costs = parallel_costs(costs, replace(mesh, dp=1, cp=1, ep=1) if per_replica else mesh, collective=collective,
                            shares=shares, collective_backward=collective_back)
     if ex is not None:  # (op by op: compute of the process's own, contended like the rest; the gathered keys kept)
         costs = replace(costs, forward=tuple(f + o for f, o in zip(costs.forward, ex.op_seconds, strict=True)),
@@ -315,6 +325,10 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
                                                                      strict=True)))
     if coll.tp_overlap and costs.collective:
         costs = overlapped(costs)
+    ep_ex = None if plan is None else simulated_ep(plan, microbatches, mesh, links["ep"],
+                                                   opts.byte_scale(plan.graph) * opts.batch_scale, opts, cores)
+    if ep_ex is not None and plan is not None:  # (after tp's overlap: the experts wait for their rows)
+        costs, ep_ex = with_experts(costs, plan, ep_ex, mesh.ep, opts.expert_imbalance)
     # (full recomputation: the backward's recomputed forward pays the forward's collectives again; Megatron-LM:
     # 4 all-reduces per block in a recomputing backward, 2 in a forward)
     extra_backward = [c * int(opts.recompute == "full") for c in costs.collective] if costs.collective else []
@@ -330,10 +344,7 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
     def run(c: Costs) -> tuple[list[Event], Reduction | None]:
         red = None
         if holders > 1 and not forward_only:
-            grad, element = gradient_bytes(plan, coll)
-            traced = _traced_element_bytes(plan)
-            param = DTYPE_BYTES[opts.dtype] / traced if opts.dtype else 1.0
-            red = Reduction(acts, lay, c, holders, links["dp"], coll.dp_reduce, grad, param, element)
+            red = replica_reduction(plan, acts, lay, c, holders, links["dp"], coll, opts.dtype)
         if share >= lay.num_ranks:
             return play(acts, lay, c, n, red), red
         slots = math.ceil(share)
@@ -346,8 +357,8 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
         events, red = run(costs)
     if red is not None:
         events += red.after_step(events)
-    if ex is not None:
-        events += cp_actions(events, ex)
+    for exchanges, kind in ((ex, "CP"), (ep_ex, "A2A")):
+        events += cp_actions(events, exchanges, kind) if exchanges is not None else []
     peaks = ([max(costs.activation_bytes[s] for s in lay.stages_of(r)) for r in lay.ranks] if forward_only
              else peak_activations(acts, costs.activation_bytes, costs.weight_fraction, costs.input_freed))
     memory = memory_per_rank(None, lay.schedule, microbatches, spr, optimizer_states, costs=costs,
@@ -376,12 +387,14 @@ def _links(mesh: Mesh, opts: CostOptions, x: _Extras) -> dict[str, tuple[float, 
     the link the group spans; else the pipeline's; a given bandwidth overrides either."""
     bw, lat = opts.link(2)
     hw = opts.hw
-    out = {"dp": (bw, lat), "tp": (bw, lat), "cp": (bw, lat)}
+    out = {"dp": (bw, lat), "tp": (bw, lat), "cp": (bw, lat), "ep": (bw, lat)}
     if hw is not None:
         out["tp"] = opts.link(mesh.tp, allreduce=True)
         out["cp"] = opts.link(mesh.rank(0, cp=mesh.cp - 1) + 1, allreduce=True)
         out["dp"] = replica_link(mesh, opts)
-    for name, given in (("dp", x.dp_bandwidth), ("tp", x.tp_bandwidth), ("cp", x.cp_bandwidth)):
+        out["ep"] = opts.link(mesh.rank(0, dp=mesh.ep - 1, cp=mesh.cp - 1) + 1)  # replicas g·ep … (g+1)·ep − 1
+    for name, given in (("dp", x.dp_bandwidth), ("tp", x.tp_bandwidth), ("cp", x.cp_bandwidth),
+                        ("ep", x.ep_bandwidth)):
         if given:
             out[name] = (given, out[name][1])
     return out
@@ -420,24 +433,6 @@ def _placed_comm(costs: Costs, lay: sched.Layout, mesh: Mesh, opts: CostOptions,
         else:
             out.append(nbytes / bw + lat)
     return tuple(out)
-
-
-def gradient_bytes(plan: SplitPlan | None, coll: Collectives) -> tuple[float, float]:
-    """How the replicas' gradients are reduced, in bytes: their size relative to the traced parameters' (the
-    ``grad_dtype``'s, 1 without one) and the bytes of one element (what Megatron's buckets count in)."""
-    traced = _traced_element_bytes(plan)
-    if not coll.grad_dtype:
-        return 1.0, traced
-    return DTYPE_BYTES[coll.grad_dtype] / traced, float(DTYPE_BYTES[coll.grad_dtype])
-
-
-def _traced_element_bytes(plan: SplitPlan | None) -> float:
-    """Bytes of one parameter element as traced (the parameters' average; 4 without a plan)."""
-    if plan is None:
-        return 4.0
-    cap = plan.graph.capture
-    numel = sum(cap.param_numel.values())
-    return (sum(cap.param_bytes.values()) / numel if numel else 4.0) or 4.0
 
 
 @dataclass(frozen=True)
