@@ -39,7 +39,7 @@ test: setup
 
 # The compatibility step (the `compat` marker): the HF matrix (20 architectures x 3 schedules, and each built on
 # the meta device), the LLaMA / Mixtral / MoE families under the 4 schedules `make test` leaves out, the heavier
-# composition tests and notebooks (demos 03, 05-06, lessons 03 onwards), Mixtral under every schedule.
+# composition tests and notebooks (demos 03-06, lessons 02 onwards), Mixtral under every schedule.
 compat: setup
 	$(PY) -m pytest -m compat
 

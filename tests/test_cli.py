@@ -59,6 +59,7 @@ def test_demo_bad_option_is_a_clear_error(tmp_path: Path) -> None:
     assert "pipeviz: Unknown schedule 'gpipee'. Did you mean 'GPipe'?" in proc.stderr
 
 
+@pytest.mark.compat  # make compat (CI): keeps make test within 10 minutes (the demo's report is tested above)
 def test_demo_trains_as_large_runs_train(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Accumulation, a warm-up-cosine schedule, clipping, bf16, compiled stages and a held-out batch from the CLI:
     the run still matches the unsplit model trained the same way (held-out losses included)."""

@@ -234,12 +234,13 @@ def notebook_runs(request: pytest.FixtureRequest,
 
 
 # Run by `make compat` (CI runs both), keeping `make test` within its 10 minutes on 2 cores: the demos that compare
-# schedules, scale out or build big models and the lessons from the third on (each 9-50 s of real runs; with lesson
-# 10 in it, `make test`'s pytest took 10 min 13-23 s here, and 9 min 16 s with lesson 4 on a clean clone, where ruff,
-# mypy and the notebook check add 1 min 17 s; 9 min 43 s with lesson 3 and demo 3, 2026-12-06).
-COMPAT_NOTEBOOKS = {"notebooks/03_schedules_compared.ipynb", "notebooks/05_scale_out.ipynb",
-                    "notebooks/06_llama_moe_and_big_models.ipynb",
-                    *(n for n in TUTORIALS if int(Path(n).name.split("_")[0]) >= 3)}
+# schedules, show skips, scale out or build big models and the lessons from the second on (each 9-50 s of real runs;
+# with lesson 10 in it, `make test`'s pytest took 10 min 13-23 s here, and 9 min 16 s with lesson 4 on a clean clone,
+# where ruff, mypy and the notebook check add 1 min 17 s; `make test` 10 min 21 s with lessons 2-3 and demos 3-4,
+# 2026-12-06). `make test` keeps the quickstart, demo 02 and lesson 01.
+COMPAT_NOTEBOOKS = {"notebooks/03_schedules_compared.ipynb", "notebooks/04_skips_and_shared_weights.ipynb",
+                    "notebooks/05_scale_out.ipynb", "notebooks/06_llama_moe_and_big_models.ipynb",
+                    *(n for n in TUTORIALS if int(Path(n).name.split("_")[0]) >= 2)}
 
 
 @pytest.mark.slow
