@@ -23,6 +23,7 @@ from pipeviz.cost.model import Costs
 from pipeviz.schedule import traits as sched
 from pipeviz.schedule.mesh import Mesh
 from pipeviz.schedule.timeline import Event
+from pipeviz.sim.exchanges import StageExchanges
 from pipeviz.sim.experts import EpExchanges
 
 if TYPE_CHECKING:
@@ -264,7 +265,7 @@ class Reduction:
 
 
 @dataclass(frozen=True)
-class CpExchanges:
+class CpExchanges(StageExchanges):
     """Context parallelism's exchanges as a run issues them (``pipeviz.adapter.context_graph``), per stage: the
     seconds of each in one forward (keys and values all-gathered, one per attention op) and in one backward (their
     gradients reduce-scattered; ``I`` under a split backward, never ``W``), and ``op_seconds``, what the share's
@@ -278,20 +279,8 @@ class CpExchanges:
         >>> ex.seconds("F"), len(ex.each(0, "B"))      # per stage; the exchanges of stage 0's backward
     """
 
-    forward: tuple[tuple[float, ...], ...]
-    backward: tuple[tuple[float, ...], ...]
     op_seconds: tuple[float, ...]
     saved_bytes: tuple[int, ...]
-
-    def each(self, stage: int, kind: str) -> tuple[float, ...]:
-        """The exchanges an action of ``kind`` (``F``, ``B``, ``I``, ``W``) of ``stage`` issues, in order."""
-        if kind == "F":
-            return self.forward[stage]
-        return self.backward[stage] if kind in ("B", "I") else ()
-
-    def seconds(self, kind: str) -> tuple[float, ...]:
-        """Per stage, the exchanges' seconds in one action of ``kind``."""
-        return tuple(sum(self.each(s, kind)) for s in range(len(self.forward)))
 
 
 def cp_exchanges(plan: SplitPlan, microbatches: float, mesh: Mesh, via: tuple[float, float], scale: float = 1.0,

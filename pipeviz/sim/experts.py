@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeviz.cost.calibration import constant
 from pipeviz.cost.model import Costs
+from pipeviz.sim.exchanges import StageExchanges
 
 if TYPE_CHECKING:
     from pipeviz.capture.ops import Op
@@ -103,7 +104,7 @@ def moe_stages(plan: SplitPlan) -> list[MoeStage]:
 
 
 @dataclass(frozen=True)
-class EpExchanges:
+class EpExchanges(StageExchanges):
     """Expert parallelism's exchanges as a run issues them, per stage: the seconds of each ``A2A`` in one forward
     (dispatch, combine per block) and in one backward (the same reversed: ``B`` or ``I``, never ``W``),
     ``count_seconds`` (the forward's count exchanges, untimed by the run: charged in the forward, no event),
@@ -111,21 +112,9 @@ class EpExchanges:
     ``imbalance_seconds`` (per stage, the busiest owner's extra expert compute in one forward; the backward pays
     twice it)."""
 
-    forward: tuple[tuple[float, ...], ...]
-    backward: tuple[tuple[float, ...], ...]
     count_seconds: tuple[float, ...]
     op_seconds: tuple[float, ...] = ()
     imbalance_seconds: tuple[float, ...] = ()
-
-    def each(self, stage: int, kind: str) -> tuple[float, ...]:
-        """The ``A2A`` exchanges an action of ``kind`` (``F``, ``B``, ``I``, ``W``) of ``stage`` issues, in order."""
-        if kind == "F":
-            return self.forward[stage]
-        return self.backward[stage] if kind in ("B", "I") else ()
-
-    def seconds(self, kind: str) -> tuple[float, ...]:
-        """Per stage, the ``A2A`` seconds in one action of ``kind``."""
-        return tuple(sum(self.each(s, kind)) for s in range(len(self.forward)))
 
 
 def a2a_seconds(nbytes: float, ep: int, via: tuple[float, float]) -> float:
