@@ -31,7 +31,9 @@ bundle came without it asks the kernel with a message (``{"event": "bundle?"}``)
 one binary buffer (``{"event": "bundle"}``): the restore is 0.28 MB, and plotly.js follows in its own message, which
 no fixed wait times. Every bundle model on a page loads the first answer (the kernel's answer reaches each page and
 frame showing its widgets; one already loaded ignores it). The figures wait for it in ``render`` as before; a kernel
-busy with a cell answers when the cell ends, so a page reloaded meanwhile draws its figures then.
+busy with a cell answers when the cell ends, so a page reloaded meanwhile draws its figures then. (ipywidgets'
+``embed_minimal_html`` reads the states as a restore does: an HTML file it writes has no plotly.js for the figures;
+nbconvert's pages of an executed notebook have it, from the opening state.)
 
 And every click reaches Python. plotly's widget sends hovers, unhovers and clicks through one synced trait
 (``_js2py_pointsCallback``), and ipywidgets lets one state message per widget wait on the kernel at a time: what the
@@ -192,8 +194,8 @@ _carrier: PlotlyBundle | None = None
 
 
 def plotly_bundle() -> PlotlyBundle | None:
-    """The kernel's one ``PlotlyBundle``: an invisible widget whose state carries plotly's widget module for every
-    ``LiveFigure`` on the page (made on first use, again after it was closed). A view that holds figures shows it
+    """The kernel's one ``PlotlyBundle``: an invisible widget that brings plotly's widget module to the page for
+    every ``LiveFigure`` (made on first use, again after it was closed). A view that holds figures shows it
     hidden beside them, so that a front end that keeps each output apart (Colab's frames) has it there too.
     ``None`` before plotly 6, whose figures need none."""
     global _carrier
