@@ -22,18 +22,20 @@ makes sure it exists, and the views that hold figures show it, hidden, beside th
 
 And plotly.js is in no state a page restores. The ``PlotlyBundle`` sends it in the state it opens with (a page that
 sees it made loads it at once, even while the kernel then runs a long cell: "Run All" over a live timeline followed
-by ``run.wait()``; nbclient keeps that state in an executed notebook, so a static page with widget state has it), and
-never again as state: the state ipywidgets' control comm sends a reloaded page for every widget ("request_states"),
-or one widget's on a frame's "request_state", leaves it out. The restore after a reload still carried it: 5.2 MB of
-5.3 MB for the browser test's Explorer (257 models), which overran the widget manager's fixed 4 s wait for that
-reply on a machine at load 5-8 ("Error displaying widget: model not found", issue 43, run 10 of 10). A page whose
-bundle came without it asks the kernel with a message (``{"event": "bundle?"}``), answered with plotly's module as
-one binary buffer (``{"event": "bundle"}``): the restore is 0.28 MB, and plotly.js follows in its own message, which
-no fixed wait times. Every bundle model on a page loads the first answer (the kernel's answer reaches each page and
-frame showing its widgets; one already loaded ignores it). The figures wait for it in ``render`` as before; a kernel
-busy with a cell answers when the cell ends, so a page reloaded meanwhile draws its figures then. (ipywidgets'
-``embed_minimal_html`` reads the states as a restore does: an HTML file it writes has no plotly.js for the figures;
-nbconvert's pages of an executed notebook have it, from the opening state.)
+by ``run.wait()``; nbclient keeps that state in an executed notebook, so a static page with widget state has it),
+and never again as state: the state ipywidgets' control comm sends a reloaded page for every widget
+("request_states"), or one widget's on a frame's "request_state", leaves it out. The restore after a reload used to
+carry it, 5.1 MB of the 5.4 MB a fresh Explorer's 257 widgets restore (5.2 MB in the browser test), which overran
+the widget manager's fixed 4 s wait for that reply on a machine at load 5-8 ("Error displaying widget: model not
+found", issue 43: the browser test's last step, 1 run of 10). A page whose bundle came without it asks the kernel
+with a message (``{"event": "bundle?"}``), answered with plotly's module as one binary buffer
+(``{"event": "bundle"}``, 4.96 MB): the restore is 0.28 MB (0.45-0.48 MB at the end of the browser test), and
+plotly.js follows in its own message, which no fixed wait times (2026-12-06, 2 cores at load 7-16: the browser test
+passed 10 runs of 10). Every bundle model on a page loads the first answer (the kernel's answer reaches each page
+and frame showing its widgets; one already loaded ignores it). The figures wait for it in ``render`` as before; a
+kernel busy with a cell answers when the cell ends, so a page reloaded meanwhile draws its figures then.
+(ipywidgets' ``embed_minimal_html`` reads the states as a restore does: an HTML file it writes has no plotly.js for
+the figures; nbconvert's pages of an executed notebook have it, from the opening state.)
 
 And every click reaches Python. plotly's widget sends hovers, unhovers and clicks through one synced trait
 (``_js2py_pointsCallback``), and ipywidgets lets one state message per widget wait on the kernel at a time: what the
@@ -42,9 +44,9 @@ previous message (its hover over that very marker, or the deltas it sends once d
 that buffer, and the unhover of the mouse leaving the marker replaced it: the kernel never saw the click (issue 43:
 the first click after the Explorer rendered, lost in 2 runs of 4 with both cores busy; 0 of 5 when the mouse stayed
 on the marker). A ``LiveFigure``'s page module sends each click as its own message instead (``model.send``: never
-buffered, merged or dropped; the kernel handles it in turn, however busy), and the trait's copy of a click is ignored.
-The module marks the chart ``data-pipeviz-clicks="live"`` once its click listener is attached: a click from then on
-reaches Python.
+buffered, merged or dropped; the kernel handles it in turn, however busy), and the trait's copy of a click is
+ignored. The module marks the chart ``data-pipeviz-clicks="live"`` once its click listener is attached: a click from
+then on reaches Python.
 """
 
 from __future__ import annotations
