@@ -52,7 +52,7 @@ _FUSED = re.compile(r"^(?P<block>.+\.experts)$")  # transformers 5.x's fused exp
 class MoeStage:
     """One stage's routed experts, from the trace: ``blocks`` (the experts' modules, in graph order), per block
     ``row_bytes`` (the rows routed to its experts in one forward of the traced batch: tokens x top-k x hidden x
-    dtype), ``expert_flops`` (the routed experts' forward FLOPs; transformers' fused grouped matmul counts none)
+    dtype), ``expert_flops`` (the routed experts' forward FLOPs: their rows only, top-k of E per token)
     and ``expert_param_bytes`` (their weights)."""
 
     blocks: tuple[str, ...] = ()
