@@ -453,8 +453,9 @@ def repeat_layers(graph: ModelGraph, container: str, total: int) -> ModelGraph:
 def planning_graph(name_or_path: str, seq_len: int | None = None, blocks: int | None = 2) -> tuple[ModelGraph, int]:
     """A well-known model or an HF config (``from_config``) traced for planning on the meta device at
     ``seq_len`` tokens (default: the model's), and that length. With ``blocks`` (default 2) only that many
-    decoder blocks (after the config's leading dense ones, DeepSeek's ``first_k_dense_replace``) are traced and the last is repeated to the config's depth (``repeat_layers``): minutes become
-    seconds for a 70B or 405B model. ``blocks=None``, or a config whose blocks differ (``layer_types``), traces
+    decoder blocks (after the config's leading dense ones, DeepSeek's ``first_k_dense_replace``) are traced and
+    the last is repeated to the config's depth (``repeat_layers``): minutes become seconds for a 70B or 405B
+    model. ``blocks=None``, or a config whose blocks differ (``layer_types``), traces
     the full depth.
 
     Example:
