@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ep_degrees", "expert_costs", "expert_counts"]
 
+_LISTED = re.compile(r"^(?P<block>.+\.experts)\.\d+$")  # an nn.ModuleList's expert (MoENet, transformers 4.x)
 _EXPERTS = re.compile(r"^.+\.experts$")  # a block's routed experts (not Qwen2-MoE's shared_expert, DeepSeek's
 # shared_experts: the character before "experts" is a dot)
 
@@ -36,12 +37,19 @@ def expert_counts(graph: GraphView) -> dict[str, int]:
     transformers 5.x's fused experts (3-D ``gate_up_proj`` / ``down_proj``) by their leading dim. Empty for a dense
     model. (A ``zoo.repeat_layers`` copy of a block is counted as the traced block it copies.)"""
     cap = graph.capture
-    computed = sorted({name for op in cap.ops for name in op.stack if _EXPERTS.match(name)})
+    listed: dict[str, set[str]] = {}  # block -> its experts seen in the ops (a ModuleList is never called itself)
+    fused: set[str] = set()
+    for op in cap.ops:
+        for name in op.stack:
+            if m := _LISTED.match(name):
+                listed.setdefault(m["block"], set()).add(name)
+            elif _EXPERTS.match(name):
+                fused.add(name)
     counts: dict[str, int | None] = {}
-    for name in computed:
+    for name in sorted(fused | set(listed)):
         _, children = cap.modules.get(name, ("", ()))
-        listed = [c for c in children if re.fullmatch(re.escape(name) + r"\.\d+", c)]
-        counts[name] = len(listed) if listed else _fused_count(cap.model, name)
+        entries = [c for c in children if re.fullmatch(re.escape(name) + r"\.\d+", c)] or listed.get(name)
+        counts[name] = len(entries) if entries else _fused_count(cap.model, name)
     traced = [n for n in counts.values() if n]
     return {k: v or traced[0] for k, v in counts.items() if v or traced}
 
