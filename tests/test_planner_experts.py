@@ -130,3 +130,22 @@ def test_moe_configs_build_on_meta(name: str, params: float, experts: int) -> No
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(params, rel=2e-3)
     fused = [m for n, m in model.named_modules() if n.endswith(".mlp.experts")]
     assert fused and all(m.num_experts == experts for m in fused)
+
+
+def test_deepseeks_keys_are_not_relayed_to_the_head() -> None:
+    """DeepSeek-V3's attention builds its keys by ``copy_`` into a fresh tensor: an in-place op's result is no model
+    output, so a hand-off carries the hidden states (and the rotary tables), not every earlier layer's keys."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+                           first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                           num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
+                           qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, vocab_size=128)
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(cfg)
+    graph = pv.trace(model, example_args=(torch.zeros(1, SEQ, dtype=torch.long),))
+    assert expert_counts(graph) and set(expert_counts(graph).values()) == {8}
+    sends = [s.send_bytes for s in graph.split(["model.layers.1", "model.layers.2"]).stages[:-1]]
+    hidden = SEQ * 64 * 4
+    keys = SEQ * 4 * (16 + 8) * 4  # one layer's keys: relayed, each boundary would carry one more layer's
+    assert max(sends) < 2 * hidden and sends[1] - sends[0] < keys / 4, sends
