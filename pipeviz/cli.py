@@ -198,8 +198,9 @@ def plan(a: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pipeviz: {exc}", file=sys.stderr)
         return 2
-    how = "" if a.full_trace or not any("repeat_layers" in n for n in graph.notes) else \
-        " (2 blocks traced, the last repeated: --full-trace to trace every block)"
+    traced = next((n.split()[5] for n in graph.notes if "repeat_layers" in n), None)  # "Planned from a trace of k"
+    how = "" if a.full_trace or traced is None else \
+        f" ({traced} blocks traced, the last repeated: --full-trace to trace every block)"
     print(f"{source}: {graph.total_params / 1e9:.2f} B parameters, {len(graph.layers)} layers, traced on the meta "
           f"device at {seq} tokens in {time.time() - t:.1f} s{how}")
     t = time.time()

@@ -7,6 +7,8 @@ of ``pipeviz.zoo.CONFIGS`` built on the meta device."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 
 import pytest
 import torch
@@ -132,6 +134,7 @@ def test_moe_configs_build_on_meta(name: str, params: float, experts: int) -> No
     assert fused and all(m.num_experts == experts for m in fused)
 
 
+@pytest.mark.compat  # (8 s here: a DeepSeek-V3 trace)
 def test_deepseeks_keys_are_not_relayed_to_the_head() -> None:
     """DeepSeek-V3's attention builds its keys by ``copy_`` into a fresh tensor: an in-place op's result is no model
     output, so a hand-off carries the hidden states (and the rotary tables), not every earlier layer's keys."""
@@ -149,3 +152,25 @@ def test_deepseeks_keys_are_not_relayed_to_the_head() -> None:
     hidden = SEQ * 64 * 4
     keys = SEQ * 4 * (16 + 8) * 4  # one layer's keys: relayed, each boundary would carry one more layer's
     assert max(sends) < 2 * hidden and sends[1] - sends[0] < keys / 4, sends
+
+
+@pytest.mark.compat  # (6 s here: the CLI traces and plans)
+def test_cli_plan_ep(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``pipeviz plan --ep``: the rows' ep column; a bad ep refused with the planner's message, exit 2."""
+    from transformers import MixtralConfig
+
+    from pipeviz.cli import main
+
+    cfg = MixtralConfig(hidden_size=H, intermediate_size=FF, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=128, num_local_experts=E, num_experts_per_tok=K,
+                        max_position_embeddings=SEQ, architectures=["MixtralForCausalLM"])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    args = ["plan", "--config", str(path), "--gpus", "8", "--global-batch", "16", "--top", "3", "--no-synthesize"]
+    assert main([*args, "--ep", "3"]) == 2
+    assert "pipeviz: ep=3 does not divide the 8 routed experts" in capsys.readouterr().err
+    assert main([*args, "--ep", "4", "--export", "megatron"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.lstrip().startswith("#"))
+    assert header.split()[:6] == ["#", "pp", "dp", "tp", "ep", "schedule"]
+    assert "--expert-model-parallel-size 4" in out and " ep4 " in out
