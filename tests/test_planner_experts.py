@@ -174,3 +174,14 @@ def test_cli_plan_ep(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str])
     header = next(line for line in out.splitlines() if line.lstrip().startswith("#"))
     assert header.split()[:6] == ["#", "pp", "dp", "tp", "ep", "schedule"]
     assert "--expert-model-parallel-size 4" in out and " ep4 " in out
+
+
+def test_tp_and_ep_cut_the_experts_once(mixtral: pv.ModelGraph) -> None:
+    """With tp the experts a process holds are already 1/tp of them: ep takes 1/ep of those, never more."""
+    search, _ = planner._ask(mixtral, 8, "h100", 16, None, None, None, "none", "bfloat16", [1, 2], [1], None, (2,),
+                             2, None, "ddp", None)
+    expert_bytes = sum(b for p, b in mixtral.capture.param_bytes.items() if ".experts." in p)
+    whole = sum(search.device_costs(2, 1, "none", 1, 1, 1).param_bytes)
+    for e in (2, 8):
+        assert sum(search.device_costs(2, 1, "none", 2, 1, e).param_bytes) == pytest.approx(
+            (whole - expert_bytes * (1 - 1 / e)) / 2, abs=8)

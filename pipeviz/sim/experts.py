@@ -188,8 +188,12 @@ def with_experts(costs: Costs, plan: SplitPlan, ex: EpExchanges, ep: int,
     fwd_c, bwd_c = ex.seconds("F"), ex.seconds("B")
     coll = costs.collective or (0.0,) * n
     back = costs.collective_backward or coll
-    kept = tuple(max(0, p - round(m.expert_param_bytes * (1 - 1 / ep))) for p, m in zip(costs.param_bytes, moe,
-                                                                                           strict=True))
+    # (the experts' bytes as this process holds them: tensor parallelism has already cut its stage's parameters,
+    # which would otherwise lose more than the experts' whole bytes and price a 671B model in GBs)
+    held = [p / st.param_bytes if st.param_bytes else 1.0 for p, st in zip(costs.param_bytes, plan.stages,
+                                                                             strict=True)]
+    kept = tuple(max(0, p - round(m.expert_param_bytes * h * (1 - 1 / ep)))
+                 for p, m, h in zip(costs.param_bytes, moe, held, strict=True))
     ops = ex.op_seconds or (0.0,) * n
     priced = replace(
         costs,
