@@ -40,6 +40,9 @@ class Op:
     # bytes). A pipeline stage holds its own copy of what it receives: a tensor saved on both sides of a split
     # counts in both stages.
     resaved: tuple[tuple[int, int, int], ...] = ()
+    # An output whose size depends on the data (the rows routed to one expert: an unbacked size in the trace). A
+    # pipeline stage receives tensors of shapes fixed before the run, so no split may send one.
+    data_dependent: bool = False
 
 
 def op_saved_bytes(op: Op) -> int:
@@ -314,6 +317,24 @@ def tensor_bytes(value: object) -> int:
                 n *= concrete_size(d)
             total += n * t.element_size()
     return total
+
+
+def data_dependent(value: object) -> bool:
+    """Whether a traced value holds a tensor with a size the trace could not fix (no hint: it depends on the data,
+    as the rows routed to one expert do)."""
+    for t in pytree.tree_leaves(value):
+        if isinstance(t, torch.Tensor):
+            for d in t.shape:
+                if isinstance(d, torch.SymInt) and not _has_hint(d):
+                    return True
+    return False
+
+
+def _has_hint(d: torch.SymInt) -> bool:
+    try:
+        return bool(d.node.shape_env.has_guarding_hint(d.node.expr))
+    except Exception:
+        return False
 
 
 def concrete_size(d: int | torch.SymInt) -> int:
