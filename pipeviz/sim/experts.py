@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -78,6 +79,11 @@ def moe_stages(plan: SplitPlan) -> list[MoeStage]:
     input of its first op reading a weight (directly, or through an op of the weight alone: the transpose before
     transformers' grouped matmul): the largest such input not made of weights. Dropless routing computes every
     routed row, so the units' rows sum to tokens x top-k whatever the traced routing."""
+    return list(_moe_stages(plan))
+
+
+@functools.lru_cache(maxsize=64)  # (pv.plan_cluster prices one plan at many degrees: one walk of the ops each)
+def _moe_stages(plan: SplitPlan) -> tuple[MoeStage, ...]:
     ops = plan.graph.capture.ops
     param_bytes = plan.graph.capture.param_bytes
     weightish = {op.index for op in ops if op.params and not op.inputs}  # ops of parameters alone
@@ -99,8 +105,19 @@ def moe_stages(plan: SplitPlan) -> list[MoeStage]:
             continue
         seen_unit.add(unit)
         rows[s][block] += max((ops[i].out_bytes for i in op.inputs if i not in weightish), default=0)
-    return [MoeStage(tuple(r), tuple(r.values()), f, sum(param_bytes.get(p, 0) for p in ps))
-            for r, f, ps in zip(rows, flops, params, strict=True)]
+    return tuple(MoeStage(tuple(r), tuple(r.values()), f, sum(param_bytes.get(p, 0) for p in ps))
+                 for r, f, ps in zip(rows, flops, params, strict=True))
+
+
+@functools.lru_cache(maxsize=64)
+def _per_stage(plan: SplitPlan) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per stage, its ops and their forward FLOPs."""
+    ops, flops = [0] * plan.num_stages, [0] * plan.num_stages
+    for op in plan.graph.capture.ops:
+        s = plan._stage_of_op(op.index)
+        ops[s] += 1
+        flops[s] += op.flops
+    return tuple(ops), tuple(flops)
 
 
 @dataclass(frozen=True)
@@ -137,9 +154,7 @@ def ep_exchanges(plan: SplitPlan, microbatches: float, mesh: Mesh, via: tuple[fl
     run a stage the same way: op by op, waiting at each exchange for the other processes)."""
     wait = constant("cpu_cp_exchange_wait") if cpu and oversubscribed else 0.0
     per_op = constant("cpu_cp_op_overhead") if cpu else 0.0
-    ops = [0] * plan.num_stages
-    for op in plan.graph.capture.ops:
-        ops[plan._stage_of_op(op.index)] += 1
+    ops, _ = _per_stage(plan)
     fwd, bwd, count = [], [], []
     for st in moe_stages(plan):
         each = [a2a_seconds(b * scale / (microbatches * mesh.dp * mesh.cp), mesh.ep, via) + wait
@@ -180,9 +195,7 @@ def with_experts(costs: Costs, plan: SplitPlan, ex: EpExchanges, ep: int,
     hold 1/ep of the routed experts' weights."""
     moe = moe_stages(plan)
     n = len(costs.forward)
-    stage_flops = [0] * n
-    for op in plan.graph.capture.ops:
-        stage_flops[plan._stage_of_op(op.index)] += op.flops
+    _, stage_flops = _per_stage(plan)
     share = [m.expert_flops / f if f else 0.0 for m, f in zip(moe, stage_flops, strict=True)]
     extra = tuple(max(0.0, imbalance - 1.0) * x * f for x, f in zip(share, costs.forward, strict=True))
     fwd_c, bwd_c = ex.seconds("F"), ex.seconds("B")
