@@ -104,7 +104,6 @@ def test_ep_rows_priced_as_simulated(mixtral: pv.ModelGraph) -> None:
     assert fast2.peak_memory < _one_layout(mixtral, h100, 1).peak_memory
 
 
-@pytest.mark.compat  # (10 s here: every layout of the search simulated)
 def test_the_bounds_stay_below_what_they_bound_with_ep(mixtral: pv.ModelGraph) -> None:
     """The pruned search stays exact with ep: every simulated row's step and memory at or above its bounds."""
     search, space = planner._ask(mixtral, 8, "h100", 16, None, None, None, ("none", "full"), "bfloat16", [1, 2],
@@ -134,7 +133,6 @@ def test_moe_configs_build_on_meta(name: str, params: float, experts: int) -> No
     assert fused and all(m.num_experts == experts for m in fused)
 
 
-@pytest.mark.compat  # (8 s here: a DeepSeek-V3 trace)
 def test_deepseeks_keys_are_not_relayed_to_the_head() -> None:
     """DeepSeek-V3's attention builds its keys by ``copy_`` into a fresh tensor: an in-place op's result is no model
     output, so a hand-off carries the hidden states (and the rotary tables), not every earlier layer's keys."""
@@ -154,7 +152,6 @@ def test_deepseeks_keys_are_not_relayed_to_the_head() -> None:
     assert max(sends) < 2 * hidden and sends[1] - sends[0] < keys / 4, sends
 
 
-@pytest.mark.compat  # (6 s here: the CLI traces and plans)
 def test_cli_plan_ep(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``pipeviz plan --ep``: the rows' ep column; a bad ep refused with the planner's message, exit 2."""
     from transformers import MixtralConfig
