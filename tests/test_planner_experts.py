@@ -171,6 +171,9 @@ def test_cli_plan_ep(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str])
     header = next(line for line in out.splitlines() if line.lstrip().startswith("#"))
     assert header.split()[:6] == ["#", "pp", "dp", "tp", "ep", "schedule"]
     assert "--expert-model-parallel-size 4" in out and " ep4 " in out
+    toml = tmp_path / "tt.toml"
+    assert main([*args, "--ep", "4", "--export", "torchtitan", "--export-path", str(toml)]) == 0
+    assert "expert_parallel_degree = 4" in toml.read_text()
 
 
 def test_tp_and_ep_cut_the_experts_once(mixtral: pv.ModelGraph) -> None:
