@@ -227,7 +227,7 @@ def count_flops(gm: torch.fx.GraphModule, flat_inputs: Sequence[object], sizes: 
                 sizes[n.name] = tensor_bytes(out)
             return out
 
-    mode = FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION)
+    mode = FlopCounterMode(display=False, custom_mapping=flop_formulas())
     if saved is not None:
         constants = [getattr(gm, str(n.target), None) for n in gm.graph.nodes if n.op == "get_attr"]
         saved.skip([*gm.parameters(), *gm.buffers(), *(c for c in constants if isinstance(c, torch.Tensor))])
@@ -259,6 +259,34 @@ def cpu_flash_attention_flops(query: torch.Tensor, key: torch.Tensor, value: tor
 
 
 _CPU_ATTENTION = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: cpu_flash_attention_flops}
+
+
+def grouped_mm_flops(a_shape: Sequence[int], b_shape: Sequence[int], *args: object,
+                     out_shape: Sequence[int] | None = None, **kwargs: object) -> int:
+    """FLOPs of a grouped matmul (``aten._grouped_mm``, transformers 5's ``grouped_mm_fallback``): each row of the
+    input ``(S, K)`` multiplied by its group's ``(K, N)`` weight of ``(G, K, N)``, ``2 x S x K x N``; batched 3-D
+    inputs ``(G, M, K) @ (G, K, N)`` the same per group. Only the rows routed to each expert are computed (top-k
+    of E per token, as torchtitan's and Megatron's grouped GEMMs run), so a mixture-of-experts block's experts
+    cost their routed tokens, not every token x every expert."""
+    out = list(out_shape or ())
+    if len(out) == 3 and len(a_shape) == 2 and len(b_shape) == 2:  # (K, S) @ (S, N) -> (G, K, N): a weight grad
+        out = out[1:]
+    n = 1
+    for d in out:
+        n *= int(d)
+    return 2 * n * int(a_shape[-1])
+
+
+def flop_formulas() -> dict[Any, Any]:
+    """The FLOP formulas ``count_flops`` adds to torch's counter (which counts neither the CPU's flash attention
+    nor grouped matmuls: transformers 5's fused experts counted 0 FLOPs without them). transformers registers its
+    ``grouped_mm_fallback`` op when its MoE integration is imported, so the table is read at each count."""
+    out: dict[Any, Any] = dict(_CPU_ATTENTION)
+    if hasattr(torch.ops.aten, "_grouped_mm"):
+        out[torch.ops.aten._grouped_mm] = grouped_mm_flops
+    if hasattr(torch.ops.transformers, "grouped_mm_fallback"):
+        out[torch.ops.transformers.grouped_mm_fallback] = grouped_mm_flops
+    return out
 
 
 @dataclass(frozen=True)

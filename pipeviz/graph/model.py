@@ -265,9 +265,13 @@ class ModelGraph:
         return (max(outputs), loss_input_bytes(self._cap)) if outputs else (-1, 0)
 
     def _graph_outputs(self) -> set[int]:
-        # Ops nobody reads inside the graph are the model's outputs.
+        # Ops nobody reads inside the graph are the model's outputs; not an in-place op's (``copy_`` into a slice of
+        # a fresh tensor, DeepSeek-V3's keys): its result is its input, read through that (else every stage relayed
+        # each layer's keys to the head: GBs per hand-off).
         read = {src for op in self._cap.ops for src in op.inputs}
-        return {op.index for op in self._cap.ops if op.index not in read and op.out_bytes}
+        last = len(self._cap.ops) - 1
+        return {op.index for op in self._cap.ops if op.index not in read and op.out_bytes
+                and (op.index == last or not op.target.split(".")[1:2] or not op.target.split(".")[1].endswith("_"))}
 
     def _edges(self) -> list[tuple[str, str]]:
         # Sources of each op's value: its own layer, or for glue ops the layers feeding them.

@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -52,7 +53,7 @@ _FUSED = re.compile(r"^(?P<block>.+\.experts)$")  # transformers 5.x's fused exp
 class MoeStage:
     """One stage's routed experts, from the trace: ``blocks`` (the experts' modules, in graph order), per block
     ``row_bytes`` (the rows routed to its experts in one forward of the traced batch: tokens x top-k x hidden x
-    dtype), ``expert_flops`` (the routed experts' forward FLOPs; transformers' fused grouped matmul counts none)
+    dtype), ``expert_flops`` (the routed experts' forward FLOPs: their rows only, top-k of E per token)
     and ``expert_param_bytes`` (their weights)."""
 
     blocks: tuple[str, ...] = ()
@@ -78,6 +79,11 @@ def moe_stages(plan: SplitPlan) -> list[MoeStage]:
     input of its first op reading a weight (directly, or through an op of the weight alone: the transpose before
     transformers' grouped matmul): the largest such input not made of weights. Dropless routing computes every
     routed row, so the units' rows sum to tokens x top-k whatever the traced routing."""
+    return list(_moe_stages(plan))
+
+
+@functools.lru_cache(maxsize=64)  # (pv.plan_cluster prices one plan at many degrees: one walk of the ops each)
+def _moe_stages(plan: SplitPlan) -> tuple[MoeStage, ...]:
     ops = plan.graph.capture.ops
     param_bytes = plan.graph.capture.param_bytes
     weightish = {op.index for op in ops if op.params and not op.inputs}  # ops of parameters alone
@@ -99,8 +105,19 @@ def moe_stages(plan: SplitPlan) -> list[MoeStage]:
             continue
         seen_unit.add(unit)
         rows[s][block] += max((ops[i].out_bytes for i in op.inputs if i not in weightish), default=0)
-    return [MoeStage(tuple(r), tuple(r.values()), f, sum(param_bytes.get(p, 0) for p in ps))
-            for r, f, ps in zip(rows, flops, params, strict=True)]
+    return tuple(MoeStage(tuple(r), tuple(r.values()), f, sum(param_bytes.get(p, 0) for p in ps))
+                 for r, f, ps in zip(rows, flops, params, strict=True))
+
+
+@functools.lru_cache(maxsize=64)
+def _per_stage(plan: SplitPlan) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per stage, its ops and their forward FLOPs."""
+    ops, flops = [0] * plan.num_stages, [0] * plan.num_stages
+    for op in plan.graph.capture.ops:
+        s = plan._stage_of_op(op.index)
+        ops[s] += 1
+        flops[s] += op.flops
+    return tuple(ops), tuple(flops)
 
 
 @dataclass(frozen=True)
@@ -137,9 +154,7 @@ def ep_exchanges(plan: SplitPlan, microbatches: float, mesh: Mesh, via: tuple[fl
     run a stage the same way: op by op, waiting at each exchange for the other processes)."""
     wait = constant("cpu_cp_exchange_wait") if cpu and oversubscribed else 0.0
     per_op = constant("cpu_cp_op_overhead") if cpu else 0.0
-    ops = [0] * plan.num_stages
-    for op in plan.graph.capture.ops:
-        ops[plan._stage_of_op(op.index)] += 1
+    ops, _ = _per_stage(plan)
     fwd, bwd, count = [], [], []
     for st in moe_stages(plan):
         each = [a2a_seconds(b * scale / (microbatches * mesh.dp * mesh.cp), mesh.ep, via) + wait
@@ -180,16 +195,18 @@ def with_experts(costs: Costs, plan: SplitPlan, ex: EpExchanges, ep: int,
     hold 1/ep of the routed experts' weights."""
     moe = moe_stages(plan)
     n = len(costs.forward)
-    stage_flops = [0] * n
-    for op in plan.graph.capture.ops:
-        stage_flops[plan._stage_of_op(op.index)] += op.flops
+    _, stage_flops = _per_stage(plan)
     share = [m.expert_flops / f if f else 0.0 for m, f in zip(moe, stage_flops, strict=True)]
     extra = tuple(max(0.0, imbalance - 1.0) * x * f for x, f in zip(share, costs.forward, strict=True))
     fwd_c, bwd_c = ex.seconds("F"), ex.seconds("B")
     coll = costs.collective or (0.0,) * n
     back = costs.collective_backward or coll
-    kept = tuple(max(0, p - round(m.expert_param_bytes * (1 - 1 / ep))) for p, m in zip(costs.param_bytes, moe,
-                                                                                           strict=True))
+    # (the experts' bytes as this process holds them: tensor parallelism has already cut its stage's parameters,
+    # which would otherwise lose more than the experts' whole bytes and price a 671B model in GBs)
+    held = [p / st.param_bytes if st.param_bytes else 1.0 for p, st in zip(costs.param_bytes, plan.stages,
+                                                                             strict=True)]
+    kept = tuple(max(0, p - round(m.expert_param_bytes * h * (1 - 1 / ep)))
+                 for p, m, h in zip(costs.param_bytes, moe, held, strict=True))
     ops = ex.op_seconds or (0.0,) * n
     priced = replace(
         costs,
