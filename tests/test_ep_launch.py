@@ -216,11 +216,11 @@ def _held_bytes(run: pv.Run, kind: str, ep: int) -> dict[int, int]:
     """Per process rank, the bytes of the parameters it should hold: its stage's, less the routed experts of the
     other ep shares (share r = dp mod ep holds experts [r·E/ep, (r+1)·E/ep) of every block)."""
     model, _, _ = _model(kind)
-    mesh = pv.Mesh(pp=run.plan.num_stages, dp=2, ep=ep)
+    mesh = pv.Mesh(pp=run.layout.num_ranks, dp=2, ep=ep)
     out = {}
     for rank in run.memory:
         me = mesh.coords(rank)
-        layers = run.plan.stages[me.pp].layers
+        layers = [n for s in run.layout.stages_of(me.pp) for n in run.plan.stages[s].layers]  # (V: two stages)
         total = 0
         for name, t in model.named_parameters():
             if not any(name == n or name.startswith(n + ".") for n in layers):

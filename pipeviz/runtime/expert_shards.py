@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,8 @@ if TYPE_CHECKING:
 
     from pipeviz.adapter.expert_graph import Block
 
-__all__ = ["ExpertShard", "Share", "expert_params", "held_part", "replicas_group", "shard_experts", "whole_experts"]
+__all__ = ["ExpertShard", "Share", "expert_params", "held_part", "held_text", "replicas_group", "shard_experts",
+           "whole_experts"]
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,18 @@ def replicas_group(params: Iterable[torch.nn.Parameter]) -> ProcessGroup | None:
         if shard is not None:
             return shard.share.replicas
     return None
+
+
+def held_text(params: Iterable[torch.nn.Parameter]) -> str:
+    """What a process holds of its stages' routed experts, for its "ready" line ("" without expert parallelism)."""
+    shards = [(t, s) for t in params if (s := getattr(t, "expert_shard", None)) is not None]
+    if not shards:
+        return ""
+    share = shards[0][1].share
+    owned = shards[0][1].owned
+    whole = sum(math.prod(s.shape) for _, s in shards)
+    return (f" (experts {owned.start}-{owned.stop - 1} of every block's {shards[0][1].experts}, share {share.rank} "
+            f"of ep={share.ep}: {sum(t.numel() for t, _ in shards):,} of {whole:,} routed-expert elements held)")
 
 
 def held_part(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor | None:

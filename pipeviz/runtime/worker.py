@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pipeviz.runtime.clock import SEND_INTERVAL, Clock, Sink
-from pipeviz.runtime.expert_shards import whole_experts
+from pipeviz.runtime.expert_shards import held_text, whole_experts
 from pipeviz.runtime.grads import local_tensor
 from pipeviz.runtime.messages import (
     Done,
@@ -208,6 +208,7 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
     if p.dp_shard:  # FSDP2: this process holds its shard of every parameter (DTensor numel is the whole's)
         held = (f" ({sum(local_tensor(t).numel() for t in params):,} of {sum(t.numel() for t in params):,} parameter "
                 f"elements held: sharded over {p.mesh.dp} replicas)")
+    held += held_text(params)  # expert parallelism: this process's experts alone
     queue.put(Phase(p.rank, p.coords, f"stage{'s' * (len(p.stages) > 1)} "
                                       f"{', '.join(str(s.index) for s in p.stages)} ready{held}"))
 
