@@ -209,6 +209,13 @@ def test_an_exported_torchrun_script_shares_the_experts_out_too(tmp_path: Any) -
     assert run.wait(120) == "done", run.error
     assert watched.losses == pytest.approx(run.losses, abs=1e-6)
     assert any(e.kind == "A2A" for e in watched.events) and len(watched.expert_tokens) == len(run.expert_tokens)
+    # each exported process held its share of the experts; the state it wrote holds every expert whole
+    state: dict[str, torch.Tensor] = {}
+    for path in watched.state_files:
+        state.update(torch.load(path, weights_only=True))
+    want = run.state_dict()
+    experts = [n for n in want if ".experts." in n]
+    assert experts and all(torch.allclose(state[n], want[n], atol=1e-6) for n in experts)
 
 
 # ------------------------------------------------------------------- each process holds only its own experts
@@ -252,6 +259,10 @@ def test_each_process_holds_only_its_own_experts() -> None:
     assert {r: min(v) for r, v in got.items()} == want
     unsplit = _held_bytes(run, "moenet", ep=1)
     assert all(want[r] < unsplit[r] for r in want)  # (the experts are most of MoENet's blocks)
+    # each process's ready line says so: 2 blocks x 4 experts x 1,072 elements (16 -> 32 -> 16, biases) per stage
+    ready = [text for _, text in run.phases if "ready" in text]
+    assert sum("experts 2-3 of every block's 4, share 1 of ep=2: 4,288 of 8,576 routed-expert elements held" in t
+               for t in ready) == 2, ready
 
 
 def test_a_stage_cut_to_its_share_keeps_its_experts_alone(moe_plan: tuple[pv.SplitPlan, torch.Tensor]) -> None:
