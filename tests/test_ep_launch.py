@@ -354,3 +354,24 @@ def test_adamw_with_experts_sharded_is_exact_holds_its_share_and_resumes(kind: s
     assert second.wait(300) == "done", second.error
     check = pv.check_numerics(second)
     assert check.ok, check
+
+
+@pytest.mark.compat
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "schedule", "reduce"), [("moenet", "1F1B", "after_flush"),
+                                                          ("Qwen2-MoE", "ZBVZeroBubble", "overlap")])
+def test_dp4_ep2_reduces_experts_over_the_processes_holding_them(kind: str, schedule: str, reduce: str) -> None:
+    """dp 4 x ep 2: two processes hold each share of the experts, their gradients summed over those two and divided
+    by the 4 replicas (after the step, or overlapped with the backward), the global norm clipped counting each
+    expert once: exact, AdamW."""
+    if kind != "moenet":
+        pytest.importorskip("transformers")
+    vocab = 32 if kind == "moenet" else 96
+    torch.manual_seed(1)
+    ids = torch.randint(0, vocab, (16, 6))
+    run = pv.launch(_plan(kind, schedule, ids, starve=True), schedule, 4, steps=2, inputs=(ids,), target=ids,
+                    loss_fn=pv.cross_entropy, optimizer=_adamw, dp=4, ep=2, dp_reduce=reduce, clip_grad_norm=0.05)
+    assert run.wait(600) == "done", run.error
+    check = pv.check_numerics(run)
+    assert check.ok, check
+    assert min(run.grad_norms) > 0.05  # (clipped: the norm's count matters)
