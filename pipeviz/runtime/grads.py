@@ -60,7 +60,9 @@ def averaged_after_step(p: RankPayload) -> bool:
 def average_replicas(params: list[torch.nn.Parameter], group: ProcessGroup | None, replicas: int, clock: Clock,
                      rank: int, step: int) -> None:
     """Average this rank's gradients across its replicas in one all-reduce (timed as a ``DP`` action): for
-    the schedules whose split backward DDP's reducer cannot follow (see ``pipeviz.runtime.rank_stages``)."""
+    the schedules whose split backward DDP's reducer cannot follow (see ``pipeviz.runtime.rank_stages``). Under
+    expert parallelism the routed experts this process holds are summed over the processes holding the same experts
+    instead, and divided by every replica too (their owner's gradient holds its whole ep group's tokens)."""
     import torch.distributed as dist
 
     from pipeviz.runtime.expert_shards import expert_params, replicas_group
