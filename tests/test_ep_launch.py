@@ -375,3 +375,21 @@ def test_dp4_ep2_reduces_experts_over_the_processes_holding_them(kind: str, sche
     check = pv.check_numerics(run)
     assert check.ok, check
     assert min(run.grad_norms) > 0.05  # (clipped: the norm's count matters)
+
+
+@pytest.mark.compat
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["moenet", "Qwen2-MoE"])
+def test_a_batch_of_another_shape_binds_the_same_expert_shares(kind: str) -> None:
+    """A data= batch of a new length: its stages (traced again) bound to the tensors this process holds, already
+    cut to its share (a fused block's count read from the whole, not the rows held): exact."""
+    if kind != "moenet":
+        pytest.importorskip("transformers")
+    vocab = 32 if kind == "moenet" else 96
+    torch.manual_seed(1)
+    a, b = torch.randint(0, vocab, (8, 6)), torch.randint(0, vocab, (8, 4))
+    run = pv.launch(_plan(kind, "1F1B", a), "1F1B", 4, steps=3, data=iter([(a, a), (b, b), (a, a)]),
+                    loss_fn=pv.cross_entropy, optimizer=_adamw, dp=2, ep=2)
+    assert run.wait(300) == "done", run.error
+    check = pv.check_numerics(run)
+    assert check.ok, check
