@@ -114,8 +114,9 @@ for pp in (1, 4):
 # the experts' memory divides by *ep*, and the compute per token stays what it was. A pipeline divides the layers
 # on top of that: ep = 8 with pp = 4 takes Mixtral to about 29 GB per process.
 #
-# (pipeviz's first slice of ep shares out the experts' **compute** and activations; every process still keeps every
-# expert's weights, so its memory is not yet 1/*ep*: [docs/experts.md](../docs/experts.md), "Not yet".)
+# pipeviz runs that layout: each process keeps only its own experts' weights, gradients and optimizer state (the
+# run below measures it), and gathers them whole only where the whole model is read (`run.state_dict()`, a
+# checkpoint): [docs/experts.md](../docs/experts.md), "Held".
 #
 # ## The all-to-all: dispatch and combine
 #
@@ -166,6 +167,20 @@ a2a = [e for e in run.events if e.kind == "A2A"]
 per_process = {r: sum(e.rank == r for e in a2a) for r in range(run.mesh.world)}
 print(f"A2A actions per process over {STEPS} steps: {per_process}")
 assert set(per_process.values()) == {2 * M * 4 * STEPS}  # 2 blocks per stage x 4 microbatches x 4 exchanges
+# each process holds its stage's parameters less the other share's experts (the memory meter's bytes before the
+# first gradients: the run's memory less the tensors saved for backward)
+for r in range(run.mesh.world):
+    me = run.mesh.coords(r)
+    layers = plan.stages[me.pp].layers
+    mine = range(me.dp * E // 2, (me.dp + 1) * E // 2)  # share dp of the ep group: experts 2·dp and 2·dp + 1
+    want = sum(t.numel() * t.element_size() for n, t in model.named_parameters()
+               if any(n == x or n.startswith(x + ".") for x in layers)
+               and not (".experts." in n and int(n.split(".experts.")[1].split(".")[0]) not in mine))
+    held = min(m - a for (_, m), (_, a) in zip(run.memory[r], run.activation_memory[r], strict=True))
+    stage_bytes = plan.stages[me.pp].param_bytes
+    print(f"process {r} (stage {me.pp}, experts {mine.start}-{mine.stop - 1}): {held:,} parameter bytes "
+          f"of its stage's {stage_bytes:,}")
+    assert held == want < stage_bytes
 # the first step routed the same rows as the unsplit model's forward above (routing is per token)
 step0 = {name: [sum(ld.counts[e] for ld in run.expert_tokens if ld.step == 0 and ld.block == name) for e in range(E)]
          for name in unsplit}

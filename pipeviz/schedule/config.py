@@ -118,7 +118,7 @@ class LaunchConfig:
             priced by ``pv.simulate`` and ``pv.plan_cluster``.
         ep: expert parallelism: each MoE block's routed experts sharded over ``ep`` of a stage's ``dp × cp``
             processes (no processes added; ``ep`` divides ``dp * cp``), tokens sent to their experts' processes by
-            all-to-all. ``pv.launch`` refuses ep > 1 until it runs it (naming why).
+            all-to-all; each process holds only its own experts' weights, gradients and optimizer state.
         order: a custom schedule: one list of actions per pipeline rank, each a ``pv.schedule.Action`` or its text
             in torch's notation (``"1F0"``: stage 1's forward of microbatch 0; kinds ``F``, ``B``, or ``I`` and
             ``W`` for a split backward); held as ``Action``s (``actions()`` gives them typed). The stages stay

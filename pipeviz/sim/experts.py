@@ -15,9 +15,8 @@ blocks when each block's routed experts are shared out over ``ep`` of a stage's 
   op (``cpu_cp_op_overhead`` per op), and where the processes outnumber the cores each ``A2A`` waits
   ``cpu_cp_exchange_wait`` more for the other processes to get a core;
 - memory: each rank holds 1/ep of the routed experts' weights (their gradients and optimizer state with them).
-  That is the layout torchtitan and Megatron run; ``pv.launch`` today still keeps every expert's weights on every
-  process (``Team.touch``), so a launched run measures more memory than priced, by ``(1 - 1/ep)`` of the experts'
-  weights, gradients and optimizer state. The gradient reduction is priced on the smaller bytes likewise.
+  That is the layout torchtitan and Megatron run, and ``pv.launch``'s (``pipeviz.runtime.expert_shards``: measured
+  equal, ``benchmarks/accuracy/ep_memory.py``). The gradient reduction is priced on the smaller bytes likewise.
 
 Example:
     >>> ex = ep_exchanges(plan, 4, pv.Mesh(pp=2, dp=2, ep=2), (1e9, 2e-4))
