@@ -46,6 +46,10 @@ def build_schedule(p: RankPayload, stages: list[PipelineStage]) -> Schedule:
             schedule = cls(stages, n_microbatches=p.microbatches, loss_fn=loss_fn)
     if scaled_by_step(p):  # the loss is already the step's share: no division by the microbatches
         schedule.scale_grads = False
+    if p.ep_overlap:  # DualPipeV's F/B pairs at once, their all-to-alls hidden (pipeviz.adapter.overlap_fb)
+        from pipeviz.adapter.overlap_fb import register_overlap
+
+        register_overlap(schedule)
     return schedule
 
 

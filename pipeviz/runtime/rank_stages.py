@@ -34,6 +34,7 @@ def rank_stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch
             compute: torch.device, pp_group: ProcessGroup | None = None, dp_group: ProcessGroup | None = None,
             tp_mesh: DeviceMesh | None = None, shard_mesh: DeviceMesh | None = None, *,
             cp_group: ProcessGroup | None = None, ep_group: ProcessGroup | None = None,
+            ep_back_group: ProcessGroup | None = None,
             ) -> tuple[list[PipelineStage], list[torch.nn.Parameter], dict[str, list[torch.Tensor]],
                        OverlappedReduction | None]:
     """torch's ``PipelineStage`` around each of this rank's runners (timed; in this replica's pipeline group),
@@ -51,7 +52,8 @@ def rank_stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch
     reduce-scatters it). With ``cp_group`` (context parallelism) each runner runs its graph on this process's share of
     every sequence (``adapter.context_graph``), its exchanges timed as ``CP`` events. With ``ep_group`` (expert
     parallelism) each runner computes this process's share of every MoE block's experts, the tokens routed to the
-    others' sent there and back (``adapter.expert_graph``), each all-to-all an ``A2A`` event."""
+    others' sent there and back (``adapter.expert_graph``), each all-to-all an ``A2A`` event; ``ep_back_group``
+    (``ep_overlap``) carries the backward's all-to-alls."""
     from pipeviz.adapter import timed_stage_class
 
     Stage = timed_stage_class(_timed_span(p, clock, step_box, compute))
@@ -73,7 +75,7 @@ def rank_stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch
         if cp_group is not None:
             _context(p, runner, cp_group, clock, step_box)
         if ep_group is not None:
-            _experts(p, runner, ep_group, clock, step_box)
+            _experts(p, runner, ep_group, clock, step_box, ep_back_group)
         # Static shapes, so torch never runs its shape inference (an extra forward/backward in step 1).
         # Activations from another stage need grads; model inputs and integer tensors (masks) do not.
         ins = tuple(_like(t, device, grad=st.index > 0 and t.is_floating_point()) for t in st.inputs)
@@ -178,7 +180,8 @@ def _context(p: RankPayload, runner: StageRunner, group: ProcessGroup, clock: Cl
     runner.context = ContextGraph(runner.stage, share, runner.traced_shapes)  # type: ignore[arg-type]
 
 
-def _experts(p: RankPayload, runner: StageRunner, group: ProcessGroup, clock: Clock, step_box: list[int]) -> None:
+def _experts(p: RankPayload, runner: StageRunner, group: ProcessGroup, clock: Clock, step_box: list[int],
+             back_group: ProcessGroup | None = None) -> None:
     """The runner's graph with this process's share of every MoE block's experts, each all-to-all an ``A2A`` event
     and the tokens routed to each expert per forward an ``ExpertTokens`` message."""
     from pipeviz.adapter.expert_graph import ExpertGraph, Team, find_blocks
@@ -192,7 +195,8 @@ def _experts(p: RankPayload, runner: StageRunner, group: ProcessGroup, clock: Cl
             clock.post(ExpertTokens(p.rank, p.coords, step_box[0], clock.stage, clock.mb, block, counts))
 
     assert p.mesh is not None
-    team = Team(p.mesh.ep, p.coords.dp % p.mesh.ep, group, record=record, count=count)
+    team = Team(p.mesh.ep, p.coords.dp % p.mesh.ep, group, record=record, count=count, back_group=back_group,
+                delay=p.ep_delay)
     blocks = find_blocks(runner.stage)  # type: ignore[arg-type]
     if blocks:
         runner.context = ExpertGraph(runner.stage, blocks, team)  # type: ignore[arg-type]

@@ -128,14 +128,15 @@ def a2a_seconds(nbytes: float, ep: int, via: tuple[float, float]) -> float:
 
 
 def ep_exchanges(plan: SplitPlan, microbatches: float, mesh: Mesh, via: tuple[float, float], scale: float = 1.0,
-                 cpu: bool = False, oversubscribed: bool = False) -> EpExchanges:
+                 cpu: bool = False, oversubscribed: bool = False, delay: float = 0.0) -> EpExchanges:
     """The all-to-alls of a ``mesh.ep`` > 1 run of ``plan`` on link ``via``: per block of a stage, one microbatch of
     one replica routes ``row_bytes x scale / (microbatches x dp x cp)`` (``scale``: the dtype's and batch's, as
     ``CostOptions.byte_scale`` x ``batch_scale``); the dispatch and the combine move as many bytes each way. On a
     ``cpu`` a forward pays ``cpu_cp_op_overhead`` per op of its stage, and ``oversubscribed`` (more processes than
     cores) each ``A2A`` ``cpu_cp_exchange_wait`` more (the measured constants of context parallelism's shares, which
-    run a stage the same way: op by op, waiting at each exchange for the other processes)."""
-    wait = constant("cpu_cp_exchange_wait") if cpu and oversubscribed else 0.0
+    run a stage the same way: op by op, waiting at each exchange for the other processes). ``delay``: seconds more
+    per ``A2A`` (``LaunchConfig.ep_delay``: a slowed link)."""
+    wait = (constant("cpu_cp_exchange_wait") if cpu and oversubscribed else 0.0) + delay
     per_op = constant("cpu_cp_op_overhead") if cpu else 0.0
     ops = [0] * plan.num_stages
     for op in plan.graph.capture.ops:
@@ -152,10 +153,10 @@ def ep_exchanges(plan: SplitPlan, microbatches: float, mesh: Mesh, via: tuple[fl
 
 
 def simulated_ep(plan: SplitPlan, microbatches: int, mesh: Mesh, via: tuple[float, float], scale: float,
-                 opts: CostOptions, cores: int | None) -> EpExchanges | None:
+                 opts: CostOptions, cores: int | None, delay: float = 0.0) -> EpExchanges | None:
     """What ``pv.simulate`` charges for expert parallelism's exchanges (None without it): ``ep_exchanges``, on a CPU
     (no hardware and a CPU device, or ``"cpu"``) with the op-by-op forward, and a wait per ``A2A`` where the
-    processes outnumber the ``cores``.
+    processes outnumber the ``cores``; ``delay`` more per ``A2A`` (``LaunchConfig.ep_delay``).
 
     Raises:
         ValueError: ``ep`` > 1 on a model without routed experts (as ``pv.launch`` refuses it, naming ep).
@@ -168,7 +169,7 @@ def simulated_ep(plan: SplitPlan, microbatches: int, mesh: Mesh, via: tuple[floa
                          "or a mixture-of-experts model.")
     hw = opts.hw
     cpu = hw.name == "cpu" if hw is not None else not str(opts.device).startswith("cuda")
-    return ep_exchanges(plan, microbatches, mesh, via, scale, cpu, cores is not None and mesh.world > cores)
+    return ep_exchanges(plan, microbatches, mesh, via, scale, cpu, cores is not None and mesh.world > cores, delay)
 
 
 def with_experts(costs: Costs, plan: SplitPlan, ex: EpExchanges, ep: int,

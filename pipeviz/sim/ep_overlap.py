@@ -1,0 +1,79 @@
+"""``LaunchConfig(ep_overlap=True)`` priced: each overlapped pair of DualPipeV's order (torch's ``OVERLAP_F_B``: a
+forward of one microbatch and a full backward of another, run at once by ``pipeviz.adapter.overlap_fb``) takes
+
+    max(F, B, F's compute + B's compute)
+
+where ``F`` and ``B`` are the two actions as priced alone (compute plus their expert all-to-alls) and the compute is
+that less its all-to-alls: the all-to-alls of one half wait while the other computes, the compute of both still
+runs on one device, each half's own chain (its compute, then its waits) still runs in turn. A bound that a fine
+interleaving reaches (torchtitan alternates the halves at every dispatch and combine); a coarse one hides less.
+
+Both halves start once both inputs have arrived (the pair waits for both receives before it runs, as torch's
+runtime and torchtitan's callback do) and both outputs leave when the pair ends (torch sends them in the actions
+after it). The timeline draws the pair as its two actions one after the other, the pair's time shared in
+proportion to their priced times.
+
+Example:
+    >>> pairs = PairOverlap.of("DualPipeV", lay, microbatches, ep_ex)
+    >>> pairs.seconds(costs, 0, 3)          # a pair of stage 0's forward and stage 3's backward
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pipeviz.cost.model import Costs
+from pipeviz.schedule import traits as sched
+from pipeviz.schedule.ep_overlap import ep_overlap_refusal
+from pipeviz.sim.experts import EpExchanges
+
+__all__ = ["PairOverlap", "simulated_pairs"]
+
+
+@dataclass(frozen=True)
+class PairOverlap:
+    """Where a rank's actions pair up and what a pair costs: ``at`` holds ``(rank, position)`` of each pair's
+    forward in the rank's action list (its backward is the next action); ``forward_a2a`` and ``backward_a2a`` per
+    stage the all-to-all seconds in one forward (count exchanges included) and one backward."""
+
+    at: frozenset[tuple[int, int]]
+    forward_a2a: tuple[float, ...]
+    backward_a2a: tuple[float, ...]
+
+    @classmethod
+    def of(cls, lay: sched.Layout, microbatches: int, ex: EpExchanges, repeats: int = 1) -> PairOverlap:
+        """The pairs of ``lay``'s schedule (torch's order: ``pipeviz.adapter.schedules.overlap_pairs``), its order
+        played ``repeats`` times in a row (gradient accumulation)."""
+        from pipeviz.adapter.schedules import overlap_pairs
+
+        per_rank = overlap_pairs(lay.schedule, lay.num_ranks, lay.num_stages, microbatches)
+        at: set[tuple[int, int]] = set()
+        for rank, (length, positions) in enumerate(per_rank):
+            at.update((rank, p + b * length) for b in range(repeats) for p in positions)
+        fwd = tuple(f + c for f, c in zip(ex.seconds("F"), ex.count_seconds, strict=True))
+        return cls(frozenset(at), fwd, ex.seconds("B"))
+
+    def seconds(self, costs: Costs, forward_stage: int, backward_stage: int, slow: float = 1.0) -> float:
+        """A pair's seconds: ``max(F, B, F's compute + B's compute)``; ``slow`` stretches the actions (shared
+        cores) as the engine does."""
+        f, b = costs.duration(forward_stage, "F") * slow, costs.duration(backward_stage, "B") * slow
+        fc = max(0.0, f - self.forward_a2a[forward_stage])
+        bc = max(0.0, b - self.backward_a2a[backward_stage])
+        return max(f, b, fc + bc)
+
+
+def simulated_pairs(cfg: Any, lay: sched.Layout, ex: EpExchanges | None, forward_only: bool,
+                    repeats: int) -> PairOverlap | None:
+    """What ``pv.simulate`` plays for ``cfg.ep_overlap`` (a ``LaunchConfig``): the pairs, or None without it (or
+    without expert parallelism's exchanges, or forward only); refused as ``pv.launch`` refuses it.
+
+    Raises:
+        ValueError: ``ep_overlap`` or ``ep_delay`` where they cannot run (naming the value and the valid choices).
+    """
+    why = ep_overlap_refusal(cfg)
+    if why is not None:
+        raise ValueError(why)
+    if not cfg.ep_overlap or ex is None or forward_only:
+        return None
+    return PairOverlap.of(lay, cfg.microbatches, ex, repeats)
