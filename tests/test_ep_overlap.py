@@ -102,6 +102,9 @@ def test_simulated_step_shorter_with_overlap_on_a_slowed_link_and_the_same_a2a_a
     slowed = pv.simulate(plan, cfg.replace(ep_delay=0.0))
     # 32 A2A per process and step (2 stages x 4 microbatches x (2 + 2)), each 20 ms slower, on the critical path
     assert alone.step_time - slowed.step_time == pytest.approx(32 * 0.02, rel=0.35)
+    # 4 processes on 2 cores: an A2A's wait for a core is no link time, nothing the other half computes under
+    shared = [pv.simulate(plan, _config(ep_overlap=k), cores=2).step_time for k in (False, True)]
+    assert shared[1] > 0.9 * shared[0], shared
 
 
 @pytest.mark.slow

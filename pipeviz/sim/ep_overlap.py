@@ -35,7 +35,9 @@ __all__ = ["PairOverlap", "simulated_pairs"]
 class PairOverlap:
     """Where a rank's actions pair up and what a pair costs: ``at`` holds ``(rank, position)`` of each pair's
     forward in the rank's action list (its backward is the next action); ``forward_a2a`` and ``backward_a2a`` per
-    stage the all-to-all seconds in one forward (count exchanges included) and one backward."""
+    stage the all-to-all seconds in one forward (count exchanges included) and one backward that the other half
+    can compute under (on a CPU with more processes than cores, an ``A2A``'s wait for a core is not among them:
+    ``EpExchanges.core_wait``)."""
 
     at: frozenset[tuple[int, int]]
     forward_a2a: tuple[float, ...]
@@ -51,8 +53,11 @@ class PairOverlap:
         at: set[tuple[int, int]] = set()
         for rank, (length, positions) in enumerate(per_rank):
             at.update((rank, p + b * length) for b in range(repeats) for p in positions)
-        fwd = tuple(f + c for f, c in zip(ex.seconds("F"), ex.count_seconds, strict=True))
-        return cls(frozenset(at), fwd, ex.seconds("B"))
+        # what the other half can compute under: the link's time (and ep_delay's), not a wait for a core
+        fwd = tuple(f + c - len(ex.each(s, "F")) * ex.core_wait
+                    for s, (f, c) in enumerate(zip(ex.seconds("F"), ex.count_seconds, strict=True)))
+        bwd = tuple(b - len(ex.each(s, "B")) * ex.core_wait for s, b in enumerate(ex.seconds("B")))
+        return cls(frozenset(at), fwd, bwd)
 
     def seconds(self, costs: Costs, forward_stage: int, backward_stage: int, slow: float = 1.0) -> float:
         """A pair's seconds: ``max(F, B, F's compute + B's compute)``; ``slow`` stretches the actions (shared

@@ -110,11 +110,13 @@ class EpExchanges(StageExchanges):
     ``count_seconds`` (the forward's count exchanges, untimed by the run: charged in the forward, no event),
     ``op_seconds`` (per stage, what a forward pays for running the graph op by op: on a CPU only) and
     ``imbalance_seconds`` (per stage, the busiest owner's extra expert compute in one forward; the backward pays
-    twice it)."""
+    twice it) and ``core_wait`` (of each ``A2A``, the seconds spent waiting for a core, not for the link: no other
+    work of the process can run in them, so ``ep_overlap`` cannot hide them)."""
 
     count_seconds: tuple[float, ...]
     op_seconds: tuple[float, ...] = ()
     imbalance_seconds: tuple[float, ...] = ()
+    core_wait: float = 0.0
 
 
 def a2a_seconds(nbytes: float, ep: int, via: tuple[float, float]) -> float:
@@ -136,7 +138,8 @@ def ep_exchanges(plan: SplitPlan, microbatches: float, mesh: Mesh, via: tuple[fl
     cores) each ``A2A`` ``cpu_cp_exchange_wait`` more (the measured constants of context parallelism's shares, which
     run a stage the same way: op by op, waiting at each exchange for the other processes). ``delay``: seconds more
     per ``A2A`` (``LaunchConfig.ep_delay``: a slowed link)."""
-    wait = (constant("cpu_cp_exchange_wait") if cpu and oversubscribed else 0.0) + delay
+    core_wait = constant("cpu_cp_exchange_wait") if cpu and oversubscribed else 0.0
+    wait = core_wait + delay
     per_op = constant("cpu_cp_op_overhead") if cpu else 0.0
     ops = [0] * plan.num_stages
     for op in plan.graph.capture.ops:
@@ -149,7 +152,7 @@ def ep_exchanges(plan: SplitPlan, microbatches: float, mesh: Mesh, via: tuple[fl
         fwd.append(pair)
         bwd.append(pair)
         count.append(len(each) * a2a_seconds(0.0, mesh.ep, via))
-    return EpExchanges(tuple(fwd), tuple(bwd), tuple(count), tuple(n * per_op for n in ops))
+    return EpExchanges(tuple(fwd), tuple(bwd), tuple(count), tuple(n * per_op for n in ops), core_wait=core_wait)
 
 
 def simulated_ep(plan: SplitPlan, microbatches: int, mesh: Mesh, via: tuple[float, float], scale: float,
