@@ -15,15 +15,17 @@ import torch
 import pipeviz as pv
 from pipeviz.adapter.schedules import overlap_pairs
 from pipeviz.cost.model import Costs
+from pipeviz.schedule.ep_overlap import combined_1f1b
+from pipeviz.sim.engine import check_order
 from pipeviz.sim.ep_overlap import PairOverlap
 from pipeviz.sim.simulate import schedule_orders
 from tests.foreign import routed_moe_net
 
 
 @functools.cache
-def _plan() -> tuple[pv.SplitPlan, torch.Tensor]:
-    """MoENet's 4 blocks, one per stage (DualPipeV's 2 per pipeline rank), traced once for every test (a plan is
-    immutable; the ids are read only)."""
+def _plan(stages: int = 4) -> tuple[pv.SplitPlan, torch.Tensor]:
+    """MoENet's 4 blocks, one per stage (DualPipeV's 2 per pipeline rank), or 2 per stage (``stages=2``: 1F1B on 2
+    pipeline ranks), traced once for every test (a plan is immutable; the ids are read only)."""
     torch.manual_seed(0)
     model = routed_moe_net()
     torch.manual_seed(1)
@@ -31,7 +33,7 @@ def _plan() -> tuple[pv.SplitPlan, torch.Tensor]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = pv.trace(model, example_args=(ids[:2],))
-    return graph.split([f"blocks.{i}" for i in range(3)]), ids
+    return graph.split([f"blocks.{i}" for i in range(3)] if stages == 4 else ["blocks.1"]), ids
 
 
 def _config(**changes: object) -> pv.LaunchConfig:
@@ -41,8 +43,9 @@ def _config(**changes: object) -> pv.LaunchConfig:
 
 
 @pytest.mark.parametrize(("changes", "words"), [
-    ({"schedule": "1F1B", "ep_overlap": True}, ["ep_overlap=True", "'1F1B'", "Valid schedules with ep_overlap: "
-                                                "DualPipeV", "Fix: schedule='DualPipeV', or ep_overlap=False"]),
+    ({"schedule": "GPipe", "ep_overlap": True}, ["ep_overlap=True", "'GPipe'", "Valid schedules with ep_overlap: "
+                                                 "DualPipeV, 1F1B", "Fix: schedule='DualPipeV' or '1F1B', or "
+                                                 "ep_overlap=False"]),
     ({"schedule": "ZBVZeroBubble", "ep_overlap": True}, ["'ZBVZeroBubble'", "OVERLAP_F_B"]),
     ({"ep": 1, "ep_overlap": True}, ["ep_overlap=True with ep=1", "Valid: ep_overlap=False, or ep > 1"]),
     ({"ep": 1, "ep_delay": 0.01}, ["ep_delay=0.01 with ep=1", "Fix: ep_delay=0.0"]),
@@ -81,6 +84,21 @@ def test_pairs_are_torchs_overlap_actions_a_forward_then_a_backward() -> None:
                 assert (f.kind, b.kind) == ("F", "B") and f.stage != b.stage, (rank, p, f, b)
 
 
+@pytest.mark.parametrize(("stages", "micro"), [(2, 2), (2, 4), (2, 8), (3, 5), (4, 4), (4, 9)])
+def test_combined_1f1b_runs_and_pairs_each_forward_with_an_earlier_backward(stages: int, micro: int) -> None:
+    """The combined 1F1B's order: every action once, no deadlock, the sends and receives as torch's runtime posts
+    them (check_order); each pair a forward then the backward of an earlier microbatch; the last stage pairs every
+    forward but the first."""
+    combined = combined_1f1b(stages, micro)
+    lay = pv.schedule.layout("1F1B", stages)
+    check_order([acts for acts, _ in combined], lay, micro)
+    for acts, pairs in combined:
+        for p in pairs:
+            f, b = acts[p], acts[p + 1]
+            assert (f.kind, b.kind) == ("F", "B") and b.mb < f.mb, (f, b)
+    assert len(combined[-1][1]) == micro - 1
+
+
 def test_a_pair_costs_the_longer_half_or_both_computes() -> None:
     costs = Costs(forward=(1.0, 1.0), backward=(2.0, 2.0), comm=(0.0,), activation_bytes=(0, 0), param_bytes=(0, 0),
                   collective=(0.5, 0.5), collective_backward=(1.5, 1.5))
@@ -90,6 +108,16 @@ def test_a_pair_costs_the_longer_half_or_both_computes() -> None:
     assert pair.seconds(costs, 0, 1) == pytest.approx(3.5)
     no_wait = PairOverlap(frozenset(), forward_a2a=(0.0, 0.0), backward_a2a=(0.0, 0.0))
     assert no_wait.seconds(costs, 0, 1) == pytest.approx(5.0)  # nothing to hide: the two in turn
+
+
+def test_simulated_1f1b_combined_shorter_on_a_slowed_link_holding_more_activations() -> None:
+    plan, _ = _plan()
+    cfg = _config(schedule="1F1B", ep_delay=0.02, microbatches=8)
+    alone, overlapped = pv.simulate(plan, cfg), pv.simulate(plan, cfg.replace(ep_overlap=True))
+    assert overlapped.step_time < 0.8 * alone.step_time, (overlapped.step_time, alone.step_time)
+    # stage r holds up to 2(p-1-r)+2 microbatches' activations during its first pair (1F1B: p-r): 8 against 4
+    first = overlapped.peak_activation_bytes[0] / alone.peak_activation_bytes[0]
+    assert first == pytest.approx(8 / 4), first
 
 
 def test_simulated_step_shorter_with_overlap_on_a_slowed_link_and_the_same_a2a_actions() -> None:
@@ -130,9 +158,10 @@ def test_pp2_dp2_ep2_dualpipev_overlapped_is_exact_and_runs_forward_beside_backw
 
 
 @pytest.mark.compat
-def test_slowed_link_measured_and_simulated_steps_shorter_with_overlap_and_the_same_losses() -> None:
-    plan, ids = _plan()
-    cfg = _config(ep_delay=0.02, microbatches=8)
+@pytest.mark.parametrize("schedule", ["DualPipeV", "1F1B"])
+def test_slowed_link_measured_and_simulated_steps_shorter_with_overlap_and_the_same_losses(schedule: str) -> None:
+    plan, ids = _plan(4 if schedule == "DualPipeV" else 2)  # 2 pipeline ranks x dp 2: 4 processes either way
+    cfg = _config(schedule=schedule, ep_delay=0.02, microbatches=8)
     ids = torch.cat([ids, ids])  # 16 rows: 8 microbatches of one row per replica
     runs = {}
     for overlap in (False, True):

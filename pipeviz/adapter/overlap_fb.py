@@ -16,16 +16,45 @@ What it relies on:
 - the halves never share a tensor: the same ops on the same values as run in turn, so the run is exact
   (gradients accumulate in the backward's one thread, in the schedule's order).
 
+Under 1F1B, ``paired_runtime`` builds the combined 1F1B's order (``pipeviz.schedule.ep_overlap.combined_1f1b``) with
+its pairs as ``OVERLAP_F_B`` actions, run by the same runtime and function.
+
 Example:
-    >>> schedule.register_custom_function(OVERLAP_F_B, overlap_f_b)     # a ScheduleDualPipeV
+    >>> register_overlap(schedule)           # a ScheduleDualPipeV: its OVERLAP_F_B actions run by overlap_f_b
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
-__all__ = ["overlap_f_b", "register_overlap"]
+__all__ = ["overlap_f_b", "paired_runtime", "register_overlap"]
+
+
+def paired_runtime(stages: list[Any], order: Sequence[Sequence[object]], pairs: Sequence[Collection[int]],
+                   microbatches: int, loss_fn: Callable[[object, object], Any] | None) -> Any:
+    """torch's ``_PipelineScheduleRuntime`` running ``order`` (per pipeline rank, actions whose ``str()`` is torch's
+    text: ``"0F3"``, ``"0B1"``) with the actions at ``pairs[rank]`` and the next grouped into one ``OVERLAP_F_B``
+    action each (a forward, then a full backward): the combined 1F1B (``pipeviz.schedule.ep_overlap``). torch adds
+    the sends and receives (``_prepare_schedule_with_comms``: a pair's sends after it, its receives before it)."""
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B, _Action, _PipelineScheduleRuntime
+
+    actions: dict[int, list[Any]] = {}
+    for rank, acts in enumerate(order):
+        parsed = [_Action.from_str(str(a)) for a in acts]
+        out, i = [], 0
+        while i < len(parsed):
+            if i in pairs[rank]:
+                out.append(_Action(-1, OVERLAP_F_B, None, (parsed[i], parsed[i + 1])))
+                i += 2
+            else:
+                out.append(parsed[i])
+                i += 1
+        actions[rank] = out
+    schedule = _PipelineScheduleRuntime(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+    schedule._prepare_schedule_with_comms(actions)
+    return schedule
 
 
 def register_overlap(schedule: Any) -> None:

@@ -1,5 +1,6 @@
 """``LaunchConfig(ep_overlap=True)`` priced: each overlapped pair of DualPipeV's order (torch's ``OVERLAP_F_B``: a
-forward of one microbatch and a full backward of another, run at once by ``pipeviz.adapter.overlap_fb``) takes
+forward of one microbatch and a full backward of another, run at once by ``pipeviz.adapter.overlap_fb``), or of the
+combined 1F1B (``pipeviz.schedule.ep_overlap.combined_1f1b``, what 1F1B runs as under ``ep_overlap``), takes
 
     max(F, B, F's compute + B's compute)
 
@@ -14,18 +15,19 @@ after it). The timeline draws the pair as its two actions one after the other, t
 proportion to their priced times.
 
 Example:
-    >>> pairs = PairOverlap.of("DualPipeV", lay, microbatches, ep_ex)
+    >>> acts, pairs = simulated_pairs(cfg, lay, acts, ep_ex, forward_only=False, repeats=1)
     >>> pairs.seconds(costs, 0, 3)          # a pair of stage 0's forward and stage 3's backward
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pipeviz.cost.model import Costs
 from pipeviz.schedule import traits as sched
-from pipeviz.schedule.ep_overlap import ep_overlap_refusal
+from pipeviz.schedule.ep_overlap import combined_1f1b, ep_overlap_refusal
 from pipeviz.sim.experts import EpExchanges
 
 __all__ = ["PairOverlap", "simulated_pairs"]
@@ -44,12 +46,9 @@ class PairOverlap:
     backward_a2a: tuple[float, ...]
 
     @classmethod
-    def of(cls, lay: sched.Layout, microbatches: int, ex: EpExchanges, repeats: int = 1) -> PairOverlap:
-        """The pairs of ``lay``'s schedule (torch's order: ``pipeviz.adapter.schedules.overlap_pairs``), its order
-        played ``repeats`` times in a row (gradient accumulation)."""
-        from pipeviz.adapter.schedules import overlap_pairs
-
-        per_rank = overlap_pairs(lay.schedule, lay.num_ranks, lay.num_stages, microbatches)
+    def of(cls, per_rank: Sequence[tuple[int, Sequence[int]]], ex: EpExchanges, repeats: int = 1) -> PairOverlap:
+        """The pairs ``per_rank`` gives (per rank: its number of actions, the positions of its pairs' forwards), its
+        order played ``repeats`` times in a row (gradient accumulation)."""
         at: set[tuple[int, int]] = set()
         for rank, (length, positions) in enumerate(per_rank):
             at.update((rank, p + b * length) for b in range(repeats) for p in positions)
@@ -68,17 +67,26 @@ class PairOverlap:
         return max(f, b, fc + bc)
 
 
-def simulated_pairs(cfg: Any, lay: sched.Layout, ex: EpExchanges | None, forward_only: bool,
-                    repeats: int) -> PairOverlap | None:
-    """What ``pv.simulate`` plays for ``cfg.ep_overlap`` (a ``LaunchConfig``): the pairs, or None without it (or
-    without expert parallelism's exchanges, or forward only); refused as ``pv.launch`` refuses it.
+def simulated_pairs(cfg: Any, lay: sched.Layout, acts: sched.Order, ex: EpExchanges | None, forward_only: bool,
+                    repeats: int) -> tuple[sched.Order, PairOverlap | None]:
+    """What ``pv.simulate`` plays for ``cfg.ep_overlap`` (a ``LaunchConfig``): the order (``acts``, or under 1F1B
+    the combined 1F1B's, ``repeats`` times in a row) and its pairs (torch's ``OVERLAP_F_B`` positions in DualPipeV's
+    order: ``pipeviz.adapter.schedules.overlap_pairs``), or ``acts`` and None without it (or without expert
+    parallelism's exchanges, or forward only); refused as ``pv.launch`` refuses it.
 
     Raises:
         ValueError: ``ep_overlap`` or ``ep_delay`` where they cannot run (naming the value and the valid choices).
     """
+    from pipeviz.adapter.schedules import overlap_pairs
+
     why = ep_overlap_refusal(cfg)
     if why is not None:
         raise ValueError(why)
     if not cfg.ep_overlap or ex is None or forward_only:
-        return None
-    return PairOverlap.of(lay, cfg.microbatches, ex, repeats)
+        return acts, None
+    if lay.schedule == "1F1B":
+        combined, m = combined_1f1b(lay.num_stages, cfg.microbatches), cfg.microbatches
+        acts = [[a._replace(mb=a.mb + b * m) for b in range(repeats) for a in order] for order, _ in combined]
+        return acts, PairOverlap.of([(len(order), pairs) for order, pairs in combined], ex, repeats)
+    per_rank = overlap_pairs(lay.schedule, lay.num_ranks, lay.num_stages, cfg.microbatches)
+    return acts, PairOverlap.of(per_rank, ex, repeats)

@@ -333,7 +333,7 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
                                                    float(cfg.ep_delay))
     if ep_ex is not None and plan is not None:  # (after tp's overlap: the experts wait for their rows)
         costs, ep_ex = with_experts(costs, plan, ep_ex, mesh.ep, opts.expert_imbalance)
-    pairs = simulated_pairs(cfg, lay, ep_ex, forward_only, k)  # ep_overlap's F/B pairs
+    acts, pairs = simulated_pairs(cfg, lay, acts, ep_ex, forward_only, k)  # ep_overlap's F/B pairs
     # (full recomputation: the backward's recomputed forward pays the forward's collectives again; Megatron-LM:
     # 4 all-reduces per block in a recomputing backward, 2 in a forward)
     extra_backward = [c * int(opts.recompute == "full") for c in costs.collective] if costs.collective else []
