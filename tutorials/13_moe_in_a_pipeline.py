@@ -259,8 +259,10 @@ print(f"DualPipeV, all-to-alls 20 ms slower: step {alone.step_time:.3f} s in tur
 assert overlapped.step_time < alone.step_time
 
 # %% [markdown]
-# 1F1B has no such pairs: `ep_overlap=True` with it is refused before any process starts, naming DualPipeV
-# (Megatron's combined 1F1B, which pairs them by reordering 1F1B, is not built).
+# Under 1F1B, `ep_overlap=True` runs a **combined 1F1B** (as Megatron-Core pairs them): every stage warms up with
+# more forwards, then runs each forward beside the backward of an earlier microbatch, the last stage's beside the
+# previous microbatch's. The price is memory: the first of p stages holds up to 2p microbatches' activations
+# instead of p. Other schedules are refused before any process starts, naming DualPipeV and 1F1B.
 #
 # ## Exercise
 #

@@ -1,8 +1,9 @@
 """Expert parallelism's overlap (``LaunchConfig(ep_overlap=True)``), measured and simulated side by side.
 
-MoENet (4 blocks of 4 experts, top-2, d 16), one block per stage, DualPipeV on 2 pipeline ranks × dp 2 × ep 2 (4 gloo
-processes), 8 microbatches of one row per replica: each step runs with and without the overlap of DualPipeV's
-forward/backward pairs, on a link slowed by ``ep_delay`` seconds per all-to-all (0: gloo as it is). Printed per
+MoENet (4 blocks of 4 experts, top-2, d 16) on 2 pipeline ranks × dp 2 × ep 2 (4 gloo processes), 8 microbatches
+of one row per replica, under DualPipeV (one block per stage, 2 stages per rank) and 1F1B (2 blocks per stage: with
+the overlap a combined 1F1B): each step runs with and without the overlap of the forward/backward pairs, on a link
+slowed by ``ep_delay`` seconds per all-to-all (0: gloo as it is). Printed per
 delay: the measured step (median over the steps after the first) without and with the overlap and their ratio, the
 same from ``pv.simulate``, the A2A actions per process and step, whether the two runs' losses are equal bit for bit,
 and the overlapped run's max |Δparam| against the unsplit model (``pv.check_numerics``). The simulated steps twice:
@@ -10,7 +11,7 @@ every process on a core of its own (``pv.simulate(plan, cfg)``) and the processe
 (``cores=``: there an action holds its core while it waits, ``ep_delay``'s sleep included, which the run's
 processes do not).
 
-    PYTHONPATH=. python benchmarks/accuracy/ep_overlap.py [--steps 4] [--delays 0 0.01 0.02]
+    PYTHONPATH=. python benchmarks/accuracy/ep_overlap.py [--steps 4] [--delays 0 0.01 0.02] [--schedules 1F1B]
 
 Measured 2026-12-06 on the 2-core development machine shared with other sessions (load average 8.3 / 12.1 / 10.0 at
 the start, 6.7 / 8.6 / 9.2 at the end; 4 steps, 8 microbatches):
@@ -46,6 +47,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--delays", type=float, nargs="+", default=[0.0, 0.01, 0.02])
+    ap.add_argument("--schedules", nargs="+", default=["DualPipeV", "1F1B"])
     args = ap.parse_args()
     torch.manual_seed(0)
     model = MoENet(vocab=32, d=16, layers=4, experts=4)
@@ -54,14 +56,16 @@ def main() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = pv.trace(model, example_args=(ids[:2],))
-    plan = graph.split([f"blocks.{i}" for i in range(3)])
+    plans = {"DualPipeV": graph.split([f"blocks.{i}" for i in range(3)]), "1F1B": graph.split(["blocks.1"])}
     cores = os.cpu_count() or 1
     print(f"load {open('/proc/loadavg').read().split()[:3]}, {cores} cores")
-    print(f"{'ep_delay':>8} | {'measured: alone':>15} {'overlap':>9} {'ratio':>5} | {'simulated: alone':>16} "
-          f"{'overlap':>9} {'ratio':>5} | {f'on {cores} cores: alone':>19} {'overlap':>9} {'ratio':>5} | "
+    print(f"{'schedule':>9} {'ep_delay':>8} | {'measured: alone':>15} {'overlap':>9} {'ratio':>5} | "
+          f"{'simulated: alone':>16} {'overlap':>9} {'ratio':>5} | "
+          f"{f'on {cores} cores: alone':>19} {'overlap':>9} {'ratio':>5} | "
           "A2A/proc/step  same losses  max|Δparam|")
-    for delay in args.delays:
-        cfg = pv.LaunchConfig(schedule="DualPipeV", microbatches=args.microbatches, steps=args.steps,
+    for schedule, delay in ((s, d) for s in args.schedules for d in args.delays):
+        plan = plans[schedule]
+        cfg = pv.LaunchConfig(schedule=schedule, microbatches=args.microbatches, steps=args.steps,
                               loss_fn=pv.cross_entropy, optimizer=pv.sgd(lr=0.1), dp=2, ep=2, ep_delay=delay)
         m, s, sc, losses = {}, {}, {}, {}
         param_diff, a2a = float("nan"), 0
@@ -76,7 +80,7 @@ def main() -> None:
             if overlap:
                 param_diff = pv.check_numerics(run).param_diff
             a2a = sum(e.kind == "A2A" and e.rank == 0 for e in run.events) // args.steps
-        print(f"{delay:>8.3f} | {m[False]:>13.3f} s {m[True]:>7.3f} s {m[True] / m[False]:>5.2f}"
+        print(f"{schedule:>9} {delay:>8.3f} | {m[False]:>13.3f} s {m[True]:>7.3f} s {m[True] / m[False]:>5.2f}"
               f" | {s[False]:>14.3f} s {s[True]:>7.3f} s {s[True] / s[False]:>5.2f}"
               f" | {sc[False]:>17.3f} s {sc[True]:>7.3f} s {sc[True] / sc[False]:>5.2f}"
               f" | {a2a:>13}  {losses[False] == losses[True]!s:>11}  {param_diff:.1e}")

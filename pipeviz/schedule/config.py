@@ -119,11 +119,13 @@ class LaunchConfig:
         ep: expert parallelism: each MoE block's routed experts sharded over ``ep`` of a stage's ``dp × cp``
             processes (no processes added; ``ep`` divides ``dp * cp``), tokens sent to their experts' processes by
             all-to-all. ``pv.launch`` refuses ep > 1 until it runs it (naming why).
-        ep_overlap: with ``ep`` > 1 under DualPipeV, run each overlapped pair of torch's order (``OVERLAP_F_B``: one
-            microbatch's forward beside another's backward) at once, the backward in a second thread with its own
-            expert-parallel process group, so one half's all-to-alls wait while the other half computes
-            (torchtitan's DualPipeV + EP overlap, its PR #1721; ``pipeviz.adapter.overlap_fb``). Exact: the same
-            ops on the same values. ``pv.simulate`` prices each pair as ``max(F, B, F's compute + B's compute)``.
+        ep_overlap: with ``ep`` > 1, run one microbatch's forward beside another's backward so that one half's
+            all-to-alls wait while the other half computes: DualPipeV's overlapped pairs (torch's ``OVERLAP_F_B``
+            actions), or under 1F1B a combined 1F1B (``pipeviz.schedule.ep_overlap.combined_1f1b``: each forward
+            paired with an earlier microbatch's backward; more warm-up forwards, so more activations held). The
+            backward runs in a second thread with its own expert-parallel process group (torchtitan's DualPipeV +
+            EP overlap, its PR #1721; ``pipeviz.adapter.overlap_fb``). Exact: the same ops on the same values.
+            ``pv.simulate`` prices each pair as ``max(F, B, F's compute + B's compute)``.
         ep_delay: seconds every expert all-to-all waits after its exchange: a slowed link, to see (and test on a
             CPU) what ``ep_overlap`` hides; ``pv.simulate`` adds it to each priced ``A2A``. 0 in real runs.
         order: a custom schedule: one list of actions per pipeline rank, each a ``pv.schedule.Action`` or its text
