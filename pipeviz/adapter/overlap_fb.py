@@ -1,4 +1,4 @@
-"""DualPipeV's overlapped forward/backward pairs run at once (``LaunchConfig(ep_overlap=True)``): torch's
+"""Overlapped forward/backward pairs run at once (``LaunchConfig(ep_overlap=True)``): torch's
 ``_PipelineScheduleRuntime`` runs an ``OVERLAP_F_B`` action's two sub-actions one after the other unless a function
 is registered for it (``register_custom_function``, torch 2.13-2.15); ``overlap_f_b`` runs the backward in a second
 thread while the forward runs in the schedule's own, as torchtitan's ``overlap_callback`` does (its PR #1721,
@@ -58,7 +58,8 @@ def paired_runtime(stages: list[Any], order: Sequence[Sequence[object]], pairs: 
 
 
 def register_overlap(schedule: Any) -> None:
-    """Run ``schedule``'s ``OVERLAP_F_B`` actions (a ``_PipelineScheduleRuntime``: DualPipeV) with ``overlap_f_b``.
+    """Run ``schedule``'s ``OVERLAP_F_B`` actions (a ``_PipelineScheduleRuntime``: DualPipeV's, or
+    ``paired_runtime``'s) with ``overlap_f_b``.
 
     Raises:
         TypeError: a schedule without torch's custom functions (a single-stage schedule).
@@ -67,7 +68,8 @@ def register_overlap(schedule: Any) -> None:
 
     register = getattr(schedule, "register_custom_function", None)
     if register is None:
-        raise TypeError(f"{type(schedule).__name__} runs no OVERLAP_F_B actions; ep_overlap needs DualPipeV")
+        raise TypeError(f"{type(schedule).__name__} runs no OVERLAP_F_B actions; ep_overlap needs torch's runtime "
+                        "(DualPipeV's, or paired_runtime's)")
     register(OVERLAP_F_B, overlap_f_b)
 
 
