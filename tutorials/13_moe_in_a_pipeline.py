@@ -259,7 +259,7 @@ print(f"DualPipeV, all-to-alls 20 ms slower: step {alone.step_time:.3f} s in tur
 assert overlapped.step_time < alone.step_time
 
 # %% [markdown]
-# Under 1F1B, `ep_overlap=True` runs a **combined 1F1B** (as Megatron-Core pairs them): every stage warms up with
+# Under 1F1B, `ep_overlap=True` runs a **combined 1F1B** (Megatron-Core's idea): every stage warms up with
 # more forwards, then runs each forward beside the backward of an earlier microbatch, the last stage's beside the
 # previous microbatch's. The price is memory: the first of p stages holds up to 2p microbatches' activations
 # instead of p. Other schedules are refused before any process starts, naming DualPipeV and 1F1B.

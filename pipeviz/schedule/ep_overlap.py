@@ -1,7 +1,7 @@
 """Where ``LaunchConfig(ep_overlap=True)`` can run, said once for ``pv.launch`` and ``pv.simulate``: expert
 parallelism (``ep`` > 1) under a schedule whose order pairs one microbatch's forward with another's backward
 (torch's ``OVERLAP_F_B`` action: DualPipeV), or under 1F1B run as a combined 1F1B (``combined_1f1b``: every
-steady-state forward paired with an earlier microbatch's backward, the pairing Megatron-Core's combined 1F1B makes).
+steady-state forward paired with an earlier microbatch's backward, the idea of Megatron-Core's combined 1F1B).
 ``ep_delay`` (a slowed expert link) needs all-to-alls to slow.
 
 Example:
@@ -29,12 +29,13 @@ def combined_1f1b(num_stages: int, microbatches: int) -> list[tuple[list[sched.A
     1F1B as torch's ``Schedule1F1B`` runs it (``min(m, p - r)`` warm-up forwards on stage ``r``, then one backward
     and one forward in turn) has on its last stage each backward right after its own microbatch's forward, which it
     needs: nothing to pair. Here stage ``r`` warms up with ``w = min(m, 2(p - 1 - r) + 1)`` forwards, then runs
-    ``F(j)`` beside ``B(j - w)``, then drains the backwards: the last stage pairs ``F(j)`` with ``B(j - 1)``, as
-    Megatron-Core's combined 1F1B pairs a forward with the previous microbatch's backward. A pair waits for both its
-    inputs and sends both outputs when it ends, so with one warm-up forward more per stage (``p - r``) stage ``r``'s
-    pair would wait for stage ``r + 1``'s, which waits for ``r``'s previous one: the stages' pairs would run in turn.
-    Two more per stage give each pair the slack of one: up to ``2(p - 1 - r) + 2`` microbatches' activations held
-    on stage ``r`` while its first pair runs (1F1B: ``p - r``), which ``pv.simulate`` prices.
+    ``F(j)`` beside ``B(j - w)``, then drains the backwards: the last stage pairs ``F(j)`` with ``B(j - 1)`` (the idea
+    of Megatron-Core's combined 1F1B, a forward merged with another microbatch's backward; these warm-up lengths
+    are derived here, not taken from Megatron). A pair waits for both its inputs and sends both outputs when it
+    ends, so with 1F1B's warm-up (``p - r`` forwards) stage ``r``'s pair would wait for stage ``r + 1``'s, which
+    waits for ``r``'s previous one: the stages' pairs would run in turn. Two more warm-up forwards per stage down
+    the pipeline give each pair the slack of one, at a price: up to ``2(p - 1 - r) + 2`` microbatches' activations
+    held on stage ``r`` while its first pair runs (1F1B: ``p - r``), which ``pv.simulate`` prices.
 
     Example:
         >>> [" ".join(str(a) for a in acts) for acts, _ in combined_1f1b(2, 4)]
