@@ -17,7 +17,7 @@ import pipeviz as pv
 from pipeviz.adapter.schedules import overlap_pairs
 from pipeviz.cost.model import Costs
 from pipeviz.schedule.ep_overlap import combined_1f1b
-from pipeviz.sim.engine import check_order
+from pipeviz.sim.engine import check_order, play
 from pipeviz.sim.ep_overlap import PairOverlap
 from pipeviz.sim.simulate import schedule_orders
 from tests.foreign import routed_moe_net
@@ -93,6 +93,12 @@ def test_combined_1f1b_runs_and_pairs_each_forward_with_an_earlier_backward(stag
     combined = combined_1f1b(stages, micro)
     lay = pv.schedule.layout("1F1B", stages)
     check_order([acts for acts, _ in combined], lay, micro)
+    # and played with each pair waiting for both its inputs (as torch's runtime runs an OVERLAP_F_B): no deadlock
+    unit = Costs.uniform(stages)
+    pairs = PairOverlap(frozenset((r, p) for r, (_, at) in enumerate(combined) for p in at), (0.0,) * stages,
+                        (0.0,) * stages)
+    events = play([acts for acts, _ in combined], lay, unit, stages, pairs=pairs)
+    assert len(events) == 2 * stages * micro
     for acts, pairs in combined:
         for p in pairs:
             f, b = acts[p], acts[p + 1]
