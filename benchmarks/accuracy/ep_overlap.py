@@ -13,21 +13,28 @@ processes do not).
 
     PYTHONPATH=. python benchmarks/accuracy/ep_overlap.py [--steps 4] [--delays 0 0.01 0.02] [--schedules 1F1B]
 
-Measured 2026-12-06 on the 2-core development machine shared with other sessions (load average 8.3 / 12.1 / 10.0 at
-the start, 6.7 / 8.6 / 9.2 at the end; 4 steps, 8 microbatches):
+Measured 2026-12-06 on the 2-core development machine shared with other sessions (4 steps, 8 microbatches; load
+average 4.1 / 6.0 / 7.7 at the start, 20:50-20:58 UTC):
 
-    ep_delay | measured: alone   overlap ratio | simulated: alone   overlap ratio |   on 2 cores: alone   overlap ratio
-       0.000 |         0.503 s   0.624 s  1.24 |          0.050 s   0.047 s  0.93 |             0.440 s   0.418 s  0.95
-       0.010 |         1.448 s   0.898 s  0.62 |          0.730 s   0.507 s  0.69 |             1.720 s   1.150 s  0.67
-       0.020 |         2.120 s   1.366 s  0.64 |          1.410 s   0.967 s  0.69 |             3.000 s   1.990 s  0.66
+    schedule   delay | measured s: alone overlap ratio | simulated: alone overlap ratio | 2 cores: alone overlap ratio
+    DualPipeV     0 |              .632    .413   .65 |             .050    .047   .93 |           .440    .418   .95
+    DualPipeV 10 ms |             1.085    .828   .76 |             .730    .507   .69 |          1.720   1.150   .67
+    DualPipeV 20 ms |             1.897   1.510   .80 |            1.410    .967   .69 |          3.000   1.990   .66
+    1F1B          0 |              .421    .446  1.06 |             .052    .046   .89 |           .440    .416   .94
+    1F1B      10 ms |             1.062    .806   .76 |             .772    .486   .63 |          1.720   1.099   .64
+    1F1B      20 ms |             1.782   1.186   .67 |            1.492    .926   .62 |          3.000   1.899   .63
 
-64 A2A per process and step; the two runs' losses equal bit for bit at every delay; max |Δparam| 3.0e-08 against
-the unsplit model. On the slowed link the overlap takes a third off the measured step (0.62, 0.64) and the
-simulator says 0.66-0.69. Without a slowed link it costs: 1.24 measured (a second thread's start, join and GIL
-hand-offs on 2 busy cores, against all-to-alls of ~1 ms), 0.93-0.95 simulated (the simulator charges no thread
-overhead). The measured step without the overlap grew 0.95 s and 1.62 s over ep_delay=0 against 64 x delay = 0.64 s
-and 1.28 s; with it 0.27 s and 0.74 s. An earlier run at load 14-16 (before the core wait was kept out of what a pair
-hides): 0.687 / 0.765 s (1.11), 1.112 / 0.970 s (0.87), 1.910 / 1.219 s (0.64).
+An earlier run (DualPipeV only, load 8.3 / 12.1 / 10.0, 20:33-20:40 UTC), measured alone / overlap (ratio):
+0.503 / 0.624 s (1.24), 1.448 / 0.898 s (0.62), 2.120 / 1.366 s (0.64) at 0, 10 and 20 ms.
+
+64 A2A per process and step; the two runs' losses equal bit for bit in every row; max |Δparam| 3.0e-08 against
+the unsplit model. On a slowed link the overlap shortened the measured step in every run (0.62-0.80) and the
+simulator says 0.62-0.69. Without a slowed link (all-to-alls of ~1 ms) the measured ratio is noise on this shared
+machine: 1.24 and 0.65 in two DualPipeV runs, 1.06 under 1F1B (a second thread's start, join and GIL hand-offs
+against little to hide; the simulator charges no thread overhead: 0.89-0.95). The measured step without the
+overlap grows by about 64 x delay (DualPipeV +0.45 s at 10 ms, +1.27 s at 20 ms; 1F1B +0.64, +1.36 s against 0.64
+and 1.28 s), with it by less (DualPipeV +0.42, +1.10 s; 1F1B +0.36, +0.74 s). The simulated steps on the machine's
+2 cores are above the measured ones: there an action holds its core while it waits, the delay's sleep included.
 """
 
 from __future__ import annotations
