@@ -144,7 +144,10 @@ def _attr(graph: fx.GraphModule, target: str) -> torch.Tensor:
 class Team:
     """This process's share of every block's experts: ``ep`` shares, this one ``rank``, over the process ``group``
     (``dry``: one process plays every share, no exchange: shapes and routing only). ``record(start, end)`` is told
-    of every all-to-all (wall clock), ``count(block, counts)`` of the tokens routed to each expert per forward."""
+    of every all-to-all (wall clock), ``count(block, counts)`` of the tokens routed to each expert per forward.
+    ``back_group``: the backward's all-to-alls go over this group (``ep_overlap``: a forward and a backward run at
+    once in two threads, each on its own group, so their collectives never pair up across them); ``delay``: seconds
+    each all-to-all waits after its exchange (``LaunchConfig.ep_delay``, a slowed link)."""
 
     ep: int
     rank: int
@@ -152,6 +155,8 @@ class Team:
     dry: bool = False
     record: Callable[[float, float], None] | None = None
     count: Callable[[str, list[int]], None] | None = None
+    back_group: Any = None
+    delay: float = 0.0
 
     def owned(self, experts: int) -> range:
         per = experts // self.ep
@@ -195,19 +200,23 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], team: Team) -> torch.Tensor:
         ctx.send, ctx.recv, ctx.team = send, recv, team
-        return _a2a(x, send, recv, team)
+        return _a2a(x, send, recv, team, team.group)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return _a2a(g.contiguous(), ctx.recv, ctx.send, ctx.team), None, None, None
+        team = ctx.team
+        group = team.back_group if team.back_group is not None else team.group
+        return _a2a(g.contiguous(), ctx.recv, ctx.send, team, group), None, None, None
 
 
-def _a2a(x: torch.Tensor, send: list[int], recv: list[int], team: Team) -> torch.Tensor:
+def _a2a(x: torch.Tensor, send: list[int], recv: list[int], team: Team, group: Any) -> torch.Tensor:
     import torch.distributed as dist
 
     out = x.new_empty((sum(recv), *x.shape[1:]))
     start = time.time()
-    dist.all_to_all_single(out, x.contiguous(), recv, send, group=team.group)
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    if team.delay:  # a slowed link (LaunchConfig.ep_delay): the time a slower transfer would take, GIL released
+        time.sleep(team.delay)
     if team.record is not None:
         team.record(start, time.time())
     return out

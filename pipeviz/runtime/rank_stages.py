@@ -35,7 +35,7 @@ def rank_stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch
             compute: torch.device, pp_group: ProcessGroup | None = None, dp_group: ProcessGroup | None = None,
             tp_mesh: DeviceMesh | None = None, shard_mesh: DeviceMesh | None = None, *,
             cp_group: ProcessGroup | None = None, ep_group: ProcessGroup | None = None,
-            ep_replicas: ProcessGroup | None = None,
+            ep_replicas: ProcessGroup | None = None, ep_back_group: ProcessGroup | None = None,
             ) -> tuple[list[PipelineStage], list[torch.nn.Parameter], dict[str, list[torch.Tensor]],
                        OverlappedReduction | None]:
     """torch's ``PipelineStage`` around each of this rank's runners (timed; in this replica's pipeline group),
@@ -55,7 +55,8 @@ def rank_stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch
     parallelism) each runner computes this process's share of every MoE block's experts, the tokens routed to the
     others' sent there and back (``adapter.expert_graph``), each all-to-all an ``A2A`` event; the process holds only
     its own experts (``runtime.expert_shards``), their gradients reduced over ``ep_replicas`` (the processes holding
-    the same experts) and divided by all the replicas, the rest's over ``dp_group``."""
+    the same experts) and divided by all the replicas, the rest's over ``dp_group``; ``ep_back_group``
+    (``ep_overlap``) carries the backward's all-to-alls."""
     from pipeviz.adapter import timed_stage_class
 
     Stage = timed_stage_class(_timed_span(p, clock, step_box, compute))
@@ -77,7 +78,8 @@ def rank_stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch
         if cp_group is not None:
             _context(p, runner, cp_group, clock, step_box)
         if ep_group is not None and p.mesh is not None:
-            _experts(p, st, runner, Share(p.mesh.ep, p.coords.dp % p.mesh.ep, ep_group, ep_replicas), clock, step_box)
+            share = Share(p.mesh.ep, p.coords.dp % p.mesh.ep, ep_group, ep_replicas)
+            _experts(p, st, runner, share, clock, step_box, ep_back_group)
         # Static shapes, so torch never runs its shape inference (an extra forward/backward in step 1).
         # Activations from another stage need grads; model inputs and integer tensors (masks) do not.
         ins = tuple(_like(t, device, grad=st.index > 0 and t.is_floating_point()) for t in st.inputs)
@@ -186,7 +188,7 @@ def _context(p: RankPayload, runner: StageRunner, group: ProcessGroup, clock: Cl
 
 
 def _experts(p: RankPayload, st: RankStage, runner: StageRunner, share: Share, clock: Clock,
-             step_box: list[int]) -> None:
+             step_box: list[int], back_group: ProcessGroup | None = None) -> None:
     """The runner's graph with this process's share of every MoE block's experts, each all-to-all an ``A2A`` event
     and the tokens routed to each expert per forward an ``ExpertTokens`` message; the other shares' expert weights
     dropped from the stage (``shard_experts``)."""
@@ -201,7 +203,8 @@ def _experts(p: RankPayload, st: RankStage, runner: StageRunner, share: Share, c
             clock.post(ExpertTokens(p.rank, p.coords, step_box[0], clock.stage, clock.mb, block, counts))
 
     assert p.mesh is not None
-    team = Team(share.ep, share.rank, share.group, record=record, count=count)
+    team = Team(share.ep, share.rank, share.group, record=record, count=count, back_group=back_group,
+                delay=p.ep_delay)
     blocks = find_blocks(runner.stage)  # type: ignore[arg-type]
     if blocks:
         shard_experts(runner.stage, st.params, blocks, share)  # type: ignore[arg-type]

@@ -165,9 +165,10 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
     step_box = [0, 0, 0]  # the step, its accumulated (or held-out) batch, and whether it evaluates
     pp_group, dp_group, dp_mesh, tp_mesh, cp_group = _mesh_groups(p)
     ep_group, ep_replicas = _ep_groups(p)
+    ep_back = _ep_groups(p)[0] if p.ep_overlap else None  # ep_overlap: a second group, the backward's all-to-alls'
     stages, params, local, overlapped = rank_stages(p, clock, step_box, device, compute, pp_group, dp_group, tp_mesh,
                                                 dp_mesh if p.dp_shard else None, cp_group=cp_group,
-                                                ep_group=ep_group, ep_replicas=ep_replicas)
+                                                ep_group=ep_group, ep_replicas=ep_replicas, ep_back_group=ep_back)
     reduction: OverlappedReduction | ZeroOne | None = overlapped
     stepped, names = params, param_names(p)  # what the optimizer steps (ZeRO-1: its shards)
     if p.dp_reduce == "zero1" and dp_mesh is not None and p.loss_fn is not None:
@@ -189,7 +190,8 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
         # not wrapped again per replica: the reduction built for the first shape's stages takes theirs too.
         rebind(new, p.stages)
         q = dataclasses.replace(p, stages=new)
-        built = rank_stages(q, clock, step_box, device, compute, pp_group, ep_group=ep_group)[0]
+        built = rank_stages(q, clock, step_box, device, compute, pp_group, ep_group=ep_group,
+                            ep_back_group=ep_back)[0]
         for st in built:
             if reduction is not None:
                 st.grads_final = reduction.launch  # type: ignore[attr-defined]

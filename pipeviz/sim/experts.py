@@ -126,11 +126,13 @@ class EpExchanges(StageExchanges):
     ``count_seconds`` (the forward's count exchanges, untimed by the run: charged in the forward, no event),
     ``op_seconds`` (per stage, what a forward pays for running the graph op by op: on a CPU only) and
     ``imbalance_seconds`` (per stage, the busiest owner's extra expert compute in one forward; the backward pays
-    twice it)."""
+    twice it) and ``core_wait`` (of each ``A2A``, the seconds spent waiting for a core, not for the link: no other
+    work of the process can run in them, so ``ep_overlap`` cannot hide them)."""
 
     count_seconds: tuple[float, ...]
     op_seconds: tuple[float, ...] = ()
     imbalance_seconds: tuple[float, ...] = ()
+    core_wait: float = 0.0
 
 
 def a2a_seconds(nbytes: float, ep: int, via: tuple[float, float]) -> float:
@@ -144,14 +146,16 @@ def a2a_seconds(nbytes: float, ep: int, via: tuple[float, float]) -> float:
 
 
 def ep_exchanges(plan: SplitPlan, microbatches: float, mesh: Mesh, via: tuple[float, float], scale: float = 1.0,
-                 cpu: bool = False, oversubscribed: bool = False) -> EpExchanges:
+                 cpu: bool = False, oversubscribed: bool = False, delay: float = 0.0) -> EpExchanges:
     """The all-to-alls of a ``mesh.ep`` > 1 run of ``plan`` on link ``via``: per block of a stage, one microbatch of
     one replica routes ``row_bytes x scale / (microbatches x dp x cp)`` (``scale``: the dtype's and batch's, as
     ``CostOptions.byte_scale`` x ``batch_scale``); the dispatch and the combine move as many bytes each way. On a
     ``cpu`` a forward pays ``cpu_cp_op_overhead`` per op of its stage, and ``oversubscribed`` (more processes than
     cores) each ``A2A`` ``cpu_cp_exchange_wait`` more (the measured constants of context parallelism's shares, which
-    run a stage the same way: op by op, waiting at each exchange for the other processes)."""
-    wait = constant("cpu_cp_exchange_wait") if cpu and oversubscribed else 0.0
+    run a stage the same way: op by op, waiting at each exchange for the other processes). ``delay``: seconds more
+    per ``A2A`` (``LaunchConfig.ep_delay``: a slowed link)."""
+    core_wait = constant("cpu_cp_exchange_wait") if cpu and oversubscribed else 0.0
+    wait = core_wait + delay
     per_op = constant("cpu_cp_op_overhead") if cpu else 0.0
     ops, _ = _per_stage(plan)
     fwd, bwd, count = [], [], []
@@ -162,14 +166,14 @@ def ep_exchanges(plan: SplitPlan, microbatches: float, mesh: Mesh, via: tuple[fl
         fwd.append(pair)
         bwd.append(pair)
         count.append(len(each) * a2a_seconds(0.0, mesh.ep, via))
-    return EpExchanges(tuple(fwd), tuple(bwd), tuple(count), tuple(n * per_op for n in ops))
+    return EpExchanges(tuple(fwd), tuple(bwd), tuple(count), tuple(n * per_op for n in ops), core_wait=core_wait)
 
 
 def simulated_ep(plan: SplitPlan, microbatches: int, mesh: Mesh, via: tuple[float, float], scale: float,
-                 opts: CostOptions, cores: int | None) -> EpExchanges | None:
+                 opts: CostOptions, cores: int | None, delay: float = 0.0) -> EpExchanges | None:
     """What ``pv.simulate`` charges for expert parallelism's exchanges (None without it): ``ep_exchanges``, on a CPU
     (no hardware and a CPU device, or ``"cpu"``) with the op-by-op forward, and a wait per ``A2A`` where the
-    processes outnumber the ``cores``.
+    processes outnumber the ``cores``; ``delay`` more per ``A2A`` (``LaunchConfig.ep_delay``).
 
     Raises:
         ValueError: ``ep`` > 1 on a model without routed experts (as ``pv.launch`` refuses it, naming ep).
@@ -182,7 +186,7 @@ def simulated_ep(plan: SplitPlan, microbatches: int, mesh: Mesh, via: tuple[floa
                          "or a mixture-of-experts model.")
     hw = opts.hw
     cpu = hw.name == "cpu" if hw is not None else not str(opts.device).startswith("cuda")
-    return ep_exchanges(plan, microbatches, mesh, via, scale, cpu, cores is not None and mesh.world > cores)
+    return ep_exchanges(plan, microbatches, mesh, via, scale, cpu, cores is not None and mesh.world > cores, delay)
 
 
 def with_experts(costs: Costs, plan: SplitPlan, ex: EpExchanges, ep: int,

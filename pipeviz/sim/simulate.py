@@ -44,6 +44,7 @@ from pipeviz.schedule.tensor_parallel import sharded_modules
 from pipeviz.schedule.timeline import Event, Timeline
 from pipeviz.sim.collectives import DP_REDUCE, Collectives, Reduction, cp_actions, replica_reduction, simulated_cp
 from pipeviz.sim.engine import check_order, contended, play, play_on_cores, runtime_actions
+from pipeviz.sim.ep_overlap import simulated_pairs
 from pipeviz.sim.experts import simulated_ep, with_experts
 
 if TYPE_CHECKING:
@@ -73,6 +74,8 @@ class SimulateOptions(CostChanges, total=False):
     cp: int
     tp: int
     ep: int
+    ep_overlap: bool
+    ep_delay: float
     dp_shard: bool
     tp_plan: Mapping[str, str] | None
     sequence_parallel: bool
@@ -326,9 +329,11 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
     if coll.tp_overlap and costs.collective:
         costs = overlapped(costs)
     ep_ex = None if plan is None else simulated_ep(plan, microbatches, mesh, links["ep"],
-                                                   opts.byte_scale(plan.graph) * opts.batch_scale, opts, cores)
+                                                   opts.byte_scale(plan.graph) * opts.batch_scale, opts, cores,
+                                                   float(cfg.ep_delay))
     if ep_ex is not None and plan is not None:  # (after tp's overlap: the experts wait for their rows)
         costs, ep_ex = with_experts(costs, plan, ep_ex, mesh.ep, opts.expert_imbalance)
+    acts, pairs = simulated_pairs(cfg, lay, acts, ep_ex, forward_only, k)  # ep_overlap's F/B pairs
     # (full recomputation: the backward's recomputed forward pays the forward's collectives again; Megatron-LM:
     # 4 all-reduces per block in a recomputing backward, 2 in a forward)
     extra_backward = [c * int(opts.recompute == "full") for c in costs.collective] if costs.collective else []
@@ -346,9 +351,9 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
         if holders > 1 and not forward_only:
             red = replica_reduction(plan, acts, lay, c, holders, links["dp"], coll, opts.dtype)
         if share >= lay.num_ranks:
-            return play(acts, lay, c, n, red), red
+            return play(acts, lay, c, n, red, pairs), red
         slots = math.ceil(share)
-        return play_on_cores(acts, lay, c, n, slots, slots / share, red), red
+        return play_on_cores(acts, lay, c, n, slots, slots / share, red, pairs), red
 
     if hw is not None and hw.contention > 1 and per_replica and cores != 1:
         # Replicas and shards compute the same actions at the same moments on the other cores: always contended.
