@@ -41,12 +41,28 @@ class Sink(Protocol):
 SEND_INTERVAL = 0.1  # seconds: live enough to watch, rare enough not to disturb the ranks
 
 
+class _PerThread:
+    """An int attribute each thread sees its own value of (-1 until it sets one): ``ep_overlap`` runs a forward and
+    a backward at once in two threads, and each labels its all-to-alls with its own stage and microbatch."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Clock, objtype: type | None = None) -> int:
+        return int(getattr(obj._running, self.name, -1))
+
+    def __set__(self, obj: Clock, value: int) -> None:
+        setattr(obj._running, self.name, value)
+
+
 class Clock:
     """Timestamps on one clock across ranks (wall time minus the run's start), and the rank's outbox.
 
     On a GPU, spans are timed with CUDA events, so they mark when the work ran, not when it was queued;
     they are read at step end. Events and posted messages leave together, at most every ``SEND_INTERVAL``.
     """
+
+    stage, mb = _PerThread(), _PerThread()  # the action the calling thread runs
 
     def __init__(self, t0: float, cuda: torch.device | None) -> None:
         self.t0, self.cuda = t0, cuda
@@ -67,21 +83,6 @@ class Clock:
         self.lock = threading.RLock()
         self.stopped = False  # the rank's steps are over: ``watch_stale`` sends nothing more
 
-    @property
-    def stage(self) -> int:
-        return int(getattr(self._running, "stage", -1))
-
-    @stage.setter
-    def stage(self, value: int) -> None:
-        self._running.stage = value
-
-    @property
-    def mb(self) -> int:
-        return int(getattr(self._running, "mb", -1))
-
-    @mb.setter
-    def mb(self, value: int) -> None:
-        self._running.mb = value
 
     def watch_stale(self, every: float = 0.3) -> None:
         """Send what the rank finished even when its own thread stops sending: a rank stuck inside an action (a
