@@ -35,7 +35,7 @@ from pipeviz.cost.comm import tp_collectives
 from pipeviz.cost.memory import activation_curve, memory_per_rank, peak_activations
 from pipeviz.cost.model import Costs, overlapped, parallel_costs, stage_costs
 from pipeviz.cost.options import CostChanges, CostOptions
-from pipeviz.cost.sharding import launch_tp_seconds, tp_shares
+from pipeviz.cost.sharding import tp_shares
 from pipeviz.plan.split import SplitPlan
 from pipeviz.schedule import traits as sched
 from pipeviz.schedule.config import LaunchConfig, dp_reduce_mode, launch_config
@@ -45,6 +45,7 @@ from pipeviz.schedule.timeline import Event, Timeline
 from pipeviz.sim.collectives import DP_REDUCE, Collectives, Reduction, cp_actions, replica_reduction, simulated_cp
 from pipeviz.sim.engine import check_order, contended, play, play_on_cores, runtime_actions
 from pipeviz.sim.experts import simulated_ep, with_experts
+from pipeviz.sim.tensor_parallel import simulated_tp
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -301,15 +302,16 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
     if cores is not None and (not isinstance(cores, int) or isinstance(cores, bool) or cores < 1):
         raise ValueError(f"cores must be a positive int or None, got {cores!r}.")
     links = _links(mesh, opts, x)
-    collective, collective_back, shares, ex = None, None, None, None
+    collective, collective_back, shares, ex, tp_ex = None, None, None, None, None
     if (tp > 1 or cp > 1) and plan is not None:
         scale = opts.byte_scale(plan.graph) * opts.batch_scale
         launch = tp > 1 and coll.tp_layout == "launch"  # else Megatron's: 2 all-reduces per block, a uniform 1/tp
         sharded = sharded_modules(plan, cfg.tp_plan, tp) if launch else {}
         shares = tp_shares(plan, sharded, tp, cfg.sequence_parallel) if launch else None
-        if launch:  # the collectives the launch's graph issues, forward and backward apart
-            tp_s, tp_b = launch_tp_seconds(plan, sharded, microbatches, dp * cp, tp, links["tp"], scale,
-                                           cfg.sequence_parallel)
+        if launch:  # the collectives the launch's graph issues, forward and backward apart, each a TP action
+            tp_ex = simulated_tp(plan, sharded, microbatches, mesh, links["tp"], scale, opts, cores,
+                                 cfg.sequence_parallel)
+            tp_s, tp_b = (tp_ex.seconds("F"), tp_ex.seconds("B")) if tp_ex else ((0.0,) * n, (0.0,) * n)
         else:
             tp_s = tp_collectives(plan, microbatches, dp * cp, tp, links["tp"], scale) if tp > 1 else (0.0,) * n
             tp_b = tp_s
@@ -323,6 +325,9 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
         costs = replace(costs, forward=tuple(f + o for f, o in zip(costs.forward, ex.op_seconds, strict=True)),
                         activation_bytes=tuple(a + k for a, k in zip(costs.activation_bytes, ex.saved_bytes,
                                                                      strict=True)))
+    if tp_ex is not None:  # (DTensor's dispatch, op by op: the process's own work, contended like its compute)
+        costs = replace(costs, forward=tuple(f + o for f, o in zip(costs.forward, tp_ex.op_forward, strict=True)),
+                        backward=tuple(b + o for b, o in zip(costs.backward, tp_ex.op_backward, strict=True)))
     if coll.tp_overlap and costs.collective:
         costs = overlapped(costs)
     ep_ex = None if plan is None else simulated_ep(plan, microbatches, mesh, links["ep"],
@@ -357,7 +362,7 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
         events, red = run(costs)
     if red is not None:
         events += red.after_step(events)
-    for exchanges, kind in ((ex, "CP"), (ep_ex, "A2A")):
+    for exchanges, kind in ((ex, "CP"), (ep_ex, "A2A"), (tp_ex, "TP")):
         events += cp_actions(events, exchanges, kind) if exchanges is not None else []
     peaks = ([max(costs.activation_bytes[s] for s in lay.stages_of(r)) for r in lay.ranks] if forward_only
              else peak_activations(acts, costs.activation_bytes, costs.weight_fraction, costs.input_freed))
@@ -370,7 +375,9 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
                                 costs.input_freed),
                             "cores": cores, "forward_only": forward_only, "mesh": (lay.num_ranks, dp, tp),
                             "config": cfg, "stage_costs": costs,  # what each action was priced at (pre-contention)
-                            "tp_layout": coll.tp_layout if tp > 1 else None}
+                            "tp_layout": coll.tp_layout if tp > 1 else None,
+                            # each TP action's wait for a core (processes beyond the cores), included in it
+                            "tp_wait": tp_ex.wait if tp_ex is not None else 0.0}
     if hw is not None:
         meta["hardware"], meta["dtype"], meta["recompute"] = hw.name, opts.dtype, opts.recompute
     if mesh.world > mesh.pp:
