@@ -5,7 +5,7 @@ arrived (``play``), optionally on fewer cores than ranks (``play_on_cores``) or 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import TypeVar
 
@@ -147,11 +147,13 @@ def _deadlock(acts: sched.Order, lay: sched.Layout, done: Collection[tuple[int, 
 
 
 def play_on_cores(acts: sched.Order, lay: sched.Layout, costs: Costs, n: int, cores: int, slow: float = 1.0,
-                  red: Reduction | None = None) -> list[Event]:
+                  red: Reduction | None = None, idle: Mapping[tuple[int, str], float] | None = None) -> list[Event]:
     """Like ``play``, with at most ``cores`` actions running at once: the next action to start is always the
     one that can start earliest (list scheduling), on the core that frees first; every action takes ``slow``
     times as long (cores shared with other replicas' processes). A data-parallel all-reduce in a rank's last
-    backward holds that rank's core: on CPU, gloo's copies and sums are the cores' own work."""
+    backward holds that rank's core: on CPU, gloo's copies and sums are the cores' own work. ``idle``: per
+    ``(stage, kind)`` the seconds of such an action its process sleeps off its core, waiting for another process
+    (a tensor-parallel collective's wait for the other shard): the core frees that much before the action ends."""
     import heapq
 
     done: dict[tuple[int, str, int], float] = {}
@@ -178,8 +180,9 @@ def play_on_cores(acts: sched.Order, lay: sched.Layout, costs: Costs, n: int, co
         end = start + costs.duration(s, kind) * slow
         if red is not None:
             end = red.finish(rank, pos[rank], start, end)
-        # Gloo's all-reduce on CPU is the cores' own work (copies through the loopback, the sums): it holds the core.
-        heapq.heappush(core_free, end)
+        # Gloo's all-reduce on CPU is the cores' own work (copies through the loopback, the sums): it holds the core;
+        # a wait for another process to join one does not (the process sleeps in gloo's receive).
+        heapq.heappush(core_free, max(start, end - (idle.get((s, kind), 0.0) if idle else 0.0)))
         done[(s, kind, mb)] = end
         free[rank] = end
         pos[rank] += 1

@@ -353,7 +353,7 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
         if share >= lay.num_ranks:
             return play(acts, lay, c, n, red), red
         slots = math.ceil(share)
-        return play_on_cores(acts, lay, c, n, slots, slots / share, red), red
+        return play_on_cores(acts, lay, c, n, slots, slots / share, red, tp_ex.idle() if tp_ex else None), red
 
     if hw is not None and hw.contention > 1 and per_replica and cores != 1:
         # Replicas and shards compute the same actions at the same moments on the other cores: always contended.

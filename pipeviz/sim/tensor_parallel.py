@@ -11,7 +11,9 @@ collective through gloo. On a CPU that costs what a link model alone leaves out,
   millisecond, its dispatch several);
 - where the processes outnumber the cores (``cores=``: 4 processes on 2), each collective waits for the other
   shard's process to get a core before it can join: ``cpu_tp_collective_wait`` more than its link time per
-  collective, as context parallelism's exchanges wait (``cpu_cp_exchange_wait``).
+  collective, as context parallelism's exchanges wait (``cpu_cp_exchange_wait``). The waiting process sleeps off
+  its core, which another process computes on meanwhile (``TpExchanges.idle``: ``play_on_cores`` frees the core
+  for it).
 
 On a GPU (a hardware preset other than ``"cpu"``, or a CUDA device) neither is charged: the host dispatches ahead of
 the device, and each process has its own device.
@@ -50,6 +52,15 @@ class TpExchanges(StageExchanges):
     op_forward: tuple[float, ...]
     op_backward: tuple[float, ...]
     wait: float = 0.0
+
+    def idle(self) -> dict[tuple[int, str], float]:
+        """Per ``(stage, kind)``, the seconds an action's process waits off its core for the other shard's (its
+        collectives' ``wait``): with the cores shared (``cores=``) another process computes meanwhile."""
+        out = {}
+        for s, (fwd, bwd) in enumerate(zip(self.forward, self.backward, strict=True)):
+            out[(s, "F")] = self.wait * len(fwd)
+            out[(s, "B")] = out[(s, "I")] = self.wait * len(bwd)
+        return out
 
 
 def stage_ops(plan: SplitPlan) -> list[int]:

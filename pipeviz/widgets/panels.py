@@ -419,7 +419,7 @@ def run_notes_html(run: pv.Run, sim: Timeline | None, here: Timeline | None, cor
         why.append(f"the machine is busy (load average {load:.1f} on {plural(cores, 'core')})")
     tp = getattr(run.spec, "tp", 1)
     if tp > 1 and sim is not None:
-        why += tp_notes(measured, sim, here, tp)
+        why += tp_notes(measured, sim, here, tp, procs, cores)
     text = " · ".join(parts)
     if why:
         text += "<br><span class='pipeviz-why'>Why they differ: " + "; ".join(why) + ".</span>"
@@ -430,7 +430,8 @@ TP_BOUND = 1.25  # pp x dp runs on 4 processes and 2 cores measured 12-24 % long
 # (benchmarks/accuracy/simulator_accuracy.py); a tp run's ratio beyond it is named with its measured cause
 
 
-def tp_notes(measured: float, sim: Timeline, here: Timeline | None, tp: int) -> list[str]:
+def tp_notes(measured: float, sim: Timeline, here: Timeline | None, tp: int, processes: int = 4,
+             cores: int = 2) -> list[str]:
     """What a tensor-parallel run's simulation prices beside its shards' compute (from the simulated ``TP`` actions
     and the measured constants: DTensor's dispatch per op, gloo's collectives and their wait for a core where the
     processes outnumber the cores), and the factor the measured step is off by, with its cause: against the
@@ -452,8 +453,9 @@ def tp_notes(measured: float, sim: Timeline, here: Timeline | None, tp: int) -> 
         ratio = measured / here.step_time if here.step_time > 0 else 0.0
         if ratio > TP_BOUND:
             out.append(f"measured is {ratio:.1f}× the simulation as run here, beyond the {TP_BOUND:.2f}× pp × dp runs "
-                       "keep: not priced, the time the operating system's switching and the machine's other jobs "
-                       "take from 4 processes on shared cores")
+                       f"keep: not priced, time-slicing {processes} processes on {plural(cores, 'core')} (pp × dp runs "
+                       "measured the cores idle 8-18 % of the time and 2-4× the context switches) and the machine's "
+                       "other jobs")
     elif sim.step_time > 0 and measured > TP_BOUND * sim.step_time:
         out.append(f"measured is {measured / sim.step_time:.1f}× the simulated step, which gives each process a core "
                    "and each collective its link time only: Simulate as run here prices the shared cores and each "
