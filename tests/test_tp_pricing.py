@@ -17,6 +17,7 @@ import torch
 import pipeviz as pv
 from pipeviz.cost.calibration import constant
 from pipeviz.sim.tensor_parallel import stage_ops
+from pipeviz.widgets.tp_notes import TP_BOUND
 from pipeviz.zoo import gpt2
 
 pytest.importorskip("transformers")
@@ -107,7 +108,7 @@ def test_the_overlay_notes_say_what_tp_prices_and_name_a_factor_beyond_the_bound
     slow = replace(here, events=[replace(e, start=3 * e.start, end=3 * e.end) for e in here.events])
     run.timeline = lambda: slow  # three times it: named, beyond the bound pp x dp runs keep
     factor = slow.step_time / here.step_time
-    assert factor == pytest.approx(3.0) and factor > panels.TP_BOUND
+    assert factor == pytest.approx(3.0) and factor > TP_BOUND
     assert (f"measured is {factor:.1f}× the simulation as run here, beyond the 1.25× pp × dp runs keep: not priced, "
             "time-slicing 4 processes on 2 cores (pp × dp runs measured the cores idle 8-18 % of the time and 2-4× "
             "the context switches)" in _text(panels.run_notes_html(run, sim, here, 2, 0.0)))

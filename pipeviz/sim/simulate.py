@@ -135,9 +135,9 @@ def simulate(
         cores: simulate the run on this many CPU cores ("as run here" on a machine with fewer cores than
             processes): at most ``cores`` actions compute at once. With replicas or shards all processes share
             them: replica 0's pipeline gets ``cores / (dp x cp x tp)`` (a fraction spread as slower cores), and an
-            all-reduce holds its core. Not modelled, measured by ``benchmarks/accuracy/simulator_accuracy.py``:
-            time-slicing's own cost, the cores the scheduler leaves idle and the work between steps: such runs
-            measured 12-24 % longer than simulated.
+            all-reduce holds its core, a tp collective's wait for the other shard does not. Not modelled, measured
+            by ``benchmarks/accuracy/simulator_accuracy.py``: time-slicing's own cost, the cores the scheduler leaves
+            idle and the work between steps: such runs measured 12-24 % longer than simulated.
         optimizer_states (a ``CostOptions`` field, as a keyword too): tensors of optimizer state per parameter for
             the memory figure (default Adam's 2).
         dp_bandwidth, tp_bandwidth, cp_bandwidth, ep_bandwidth: bytes/s of the replicas', shards', sequence
@@ -166,7 +166,8 @@ def simulate(
       backward (or input-grad pass) pays the collectives that layout issues (``config.tp_plan`` or
       ``default_tp_plan``, with ``config.sequence_parallel``: ``pipeviz.cost.sharding.launch_collectives``:
       all-reduces, or reduce-scatters and all-gathers, of the projections' inputs and outputs, the vocabulary's
-      and the parallel loss's) on the critical path. Needs a plan for the collectives.
+      and the parallel loss's) on the critical path, each a ``"TP"`` event in its action; on a CPU with DTensor's
+      dispatch per op and each collective's wait for a core (``pipeviz.sim.tensor_parallel``). Needs a plan.
 
     Returns:
         A simulated ``Timeline`` (``ranks == "pipeline"``, ``mesh`` the run's); ``meta`` holds
@@ -375,8 +376,7 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
                                 costs.input_freed),
                             "cores": cores, "forward_only": forward_only, "mesh": (lay.num_ranks, dp, tp),
                             "config": cfg, "stage_costs": costs,  # what each action was priced at (pre-contention)
-                            "tp_layout": coll.tp_layout if tp > 1 else None,
-                            # each TP action's wait for a core (processes beyond the cores), included in it
+                            "tp_layout": coll.tp_layout if tp > 1 else None,  # tp_wait: in each TP action
                             "tp_wait": tp_ex.wait if tp_ex is not None else 0.0}
     if hw is not None:
         meta["hardware"], meta["dtype"], meta["recompute"] = hw.name, opts.dtype, opts.recompute
