@@ -198,16 +198,17 @@ def plan(a: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pipeviz: {exc}", file=sys.stderr)
         return 2
-    how = "" if a.full_trace or not any("repeat_layers" in n for n in graph.notes) else \
-        " (2 blocks traced, the last repeated: --full-trace to trace every block)"
+    traced = next((n.split()[5] for n in graph.notes if "repeat_layers" in n), None)  # "Planned from a trace of k"
+    how = "" if a.full_trace or traced is None else \
+        f" ({traced} blocks traced, the last repeated: --full-trace to trace every block)"
     print(f"{source}: {graph.total_params / 1e9:.2f} B parameters, {len(graph.layers)} layers, traced on the meta "
           f"device at {seq} tokens in {time.time() - t:.1f} s{how}")
     t = time.time()
     limit = a.memory_gib * 2**30 if a.memory_gib else None
     try:
         cp = pv.plan_cluster(graph, a.gpus, hw, global_batch=a.global_batch, memory_limit=limit, dtype=a.dtype,
-                             top=a.top, dp_reduce=a.dp_reduce, cp=a.cp)
-    except ValueError as exc:  # a bad --cp (or other degree): named by the planner's own message
+                             top=a.top, dp_reduce=a.dp_reduce, cp=a.cp, ep=a.ep)
+    except ValueError as exc:  # a bad --cp or --ep (or other degree): named by the planner's own message
         print(f"pipeviz: {exc}", file=sys.stderr)
         return 2
     print(f"planned in {time.time() - t:.1f} s\n")
@@ -262,6 +263,8 @@ def _export(a: argparse.Namespace, row: LayoutOption, global_batch: int) -> None
              f"--pipeline-model-parallel-layout '{pv.megatron_layout(row.plan)}'",
              f"--tensor-model-parallel-size {row.tp}", f"--context-parallel-size {row.cp}",
              f"--micro-batch-size {row.microbatch_size}", f"--global-batch-size {global_batch}"]
+    if row.ep > 1:
+        flags.append(f"--expert-model-parallel-size {row.ep}")
     if row.dp_reduce == "distributed":
         flags.append("--use-distributed-optimizer")
     print(f"\nthe best row ({row.label()}) for Megatron-LM:\n  " + " \\\n  ".join(flags))
@@ -348,6 +351,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--cp", nargs="+", type=int, default=None, metavar="N",
                    help="context-parallel degrees to consider (default: 1, and 2..16 where each share keeps 8,192 "
                         "tokens or more)")
+    p.add_argument("--ep", nargs="+", type=int, default=None, metavar="N",
+                   help="expert-parallel degrees to consider for a mixture-of-experts model (default: every divisor "
+                        "of its routed experts' count; 1 for a dense model)")
     p.add_argument("--full-trace", action="store_true", help="trace every block (default: 2, the last repeated)")
     p.add_argument("--no-synthesize", action="store_true",
                    help="skip the synthesized schedule for the best pipelined layout (pv.synthesize_schedule)")

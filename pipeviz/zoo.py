@@ -272,6 +272,15 @@ class MoENet(nn.Module):
 # Published configurations of well-known models (HF config fields), for planning on the meta device: no weights.
 # Llama 3 / 3.1: Meta's model cards and params.json (Grattafiori et al. 2024, "The Llama 3 Herd of Models",
 # table 3); GPT-3 175B: Brown et al. 2020, table 2.1 (96 layers, d_model 12288, 96 heads, context 2048).
+# Mixture of experts (routed experts: the planner searches ep for these):
+# - Mixtral 8x7B: mistralai/Mixtral-8x7B-v0.1's config.json (Jiang et al. 2024, "Mixtral of Experts", table 1:
+#   8 experts, top 2); trained here at 4,096 tokens, the sequence of Megatron-Core's and NeMo's Mixtral recipes.
+# - DeepSeek-V3: deepseek-ai/DeepSeek-V3's config.json and DeepSeek-AI 2024, "DeepSeek-V3 Technical Report"
+#   (arXiv 2412.19437), sec. 4.2: 61 layers, the first 3 dense, then 1 shared + 256 routed experts of 2,048,
+#   top 8 (of 8 groups, 4 chosen), MLA (q rank 1,536, kv rank 512); pre-trained at 4,096 tokens (so no YaRN
+#   scaling, which came with the later context extension). Its multi-token-prediction module is not in
+#   transformers' model: not planned (about 2 % of the step).
+# - Qwen3-30B-A3B: Qwen/Qwen3-30B-A3B's config.json: 48 layers, 128 experts of 768, top 8, no shared expert.
 CONFIGS: dict[str, tuple[str, dict[str, Any], int]] = {
     "llama-3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
@@ -283,13 +292,35 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], int]] = {
                                      num_attention_heads=128, num_key_value_heads=8, vocab_size=128256,
                                      max_position_embeddings=131072, rope_theta=500000.0), 8192),
     "gpt3-175b": ("gpt2", dict(n_embd=12288, n_layer=96, n_head=96, vocab_size=50257, n_positions=2048), 2048),
+    "mixtral-8x7b": ("mixtral", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                     num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                                     num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768,
+                                     rope_theta=1e6, sliding_window=None), 4096),
+    "deepseek-v3": ("deepseek_v3", dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                                        num_hidden_layers=61, first_k_dense_replace=3, num_attention_heads=128,
+                                        num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
+                                        num_experts_per_tok=8, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                                        norm_topk_prob=True, q_lora_rank=1536, kv_lora_rank=512,
+                                        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                                        vocab_size=129280, max_position_embeddings=4096), 4096),
+    "qwen3-30b-a3b": ("qwen3_moe", dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                                        head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                                        vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6), 4096),
 }
+
+# transformers' (config, causal-LM) classes of each family of CONFIGS
+_FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
+             "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+             "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+             "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 
 
 def from_config(name_or_path: str) -> tuple[nn.Module, int]:
     """A well-known model (``CONFIGS``: ``"llama-3-8b"``, ``"llama-3-70b"``, ``"llama-3.1-405b"``,
-    ``"gpt3-175b"``) or any HF ``config.json`` built on the meta device (no memory, no weights), with its
-    training sequence length (for a config file: its ``max_position_embeddings`` / ``n_positions``, at most 8192).
+    ``"gpt3-175b"``, and the mixtures of experts ``"mixtral-8x7b"``, ``"deepseek-v3"``, ``"qwen3-30b-a3b"``) or any
+    HF ``config.json`` built on the meta device (no memory, no weights), with its training sequence length (for a
+    config file: its ``max_position_embeddings`` / ``n_positions``, at most 8192).
 
     Example:
         >>> model, seq = zoo.from_config("llama-3-70b")
@@ -300,22 +331,17 @@ def from_config(name_or_path: str) -> tuple[nn.Module, int]:
     """
     import os
 
-    from transformers import (
-        AutoConfig,
-        AutoModelForCausalLM,
-        GPT2Config,
-        GPT2LMHeadModel,
-        LlamaConfig,
-        LlamaForCausalLM,
-    )
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     key = name_or_path.strip().lower()
     if key in CONFIGS:
         family, fields, seq = CONFIGS[key]
+        config_cls, model_cls = (getattr(transformers, n) for n in _FAMILIES[family])
+        if family == "gpt2":
+            fields = {**fields, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
         with torch.device("meta"):
-            if family == "llama":
-                return LlamaForCausalLM(LlamaConfig(**fields)), seq
-            return GPT2LMHeadModel(GPT2Config(**fields, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)), seq
+            return model_cls(config_cls(**fields)), seq
     if not os.path.exists(name_or_path):
         raise ValueError(f"Unknown model {name_or_path!r}; valid: {', '.join(CONFIGS)}, or the path of an HF "
                          "config.json. Fix: --model llama-3-8b, or --config path/to/config.json.")
@@ -427,8 +453,9 @@ def repeat_layers(graph: ModelGraph, container: str, total: int) -> ModelGraph:
 def planning_graph(name_or_path: str, seq_len: int | None = None, blocks: int | None = 2) -> tuple[ModelGraph, int]:
     """A well-known model or an HF config (``from_config``) traced for planning on the meta device at
     ``seq_len`` tokens (default: the model's), and that length. With ``blocks`` (default 2) only that many
-    decoder blocks are traced and the last is repeated to the config's depth (``repeat_layers``): minutes become
-    seconds for a 70B or 405B model. ``blocks=None``, or a config whose blocks differ (``layer_types``), traces
+    decoder blocks (after the config's leading dense ones, DeepSeek's ``first_k_dense_replace``) are traced and
+    the last is repeated to the config's depth (``repeat_layers``): minutes become seconds for a 70B or 405B
+    model. ``blocks=None``, or a config whose blocks differ (``layer_types``), traces
     the full depth.
 
     Example:
@@ -443,8 +470,10 @@ def planning_graph(name_or_path: str, seq_len: int | None = None, blocks: int | 
     cfg = getattr(model, "config", None)
     depth = getattr(cfg, "num_hidden_layers", None)
     found = [(name, len(m)) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == depth]
+    if blocks is not None:  # blocks that differ from the rest come first (DeepSeek's dense ones): traced too
+        blocks += int(getattr(cfg, "first_k_dense_replace", 0) or 0)
     if blocks is None or cfg is None or not depth or depth <= blocks or len(found) != 1 \
-            or getattr(cfg, "layer_types", None):
+            or getattr(cfg, "layer_types", None) or getattr(cfg, "mlp_only_layers", None):
         return trace(model, example_args=(ids,)), seq
     shallow_cfg = type(cfg).from_dict({**cfg.to_dict(), "num_hidden_layers": blocks})
     with torch.device("meta"):

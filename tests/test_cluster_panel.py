@@ -221,3 +221,19 @@ def test_a_row_launches_here_scaled_down_with_one_click(tiny: pv.ModelGraph) -> 
     for proc, samples in run.activation_memory.items():
         got = max(b for _, b in samples)
         assert abs(planned[run.mesh.coords(proc).pp] / got - 1) <= 0.10, (proc, planned, got)
+
+
+def test_an_expert_parallel_row_loads_with_its_ep() -> None:
+    """A row of a MoE model with ep > 1 loads its ep (and cp) into the Explorer's controls: the Explorer then
+    simulates the step the row lists (before, ep stayed 1 and the Explorer showed the step without all-to-alls)."""
+    from pipeviz.zoo import MoENet
+
+    torch.manual_seed(0)
+    ex = pv.Explorer(pv.trace(MoENet(layers=4), example_args=(torch.randint(0, 512, (8, 16)),)))
+    result = pv.plan_cluster(ex.graph, 8, "h100", global_batch=16, ep=[2], top=40)
+    row = next(r for r in result.rows if r.ep == 2 and r.pp > 1)
+    load_layout(ex, row)
+    assert (ex.ep.value, ex.cp.value, ex.dp.value) == (2, row.cp, row.dp)
+    assert ex.launch_config().ep == 2
+    assert ex.sim is not None and ex.sim.step_time == pytest.approx(row.step_time, rel=1e-9)
+    assert any(e.kind == "A2A" for e in ex.sim.events)

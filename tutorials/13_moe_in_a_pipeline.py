@@ -114,8 +114,9 @@ for pp in (1, 4):
 # the experts' memory divides by *ep*, and the compute per token stays what it was. A pipeline divides the layers
 # on top of that: ep = 8 with pp = 4 takes Mixtral to about 29 GB per process.
 #
-# (pipeviz's first slice of ep shares out the experts' **compute** and activations; every process still keeps every
-# expert's weights, so its memory is not yet 1/*ep*: [docs/experts.md](../docs/experts.md), "Not yet".)
+# pipeviz runs that layout: each process keeps only its own experts' weights, gradients and optimizer state (the
+# run below measures it), and gathers them whole only where the whole model is read (`run.state_dict()`, a
+# checkpoint): [docs/experts.md](../docs/experts.md), "Held".
 #
 # ## The all-to-all: dispatch and combine
 #
@@ -166,6 +167,20 @@ a2a = [e for e in run.events if e.kind == "A2A"]
 per_process = {r: sum(e.rank == r for e in a2a) for r in range(run.mesh.world)}
 print(f"A2A actions per process over {STEPS} steps: {per_process}")
 assert set(per_process.values()) == {2 * M * 4 * STEPS}  # 2 blocks per stage x 4 microbatches x 4 exchanges
+# each process holds its stage's parameters less the other share's experts (the memory meter's bytes before the
+# first gradients: the run's memory less the tensors saved for backward)
+for r in range(run.mesh.world):
+    me = run.mesh.coords(r)
+    layers = plan.stages[me.pp].layers
+    mine = range(me.dp * E // 2, (me.dp + 1) * E // 2)  # share dp of the ep group: experts 2·dp and 2·dp + 1
+    want = sum(t.numel() * t.element_size() for n, t in model.named_parameters()
+               if any(n == x or n.startswith(x + ".") for x in layers)
+               and not (".experts." in n and int(n.split(".experts.")[1].split(".")[0]) not in mine))
+    held = min(m - a for (_, m), (_, a) in zip(run.memory[r], run.activation_memory[r], strict=True))
+    stage_bytes = plan.stages[me.pp].param_bytes
+    print(f"process {r} (stage {me.pp}, experts {mine.start}-{mine.stop - 1}): {held:,} parameter bytes "
+          f"of its stage's {stage_bytes:,}")
+    assert held == want < stage_bytes
 # the first step routed the same rows as the unsplit model's forward above (routing is per token)
 step0 = {name: [sum(ld.counts[e] for ld in run.expert_tokens if ld.step == 0 and ld.block == name) for e in range(E)]
          for name in unsplit}
@@ -241,13 +256,28 @@ assert all(len(pairs(acts)) >= 10 for acts in dualpipev) and not pairs(one_f_one
 pv.timeline_figure(pv.simulate(None, "DualPipeV", 8, costs=pv.Costs.uniform(4), num_stages=4, stages_per_rank=2))
 
 # %% [markdown]
-# **What pipeviz does not do yet:** it runs DualPipeV's order exactly (`pv.launch(..., schedule="DualPipeV", dp=2,
-# ep=2)` trains exact, `tests/test_ep_launch.py`), but each pair's forward and backward one after the other, as
-# torch's runtime runs an `OVERLAP_F_B` action (torch 2.13, installed here, runs its two sub-actions in turn); the
-# simulator plays one action at a time per rank as well.
-# So the all-to-alls above stay exposed under every schedule. The overlap itself needs the model's chunk split
-# into its attention, dispatch, MLP and combine, and the two microbatches' parts interleaved on separate streams,
-# which a GPU provides and these CPU runs do not.
+# **The overlap in pipeviz:** `pv.launch(..., schedule="DualPipeV", dp=2, ep=2, ep_overlap=True)` runs each
+# `OVERLAP_F_B` pair's backward in a second thread while its forward runs (torchtitan's way, its PR #1721; torch
+# 2.13's runtime, installed here, would run the two in turn), each half's all-to-alls over its own process group so
+# that the two threads' collectives never pair up wrongly. The same ops on the same values: exact, the losses equal
+# bit for bit to the run without it (`tests/test_ep_overlap.py`). The halves interleave as the threads wait, not
+# chunk by chunk as DualPipe's hand-written pairs do. On these CPUs an all-to-all of a few hundred bytes takes a
+# millisecond, so `ep_delay` slows the link for the demonstration: 20 ms more per all-to-all. The simulator prices a
+# pair as the longer half, or both halves' compute when that is longer (one device computes both):
+
+# %%
+plan4 = pv.trace(model, example_args=(ids[:2],)).split(["blocks.0", "blocks.1", "blocks.2"])  # 2 stages per rank
+slowed = pv.LaunchConfig(schedule="DualPipeV", microbatches=8, loss_fn=pv.cross_entropy, dp=2, ep=2, ep_delay=0.02)
+alone, overlapped = pv.simulate(plan4, slowed), pv.simulate(plan4, slowed.replace(ep_overlap=True))
+print(f"DualPipeV, all-to-alls 20 ms slower: step {alone.step_time:.3f} s in turn, {overlapped.step_time:.3f} s "
+      f"overlapped ({overlapped.step_time / alone.step_time:.0%})")
+assert overlapped.step_time < alone.step_time
+
+# %% [markdown]
+# Under 1F1B, `ep_overlap=True` runs a **combined 1F1B** (Megatron-Core's idea): every stage warms up with
+# more forwards, then runs each forward beside the backward of an earlier microbatch, the last stage's beside the
+# previous microbatch's. The price is memory: the first of p stages holds up to 2p microbatches' activations
+# instead of p. Other schedules are refused before any process starts, naming DualPipeV and 1F1B.
 #
 # ## Exercise
 #

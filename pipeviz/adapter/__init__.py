@@ -14,7 +14,9 @@
   (W); torch 2.13 gives no gradient at all to a weight whose path to the stage's outputs never meets the
   inputs' path (OPT's and BART's learned positions, a stage computing only position embeddings), and its W
   pass frees graph parts that another weight group still needs (T5's relative attention bias).
-- ``schedule_actions``: the action order torch's multi-stage schedules build in their constructor.
+- ``schedule_actions``: the action order torch's multi-stage schedules build in their constructor;
+  ``schedules.overlap_pairs``: where in it DualPipeV's overlapped F/B pairs (``OVERLAP_F_B``) fall.
+- ``overlap_fb`` (module): an ``OVERLAP_F_B`` action's forward and backward run at once (``ep_overlap``).
 - ``runtime_schedule``: a custom order (``LaunchConfig.order``) run by torch's ``_PipelineScheduleRuntime``.
 - ``regions_inlined``: torch's ``pipeline()`` over a graph whose grad-mode / autocast regions are inlined.
 - ``timed_collectives``: times DTensor's functional collectives (tensor parallelism) from launch to wait.

@@ -16,9 +16,10 @@ where each block's experts meet once:
   Dropless: every routed token is computed, so the run equals the unsplit model's to rounding (the owner's matmul
   covers more rows at once).
 
-The first slice keeps every expert's weights on every process (``Team.touch``: an expert this process does not own
-runs on no rows, so its gradient is zeros, not missing): the experts' gradients are then reduced with the rest over
-the replicas (the owner's holds every replica's tokens, the others' zeros: the average is the unsplit model's).
+A process holds only its own experts' weights (``pipeviz.runtime.expert_shards`` cuts the stage after this finds its
+blocks: an ``nn.ModuleList`` expert of another share keeps an empty placeholder that nothing here reads, a fused
+block's 3-D weights keep this share's rows of dim 0, indexed here from the share's first expert); the owner's expert
+gradients hold every group member's tokens, and the runtime reduces them over the processes holding the same experts.
 
 Example:
     >>> team = Team(ep=2, rank=0, group=ep_group)
@@ -123,7 +124,8 @@ def _fused(graph: fx.GraphModule, name: str, nodes: list[fx.Node], modules: dict
     acts = [n for n in nodes if modules.get(n.name, "").startswith(name + ".act_fn")]
     if len(acts) != 1:
         raise ExpertError(f"{name}: {len(acts)} activation ops in its act_fn; one expected")
-    count = int(_attr(graph, attrs["gate_up_proj"]).shape[0])
+    weight = _attr(graph, attrs["gate_up_proj"])
+    count = int(getattr(weight, "expert_count", weight.shape[0]))  # (a share's rows once cut: the whole's count)
     if len([a for a in reads if a.op != "get_attr"]) != 3:
         raise ExpertError(f"{name}: fused experts read {len(reads) - 2} values; three expected (hidden states, "
                           "top-k indices, top-k weights)")
@@ -142,7 +144,10 @@ def _attr(graph: fx.GraphModule, target: str) -> torch.Tensor:
 class Team:
     """This process's share of every block's experts: ``ep`` shares, this one ``rank``, over the process ``group``
     (``dry``: one process plays every share, no exchange: shapes and routing only). ``record(start, end)`` is told
-    of every all-to-all (wall clock), ``count(block, counts)`` of the tokens routed to each expert per forward."""
+    of every all-to-all (wall clock), ``count(block, counts)`` of the tokens routed to each expert per forward.
+    ``back_group``: the backward's all-to-alls go over this group (``ep_overlap``: a forward and a backward run at
+    once in two threads, each on its own group, so their collectives never pair up across them); ``delay``: seconds
+    each all-to-all waits after its exchange (``LaunchConfig.ep_delay``, a slowed link)."""
 
     ep: int
     rank: int
@@ -150,6 +155,8 @@ class Team:
     dry: bool = False
     record: Callable[[float, float], None] | None = None
     count: Callable[[str, list[int]], None] | None = None
+    back_group: Any = None
+    delay: float = 0.0
 
     def owned(self, experts: int) -> range:
         per = experts // self.ep
@@ -186,16 +193,6 @@ class Team:
         combined = self.all_to_all(torch.cat(back), recv, send)
         return list(combined.split([r.shape[0] for r in rows]))
 
-    def touch(self, experts: int, like: torch.Tensor, expert: Callable[[int, torch.Tensor], torch.Tensor],
-              ) -> torch.Tensor:
-        """Zero (a scalar) that every expert this process does not own took part in: run on no rows, their
-        weights get a gradient of zeros, so every process reduces the same gradients over its replicas."""
-        zero = like.new_zeros(())
-        for e in range(experts):
-            if e not in self.owned(experts):
-                zero = zero + expert(e, like[:0]).sum()
-        return zero
-
 
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with ``send`` rows to each share and ``recv`` from each; backward: the reverse."""
@@ -203,19 +200,23 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], team: Team) -> torch.Tensor:
         ctx.send, ctx.recv, ctx.team = send, recv, team
-        return _a2a(x, send, recv, team)
+        return _a2a(x, send, recv, team, team.group)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return _a2a(g.contiguous(), ctx.recv, ctx.send, ctx.team), None, None, None
+        team = ctx.team
+        group = team.back_group if team.back_group is not None else team.group
+        return _a2a(g.contiguous(), ctx.recv, ctx.send, team, group), None, None, None
 
 
-def _a2a(x: torch.Tensor, send: list[int], recv: list[int], team: Team) -> torch.Tensor:
+def _a2a(x: torch.Tensor, send: list[int], recv: list[int], team: Team, group: Any) -> torch.Tensor:
     import torch.distributed as dist
 
     out = x.new_empty((sum(recv), *x.shape[1:]))
     start = time.time()
-    dist.all_to_all_single(out, x.contiguous(), recv, send, group=team.group)
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    if team.delay:  # a slowed link (LaunchConfig.ep_delay): the time a slower transfer would take, GIL released
+        time.sleep(team.delay)
     if team.record is not None:
         team.record(start, time.time())
     return out
@@ -303,9 +304,8 @@ class _Interpreter(fx.Interpreter):
         if team.count is not None:
             team.count(b.name, [int(r.shape[0]) for r in rows])
         outs = team.exchange(rows, lambda e, x: self.expert(b, e, x))
-        zero = team.touch(b.count, rows[0], lambda e, x: self.expert(b, e, x))
         for e, y in enumerate(outs):
-            self.env[b.outputs[e]] = y + zero if e == 0 else y
+            self.env[b.outputs[e]] = y
 
     def expert(self, b: Block, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e``'s ops run on rows ``x`` (the region's ops, its input bound to ``x``)."""
@@ -335,12 +335,14 @@ class _Interpreter(fx.Interpreter):
         if team.count is not None:
             team.count(b.name, [int(r.shape[0]) for r in rows])
 
+        first = 0 if gate_up.shape[0] == b.count else team.owned(b.count).start  # a share's rows: its experts'
+
         def expert(e: int, x: torch.Tensor) -> torch.Tensor:
-            gate, up = F.linear(x, gate_up[e]).chunk(2, dim=-1)
-            return F.linear(b.act(gate) * up, down[e])
+            gate, up = F.linear(x, gate_up[e - first]).chunk(2, dim=-1)
+            return F.linear(b.act(gate) * up, down[e - first])
 
         outs = team.exchange(rows, expert)
-        final = torch.zeros_like(hidden) + team.touch(b.count, hidden, expert)
+        final = torch.zeros_like(hidden)
         for (tok, slot), y in zip(routes, outs, strict=True):
             final = final.index_add(0, tok, (y * weights[tok, slot, None]).to(final.dtype))
         self.env[b.outputs[0]] = final

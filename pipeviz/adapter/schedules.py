@@ -177,3 +177,31 @@ def regions_inlined() -> Iterator[None]:
         yield
     finally:
         Pipe._trace_with_export = original  # type: ignore[method-assign]  # torch's own, put back
+
+
+def overlap_pairs(schedule: str, num_ranks: int, num_stages: int, microbatches: int) -> list[tuple[int, list[int]]]:
+    """Per rank, (the number of its compute actions, the positions among them of each overlapped pair's forward):
+    torch's ``OVERLAP_F_B`` actions of ``schedule``'s ``pipeline_order`` (a forward, then a full backward: DualPipeV),
+    counted as ``schedule_actions`` lays the actions out."""
+    from unittest import mock
+
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B, get_schedule_class
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    # (as schedule_actions: torch builds its orders from a few stage attributes of a stand-in)
+    stage = mock.create_autospec(PipelineStage, instance=True)
+    stage.group_rank, stage.group_size, stage.submod, stage.num_stages = 0, num_ranks, None, num_stages
+    built = get_schedule_class(schedule)([stage] * (num_stages // num_ranks), microbatches)
+    out = []
+    for rank in range(num_ranks):
+        count, positions = 0, []
+        for action in built.pipeline_order[rank]:
+            if action is None:
+                continue
+            if action.computation_type == OVERLAP_F_B and action.sub_actions:
+                positions.append(count)
+            for a in action.sub_actions or [action]:
+                if a.computation_type.value in ("F", "B", "I", "W"):
+                    count += 1
+        out.append((count, positions))
+    return out

@@ -33,6 +33,7 @@ from pipeviz.capture.ops import (
     batched_nodes,
     count_flops,
     cpu_flash_attention_flops,
+    data_dependent,
     grad_nodes,
     op_saved_bytes,
     op_spec,
@@ -409,6 +410,7 @@ def _read_ops(gm: torch.fx.GraphModule, measured: _Measured, canonical: Mapping[
                 resaved=tuple((index_of[first], slot, b) for first, slot, b in saved.again.get(node.name, ())
                               if first in index_of) if saved.ok else (),
                 spec=op_spec(node, grads, batched),
+                data_dependent=data_dependent(node.meta.get("val")),
             )
         )
     return ops

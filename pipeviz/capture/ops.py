@@ -40,6 +40,9 @@ class Op:
     # bytes). A pipeline stage holds its own copy of what it receives: a tensor saved on both sides of a split
     # counts in both stages.
     resaved: tuple[tuple[int, int, int], ...] = ()
+    # An output whose size depends on the data (the rows routed to one expert: an unbacked size in the trace). A
+    # pipeline stage receives tensors of shapes fixed before the run, so no split may send one.
+    data_dependent: bool = False
 
 
 def op_saved_bytes(op: Op) -> int:
@@ -224,7 +227,7 @@ def count_flops(gm: torch.fx.GraphModule, flat_inputs: Sequence[object], sizes: 
                 sizes[n.name] = tensor_bytes(out)
             return out
 
-    mode = FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION)
+    mode = FlopCounterMode(display=False, custom_mapping=flop_formulas())
     if saved is not None:
         constants = [getattr(gm, str(n.target), None) for n in gm.graph.nodes if n.op == "get_attr"]
         saved.skip([*gm.parameters(), *gm.buffers(), *(c for c in constants if isinstance(c, torch.Tensor))])
@@ -258,6 +261,34 @@ def cpu_flash_attention_flops(query: torch.Tensor, key: torch.Tensor, value: tor
 _CPU_ATTENTION = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: cpu_flash_attention_flops}
 
 
+def grouped_mm_flops(a_shape: Sequence[int], b_shape: Sequence[int], *args: object,
+                     out_shape: Sequence[int] | None = None, **kwargs: object) -> int:
+    """FLOPs of a grouped matmul (``aten._grouped_mm``, transformers 5's ``grouped_mm_fallback``): each row of the
+    input ``(S, K)`` multiplied by its group's ``(K, N)`` weight of ``(G, K, N)``, ``2 x S x K x N``; batched 3-D
+    inputs ``(G, M, K) @ (G, K, N)`` the same per group. Only the rows routed to each expert are computed (top-k
+    of E per token, as torchtitan's and Megatron's grouped GEMMs run), so a mixture-of-experts block's experts
+    cost their routed tokens, not every token x every expert."""
+    out = list(out_shape or ())
+    if len(out) == 3 and len(a_shape) == 2 and len(b_shape) == 2:  # (K, S) @ (S, N) -> (G, K, N): a weight grad
+        out = out[1:]
+    n = 1
+    for d in out:
+        n *= int(d)
+    return 2 * n * int(a_shape[-1])
+
+
+def flop_formulas() -> dict[Any, Any]:
+    """The FLOP formulas ``count_flops`` adds to torch's counter (which counts neither the CPU's flash attention
+    nor grouped matmuls: transformers 5's fused experts counted 0 FLOPs without them). transformers registers its
+    ``grouped_mm_fallback`` op when its MoE integration is imported, so the table is read at each count."""
+    out: dict[Any, Any] = dict(_CPU_ATTENTION)
+    if hasattr(torch.ops.aten, "_grouped_mm"):
+        out[torch.ops.aten._grouped_mm] = grouped_mm_flops
+    if hasattr(torch.ops.transformers, "grouped_mm_fallback"):
+        out[torch.ops.transformers.grouped_mm_fallback] = grouped_mm_flops
+    return out
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """A tensor argument of a traced op: its shape and dtype, whether it is an activation computed from the batch
@@ -286,6 +317,24 @@ def tensor_bytes(value: object) -> int:
                 n *= concrete_size(d)
             total += n * t.element_size()
     return total
+
+
+def data_dependent(value: object) -> bool:
+    """Whether a traced value holds a tensor with a size the trace could not fix (no hint: it depends on the data,
+    as the rows routed to one expert do)."""
+    for t in pytree.tree_leaves(value):
+        if isinstance(t, torch.Tensor):
+            for d in t.shape:
+                if isinstance(d, torch.SymInt) and not _has_hint(d):
+                    return True
+    return False
+
+
+def _has_hint(d: torch.SymInt) -> bool:
+    try:
+        return bool(d.node.shape_env.has_guarding_hint(d.node.expr))
+    except Exception:
+        return False
 
 
 def concrete_size(d: int | torch.SymInt) -> int:

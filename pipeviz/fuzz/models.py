@@ -25,7 +25,7 @@ from torch import nn
 from pipeviz import zoo
 from pipeviz.schedule.training import cross_entropy
 
-__all__ = ["BUILTIN", "HF_MODELS", "SPLIT_POINTS", "BatchNormNet", "FuzzModel", "build_model", "builtin_models"]
+__all__ = ["BUILTIN", "HF_MODELS", "BatchNormNet", "FuzzModel", "build_model", "builtin_models"]
 
 BATCH = 8  # rows per step: divisible by every microbatch count drawn (1, 2, 4, 8) times dp (1, 2)
 
@@ -77,11 +77,6 @@ BUILTIN: dict[str, tuple[int, Callable[[], tuple[nn.Module, tuple[torch.Tensor, 
     "moe": (7, lambda: _lm(zoo.MoENet(vocab=16, d=8, layers=4, experts=4), 16, 4)),  # routed experts: ep runs
 }
 HF_MODELS = ("gpt2", "llama")
-# The split points a model's cases cut at, where not every candidate: a cut inside a routed MoE block sends the
-# tokens one expert received to the next stage, whose count the data decides, and torch's stages receive into
-# buffers of the traced size (a known limit, not yet refused before launch: "24 bytes arrived for a receive
-# buffer of 16 bytes"); the moe model is there for ep, cut at its blocks.
-SPLIT_POINTS: dict[str, Callable[[str], bool]] = {"moe": lambda point: ".experts" not in point}
 
 
 def builtin_models() -> list[str]:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from pipeviz.errors import LaunchError
-from pipeviz.fuzz.models import SPLIT_POINTS, FuzzModel, build_model
+from pipeviz.fuzz.models import FuzzModel, build_model
 from pipeviz.fuzz.space import Case, config_fields, custom_order
 from pipeviz.graph.model import ModelGraph, trace
 from pipeviz.plan.errors import PlanError
@@ -102,8 +102,7 @@ def build_case(case: Case) -> tuple[FuzzModel, ModelGraph, LaunchConfig]:
 def _checkpoint(fm: FuzzModel, graph: ModelGraph, cfg: LaunchConfig, folder: str) -> str | None:
     """Train one step under another layout (GPipe, two stages at the middle split point) and save it there: the
     case then resumes from it. An error (the message) when that first run cannot run."""
-    keep = SPLIT_POINTS.get(fm.name)
-    points = [c for c in graph.split_candidates if keep is None or keep(c)]
+    points = graph.split_candidates
     first = LaunchConfig(schedule="GPipe", microbatches=2, steps=1, loss_fn=fm.loss_fn, optimizer=cfg.optimizer,
                          lr_scheduler=cfg.lr_scheduler, timeout=60.0)
     try:

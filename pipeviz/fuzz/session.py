@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeviz.fuzz.models import SPLIT_POINTS, build_model, builtin_models
+from pipeviz.fuzz.models import build_model, builtin_models
 from pipeviz.fuzz.runner import Outcome, build_case, run_case
 from pipeviz.fuzz.shrink import shrink
 from pipeviz.fuzz.space import Case, draw_case
@@ -109,9 +109,7 @@ def _candidates() -> Callable[[str], Sequence[str]]:
     def points(model: str) -> Sequence[str]:
         if model not in cache:
             fm = build_model(model)
-            keep = SPLIT_POINTS.get(model)
-            cache[model] = [c for c in trace(fm.model, example_args=fm.inputs).split_candidates
-                            if keep is None or keep(c)]
+            cache[model] = trace(fm.model, example_args=fm.inputs).split_candidates
         return cache[model]
     return points
 

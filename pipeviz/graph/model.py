@@ -265,9 +265,13 @@ class ModelGraph:
         return (max(outputs), loss_input_bytes(self._cap)) if outputs else (-1, 0)
 
     def _graph_outputs(self) -> set[int]:
-        # Ops nobody reads inside the graph are the model's outputs.
+        # Ops nobody reads inside the graph are the model's outputs; not an in-place op's (``copy_`` into a slice of
+        # a fresh tensor, DeepSeek-V3's keys): its result is its input, read through that (else every stage relayed
+        # each layer's keys to the head: GBs per hand-off).
         read = {src for op in self._cap.ops for src in op.inputs}
-        return {op.index for op in self._cap.ops if op.index not in read and op.out_bytes}
+        last = len(self._cap.ops) - 1
+        return {op.index for op in self._cap.ops if op.index not in read and op.out_bytes
+                and (op.index == last or not op.target.split(".")[1:2] or not op.target.split(".")[1].endswith("_"))}
 
     def _edges(self) -> list[tuple[str, str]]:
         # Sources of each op's value: its own layer, or for glue ops the layers feeding them.
@@ -317,7 +321,7 @@ class ModelGraph:
             seen = seen or bool(self._tree.paths[i])
             tail_ok[i] = seen
         names = [u for u in self._tree.units.values() if u.name != ROOT and u.last < last and tail_ok[u.last + 1]
-                 and not self.region_at(u.last + 0.5)]
+                 and not self.region_at(u.last + 0.5) and not self.data_dependent_at(u.last + 0.5)]
         names.sort(key=lambda u: (u.last, -u.first, self._tree.depth(u.name)))
         return [u.name for u in names]
 
@@ -330,6 +334,21 @@ class ModelGraph:
         if 0 <= lo and hi < len(ops) and ops[lo].region and ops[lo].region == ops[hi].region:
             return ops[lo].region.partition(": ")[2]
         return ""
+
+    def data_dependent_at(self, position: float) -> str:
+        """The value a split at ``position`` would send whose size depends on the data (the rows routed to one
+        expert of a mixture-of-experts block), as ``"linear_11 (blocks.1.experts.0.w2)"``; "" when none crosses
+        it. A stage receives tensors of shapes fixed before the run, so no split may fall there."""
+        for src, end in self._data_dependent_spans:
+            if src < position < end:
+                op = self._cap.ops[src]
+                return f"{op.name} ({op.stack[-1]})" if op.stack else op.name
+        return ""
+
+    @cached_property
+    def _data_dependent_spans(self) -> tuple[tuple[int, int], ...]:
+        ops = self._cap.ops
+        return tuple((src, end) for src, end, _ in self.index.values if ops[src].data_dependent)
 
     def refine(self, positions: Sequence[float]) -> ModelGraph:
         """This view, with every layer that a split position falls inside opened up, and stages that would

@@ -138,6 +138,14 @@ class SplitPlan:
                     "runs whole in one stage (its grad mode or autocast state cannot cross a stage boundary). Fix: "
                     f"split before or after the block, or move {name!r} out of it. {g.valid_splits_text()}"
                 )
+            sized_by_data = g.data_dependent_at(pos)
+            if sized_by_data:
+                raise PlanError(
+                    f"Cannot split at the {point.name} of {name!r}: the stage would send {sized_by_data}, whose size "
+                    "depends on the data (the rows routed to one expert), and a pipeline stage receives tensors of "
+                    "shapes fixed before the run. Fix: split before or after the whole mixture-of-experts block. "
+                    f"{g.valid_splits_text()}"
+                )
             if pos in seen:
                 raise PlanError(
                     f"Splits {seen[pos]} and {name!r} at {point.name} fall on the same boundary, which would leave "

@@ -23,6 +23,7 @@ from pipeviz.plan.errors import PlanError
 from pipeviz.plan.preview import human_bytes
 from pipeviz.plan.split import SplitPlan
 from pipeviz.planner.balance import balance
+from pipeviz.planner.experts import expert_costs
 from pipeviz.schedule import traits as sched
 from pipeviz.schedule.config import LaunchConfig
 from pipeviz.schedule.mesh import DIMS, Mesh
@@ -52,6 +53,9 @@ class LayoutOption:
     Attributes:
         pp, dp, tp, cp: pipeline ranks, data-parallel replicas, tensor-parallel shards, context-parallel shares of
             every sequence (``pp x dp x cp x tp`` GPUs; ``mesh``).
+        ep: expert parallelism: each MoE block's routed experts sharded over ``ep`` of a stage's ``dp x cp`` ranks
+            (no GPUs of its own, as torchtitan and Megatron-LM carve it; 1 for a dense model), its all-to-alls
+            priced and 1/ep of the experts' weights, gradients and optimizer state held per rank.
         schedule, stages_per_rank: the pipeline schedule (torch's name) and stages each pipeline rank holds.
         microbatch_size, microbatches: sequences per microbatch (per replica) and microbatches per step.
         recompute: ``"none"``, ``"selective"`` or ``"full"``.
@@ -92,6 +96,7 @@ class LayoutOption:
     collectives: Collectives | None = field(default=None, repr=False, compare=False)
     cp: int = 1
     exposed_reduction: float = 0.0
+    ep: int = 1
 
     @property
     def dp_reduce(self) -> str:
@@ -100,7 +105,7 @@ class LayoutOption:
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(self.pp, self.dp, self.tp, self.cp)
+        return Mesh(self.pp, self.dp, self.tp, self.cp, self.ep)
 
     @property
     def gpus(self) -> int:
@@ -112,6 +117,7 @@ class LayoutOption:
         replicas' reduction, the dtype as mixed precision, a training loss). Megatron-Core's distributed optimizer
         (``"distributed"``) launches as ZeRO-1 (``dp_reduce="zero1"``: reduce-scattered gradients, sharded optimizer
         state); with tensor parallelism the launch averages after the step (the default there: ``dp_reduce_mode``).
+        ``ep`` as the row's (``pv.simulate`` prices it; ``pv.launch`` runs ep beside pp and dp only, eager, fp32).
         ``scaled_down`` gives it at a size that runs here."""
         from pipeviz.schedule import traits as sched
 
@@ -122,7 +128,7 @@ class LayoutOption:
         dtype = self.options.dtype
         return LaunchConfig(schedule=self.schedule, microbatches=self.microbatches, loss_fn=cross_entropy,
                             stages_per_rank=self.stages_per_rank if self.stages_per_rank > 1 else None,
-                            dp=self.dp, tp=self.tp, cp=self.cp, recompute=self.recompute,
+                            dp=self.dp, tp=self.tp, cp=self.cp, ep=self.ep, recompute=self.recompute,
                             dp_reduce=("zero1" if red == "distributed" else red) if launchable else None,
                             mixed_precision={"bfloat16": "bf16", "float16": "fp16"}.get(dtype or ""))
 
@@ -130,7 +136,8 @@ class LayoutOption:
         """This row's ``config`` at a size that runs here, on ``batch`` samples (the notebook's example batch) and at
         most ``processes`` processes: the same split (its ``pp`` pipeline ranks and stages per rank), schedule,
         recomputation and reduction; the replicas cut to the largest divisor of ``dp`` that fits (the batch
-        shared equally), no tensor or context parallelism, and the most microbatches up to the row's that the
+        shared equally), no tensor, context or expert parallelism (ep 1: every expert on every process), and the most
+        microbatches up to the row's that the
         replica's batch divides into and the schedule accepts. The dtype stays the traced one unless
         ``keep_dtype`` (the row's as ``mixed_precision``): on a CPU autocast is slower than float32, and
         ``pv.simulate`` does not price autocast's memory yet, so the planned memory would not be the run's.
@@ -164,7 +171,7 @@ class LayoutOption:
                             f"and suits {self.schedule} on {self.plan.num_stages} stages. Fix: a larger example batch "
                             "(a multiple of the row's pipeline ranks), or another row.")
         cfg = self.config
-        return cfg.replace(dp=dp, tp=1, cp=1, microbatches=fits[0], dp_reduce=cfg.dp_reduce if dp > 1 else None,
+        return cfg.replace(dp=dp, tp=1, cp=1, ep=1, microbatches=fits[0], dp_reduce=cfg.dp_reduce if dp > 1 else None,
                            dp_shard=cfg.dp_shard and dp > 1,
                            mixed_precision=cfg.mixed_precision if keep_dtype else None)
 
@@ -178,9 +185,11 @@ class LayoutOption:
                 "collectives": self.collectives}
 
     def label(self) -> str:
-        """``"pp4 dp8 tp2 1F1B mb=2x64 selective"`` (``cp4`` after ``dp`` when the sequence is split)."""
+        """``"pp4 dp8 tp2 1F1B mb=2x64 selective"`` (``cp4`` after ``dp`` when the sequence is split, ``ep8`` last
+        among the degrees with expert parallelism)."""
         v = f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
         dims = " ".join(f"{d}{getattr(self, d)}" for d in DIMS if d != "cp" or self.cp > 1)
+        dims += f" ep{self.ep}" if self.ep > 1 else ""
         return f"{dims} {self.schedule}{v} mb={self.microbatch_size}x{self.microbatches} {self.recompute}"
 
 
@@ -235,11 +244,13 @@ class ClusterPlan:
         """The ``top`` rows as strings, a header row first: what ``table`` prints and the report's table shows
         (one set of figures in one set of units)."""
         cps = any(r.cp > 1 for r in self.rows[:top])  # a cp column only where the sequence is split
+        eps = any(r.ep > 1 for r in self.rows[:top])  # an ep column only where experts are sharded
         rows: list[tuple[str, ...]] = [
-            ("#", "pp", "dp", *(("cp",) if cps else ()), "tp", "schedule", "v", "mb size", "m", "recompute",
-             "reduce", "exposed", "step", "tokens/s", "TFLOP/s/GPU", "MFU", "bubble", "peak memory")]
+            ("#", "pp", "dp", *(("cp",) if cps else ()), "tp", *(("ep",) if eps else ()), "schedule", "v", "mb size",
+             "m", "recompute", "reduce", "exposed", "step", "tokens/s", "TFLOP/s/GPU", "MFU", "bubble", "peak memory")]
         for i, r in enumerate(self.rows[:top], 1):
-            rows.append((str(i), str(r.pp), str(r.dp), *((str(r.cp),) if cps else ()), str(r.tp), r.schedule,
+            rows.append((str(i), str(r.pp), str(r.dp), *((str(r.cp),) if cps else ()), str(r.tp),
+                         *((str(r.ep),) if eps else ()), r.schedule,
                          str(r.stages_per_rank), str(r.microbatch_size), str(r.microbatches), r.recompute,
                          r.dp_reduce if r.dp > 1 else "-", _seconds(r.exposed_reduction) if r.dp > 1 else "-",
                          _seconds(r.step_time) + ("*" if r.extrapolated else ""), f"{r.tokens_per_s:,.0f}",
@@ -268,9 +279,11 @@ class ClusterPlan:
         """What the table's columns mean, and the tensor-parallel layout the rows were priced in (lines under the
         table; the Explorer's cluster panel shows the same)."""
         cp = ", cp: context-parallel shares of each sequence" if any(r.cp > 1 for r in self.rows) else ""
+        ep = [("ep: the dp x cp ranks each MoE block's routed experts are sharded over (their all-to-alls priced, 1/ep "
+               "of their weights, grads and optimizer state per rank);")] if any(r.ep > 1 for r in self.rows) else []
         return [
             f"pp, dp, tp: pipeline ranks, data-parallel replicas, tensor-parallel shards{cp}; v: stages per pipeline "
-            "rank;",
+            "rank;", *ep,
             f"mb size: sequences per microbatch; m: microbatches per step (global batch {self.global_batch} = dp x m x "
             "mb size);",
             "reduce: how the replicas reduce their gradients (dp_reduce); exposed: the seconds of it the step waits "
@@ -296,6 +309,12 @@ class SearchOption(NamedTuple):
     m: int
     mode: str
     reduce: str
+    ep: int = 1
+
+    @property
+    def key(self) -> tuple[object, ...]:
+        """The layout without its reduction (what its memory and compute bound share)."""
+        return (*self[:9], self.ep)
 
     @property
     def stages(self) -> int:
@@ -323,7 +342,7 @@ class SearchPricing:
     collectives: Collectives
     plans: dict[int, SplitPlan | None] = field(default_factory=dict)
     _stage: dict[tuple[int, int, str], Costs] = field(default_factory=dict)
-    _device: dict[tuple[int, int, str, int, int], Costs] = field(default_factory=dict)
+    _device: dict[tuple[int, int, str, int, int, int], Costs] = field(default_factory=dict)
     memory: dict[tuple[object, ...], float] = field(default_factory=dict)  # peak bytes per layout (the planner's)
     _bounds: dict[tuple[object, ...], int] = field(default_factory=dict)
     _floors: dict[tuple[object, ...], tuple[float, ...]] = field(default_factory=dict)
@@ -346,11 +365,12 @@ class SearchPricing:
                                                                     batch_scale=b * self.per_token))
         return self._stage[key]
 
-    def device_costs(self, n: int, b: int, mode: str, t: int, c: int = 1) -> Costs:
+    def device_costs(self, n: int, b: int, mode: str, t: int, c: int = 1, e: int = 1) -> Costs:
         """One device's costs per microbatch of ``b`` sequences: its shard of each stage and its share of each
         sequence, with the shards' all-reduces and the shares' key/value gathers (``pv.simulate``'s), overlapped
-        with the compute where the collectives say so (``tp_overlap``)."""
-        key = (n, b, mode, t, c)
+        with the compute where the collectives say so (``tp_overlap``); with ``e`` > 1 the experts' all-to-alls and
+        1/e of their weights (``pipeviz.planner.experts.expert_costs``)."""
+        key = (n, b, mode, t, c, e)
         if key not in self._device:
             plan = self.plan(n)
             assert plan is not None
@@ -369,38 +389,39 @@ class SearchPricing:
                     a + round(k * scale * (c - 1) / c)
                     for a, k in zip(costs.activation_bytes, attention_kv_bytes(plan), strict=True)))
             # (pv.simulate overlaps them the same way: the bound below must not exceed its step)
-            self._device[key] = overlapped(costs) if self.collectives.tp_overlap else costs
+            costs = overlapped(costs) if self.collectives.tp_overlap else costs
+            self._device[key] = expert_costs(costs, plan, self.base, e, t, c, scale)
         return self._device[key]
 
-    def memory_bound(self, tp: int, cp: int, pp: int, schedule: str, v: int, b: int, mode: str) -> int:
+    def memory_bound(self, tp: int, cp: int, pp: int, schedule: str, v: int, b: int, mode: str, ep: int = 1) -> int:
         """A lower bound on the peak bytes of the options of this layout (any microbatch count and reduction): each
         rank's weights, gradients, optimizer state and one microbatch's activations."""
-        key = (tp, cp, pp, schedule, v, b, mode)
+        key = (tp, cp, pp, schedule, v, b, mode, ep)
         if key not in self._bounds:
-            self._bounds[key] = self._memory_bound(tp, cp, pp, schedule, v, b, mode)
+            self._bounds[key] = self._memory_bound(tp, cp, pp, schedule, v, b, mode, ep)
         return self._bounds[key]
 
-    def _memory_bound(self, tp: int, cp: int, pp: int, schedule: str, v: int, b: int, mode: str) -> int:
-        rc, lay = self.device_costs(pp * v, b, mode, tp, cp), sched.layout(schedule, pp * v, v if v > 1 else None)
+    def _memory_bound(self, tp: int, cp: int, pp: int, schedule: str, v: int, b: int, mode: str, ep: int) -> int:
+        rc, lay = self.device_costs(pp * v, b, mode, tp, cp, ep), sched.layout(schedule, pp * v, v if v > 1 else None)
         return max(static_memory(rc, lay.stages_of(r), self.optimizer_states)
                    + max(rc.activation_bytes[s] for s in lay.stages_of(r)) for r in lay.ranks)
 
     def reduction_floors(self, tp: int, cp: int, pp: int, dp: int, schedule: str, v: int, b: int, mode: str,
-                         reduce: str) -> tuple[float, ...]:
+                         reduce: str, ep: int = 1) -> tuple[float, ...]:
         """Per pipeline rank, the least the replicas' gradient reduction adds after its last action
         (``pipeviz.sim.collectives.reduction_floor``, on ``pv.simulate``'s link and gradient bytes)."""
-        key = (tp, cp, pp, dp, schedule, v, b, mode, reduce)
+        key = (tp, cp, pp, dp, schedule, v, b, mode, reduce, ep)
         if key not in self._floors:
             self._floors[key] = self._reduction_floors(*key)
         return self._floors[key]
 
     def _reduction_floors(self, tp: int, cp: int, pp: int, dp: int, schedule: str, v: int, b: int, mode: str,
-                          reduce: str) -> tuple[float, ...]:
+                          reduce: str, ep: int) -> tuple[float, ...]:
         lay = sched.layout(schedule, pp * v, v if v > 1 else None)
         if dp * cp <= 1:
             return (0.0,) * lay.num_ranks
         plan = self.plan(pp * v)
-        rc = self.device_costs(pp * v, b, mode, tp, cp)
+        rc = self.device_costs(pp * v, b, mode, tp, cp, ep)
         scale, element = gradient_bytes(plan, replace(self.collectives, dp_reduce=reduce))
         via = replica_link(Mesh(pp, dp, tp, cp), self.base)
         return tuple(reduction_floor([rc.param_bytes[s] * scale for s in lay.stages_of(r)], reduce, dp * cp, via,
@@ -428,6 +449,7 @@ def row_summary(i: int, r: LayoutOption) -> str:
     the cluster panel lists."""
     v = f" v{r.stages_per_rank}" if r.stages_per_rank > 1 else ""
     cp = f" cp{r.cp}" if r.cp > 1 else ""
+    cp += f" ep{r.ep}" if r.ep > 1 else ""
     reduce = f" · {r.dp_reduce}" if r.dp > 1 else ""
     return (f"{i + 1}. pp{r.pp} dp{r.dp}{cp} tp{r.tp} {r.schedule}{v} · mb size {r.microbatch_size} · m "
             f"{r.microbatches} · {r.recompute}{reduce} · {_seconds(r.step_time)} · MFU {_share(r.mfu)} · "

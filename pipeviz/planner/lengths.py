@@ -249,7 +249,7 @@ def plan_cluster_lengths(graph: GraphView, gpus: int, hardware: Hardware | str, 
 
     def key(r: LayoutOption) -> tuple[object, ...]:
         return (r.pp, r.dp, r.tp, r.cp, r.schedule, r.stages_per_rank, r.microbatch_size, r.microbatches,
-                r.recompute, r.dp_reduce)
+                r.recompute, r.dp_reduce, r.ep)
 
     longest = max(shares)
     by = {b: {key(r): r for r in p.rows} for b, p in per.items()}

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipeviz.schedule import traits as sched
-from pipeviz.schedule.comm_order import Step, programs
+from pipeviz.schedule.comm_order import Step, programs, walk
 from pipeviz.schedule.timeline import COMPUTE, Timeline
 
 __all__ = ["charged_step", "play_programs"]
@@ -80,7 +80,6 @@ def play_programs(progs: Sequence[Sequence[Step]], seconds: Sequence[dict[str, f
     sent: dict[Key, float] = {}
     posted: dict[Key, float] = {}
     t = [0.0] * len(progs)
-    pos = [0] * len(progs)
 
     def arrival(key: Key) -> float | None:
         if key not in sent or (charged and key not in posted):
@@ -89,25 +88,21 @@ def play_programs(progs: Sequence[Sequence[Step]], seconds: Sequence[dict[str, f
         start = max(sent[key], posted[key]) if charged else sent[key]
         return start + comm[s if kind == "F" else s - 1]
 
-    progressed = True
-    while progressed:
-        progressed = False
-        for r, prog in enumerate(progs):
-            while pos[r] < len(prog):
-                step = prog[pos[r]]
-                if step.op == "compute":
-                    t[r] += seconds[r][step.actions[0]]
-                elif step.op == "post":
-                    for a in step.actions:
-                        key, is_send = _travels(a)
-                        (sent if is_send else posted)[key] = t[r]
-                else:
-                    got = [arrival(_travels(a)[0]) for a in step.actions]
-                    if any(g is None for g in got):
-                        break  # the peer has not posted its side yet
-                    t[r] = max([t[r], *(g for g in got if g is not None)])
-                pos[r] += 1
-                progressed = True
+    def advance(r: int, step: Step) -> bool:
+        if step.op == "compute":
+            t[r] += seconds[r][step.actions[0]]
+        elif step.op == "post":
+            for a in step.actions:
+                key, is_send = _travels(a)
+                (sent if is_send else posted)[key] = t[r]
+        else:
+            got = [arrival(_travels(a)[0]) for a in step.actions]
+            if any(g is None for g in got):
+                return False  # the peer has not posted its side yet
+            t[r] = max([t[r], *(g for g in got if g is not None)])
+        return True
+
+    pos = walk(progs, advance)
     if any(p < len(prog) for p, prog in zip(pos, progs, strict=True)):
         raise sched.ScheduleError("The order's sends and receives cannot all complete under torch's runtime: "
                                   f"ranks stop at steps {pos} of {[len(p) for p in progs]}. Fix: simulate it with "

@@ -27,6 +27,7 @@ from pipeviz.cost.model import Costs
 from pipeviz.cost.options import RECOMPUTE, CostOptions
 from pipeviz.cost.roofline import op_table
 from pipeviz.planner.cluster import ClusterPlan, LayoutOption, SearchOption, SearchPricing
+from pipeviz.planner.experts import ep_degrees
 from pipeviz.schedule import traits as sched
 from pipeviz.schedule.mesh import check_degree
 from pipeviz.sim.simulate import Collectives, schedule_orders, simulate
@@ -42,13 +43,16 @@ def plan_cluster(
     tp: Sequence[int] | None = None, cp: Sequence[int] | None = None, microbatch_sizes: Sequence[int] | None = None,
     stages_per_rank: Sequence[int] = (2,), optimizer_states: int = 2, top: int = 10, max_actions: int = 40_000,
     collectives: Collectives | None = None, dp_reduce: Sequence[str] | str | None = None,
+    ep: Sequence[int] | None = None,
 ) -> ClusterPlan:
     """Rank every layout of ``gpus`` devices for training ``graph``'s model, fastest first; only those that fit.
 
     Searched: tensor-parallel degree ``tp`` (powers of two up to a node, dividing ``gpus``), context-parallel
     degree ``cp`` (long sequences), pipeline ranks ``pp`` (divisors of ``gpus / (tp x cp)`` up to the number of
     places the graph can be split), ``dp = gpus / (pp x cp x tp)``
-    (dividing the global batch), every schedule (multi-stage ones with ``stages_per_rank``), microbatch sizes
+    (dividing the global batch), for a mixture-of-experts model the expert-parallel degree ``ep`` (divisors of the
+    routed experts' count that divide ``dp x cp``: carved out of those ranks, as torchtitan and Megatron-LM carve
+    it), every schedule (multi-stage ones with ``stages_per_rank``), microbatch sizes
     (powers of two dividing the per-replica batch, up to 64), and the recomputation modes. Each option's split
     is ``pv.balance``'s optimum into ``pp x v`` stages on the hardware's roofline (exact, by dynamic
     programming); its step and memory are ``pv.simulate``'s (ranks placed node by node, as ``pv.simulate``
@@ -115,16 +119,24 @@ def plan_cluster(
             (``Collectives.dp_reduce``: ``"ddp"``, ``"overlap"``, ``"after_flush"``, ``"distributed"``); each row
             says its own and the seconds of it the step waits for (``exposed_reduction``). Default: the
             ``collectives``' own when given, else ``("ddp", "overlap")``: torch's DDP and ``pv.launch``'s default.
+        ep: expert-parallel degrees to consider (``pipeviz.planner.experts.ep_degrees``): default every divisor
+            of the routed experts' count for a model with routed experts (listed or transformers' fused experts),
+            1 for a dense one. Each layout takes those dividing its ``dp x cp``. Priced as ``pv.simulate`` prices
+            ``LaunchConfig(ep=...)`` (``pipeviz.sim.experts``): two all-to-alls per MoE block in every forward and
+            backward on the link the group spans (not overlapped with compute), the busiest owner's compute
+            (``CostOptions.expert_imbalance``, 1.0: balanced routing), 1/ep of the experts' weights, gradients and
+            optimizer state per rank.
 
     Returns:
         A ``ClusterPlan``; ``.rows`` best first, ``.table()`` as text.
 
     Raises:
         ValueError: a non-positive ``gpus`` / ``global_batch``, a ``tp`` wider than a node, an unknown hardware,
-            dtype, schedule or mode.
+            dtype, schedule or mode; an ``ep`` that does not divide the routed experts' count, or ep > 1 on a dense
+            model (naming the value and the valid ones).
     """
     search, space = _ask(graph, gpus, hardware, global_batch, seq_len, memory_limit, schedules, recompute, dtype,
-                         tp, cp, microbatch_sizes, stages_per_rank, optimizer_states, collectives, dp_reduce)
+                         tp, cp, microbatch_sizes, stages_per_rank, optimizer_states, collectives, dp_reduce, ep)
     candidates, considered, pruned = _candidates(search, space)
     rows, counts = _rank(search, space, candidates, top, max_actions)
     return ClusterPlan(tuple(rows[:top]), search.hw, gpus, global_batch, space.seq, search.dtype, search.limit,
@@ -148,13 +160,15 @@ class _Space:
     stages_per_rank: Sequence[int]
     blocks: int
     notes: list[str]
+    eps: list[int]
 
 
 def _ask(graph: GraphView, gpus: int, hardware: Hardware | str, global_batch: int, seq_len: int | None,
          memory_limit: float | None, schedules: Sequence[str] | None, recompute: Sequence[str] | str | None,
          dtype: str | None, tp: Sequence[int] | None, cp: Sequence[int] | None,
          microbatch_sizes: Sequence[int] | None, stages_per_rank: Sequence[int], optimizer_states: int,
-         collectives: Collectives | None, dp_reduce: Sequence[str] | str | None) -> tuple[SearchPricing, _Space]:
+         collectives: Collectives | None, dp_reduce: Sequence[str] | str | None,
+         ep: Sequence[int] | None = None) -> tuple[SearchPricing, _Space]:
     """``plan_cluster``'s arguments checked and resolved (the errors it documents are raised here)."""
     hw = find_hardware(hardware)
     for name, value in (("gpus", gpus), ("global_batch", global_batch)):
@@ -199,8 +213,13 @@ def _ask(graph: GraphView, gpus: int, hardware: Hardware | str, global_batch: in
         check_degree("cp", c)
     if any(c > 1 for c in cps):
         notes.append("Context parallelism (cp > 1): keys and values all-gathered per attention op, not overlapped.")
+    eps = ep_degrees(graph, ep)
+    if any(e > 1 for e in eps):
+        notes.append("Expert parallelism (ep > 1): two all-to-alls per MoE block in each forward and backward, not "
+                     "overlapped with compute; routing balanced (expert_imbalance="
+                     f"{base.expert_imbalance:g}); 1/ep of the experts' weights, grads and optimizer state per rank.")
     return search, _Space(gpus, global_batch, seq, names, modes, reductions, tps, cps, microbatch_sizes,
-                          stages_per_rank, len(_split_blocks(graph)), notes)
+                          stages_per_rank, len(_split_blocks(graph)), notes, eps)
 
 
 def _layouts(search: SearchPricing, space: _Space) -> Iterator[SearchOption]:
@@ -229,9 +248,9 @@ def _layouts(search: SearchPricing, space: _Space) -> Iterator[SearchOption]:
                             sched.check_microbatches(name, pp * v, m, v if v > 1 else None)
                         except sched.ScheduleError:
                             continue
-                        for mode in space.modes:
+                        for mode, e in [(mode, e) for mode in space.modes for e in space.eps if (dp * c) % e == 0]:
                             for red in space.reductions if dp > 1 else space.reductions[:1]:
-                                yield SearchOption(t, c, pp, dp, name, v, b, m, mode, red)
+                                yield SearchOption(t, c, pp, dp, name, v, b, m, mode, red, e)
 
 
 def _candidates(search: SearchPricing, space: _Space) -> tuple[list[tuple[float, SearchOption]], int, int]:
@@ -242,14 +261,14 @@ def _candidates(search: SearchPricing, space: _Space) -> tuple[list[tuple[float,
     compute: dict[tuple[object, ...], tuple[list[float], list[float]]] = {}
     for o in _layouts(search, space):
         considered += 1
-        if search.memory_bound(o.tp, o.cp, o.pp, o.schedule, o.v, o.b, o.mode) > search.limit:
+        if search.memory_bound(o.tp, o.cp, o.pp, o.schedule, o.v, o.b, o.mode, o.ep) > search.limit:
             pruned += 1
             continue
-        key = o[:-1]
+        key = o.key
         if key not in compute:
-            compute[key] = _step_bound(search.device_costs(o.stages, o.b, o.mode, o.tp, o.cp), o.layout, o.m)
+            compute[key] = _step_bound(search.device_costs(o.stages, o.b, o.mode, o.tp, o.cp, o.ep), o.layout, o.m)
         busy, tail = compute[key]
-        floors = search.reduction_floors(*o[:7], o.mode, o.reduce)
+        floors = search.reduction_floors(*o[:7], o.mode, o.reduce, o.ep)
         # (a hair below: the simulation adds the same seconds in another order, and a bound must never exceed it)
         bound = max(b + max(t, f) for b, t, f in zip(busy, tail, floors, strict=True)) * (1 - 1e-9)
         out.append((bound, o))
@@ -282,7 +301,7 @@ def _rank(search: SearchPricing, space: _Space, candidates: list[tuple[float, Se
         row = LayoutOption(
             pp=o.pp, dp=o.dp, tp=o.tp, cp=o.cp, schedule=o.schedule, stages_per_rank=o.v, microbatch_size=o.b,
             microbatches=o.m, recompute=o.mode, plan=plan, step_time=0.0, tokens_per_s=0.0, tflops_per_gpu=0.0,
-            mfu=0.0, bubble=0.0, peak_memory=0, options=opts,
+            mfu=0.0, bubble=0.0, peak_memory=0, options=opts, ep=o.ep,
             collectives=replace(search.collectives, dp_reduce=o.reduce))
         step, busy, memory, extrapolated, exposed = _simulate(row)
         counts["simulated"] += 1
@@ -297,9 +316,9 @@ def _rank(search: SearchPricing, space: _Space, candidates: list[tuple[float, Se
 
 def _peak(search: SearchPricing, o: SearchOption) -> float:
     """The option's peak bytes per device (``_memory``), once per layout: the reduction does not change it."""
-    key = o[:-1]
+    key = o.key
     if key not in search.memory:
-        search.memory[key] = _memory(search.device_costs(o.stages, o.b, o.mode, o.tp, o.cp), o.schedule, o.stages,
+        search.memory[key] = _memory(search.device_costs(o.stages, o.b, o.mode, o.tp, o.cp, o.ep), o.schedule, o.stages,
                                      o.m, o.v, search.optimizer_states, search.limit)
     return search.memory[key]
 

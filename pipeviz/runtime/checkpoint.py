@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pipeviz.errors import LaunchError
+from pipeviz.runtime.expert_shards import held_part
 
 if TYPE_CHECKING:
     from pipeviz.plan.split import SplitPlan
@@ -109,8 +110,10 @@ def load_optimizer(resume: Resume, optimizer: torch.optim.Optimizer,
                 continue
             state: dict[str, object] = {}
             for key in sorted(k for k in keys if k.startswith(name + SEP)):
-                value = f.get_tensor(key)
+                value = held_part(f.get_tensor(key), t)  # (expert parallelism: this process's experts alone)
                 what = key[len(name) + len(SEP):]
+                if value is None:
+                    continue
                 if value.dim() == 0 and what == "step":  # Adam's step count: a tensor on the CPU, as torch keeps it
                     state[what] = value.to(torch.float32).clone()
                     continue

@@ -31,7 +31,7 @@ from pipeviz.errors import LaunchError
 from pipeviz.plan.split import SplitPlan
 from pipeviz.runtime.batches import data_batch, eval_batches, launch_inputs, sequence_length
 from pipeviz.runtime.context_checks import context_stages
-from pipeviz.runtime.expert_checks import expert_stages, experts_layout
+from pipeviz.runtime.expert_checks import expert_overlap, expert_stages, experts_layout
 from pipeviz.runtime.settings import SETTING_CHECKS, tensor_parallel_placements
 from pipeviz.runtime.spec import LaunchSpec, default_optimizer
 from pipeviz.schedule import traits as sched
@@ -181,7 +181,8 @@ def _placements(d: _Draft) -> None:
 
 
 _PLAN_CHECKS: tuple[tuple[str | None, Check], ...] = (
-    (None, _on_nonfinite), (None, _is_plan), (None, _schedule_known), ("ep", experts_layout), (None, _plan_runnable),
+    (None, _on_nonfinite), (None, _is_plan), (None, _schedule_known), ("ep", experts_layout), (None, expert_overlap),
+    (None, _plan_runnable),
     (None, _forward_only_schedule), ("schedule", _layout), (None, _order), ("tp", _placements),
 )
 

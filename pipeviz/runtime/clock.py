@@ -55,8 +55,9 @@ class Clock:
         self.outbox: list[Message] = []
         self.finished: collections.deque[EventRecord] = collections.deque()  # from other threads
         self.meter = MemoryMeter(cuda)
-        self.stage = -1  # the stage of the action running now (what a tensor-parallel collective belongs to)
-        self.mb = -1  # and its microbatch (what an expert all-to-all belongs to)
+        # the stage and microbatch of the action running now in this thread (what a tensor-parallel collective, an
+        # expert all-to-all belongs to): per thread, as ep_overlap runs a forward and a backward at once
+        self._running = threading.local()
         self.memory: list[tuple[float, int, int]] = []  # (time, total bytes, saved-activation bytes)
         self.sent_at = 0.0
         self.queue: Any = None
@@ -65,6 +66,22 @@ class Clock:
         # the outbox is sent by the rank's thread, and by ``watch_stale``'s when that thread is stuck in an action
         self.lock = threading.RLock()
         self.stopped = False  # the rank's steps are over: ``watch_stale`` sends nothing more
+
+    @property
+    def stage(self) -> int:
+        return int(getattr(self._running, "stage", -1))
+
+    @stage.setter
+    def stage(self, value: int) -> None:
+        self._running.stage = value
+
+    @property
+    def mb(self) -> int:
+        return int(getattr(self._running, "mb", -1))
+
+    @mb.setter
+    def mb(self, value: int) -> None:
+        self._running.mb = value
 
     def watch_stale(self, every: float = 0.3) -> None:
         """Send what the rank finished even when its own thread stops sending: a rank stuck inside an action (a

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from pipeviz.plan.split import SplitPlan
     from pipeviz.runtime.spec import LaunchSpec
 
-__all__ = ["expert_stages", "experts_layout"]
+__all__ = ["expert_overlap", "expert_stages", "experts_layout"]
 
 
 def _unsupported(cfg: Any) -> list[tuple[str, str]]:
@@ -84,3 +84,13 @@ def expert_stages(plan: SplitPlan, spec: LaunchSpec) -> None:
             raise LaunchError(f"ep={ep} does not divide the {b.count} routed experts of {b.name} (stage {stage}): each "
                               f"of ep processes holds an equal block of them. Valid ep: {', '.join(fits)}. "
                               "Fix: one of those.", setting="ep")
+
+
+def expert_overlap(d: Any) -> None:
+    """``ep_overlap`` and ``ep_delay`` where they can run (``pipeviz.schedule.ep_overlap``): ep > 1, DualPipeV's
+    order; refused naming the value and the valid choices."""
+    from pipeviz.schedule.ep_overlap import ep_overlap_refusal
+
+    why = ep_overlap_refusal(d.config)
+    if why is not None:
+        raise LaunchError(why, setting="ep_overlap" if why.startswith("ep_overlap") else "ep_delay")

@@ -60,18 +60,25 @@ def averaged_after_step(p: RankPayload) -> bool:
 def average_replicas(params: list[torch.nn.Parameter], group: ProcessGroup | None, replicas: int, clock: Clock,
                      rank: int, step: int) -> None:
     """Average this rank's gradients across its replicas in one all-reduce (timed as a ``DP`` action): for
-    the schedules whose split backward DDP's reducer cannot follow (see ``pipeviz.runtime.rank_stages``)."""
+    the schedules whose split backward DDP's reducer cannot follow (see ``pipeviz.runtime.rank_stages``). Under
+    expert parallelism the routed experts this process holds are summed over the processes holding the same experts
+    instead, and divided by every replica too (their owner's gradient holds its whole ep group's tokens)."""
     import torch.distributed as dist
 
-    grads = [local_tensor(t.grad) for t in params if t.grad is not None]
-    if not grads:
-        return
-    with clock.span(rank, -1, "DP", -1, step), torch.no_grad():
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=group)
-        flat /= replicas
-        for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
-            g.copy_(reduced)
+    from pipeviz.runtime.expert_shards import expert_params, replicas_group
+
+    rest, experts = expert_params(params)  # expert parallelism: the experts summed over those holding them
+    parts = [(rest, group), (experts, replicas_group(experts))]
+    for held, over in parts if experts else parts[:1]:
+        grads = [local_tensor(t.grad) for t in held if t.grad is not None]
+        if not grads:
+            continue
+        with clock.span(rank, -1, "DP", -1, step), torch.no_grad():
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=over)
+            flat /= replicas
+            for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+                g.copy_(reduced)
 
 
 def clip_global_norm(p: RankPayload, params: list[torch.nn.Parameter], names: dict[int, str],
@@ -102,7 +109,8 @@ def clip_global_norm(p: RankPayload, params: list[torch.nn.Parameter], names: di
             mesh = g.device_mesh
             if any(pl.is_replicate() and mesh.get_local_rank(i) != 0 for i, pl in enumerate(g.placements)):
                 continue
-        if over_dp and me is not None and me.dp != 0:
+        shard = getattr(t, "expert_shard", None)  # expert parallelism: a routed expert, on its first holder
+        if over_dp and me is not None and me.dp >= (shard.share.ep if shard is not None else 1):
             continue
         total += local_tensor(g).detach().double().pow(2).sum().cpu()
     dist.all_reduce(total)

@@ -38,6 +38,16 @@ class _Pending:
     work: dist.Work
     flat: torch.Tensor
     grads: list[torch.Tensor]
+    divisor: int
+
+
+@dataclass
+class _Part:
+    """Parameters of a stage reduced over ``group`` (None: the reduction's), their sum divided by ``divisor``."""
+
+    params: list[torch.nn.Parameter]
+    group: dist.ProcessGroup | None
+    divisor: int
 
 
 class OverlappedReduction:
@@ -49,35 +59,41 @@ class OverlappedReduction:
     def __init__(self, group: dist.ProcessGroup | None, replicas: int,
                  on_done: Callable[[int, float, float], None] | None = None, bucket_bytes: int = BUCKET_BYTES) -> None:
         self.group, self.replicas, self.on_done, self.bucket_bytes = group, replicas, on_done, bucket_bytes
-        self.params: dict[int, list[torch.nn.Parameter]] = {}
+        self.params: dict[int, list[_Part]] = {}
         self.pending: list[_Pending] = []
         self.launched: set[int] = set()
 
-    def add_stage(self, stage: int, params: Sequence[torch.nn.Parameter]) -> None:
-        """The parameters of ``stage`` this rank holds (each reduced with the stage's buckets)."""
-        self.params[stage] = [p for p in params if p.requires_grad]
+    def add_stage(self, stage: int, params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup | None = None,
+                  divisor: int | None = None) -> None:
+        """Parameters of ``stage`` this rank holds (each reduced with the stage's buckets): averaged over the
+        replicas, or (expert parallelism's experts) summed over ``group`` and divided by ``divisor``. A stage may be
+        given several such parts."""
+        part = _Part([p for p in params if p.requires_grad], group if group is not None else self.group,
+                     divisor if divisor is not None else self.replicas)
+        self.params.setdefault(stage, []).append(part)
 
     def launch(self, stage: int) -> None:
         """Start averaging ``stage``'s gradients (they are final: its last backward of the step has run)."""
         if stage in self.launched:
             return
         self.launched.add(stage)
-        grads = [p.grad for p in self.params.get(stage, ()) if p.grad is not None]
-        for bucket in _buckets(grads, self.bucket_bytes):
-            flat = torch._utils._flatten_dense_tensors(bucket)
-            start = time.time()
-            work = dist.all_reduce(flat, group=self.group, async_op=True)
-            assert work is not None
-            if self.on_done is not None:
-                work.get_future().then(lambda _f, s=stage, t=start, done=self.on_done: done(s, t, time.time()))
-            self.pending.append(_Pending(work, flat, bucket))
+        for part in self.params.get(stage, ()):
+            grads = [p.grad for p in part.params if p.grad is not None]
+            for bucket in _buckets(grads, self.bucket_bytes):
+                flat = torch._utils._flatten_dense_tensors(bucket)
+                start = time.time()
+                work = dist.all_reduce(flat, group=part.group, async_op=True)
+                assert work is not None
+                if self.on_done is not None:
+                    work.get_future().then(lambda _f, s=stage, t=start, done=self.on_done: done(s, t, time.time()))
+                self.pending.append(_Pending(work, flat, bucket, part.divisor))
 
     def wait(self) -> None:
         """Wait for every launched bucket and put the replicas' average into the gradients."""
         with torch.no_grad():
             for p in self.pending:
                 p.work.wait()
-                p.flat /= self.replicas
+                p.flat /= p.divisor
                 for g, reduced in zip(p.grads, torch._utils._unflatten_dense_tensors(p.flat, p.grads), strict=True):
                     g.copy_(reduced)
         self.pending.clear()

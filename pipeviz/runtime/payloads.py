@@ -115,6 +115,8 @@ class RankPayload:
     order: tuple[tuple[sched.Action, ...], ...] | None = None  # a custom order: every pipeline rank's actions
     seed: int = 0  # random draws (dropout): each stage forward seeds from it (pipeviz.runtime.rng.stage_seed)
     seq: int = 0  # context parallelism: the whole sequence's length (each share holds seq / cp tokens of it)
+    ep_overlap: bool = False  # DualPipeV's F/B pairs run at once (pipeviz.adapter.overlap_fb)
+    ep_delay: float = 0.0  # seconds each expert all-to-all waits after its exchange (a slowed link)
 
     @property
     def split_backward(self) -> bool:
@@ -401,6 +403,7 @@ def rank_payload(spec: LaunchSpec, stages: StageSet, tied: dict[str, list[int]],
         loss_scaling=autocast_dtype(spec) is torch.float16 and spec.loss_fn is not None,
         order=None if (acts := spec.config.actions()) is None else tuple(tuple(r) for r in acts),
         seed=spec.init_seed, seq=(sequence_length(spec.args, spec.kwargs) or 0) if mesh.cp > 1 else 0,
+        ep_overlap=spec.config.ep_overlap and mesh.ep > 1, ep_delay=float(spec.config.ep_delay),
     )
 
 

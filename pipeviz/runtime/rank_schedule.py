@@ -38,6 +38,13 @@ def build_schedule(p: RankPayload, stages: list[PipelineStage]) -> Schedule:
         from pipeviz.adapter import runtime_schedule
 
         schedule = runtime_schedule(stages, p.order, p.microbatches, loss_fn)
+    elif p.ep_overlap and sched.canonical(p.schedule) == "1F1B":  # 1F1B's pairs: the combined 1F1B
+        from pipeviz.adapter.overlap_fb import paired_runtime
+        from pipeviz.schedule.ep_overlap import combined_1f1b
+
+        combined = combined_1f1b(len(p.stage_ranks), p.microbatches)
+        schedule = paired_runtime(stages, [a for a, _ in combined], [set(x) for _, x in combined], p.microbatches,
+                                  loss_fn)
     else:
         cls = torch_schedules.get_schedule_class(p.schedule)
         if not sched.info(p.schedule).multi:
@@ -46,6 +53,10 @@ def build_schedule(p: RankPayload, stages: list[PipelineStage]) -> Schedule:
             schedule = cls(stages, n_microbatches=p.microbatches, loss_fn=loss_fn)
     if scaled_by_step(p):  # the loss is already the step's share: no division by the microbatches
         schedule.scale_grads = False
+    if p.ep_overlap:  # the F/B pairs at once, their all-to-alls hidden (pipeviz.adapter.overlap_fb)
+        from pipeviz.adapter.overlap_fb import register_overlap
+
+        register_overlap(schedule)
     return schedule
 
 

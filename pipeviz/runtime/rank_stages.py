@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from pipeviz.runtime.clock import Clock
+from pipeviz.runtime.expert_shards import Share, expert_params, shard_experts
 from pipeviz.runtime.payloads import RankPayload
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ def rank_stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch
             compute: torch.device, pp_group: ProcessGroup | None = None, dp_group: ProcessGroup | None = None,
             tp_mesh: DeviceMesh | None = None, shard_mesh: DeviceMesh | None = None, *,
             cp_group: ProcessGroup | None = None, ep_group: ProcessGroup | None = None,
+            ep_replicas: ProcessGroup | None = None, ep_back_group: ProcessGroup | None = None,
             ) -> tuple[list[PipelineStage], list[torch.nn.Parameter], dict[str, list[torch.Tensor]],
                        OverlappedReduction | None]:
     """torch's ``PipelineStage`` around each of this rank's runners (timed; in this replica's pipeline group),
@@ -51,7 +53,10 @@ def rank_stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch
     reduce-scatters it). With ``cp_group`` (context parallelism) each runner runs its graph on this process's share of
     every sequence (``adapter.context_graph``), its exchanges timed as ``CP`` events. With ``ep_group`` (expert
     parallelism) each runner computes this process's share of every MoE block's experts, the tokens routed to the
-    others' sent there and back (``adapter.expert_graph``), each all-to-all an ``A2A`` event."""
+    others' sent there and back (``adapter.expert_graph``), each all-to-all an ``A2A`` event; the process holds only
+    its own experts (``runtime.expert_shards``), their gradients reduced over ``ep_replicas`` (the processes holding
+    the same experts) and divided by all the replicas, the rest's over ``dp_group``; ``ep_back_group``
+    (``ep_overlap``) carries the backward's all-to-alls."""
     from pipeviz.adapter import timed_stage_class
 
     Stage = timed_stage_class(_timed_span(p, clock, step_box, compute))
@@ -72,8 +77,9 @@ def rank_stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch
         runner = _runner(p, st, device, compute, tp_mesh)
         if cp_group is not None:
             _context(p, runner, cp_group, clock, step_box)
-        if ep_group is not None:
-            _experts(p, runner, ep_group, clock, step_box)
+        if ep_group is not None and p.mesh is not None:
+            share = Share(p.mesh.ep, p.coords.dp % p.mesh.ep, ep_group, ep_replicas)
+            _experts(p, st, runner, share, clock, step_box, ep_back_group)
         # Static shapes, so torch never runs its shape inference (an extra forward/backward in step 1).
         # Activations from another stage need grads; model inputs and integer tensors (masks) do not.
         ins = tuple(_like(t, device, grad=st.index > 0 and t.is_floating_point()) for t in st.inputs)
@@ -83,7 +89,10 @@ def rank_stages(p: RankPayload, clock: Clock, step_box: list[int], device: torch
                             group=pp_group))
         stages[-1].recomputes = runner.recomputed is not None  # type: ignore[attr-defined]
         if reduction is not None:  # dp_reduce="overlap": the stage's average starts when its gradients are final
-            reduction.add_stage(st.index, list(runner.parameters()))
+            rest, experts = expert_params(runner.parameters())
+            reduction.add_stage(st.index, rest)
+            if experts:  # held by dp / ep processes: summed over those, divided by every replica
+                reduction.add_stage(st.index, experts, group=ep_replicas, divisor=p.replicas)
             stages[-1].grads_final = reduction.launch  # type: ignore[attr-defined]
         named = dict(runner.stage.named_parameters(remove_duplicate=False))
         for canon, inner in st.params.items():
@@ -178,9 +187,11 @@ def _context(p: RankPayload, runner: StageRunner, group: ProcessGroup, clock: Cl
     runner.context = ContextGraph(runner.stage, share, runner.traced_shapes)  # type: ignore[arg-type]
 
 
-def _experts(p: RankPayload, runner: StageRunner, group: ProcessGroup, clock: Clock, step_box: list[int]) -> None:
+def _experts(p: RankPayload, st: RankStage, runner: StageRunner, share: Share, clock: Clock,
+             step_box: list[int], back_group: ProcessGroup | None = None) -> None:
     """The runner's graph with this process's share of every MoE block's experts, each all-to-all an ``A2A`` event
-    and the tokens routed to each expert per forward an ``ExpertTokens`` message."""
+    and the tokens routed to each expert per forward an ``ExpertTokens`` message; the other shares' expert weights
+    dropped from the stage (``shard_experts``)."""
     from pipeviz.adapter.expert_graph import ExpertGraph, Team, find_blocks
     from pipeviz.runtime.messages import ExpertTokens
 
@@ -192,9 +203,11 @@ def _experts(p: RankPayload, runner: StageRunner, group: ProcessGroup, clock: Cl
             clock.post(ExpertTokens(p.rank, p.coords, step_box[0], clock.stage, clock.mb, block, counts))
 
     assert p.mesh is not None
-    team = Team(p.mesh.ep, p.coords.dp % p.mesh.ep, group, record=record, count=count)
+    team = Team(share.ep, share.rank, share.group, record=record, count=count, back_group=back_group,
+                delay=p.ep_delay)
     blocks = find_blocks(runner.stage)  # type: ignore[arg-type]
     if blocks:
+        shard_experts(runner.stage, st.params, blocks, share)  # type: ignore[arg-type]
         runner.context = ExpertGraph(runner.stage, blocks, team)  # type: ignore[arg-type]
 
 

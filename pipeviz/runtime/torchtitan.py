@@ -147,6 +147,8 @@ def export_torchtitan(plan: SplitPlan, config: LaunchConfig | str, path: str | o
               f"data_parallel_shard_degree = {cfg.dp if shard else 1}",  # torchtitan's default, -1, takes what is left
               f"tensor_parallel_degree = {cfg.tp}",
               f"context_parallel_degree = {cfg.cp}",
+              # (torchtitan's dp2ep: the experts sharded over ep of the dp-shard x cp ranks)
+              *([f"expert_parallel_degree = {cfg.ep}"] if cfg.ep > 1 else []),
               "", "[training]", f"local_batch_size = {size * cfg.microbatches}"]
     if cfg.accumulate > 1:  # torchtitan accumulates global / (local x dp) batches per step
         lines.append(f"global_batch_size = {size * cfg.microbatches * cfg.dp * cfg.accumulate}")

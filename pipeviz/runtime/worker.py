@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pipeviz.runtime.clock import SEND_INTERVAL, Clock, Sink
+from pipeviz.runtime.expert_shards import held_text, whole_experts
 from pipeviz.runtime.grads import local_tensor
 from pipeviz.runtime.messages import (
     Done,
@@ -163,10 +164,11 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
     plant_fault()  # a testing hook: nothing unless $PIPEVIZ_PLANT_FAULT names a collective (docs/fuzz.md)
     step_box = [0, 0, 0]  # the step, its accumulated (or held-out) batch, and whether it evaluates
     pp_group, dp_group, dp_mesh, tp_mesh, cp_group = _mesh_groups(p)
-    ep_group = _ep_group(p)
+    ep_group, ep_replicas = _ep_groups(p)
+    ep_back = _ep_groups(p)[0] if p.ep_overlap else None  # ep_overlap: a second group, the backward's all-to-alls'
     stages, params, local, overlapped = rank_stages(p, clock, step_box, device, compute, pp_group, dp_group, tp_mesh,
                                                 dp_mesh if p.dp_shard else None, cp_group=cp_group,
-                                                ep_group=ep_group)
+                                                ep_group=ep_group, ep_replicas=ep_replicas, ep_back_group=ep_back)
     reduction: OverlappedReduction | ZeroOne | None = overlapped
     stepped, names = params, param_names(p)  # what the optimizer steps (ZeRO-1: its shards)
     if p.dp_reduce == "zero1" and dp_mesh is not None and p.loss_fn is not None:
@@ -188,7 +190,8 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
         # not wrapped again per replica: the reduction built for the first shape's stages takes theirs too.
         rebind(new, p.stages)
         q = dataclasses.replace(p, stages=new)
-        built = rank_stages(q, clock, step_box, device, compute, pp_group, ep_group=ep_group)[0]
+        built = rank_stages(q, clock, step_box, device, compute, pp_group, ep_group=ep_group,
+                            ep_back_group=ep_back)[0]
         for st in built:
             if reduction is not None:
                 st.grads_final = reduction.launch  # type: ignore[attr-defined]
@@ -207,6 +210,7 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
     if p.dp_shard:  # FSDP2: this process holds its shard of every parameter (DTensor numel is the whole's)
         held = (f" ({sum(local_tensor(t).numel() for t in params):,} of {sum(t.numel() for t in params):,} parameter "
                 f"elements held: sharded over {p.mesh.dp} replicas)")
+    held += held_text(params)  # expert parallelism: this process's experts alone
     queue.put(Phase(p.rank, p.coords, f"stage{'s' * (len(p.stages) > 1)} "
                                       f"{', '.join(str(s.index) for s in p.stages)} ready{held}"))
 
@@ -227,12 +231,14 @@ def run_payload(p: RankPayload, queue: Sink, connected: tuple[Clock, torch.devic
     with clock.lock:  # the steps are over (their last events sent): nothing after the rank's final messages
         clock.stopped = True
     if finished:
+        # every routed expert whole (expert parallelism: gathered from the processes that hold them)
+        state = whole_experts(rank_state(p, copy=p.state_path is None), params)
         if p.state_path is not None:  # a file: a big stage's tensors do not pass through the queue
-            torch.save(rank_state(p, copy=False), p.state_path)
+            torch.save(state, p.state_path)
             queue.put(State(p.rank, p.coords, p.state_path))
         else:
             buf = io.BytesIO()
-            torch.save(rank_state(p), buf)
+            torch.save(state, buf)
             queue.put(State(p.rank, p.coords, buf.getvalue()))
         if optimizer is not None:
             _send_optimizer(p, queue, optimizer, scheduler, stepped, names)
@@ -248,7 +254,7 @@ def _send_optimizer(p: RankPayload, queue: Sink, optimizer: torch.optim.Optimize
     class, groups and the scheduler's state."""
     from pipeviz.runtime.checkpoint import gathered_optimizer_state
 
-    tensors = gathered_optimizer_state(optimizer, params, names)
+    tensors = whole_experts(gathered_optimizer_state(optimizer, params, names), params)
     if p.coords.dp or p.coords.tp or p.coords.cp:
         return
     out: dict[str, object] = {"tensors": tensors}
@@ -322,22 +328,27 @@ def _mesh_groups(p: RankPayload) -> tuple[ProcessGroup | None, ProcessGroup | No
             dm["tp"] if mesh.tp > 1 else None, cp_group)
 
 
-def _ep_group(p: RankPayload) -> ProcessGroup | None:
+def _ep_groups(p: RankPayload) -> tuple[ProcessGroup | None, ProcessGroup | None]:
     """This process's expert-parallel group (``LaunchConfig.ep``): the ``ep`` replicas of its stages that share out
-    every MoE block's experts (replicas ``g·ep .. (g+1)·ep − 1``); None without expert parallelism. Every process
-    makes every group, in one order (torch's ``new_group`` rule)."""
+    every MoE block's experts (replicas ``g·ep .. (g+1)·ep − 1``), and the replicas that hold the same experts as
+    it (the same share ``dp mod ep`` of every group: their expert gradients are reduced together); Nones without
+    expert parallelism. Every process makes every group, in one order (torch's ``new_group`` rule)."""
     import torch.distributed as dist
 
     mesh = p.mesh
     if mesh is None or mesh.ep == 1:
-        return None
-    me, mine = mesh.coords(p.rank), None
+        return None, None
+    me, mine, same = mesh.coords(p.rank), None, None
     for pp in range(mesh.pp):
         for g in range(mesh.dp // mesh.ep):
             group = dist.new_group([mesh.rank(pp, dp=d) for d in range(g * mesh.ep, (g + 1) * mesh.ep)])
             if me.pp == pp and me.dp // mesh.ep == g:
                 mine = group
-    return mine
+        for r in range(mesh.ep):
+            group = dist.new_group([mesh.rank(pp, dp=d) for d in range(r, mesh.dp, mesh.ep)])
+            if me.pp == pp and me.dp % mesh.ep == r:
+                same = group
+    return mine, same
 
 
 def _tied_groups(p: RankPayload) -> dict[str, ProcessGroup | None]:

@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from pipeviz.schedule import traits as sched
 from pipeviz.schedule.hang import HangReport, RankState, find_cycle
 
 __all__ = ["COMM_KINDS", "Step", "check_comm_order", "check_comms", "check_order_comms", "check_schedule_comms",
-           "programs", "runtime_programs"]
+           "programs", "runtime_programs", "walk"]
 
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 _ACTION = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
@@ -274,49 +274,59 @@ def _counterpart(action: str, ranks: Sequence[int]) -> str:
     return f"{s}SEND_{kind}{mb}"
 
 
+def walk(progs: Sequence[Sequence[Step]], advance: Callable[[int, Step], bool]) -> list[int]:
+    """Run every rank's program as far as it goes: ``advance(rank, step)`` carries a step out, or returns False
+    while it must wait (a peer has not posted its side); rank after rank, until no rank moves. Returns each rank's
+    position: a rank short of its program's end is stuck there."""
+    pos = [0] * len(progs)
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank, prog in enumerate(progs):
+            while pos[rank] < len(prog) and advance(rank, prog[pos[rank]]):
+                pos[rank] += 1
+                progressed = True
+    return pos
+
+
 def _play(progs: list[list[Step]], ranks: Sequence[int]) -> None:
     sends: dict[tuple[int, int], list[tuple[tuple[int, str, int], str]]] = {}
     recvs: dict[tuple[int, int], list[tuple[tuple[int, str, int], str]]] = {}
     where: dict[str, tuple[tuple[int, int], int, bool]] = {}  # posted action -> (channel, index, is a send)
-    pos = [0] * len(progs)
 
     def matched(a: str) -> bool:
         ch, k, is_send = where[a]
         return len((recvs if is_send else sends).get(ch, [])) > k
 
-    progressed = True
-    while progressed:
-        progressed = False
-        for rank, prog in enumerate(progs):
-            while pos[rank] < len(prog):
-                step = prog[pos[rank]]
-                if step.op == "post":
-                    for a in step.actions:
-                        src, dst, key = _channel(a, ranks)
-                        is_send = _parse(a)[1].startswith("SEND")
-                        mine, theirs = (sends, recvs) if is_send else (recvs, sends)
-                        lst = mine.setdefault((src, dst), [])
-                        k = len(lst)
-                        lst.append((key, a))
-                        where[a] = ((src, dst), k, is_send)
-                        other = theirs.get((src, dst), [])
-                        if len(other) > k and other[k][0] != key:
-                            raise _mismatch(a, other[k][1], k, src, dst)
-                elif step.op == "wait":
-                    missing = [a for a in step.actions if a not in where]
-                    if missing:
-                        raise sched.ScheduleError(
-                            f"rank {rank}: waits on {missing[0]} before posting it: torch's runtime refuses a compute "
-                            f"action whose receive was not posted ('Computing ... before receiving input'). Fix: put "
-                            f"{missing[0]} before the action that consumes it.")
-                    if not all(matched(a) for a in step.actions):
-                        break
-                else:
-                    for a in step.actions:
-                        if _parse(a)[1] in COMM_KINDS:  # a compute step holds compute actions only
-                            raise sched.ScheduleError(f"rank {rank}: {a} is not a compute action.")
-                pos[rank] += 1
-                progressed = True
+    def advance(rank: int, step: Step) -> bool:
+        if step.op == "post":
+            for a in step.actions:
+                src, dst, key = _channel(a, ranks)
+                is_send = _parse(a)[1].startswith("SEND")
+                mine, theirs = (sends, recvs) if is_send else (recvs, sends)
+                lst = mine.setdefault((src, dst), [])
+                k = len(lst)
+                lst.append((key, a))
+                where[a] = ((src, dst), k, is_send)
+                other = theirs.get((src, dst), [])
+                if len(other) > k and other[k][0] != key:
+                    raise _mismatch(a, other[k][1], k, src, dst)
+        elif step.op == "wait":
+            missing = [a for a in step.actions if a not in where]
+            if missing:
+                raise sched.ScheduleError(
+                    f"rank {rank}: waits on {missing[0]} before posting it: torch's runtime refuses a compute "
+                    f"action whose receive was not posted ('Computing ... before receiving input'). Fix: put "
+                    f"{missing[0]} before the action that consumes it.")
+            if not all(matched(a) for a in step.actions):
+                return False
+        else:
+            for a in step.actions:
+                if _parse(a)[1] in COMM_KINDS:  # a compute step holds compute actions only
+                    raise sched.ScheduleError(f"rank {rank}: {a} is not a compute action.")
+        return True
+
+    pos = walk(progs, advance)
     if any(p < len(prog) for p, prog in zip(pos, progs, strict=True)):
         report = _report(progs, ranks, pos, where, sends, recvs)
         err = sched.ScheduleError(

@@ -118,7 +118,16 @@ class LaunchConfig:
             priced by ``pv.simulate`` and ``pv.plan_cluster``.
         ep: expert parallelism: each MoE block's routed experts sharded over ``ep`` of a stage's ``dp × cp``
             processes (no processes added; ``ep`` divides ``dp * cp``), tokens sent to their experts' processes by
-            all-to-all. ``pv.launch`` refuses ep > 1 until it runs it (naming why).
+            all-to-all; each process holds only its own experts' weights, gradients and optimizer state.
+        ep_overlap: with ``ep`` > 1, run one microbatch's forward beside another's backward so that one half's
+            all-to-alls wait while the other half computes: DualPipeV's overlapped pairs (torch's ``OVERLAP_F_B``
+            actions), or under 1F1B a combined 1F1B (``pipeviz.schedule.ep_overlap.combined_1f1b``: each forward
+            paired with an earlier microbatch's backward; more warm-up forwards, so more activations held). The
+            backward runs in a second thread with its own expert-parallel process group (torchtitan's DualPipeV +
+            EP overlap, its PR #1721; ``pipeviz.adapter.overlap_fb``). Exact: the same ops on the same values.
+            ``pv.simulate`` prices each pair as ``max(F, B, F's compute + B's compute)``.
+        ep_delay: seconds every expert all-to-all waits after its exchange: a slowed link, to see (and test on a
+            CPU) what ``ep_overlap`` hides; ``pv.simulate`` adds it to each priced ``A2A``. 0 in real runs.
         order: a custom schedule: one list of actions per pipeline rank, each a ``pv.schedule.Action`` or its text
             in torch's notation (``"1F0"``: stage 1's forward of microbatch 0; kinds ``F``, ``B``, or ``I`` and
             ``W`` for a split backward); held as ``Action``s (``actions()`` gives them typed). The stages stay
@@ -159,10 +168,17 @@ class LaunchConfig:
     cp: int = 1
     order: Sequence[Sequence[Action | str]] | None = None
     ep: int = 1
+    ep_overlap: bool = False
+    ep_delay: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("dp", "cp", "tp", "ep"):  # one check for every front door (pipeviz.schedule.mesh)
             check_degree(name, getattr(self, name))
+        if not isinstance(self.ep_overlap, bool):
+            raise TypeError(f"ep_overlap must be True or False, got {self.ep_overlap!r}.")
+        if isinstance(self.ep_delay, bool) or not isinstance(self.ep_delay, (int, float)) or not self.ep_delay >= 0:
+            raise ValueError(f"ep_delay must be seconds >= 0 (a slowed expert link), got {self.ep_delay!r}. Fix: "
+                             "ep_delay=0.0, or e.g. 0.005.")
         if self.order is not None:  # read once here, text or Actions (an unknown kind raises), held as Actions
             object.__setattr__(self, "order", tuple(tuple(r) for r in sched.order_of(self.order)))
 

@@ -13,6 +13,7 @@ from pipeviz.cost.model import Costs
 from pipeviz.schedule import traits as sched
 from pipeviz.schedule.timeline import COMPUTE, Event
 from pipeviz.sim.collectives import Reduction
+from pipeviz.sim.ep_overlap import PairOverlap
 
 __all__ = ["check_order", "contended", "play", "play_on_cores", "runtime_actions"]
 
@@ -101,7 +102,10 @@ def runtime_actions(lay: sched.Layout, overhead: float) -> tuple[float, ...]:
     return tuple(overhead * k for k in crossings)
 
 
-def play(acts: sched.Order, lay: sched.Layout, costs: Costs, n: int, red: Reduction | None = None) -> list[Event]:
+def play(acts: sched.Order, lay: sched.Layout, costs: Costs, n: int, red: Reduction | None = None,
+         pairs: PairOverlap | None = None) -> list[Event]:
+    """Each rank's actions in order, each as soon as its rank is free and its input has arrived; ``pairs``
+    (``ep_overlap``): a rank's overlapped forward/backward pairs run as one (``pipeviz.sim.ep_overlap``)."""
     done: dict[tuple[int, str, int], float] = {}
     free = [0.0] * len(acts)
     pos = [0] * len(acts)
@@ -111,22 +115,65 @@ def play(acts: sched.Order, lay: sched.Layout, costs: Costs, n: int, red: Reduct
         progressed = False
         for rank, rank_acts in enumerate(acts):
             while pos[rank] < len(rank_acts):
-                s, kind, mb = rank_acts[pos[rank]]
-                ready = _ready(s, kind, mb, done, costs, lay, n)
-                if ready is None:
+                step = _next(rank, pos[rank], rank_acts, done, costs, lay, n, pairs)
+                if step is None:
                     break
+                ready, took = step
                 start = max(free[rank], ready)
-                end = start + costs.duration(s, kind)
-                if red is not None:
-                    end = red.finish(rank, pos[rank], start, end)
-                done[(s, kind, mb)] = end
+                end = _place(rank, pos[rank], rank_acts, start, took, done, events, costs, red,
+                             _width(rank, pos[rank], pairs) == 2)
                 free[rank] = end
-                pos[rank] += 1
-                events.append(Event(rank, s, kind, mb, start, end))
+                pos[rank] += _width(rank, pos[rank], pairs)
                 progressed = True
         if not progressed:
             raise _deadlock(acts, lay, done, pos)
     return events
+
+
+def _width(rank: int, p: int, pairs: PairOverlap | None) -> int:
+    return 2 if pairs is not None and (rank, p) in pairs.at else 1
+
+
+def _next(rank: int, p: int, rank_acts: Sequence[sched.Action], done: dict[tuple[int, str, int], float],
+          costs: Costs, lay: sched.Layout, n: int, pairs: PairOverlap | None,
+          slow: float = 1.0) -> tuple[float, float] | None:
+    """(when the rank's next action, or overlapped pair, can start, its seconds), or None while an input is
+    missing."""
+    s, kind, mb = rank_acts[p]
+    ready = _ready(s, kind, mb, done, costs, lay, n)
+    if ready is None or _width(rank, p, pairs) == 1:
+        return None if ready is None else (ready, costs.duration(s, kind) * slow)
+    assert pairs is not None
+    s2, kind2, mb2 = rank_acts[p + 1]
+    ready2 = _ready(s2, kind2, mb2, done, costs, lay, n)
+    if ready2 is None:
+        return None
+    return max(ready, ready2), pairs.seconds(costs, s, s2, slow)
+
+
+def _place(rank: int, p: int, rank_acts: Sequence[sched.Action], start: float, took: float,
+           done: dict[tuple[int, str, int], float], events: list[Event], costs: Costs,
+           red: Reduction | None, paired: bool) -> float:
+    """The rank's action at ``p`` (or, ``paired``, it and the next: ``took`` covers both) run from ``start``: its
+    events, its end."""
+    s, kind, mb = rank_acts[p]
+    if not paired:
+        end = start + took
+        if red is not None:
+            end = red.finish(rank, p, start, end)
+        done[(s, kind, mb)] = end
+        events.append(Event(rank, s, kind, mb, start, end))
+        return end
+    s2, kind2, mb2 = rank_acts[p + 1]
+    f, b = costs.duration(s, kind), costs.duration(s2, kind2)
+    mid = start + took * f / (f + b) if f + b > 0 else start
+    end = start + took
+    if red is not None:
+        end = red.finish(rank, p + 1, mid, end)
+    # both outputs leave when the pair ends (torch's runtime sends them in the actions after it)
+    done[(s, kind, mb)] = done[(s2, kind2, mb2)] = end
+    events += [Event(rank, s, kind, mb, start, mid), Event(rank, s2, kind2, mb2, mid, end)]
+    return end
 
 
 def _deadlock(acts: sched.Order, lay: sched.Layout, done: Collection[tuple[int, str, int]],
@@ -147,7 +194,8 @@ def _deadlock(acts: sched.Order, lay: sched.Layout, done: Collection[tuple[int, 
 
 
 def play_on_cores(acts: sched.Order, lay: sched.Layout, costs: Costs, n: int, cores: int, slow: float = 1.0,
-                  red: Reduction | None = None, idle: Mapping[tuple[int, str], float] | None = None) -> list[Event]:
+                  red: Reduction | None = None, pairs: PairOverlap | None = None,
+                  idle: Mapping[tuple[int, str], float] | None = None) -> list[Event]:
     """Like ``play``, with at most ``cores`` actions running at once: the next action to start is always the
     one that can start earliest (list scheduling), on the core that frees first; every action takes ``slow``
     times as long (cores shared with other replicas' processes). A data-parallel all-reduce in a rank's last
@@ -163,30 +211,26 @@ def play_on_cores(acts: sched.Order, lay: sched.Layout, costs: Costs, n: int, co
     events: list[Event] = []
     total = sum(len(a) for a in acts)
     while len(events) < total:
-        best: tuple[float, int] | None = None
+        best: tuple[float, int, float] | None = None
         for rank, rank_acts in enumerate(acts):
             if pos[rank] >= len(rank_acts):
                 continue
-            s, kind, mb = rank_acts[pos[rank]]
-            ready = _ready(s, kind, mb, done, costs, lay, n)
-            if ready is not None and (best is None or max(free[rank], ready) < best[0]):
-                best = (max(free[rank], ready), rank)
+            step = _next(rank, pos[rank], rank_acts, done, costs, lay, n, pairs, slow)
+            if step is not None and (best is None or max(free[rank], step[0]) < best[0]):
+                best = (max(free[rank], step[0]), rank, step[1])
         if best is None:
             raise _deadlock(acts, lay, done, pos)
-        earliest, rank = best
+        earliest, rank, took = best
         core_at = heapq.heappop(core_free)
-        s, kind, mb = acts[rank][pos[rank]]
         start = max(earliest, core_at)
-        end = start + costs.duration(s, kind) * slow
-        if red is not None:
-            end = red.finish(rank, pos[rank], start, end)
+        width = _width(rank, pos[rank], pairs)
+        end = _place(rank, pos[rank], acts[rank], start, took, done, events, costs, red, width == 2)
         # Gloo's all-reduce on CPU is the cores' own work (copies through the loopback, the sums): it holds the core;
         # a wait for another process to join one does not (the process sleeps in gloo's receive).
-        heapq.heappush(core_free, max(start, end - (idle.get((s, kind), 0.0) if idle else 0.0)))
-        done[(s, kind, mb)] = end
+        asleep = sum(idle.get((a.stage, a.kind), 0.0) for a in acts[rank][pos[rank]:pos[rank] + width]) if idle else 0.0
+        heapq.heappush(core_free, max(start, end - asleep))
         free[rank] = end
-        pos[rank] += 1
-        events.append(Event(rank, s, kind, mb, start, end))
+        pos[rank] += _width(rank, pos[rank], pairs)
     return events
 
 

@@ -15,9 +15,8 @@ blocks when each block's routed experts are shared out over ``ep`` of a stage's 
   op (``cpu_cp_op_overhead`` per op), and where the processes outnumber the cores each ``A2A`` waits
   ``cpu_cp_exchange_wait`` more for the other processes to get a core;
 - memory: each rank holds 1/ep of the routed experts' weights (their gradients and optimizer state with them).
-  That is the layout torchtitan and Megatron run; ``pv.launch`` today still keeps every expert's weights on every
-  process (``Team.touch``), so a launched run measures more memory than priced, by ``(1 - 1/ep)`` of the experts'
-  weights, gradients and optimizer state. The gradient reduction is priced on the smaller bytes likewise.
+  That is the layout torchtitan and Megatron run, and ``pv.launch``'s (``pipeviz.runtime.expert_shards``: measured
+  equal, ``benchmarks/accuracy/ep_memory.py``). The gradient reduction is priced on the smaller bytes likewise.
 
 Example:
     >>> ex = ep_exchanges(plan, 4, pv.Mesh(pp=2, dp=2, ep=2), (1e9, 2e-4))
@@ -26,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -52,7 +52,7 @@ _FUSED = re.compile(r"^(?P<block>.+\.experts)$")  # transformers 5.x's fused exp
 class MoeStage:
     """One stage's routed experts, from the trace: ``blocks`` (the experts' modules, in graph order), per block
     ``row_bytes`` (the rows routed to its experts in one forward of the traced batch: tokens x top-k x hidden x
-    dtype), ``expert_flops`` (the routed experts' forward FLOPs; transformers' fused grouped matmul counts none)
+    dtype), ``expert_flops`` (the routed experts' forward FLOPs: their rows only, top-k of E per token)
     and ``expert_param_bytes`` (their weights)."""
 
     blocks: tuple[str, ...] = ()
@@ -78,6 +78,11 @@ def moe_stages(plan: SplitPlan) -> list[MoeStage]:
     input of its first op reading a weight (directly, or through an op of the weight alone: the transpose before
     transformers' grouped matmul): the largest such input not made of weights. Dropless routing computes every
     routed row, so the units' rows sum to tokens x top-k whatever the traced routing."""
+    return list(_moe_stages(plan))
+
+
+@functools.lru_cache(maxsize=64)  # (pv.plan_cluster prices one plan at many degrees: one walk of the ops each)
+def _moe_stages(plan: SplitPlan) -> tuple[MoeStage, ...]:
     ops = plan.graph.capture.ops
     param_bytes = plan.graph.capture.param_bytes
     weightish = {op.index for op in ops if op.params and not op.inputs}  # ops of parameters alone
@@ -99,8 +104,19 @@ def moe_stages(plan: SplitPlan) -> list[MoeStage]:
             continue
         seen_unit.add(unit)
         rows[s][block] += max((ops[i].out_bytes for i in op.inputs if i not in weightish), default=0)
-    return [MoeStage(tuple(r), tuple(r.values()), f, sum(param_bytes.get(p, 0) for p in ps))
-            for r, f, ps in zip(rows, flops, params, strict=True)]
+    return tuple(MoeStage(tuple(r), tuple(r.values()), f, sum(param_bytes.get(p, 0) for p in ps))
+                 for r, f, ps in zip(rows, flops, params, strict=True))
+
+
+@functools.lru_cache(maxsize=64)
+def _per_stage(plan: SplitPlan) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per stage, its ops and their forward FLOPs."""
+    ops, flops = [0] * plan.num_stages, [0] * plan.num_stages
+    for op in plan.graph.capture.ops:
+        s = plan._stage_of_op(op.index)
+        ops[s] += 1
+        flops[s] += op.flops
+    return tuple(ops), tuple(flops)
 
 
 @dataclass(frozen=True)
@@ -110,11 +126,13 @@ class EpExchanges(StageExchanges):
     ``count_seconds`` (the forward's count exchanges, untimed by the run: charged in the forward, no event),
     ``op_seconds`` (per stage, what a forward pays for running the graph op by op: on a CPU only) and
     ``imbalance_seconds`` (per stage, the busiest owner's extra expert compute in one forward; the backward pays
-    twice it)."""
+    twice it) and ``core_wait`` (of each ``A2A``, the seconds spent waiting for a core, not for the link: no other
+    work of the process can run in them, so ``ep_overlap`` cannot hide them)."""
 
     count_seconds: tuple[float, ...]
     op_seconds: tuple[float, ...] = ()
     imbalance_seconds: tuple[float, ...] = ()
+    core_wait: float = 0.0
 
 
 def a2a_seconds(nbytes: float, ep: int, via: tuple[float, float]) -> float:
@@ -128,18 +146,18 @@ def a2a_seconds(nbytes: float, ep: int, via: tuple[float, float]) -> float:
 
 
 def ep_exchanges(plan: SplitPlan, microbatches: float, mesh: Mesh, via: tuple[float, float], scale: float = 1.0,
-                 cpu: bool = False, oversubscribed: bool = False) -> EpExchanges:
+                 cpu: bool = False, oversubscribed: bool = False, delay: float = 0.0) -> EpExchanges:
     """The all-to-alls of a ``mesh.ep`` > 1 run of ``plan`` on link ``via``: per block of a stage, one microbatch of
     one replica routes ``row_bytes x scale / (microbatches x dp x cp)`` (``scale``: the dtype's and batch's, as
     ``CostOptions.byte_scale`` x ``batch_scale``); the dispatch and the combine move as many bytes each way. On a
     ``cpu`` a forward pays ``cpu_cp_op_overhead`` per op of its stage, and ``oversubscribed`` (more processes than
     cores) each ``A2A`` ``cpu_cp_exchange_wait`` more (the measured constants of context parallelism's shares, which
-    run a stage the same way: op by op, waiting at each exchange for the other processes)."""
-    wait = constant("cpu_cp_exchange_wait") if cpu and oversubscribed else 0.0
+    run a stage the same way: op by op, waiting at each exchange for the other processes). ``delay``: seconds more
+    per ``A2A`` (``LaunchConfig.ep_delay``: a slowed link)."""
+    core_wait = constant("cpu_cp_exchange_wait") if cpu and oversubscribed else 0.0
+    wait = core_wait + delay
     per_op = constant("cpu_cp_op_overhead") if cpu else 0.0
-    ops = [0] * plan.num_stages
-    for op in plan.graph.capture.ops:
-        ops[plan._stage_of_op(op.index)] += 1
+    ops, _ = _per_stage(plan)
     fwd, bwd, count = [], [], []
     for st in moe_stages(plan):
         each = [a2a_seconds(b * scale / (microbatches * mesh.dp * mesh.cp), mesh.ep, via) + wait
@@ -148,14 +166,14 @@ def ep_exchanges(plan: SplitPlan, microbatches: float, mesh: Mesh, via: tuple[fl
         fwd.append(pair)
         bwd.append(pair)
         count.append(len(each) * a2a_seconds(0.0, mesh.ep, via))
-    return EpExchanges(tuple(fwd), tuple(bwd), tuple(count), tuple(n * per_op for n in ops))
+    return EpExchanges(tuple(fwd), tuple(bwd), tuple(count), tuple(n * per_op for n in ops), core_wait=core_wait)
 
 
 def simulated_ep(plan: SplitPlan, microbatches: int, mesh: Mesh, via: tuple[float, float], scale: float,
-                 opts: CostOptions, cores: int | None) -> EpExchanges | None:
+                 opts: CostOptions, cores: int | None, delay: float = 0.0) -> EpExchanges | None:
     """What ``pv.simulate`` charges for expert parallelism's exchanges (None without it): ``ep_exchanges``, on a CPU
     (no hardware and a CPU device, or ``"cpu"``) with the op-by-op forward, and a wait per ``A2A`` where the
-    processes outnumber the ``cores``.
+    processes outnumber the ``cores``; ``delay`` more per ``A2A`` (``LaunchConfig.ep_delay``).
 
     Raises:
         ValueError: ``ep`` > 1 on a model without routed experts (as ``pv.launch`` refuses it, naming ep).
@@ -168,7 +186,7 @@ def simulated_ep(plan: SplitPlan, microbatches: int, mesh: Mesh, via: tuple[floa
                          "or a mixture-of-experts model.")
     hw = opts.hw
     cpu = hw.name == "cpu" if hw is not None else not str(opts.device).startswith("cuda")
-    return ep_exchanges(plan, microbatches, mesh, via, scale, cpu, cores is not None and mesh.world > cores)
+    return ep_exchanges(plan, microbatches, mesh, via, scale, cpu, cores is not None and mesh.world > cores, delay)
 
 
 def with_experts(costs: Costs, plan: SplitPlan, ex: EpExchanges, ep: int,
@@ -180,16 +198,18 @@ def with_experts(costs: Costs, plan: SplitPlan, ex: EpExchanges, ep: int,
     hold 1/ep of the routed experts' weights."""
     moe = moe_stages(plan)
     n = len(costs.forward)
-    stage_flops = [0] * n
-    for op in plan.graph.capture.ops:
-        stage_flops[plan._stage_of_op(op.index)] += op.flops
+    _, stage_flops = _per_stage(plan)
     share = [m.expert_flops / f if f else 0.0 for m, f in zip(moe, stage_flops, strict=True)]
     extra = tuple(max(0.0, imbalance - 1.0) * x * f for x, f in zip(share, costs.forward, strict=True))
     fwd_c, bwd_c = ex.seconds("F"), ex.seconds("B")
     coll = costs.collective or (0.0,) * n
     back = costs.collective_backward or coll
-    kept = tuple(max(0, p - round(m.expert_param_bytes * (1 - 1 / ep))) for p, m in zip(costs.param_bytes, moe,
-                                                                                           strict=True))
+    # (the experts' bytes as this process holds them: tensor parallelism has already cut its stage's parameters,
+    # which would otherwise lose more than the experts' whole bytes and price a 671B model in GBs)
+    held = [p / st.param_bytes if st.param_bytes else 1.0 for p, st in zip(costs.param_bytes, plan.stages,
+                                                                             strict=True)]
+    kept = tuple(max(0, p - round(m.expert_param_bytes * h * (1 - 1 / ep)))
+                 for p, m, h in zip(costs.param_bytes, moe, held, strict=True))
     ops = ex.op_seconds or (0.0,) * n
     priced = replace(
         costs,

@@ -44,8 +44,9 @@ from pipeviz.schedule.tensor_parallel import sharded_modules
 from pipeviz.schedule.timeline import Event, Timeline
 from pipeviz.sim.collectives import DP_REDUCE, Collectives, Reduction, cp_actions, replica_reduction, simulated_cp
 from pipeviz.sim.engine import check_order, contended, play, play_on_cores, runtime_actions
+from pipeviz.sim.ep_overlap import simulated_pairs
 from pipeviz.sim.experts import simulated_ep, with_experts
-from pipeviz.sim.tensor_parallel import simulated_tp
+from pipeviz.sim.tensor_parallel import idle_of, simulated_tp, with_dispatch
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -74,6 +75,8 @@ class SimulateOptions(CostChanges, total=False):
     cp: int
     tp: int
     ep: int
+    ep_overlap: bool
+    ep_delay: float
     dp_shard: bool
     tp_plan: Mapping[str, str] | None
     sequence_parallel: bool
@@ -166,8 +169,7 @@ def simulate(
       backward (or input-grad pass) pays the collectives that layout issues (``config.tp_plan`` or
       ``default_tp_plan``, with ``config.sequence_parallel``: ``pipeviz.cost.sharding.launch_collectives``:
       all-reduces, or reduce-scatters and all-gathers, of the projections' inputs and outputs, the vocabulary's
-      and the parallel loss's) on the critical path, each a ``"TP"`` event in its action; on a CPU with DTensor's
-      dispatch per op and each collective's wait for a core (``pipeviz.sim.tensor_parallel``). Needs a plan.
+      and the parallel loss's) on the critical path, each a ``"TP"`` event (on a CPU: ``pipeviz.sim.tensor_parallel``).
 
     Returns:
         A simulated ``Timeline`` (``ranks == "pipeline"``, ``mesh`` the run's); ``meta`` holds
@@ -326,15 +328,15 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
         costs = replace(costs, forward=tuple(f + o for f, o in zip(costs.forward, ex.op_seconds, strict=True)),
                         activation_bytes=tuple(a + k for a, k in zip(costs.activation_bytes, ex.saved_bytes,
                                                                      strict=True)))
-    if tp_ex is not None:  # (DTensor's dispatch, op by op: the process's own work, contended like its compute)
-        costs = replace(costs, forward=tuple(f + o for f, o in zip(costs.forward, tp_ex.op_forward, strict=True)),
-                        backward=tuple(b + o for b, o in zip(costs.backward, tp_ex.op_backward, strict=True)))
+    costs = with_dispatch(costs, tp_ex) if tp_ex is not None else costs  # (contended like the compute)
     if coll.tp_overlap and costs.collective:
         costs = overlapped(costs)
     ep_ex = None if plan is None else simulated_ep(plan, microbatches, mesh, links["ep"],
-                                                   opts.byte_scale(plan.graph) * opts.batch_scale, opts, cores)
+                                                   opts.byte_scale(plan.graph) * opts.batch_scale, opts, cores,
+                                                   float(cfg.ep_delay))
     if ep_ex is not None and plan is not None:  # (after tp's overlap: the experts wait for their rows)
         costs, ep_ex = with_experts(costs, plan, ep_ex, mesh.ep, opts.expert_imbalance)
+    acts, pairs = simulated_pairs(cfg, lay, acts, ep_ex, forward_only, k)  # ep_overlap's F/B pairs
     # (full recomputation: the backward's recomputed forward pays the forward's collectives again; Megatron-LM:
     # 4 all-reduces per block in a recomputing backward, 2 in a forward)
     extra_backward = [c * int(opts.recompute == "full") for c in costs.collective] if costs.collective else []
@@ -352,9 +354,9 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
         if holders > 1 and not forward_only:
             red = replica_reduction(plan, acts, lay, c, holders, links["dp"], coll, opts.dtype)
         if share >= lay.num_ranks:
-            return play(acts, lay, c, n, red), red
+            return play(acts, lay, c, n, red, pairs), red
         slots = math.ceil(share)
-        return play_on_cores(acts, lay, c, n, slots, slots / share, red, tp_ex.idle() if tp_ex else None), red
+        return play_on_cores(acts, lay, c, n, slots, slots / share, red, pairs, idle_of(tp_ex)), red
 
     if hw is not None and hw.contention > 1 and per_replica and cores != 1:
         # Replicas and shards compute the same actions at the same moments on the other cores: always contended.
@@ -376,8 +378,7 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
                                 costs.input_freed),
                             "cores": cores, "forward_only": forward_only, "mesh": (lay.num_ranks, dp, tp),
                             "config": cfg, "stage_costs": costs,  # what each action was priced at (pre-contention)
-                            "tp_layout": coll.tp_layout if tp > 1 else None,  # tp_wait: in each TP action
-                            "tp_wait": tp_ex.wait if tp_ex is not None else 0.0}
+                            "tp_layout": coll.tp_layout if tp > 1 else None, "tp_wait": tp_ex.wait if tp_ex else 0.0}
     if hw is not None:
         meta["hardware"], meta["dtype"], meta["recompute"] = hw.name, opts.dtype, opts.recompute
     if mesh.world > mesh.pp:

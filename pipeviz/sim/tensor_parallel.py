@@ -26,11 +26,12 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from pipeviz.cost.calibration import constant
 from pipeviz.cost.comm import all_reduce_time
+from pipeviz.cost.model import Costs
 from pipeviz.cost.sharding import launch_collectives
 from pipeviz.sim.exchanges import StageExchanges
 
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from pipeviz.plan.split import SplitPlan
     from pipeviz.schedule.mesh import Mesh
 
-__all__ = ["TpExchanges", "simulated_tp", "stage_ops", "tp_exchanges"]
+__all__ = ["TpExchanges", "idle_of", "simulated_tp", "stage_ops", "tp_exchanges", "with_dispatch"]
 
 
 @dataclass(frozen=True)
@@ -107,3 +108,15 @@ def simulated_tp(plan: SplitPlan, sharded: Mapping[str, str], microbatches: int,
     cpu = hw.name == "cpu" if hw is not None else not str(opts.device).startswith("cuda")
     return tp_exchanges(plan, sharded, microbatches, mesh, via, scale, sequence_parallel, cpu,
                         cores is not None and mesh.world > cores)
+
+
+def with_dispatch(costs: Costs, ex: TpExchanges) -> Costs:
+    """``costs`` (one shard's: ``parallel_costs``) with DTensor's dispatch added to each stage's forward and backward
+    (``ex.op_forward``, ``ex.op_backward``): the process's own work, beside its share of the compute."""
+    return replace(costs, forward=tuple(f + o for f, o in zip(costs.forward, ex.op_forward, strict=True)),
+                   backward=tuple(b + o for b, o in zip(costs.backward, ex.op_backward, strict=True)))
+
+
+def idle_of(ex: TpExchanges | None) -> dict[tuple[int, str], float] | None:
+    """``ex.idle()`` (what ``play_on_cores`` frees the core for), None without tensor parallelism."""
+    return None if ex is None else ex.idle()

@@ -163,6 +163,8 @@ class Loads(Protocol):
     microbatches: W.BoundedIntText
     dp: W.BoundedIntText
     tp: W.BoundedIntText
+    cp: W.BoundedIntText
+    ep: W.BoundedIntText
     config: LaunchConfig
     cluster: ClusterPanel | None
     loaded: LayoutOption | None
@@ -185,7 +187,7 @@ class Launches(Loads, Protocol):
 
 def load_layout(explorer: Loads, option: LayoutOption) -> None:
     """Load a cluster layout into the Explorer: its balanced plan and its ``LaunchConfig`` (schedule,
-    microbatches, stages per rank, dp, cp, tp, the replicas' reduction), and the hardware and recomputation its
+    microbatches, stages per rank, dp, cp, ep, tp, the replicas' reduction), and the hardware and recomputation its
     costs are on (the Explorer's cost controls). While those controls stay on the row's hardware and
     recomputation, the Explorer costs with the row's own ``CostOptions`` and ``Collectives``
     (``explorer.loaded``): it simulates the step the row lists."""
@@ -201,7 +203,9 @@ def load_layout(explorer: Loads, option: LayoutOption) -> None:
     explorer.recompute.value = option.recompute
     explorer.schedule.value = cfg.schedule
     explorer.microbatches.value = cfg.microbatches
+    # (dp before cp and ep: ep divides dp x cp, and each control's refusal is checked as it changes)
     explorer.dp.value, explorer.tp.value = cfg.dp, cfg.tp
+    explorer.cp.value, explorer.ep.value = cfg.cp, cfg.ep
     explorer.plan = option.plan
 
 
@@ -218,6 +222,7 @@ def launch_scaled(explorer: Launches, option: LayoutOption) -> object:
     explorer.config = explorer.config.replace(dp_reduce=cfg.dp_reduce, dp_shard=cfg.dp_shard,
                                               mixed_precision=cfg.mixed_precision)
     explorer.microbatches.value = cfg.microbatches
+    explorer.ep.value, explorer.cp.value = cfg.ep, cfg.cp  # (ep first: it must divide the dp x cp set next)
     explorer.dp.value, explorer.tp.value = cfg.dp, cfg.tp
     return explorer.launch()
 

@@ -108,7 +108,7 @@ class Controls:
                                                        "stage holds 1/cp of its tokens (pv.launch(..., cp=N))")
         self.ep = W.BoundedIntText(value=s.ep, min=1, max=1024, description="ep", layout=W.Layout(width="90px"),
                                    style=WIDE, tooltip="expert-parallel shares of every MoE block's routed experts, "
-                                                       "carved out of the dp replicas: each computes 1/ep of them "
+                                                       "carved out of the dp replicas: each holds 1/ep of them "
                                                        "(pv.launch(..., dp=D, ep=N))")
         self.ep.add_class("pipeviz-ep")
         self.sequence_parallel = W.Checkbox(

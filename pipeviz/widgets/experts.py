@@ -80,8 +80,8 @@ def expert_share_lines(plan: SplitPlan, mesh: Mesh) -> list[str]:
         held = ", ".join(f"{_span(r * c // ep, (r + 1) * c // ep)} of each block of {c}" for c in counts)
         lines.append(f"ep{r}: processes {', '.join(map(str, ranks))} (replica{'s' * (len(replicas) > 1)} "
                      f"{', '.join(map(str, replicas))} of each stage) compute {held}")
-    lines.append(f"each process computes 1/{ep} of the routed experts (their compute and activations) but still holds "
-                 "every expert's weights, gradients and optimizer state")
+    lines.append(f"each process holds 1/{ep} of the routed experts (their weights, gradients and optimizer state) and "
+                 "computes them; the router and shared experts are whole on every process")
     return lines
 
 

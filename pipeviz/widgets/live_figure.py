@@ -20,6 +20,23 @@ to initialize model" (a clean CI run of the browser test, 2026-12-03). A ``LiveF
 wait for plotly's, which one ``PlotlyBundle`` widget per kernel carries (``plotly_bundle()``; every ``LiveFigure``
 makes sure it exists, and the views that hold figures show it, hidden, beside them).
 
+And plotly.js is in no state a page restores. The ``PlotlyBundle`` sends it in the state it opens with (a page that
+sees it made loads it at once, even while the kernel then runs a long cell: "Run All" over a live timeline followed
+by ``run.wait()``; nbclient keeps that state in an executed notebook, so a static page with widget state has it),
+and never again as state: the state ipywidgets' control comm sends a reloaded page for every widget
+("request_states"), or one widget's on a frame's "request_state", leaves it out. The restore after a reload used to
+carry it, 5.1 MB of the 5.4 MB a fresh Explorer's 257 widgets restore (5.2 MB in the browser test), which overran
+the widget manager's fixed 4 s wait for that reply on a machine at load 5-8 ("Error displaying widget: model not
+found", issue 43: the browser test's last step, 1 run of 10). A page whose bundle came without it asks the kernel
+with a message (``{"event": "bundle?"}``), answered with plotly's module as one binary buffer
+(``{"event": "bundle"}``, 4.96 MB): the restore is 0.28 MB (0.45-0.48 MB at the end of the browser test), and
+plotly.js follows in its own message, which no fixed wait times (2026-12-06, 2 cores at load 7-16: the browser test
+passed 10 runs of 10). Every bundle model on a page loads the first answer (the kernel's answer reaches each page
+and frame showing its widgets; one already loaded ignores it). The figures wait for it in ``render`` as before; a
+kernel busy with a cell answers when the cell ends, so a page reloaded meanwhile draws its figures then.
+(ipywidgets' ``embed_minimal_html`` reads the states as a restore does: an HTML file it writes has no plotly.js for
+the figures; nbconvert's pages of an executed notebook have it, from the opening state.)
+
 And every click reaches Python. plotly's widget sends hovers, unhovers and clicks through one synced trait
 (``_js2py_pointsCallback``), and ipywidgets lets one state message per widget wait on the kernel at a time: what the
 page sets meanwhile is buffered and merged per trait, the latest value winning. A click made while the figure's
@@ -27,15 +44,16 @@ previous message (its hover over that very marker, or the deltas it sends once d
 that buffer, and the unhover of the mouse leaving the marker replaced it: the kernel never saw the click (issue 43:
 the first click after the Explorer rendered, lost in 2 runs of 4 with both cores busy; 0 of 5 when the mouse stayed
 on the marker). A ``LiveFigure``'s page module sends each click as its own message instead (``model.send``: never
-buffered, merged or dropped; the kernel handles it in turn, however busy), and the trait's copy of a click is ignored.
-The module marks the chart ``data-pipeviz-clicks="live"`` once its click listener is attached: a click from then on
-reaches Python.
+buffered, merged or dropped; the kernel handles it in turn, however busy), and the trait's copy of a click is
+ignored. The module marks the chart ``data-pipeviz-clicks="live"`` once its click listener is attached: a click from
+then on reaches Python.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from copy import deepcopy
+from functools import cache
 from pathlib import Path
 
 import anywidget
@@ -43,7 +61,7 @@ import ipywidgets as W
 import plotly
 import plotly.graph_objects as go
 from plotly.basewidget import BaseFigureWidget
-from traitlets import Unicode, observe
+from traitlets import observe
 
 __all__ = ["LiveFigure", "PlotlyBundle", "plotly_bundle"]
 
@@ -112,18 +130,29 @@ export default () => {
   };
 };
 """
-# The PlotlyBundle's module: compiles plotly's widget module (its ``bundle``) once per page and hands it to the
-# figures' slot.
+# The PlotlyBundle's module: compiles plotly's widget module once per page and hands it to the figures' slot. The
+# module comes in the state the kernel opened the widget with (``bundle``: a page that saw the widget made, or a
+# notebook's saved state); a page that restores the widget later (a reload, a frame of its own) gets a state without
+# it and asks the kernel for it with a message, answered with the module as a binary buffer (see the module
+# docstring). Every bundle on the page listens: the answer goes to each page showing the kernel's widgets.
 _BUNDLE_ESM = _SLOT + """
+const load = (s, source) => {
+  s.started = true;
+  const url = URL.createObjectURL(new Blob([source], { type: "text/javascript" }));
+  import(/* webpackIgnore: true */ url).then(
+    mod => { URL.revokeObjectURL(url); s.resolve(mod); },
+    err => { URL.revokeObjectURL(url); s.reject(err); });
+};
 export default {
   initialize({ model }) {
     const s = slot();
+    model.on("msg:custom", (msg, buffers) => {
+      if (!s.started && msg && msg.event === "bundle" && buffers && buffers.length) load(s, buffers[0]);
+    });
     if (s.started) return;
-    s.started = true;
-    const url = URL.createObjectURL(new Blob([model.get("bundle")], { type: "text/javascript" }));
-    import(/* webpackIgnore: true */ url).then(
-      mod => { URL.revokeObjectURL(url); s.resolve(mod); },
-      err => { URL.revokeObjectURL(url); s.started = false; s.reject(err); });
+    const source = model.get("bundle");
+    if (source) load(s, source);
+    else model.send({ event: "bundle?" });
   },
   render() {},
 };
@@ -131,25 +160,51 @@ export default {
 
 
 class PlotlyBundle(anywidget.AnyWidget):
-    """An invisible widget whose state carries plotly's widget module (``bundle``) for the page's ``LiveFigure``s."""
+    """An invisible widget that brings plotly's widget module to the page for its ``LiveFigure``s: in the state it
+    is opened with (``bundle``), and to a page that restores it later as the answer to the page's message; never in
+    the state a page restores (see the module docstring)."""
 
     _esm = _BUNDLE_ESM
-    bundle = Unicode("").tag(sync=True)
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.on_msg(self._on_page_msg)
+
+    def open(self) -> None:
+        """Open the comm, with plotly's module in the opening state (a page showing the widget as it is made
+        loads it at once, even while the kernel then runs a long cell; nbclient keeps it in a notebook's state)."""
+        self._opening = self.comm is None
+        try:
+            super().open()
+        finally:
+            self._opening = False
+
+    def get_state(self, key: object = None, drop_defaults: bool = False) -> dict[str, object]:
+        """The synced state: plotly's module only in the opening state, never in what a page restores."""
+        state: dict[str, object] = super().get_state(key=key, drop_defaults=drop_defaults)
+        if key is None and getattr(self, "_opening", False):
+            state["bundle"] = _bundle_bytes().decode("utf-8")
+        return state
+
+    def _on_page_msg(self, _widget: object, content: object, _buffers: Sequence[bytes]) -> None:
+        """A page restored the widget without plotly's module and asks for it: sent as one binary buffer."""
+        if isinstance(content, Mapping) and content.get("event") == "bundle?":
+            self.send({"event": "bundle"}, buffers=[_bundle_bytes()])
 
 
 _carrier: PlotlyBundle | None = None
 
 
 def plotly_bundle() -> PlotlyBundle | None:
-    """The kernel's one ``PlotlyBundle``: an invisible widget whose state carries plotly's widget module for every
-    ``LiveFigure`` on the page (made on first use, again after it was closed). A view that holds figures shows it
+    """The kernel's one ``PlotlyBundle``: an invisible widget that brings plotly's widget module to the page for
+    every ``LiveFigure`` (made on first use, again after it was closed). A view that holds figures shows it
     hidden beside them, so that a front end that keeps each output apart (Colab's frames) has it there too.
     ``None`` before plotly 6, whose figures need none."""
     global _carrier
     if _BUNDLE is None:
         return None
     if _carrier is None or _carrier.comm is None:
-        _carrier = PlotlyBundle(bundle=_bundle_text(_BUNDLE), layout=W.Layout(display="none"))
+        _carrier = PlotlyBundle(layout=W.Layout(display="none"))
     return _carrier
 
 
@@ -160,8 +215,11 @@ def _swap(target: go.FigureWidget, figure: go.Figure) -> None:
         target.layout = figure.layout
 
 
-def _bundle_text(bundle: object) -> str:
-    return bundle.read_text(encoding="utf-8") if isinstance(bundle, Path) else str(bundle)
+@cache
+def _bundle_bytes() -> bytes:
+    """plotly's widget module (plotly.js and its widget code), as UTF-8."""
+    bundle = _BUNDLE
+    return bundle.read_bytes() if isinstance(bundle, Path) else str(bundle).encode("utf-8")
 
 
 class LiveFigure(go.FigureWidget):
