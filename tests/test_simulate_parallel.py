@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import pipeviz as pv
+from pipeviz.cost.calibration import constant
 from pipeviz.cost.sharding import tp_shares
 from pipeviz.costs import (
     DDP_BUCKET_BYTES,
@@ -23,6 +24,7 @@ from pipeviz.costs import (
 from pipeviz.schedule import traits as sched
 from pipeviz.schedule.tensor_parallel import default_tp_plan
 from pipeviz.sim.simulate import Collectives, Costs
+from pipeviz.sim.tensor_parallel import stage_ops
 
 BW, LAT = 1e9, 1e-4  # the link in these tests: 1 GB/s, 0.1 ms per ring step
 
@@ -144,9 +146,19 @@ def test_tp_divides_compute_and_adds_collectives(classic_graph: pv.ModelGraph) -
     # its output, a transformer block's hidden states).
     forward = [_ring(layer["layer1"].out_bytes / m, tp), _ring(layer["output_proj"].out_bytes / m, tp)]
     backward = [_ring(layer["layer0"].out_bytes / m, tp), _ring(layer["layer2"].out_bytes / m, tp)]
+    # On this CPU each shard also runs its stage's ops through DTensor's dispatch (pipeviz.sim.tensor_parallel)
+    ops = stage_ops(plan)
+    f_ops = [n * constant("cpu_tp_op_overhead") for n in ops]
+    b_ops = [n * constant("cpu_tp_backward_op_overhead") for n in ops]
     for e in tl.events:
-        work = base.forward[e.stage] if e.kind == "F" else base.backward[e.stage]
-        assert e.duration == pytest.approx(work / tp + (forward if e.kind == "F" else backward)[e.stage])
+        if e.kind not in ("F", "B"):
+            continue
+        work = base.forward[e.stage] / tp + f_ops[e.stage] if e.kind == "F" else (
+            base.backward[e.stage] / tp + b_ops[e.stage])
+        assert e.duration == pytest.approx(work + (forward if e.kind == "F" else backward)[e.stage])
+    # each collective a TP action inside its forward or backward: one each way per stage and microbatch here
+    assert sorted(e.duration for e in tl.events if e.kind == "TP") == pytest.approx(sorted(
+        m * [*forward, *backward]))
     assert tl.meta["mesh"] == (2, 1, tp) and tl.meta["processes"] == ["pp0 tp0", "pp1 tp0"]
     # Memory per rank: what one shard keeps of the parameters (and their gradients and optimizer state) and of the
     # activations under the layout (tp_shares: the sharded weights and the sliced activations / tp, the rest
@@ -161,10 +173,10 @@ def test_tp_divides_compute_and_adds_collectives(classic_graph: pv.ModelGraph) -
     zb = pv.simulate(plan, "InterleavedZeroBubble", m, stages_per_rank=1, tp=tp, bandwidth=BW, latency=LAT)
     for e in zb.events:
         if e.kind == "W":
-            assert e.duration == pytest.approx(base.backward[e.stage] * base.weight_fraction / tp)
+            assert e.duration == pytest.approx((base.backward[e.stage] / tp + b_ops[e.stage]) * base.weight_fraction)
         elif e.kind == "I":
             assert e.duration == pytest.approx(
-                base.backward[e.stage] * (1 - base.weight_fraction) / tp + backward[e.stage])
+                (base.backward[e.stage] / tp + b_ops[e.stage]) * (1 - base.weight_fraction) + backward[e.stage])
 
 
 def test_dp_and_tp_compose(classic_graph: pv.ModelGraph) -> None:
@@ -308,10 +320,12 @@ def test_tp_overlap_and_scattered_hand_offs(classic_graph: pv.ModelGraph) -> Non
     plain = pv.simulate(plan, "1F1B", m, tp=tp, bandwidth=BW, latency=LAT)
     hidden = pv.simulate(plan, "1F1B", m, tp=tp, bandwidth=BW, latency=LAT, collectives=Collectives(tp_overlap=True))
     base = stage_costs(plan, m, bandwidth=BW, latency=LAT)
-    coll = [(p.duration - base.forward[p.stage] / tp) for p in plain.events if p.kind == "F" and p.mb == 0]
+    # a shard's forward on this CPU: its half of the compute and its ops dispatched through DTensor
+    shard = [f / tp + n * constant("cpu_tp_op_overhead") for f, n in zip(base.forward, stage_ops(plan), strict=True)]
+    coll = [(p.duration - shard[p.stage]) for p in plain.events if p.kind == "F" and p.mb == 0]
     for e in (e for e in hidden.events if e.kind == "F"):
-        exposed = max(0.0, coll[e.stage] - base.forward[e.stage] / tp)
-        assert e.duration == pytest.approx(base.forward[e.stage] / tp + exposed)
+        exposed = max(0.0, coll[e.stage] - shard[e.stage])
+        assert e.duration == pytest.approx(shard[e.stage] + exposed)
     assert hidden.step_time < plain.step_time
     # Two pipeline ranks of 8 shards each sit in two nodes: scattered, each shard sends 1/8 on its own NIC and
     # the receiver gathers over NVLink: cheaper for a large activation, dearer (a second latency) for a tiny one.

@@ -91,6 +91,12 @@ def _collectives_match_the_model(run: pv.Run, kind: str, sequence_parallel: bool
         received = [seen[(rank, step)] - 4 * per_stage[stage] - norms * sequence_parallel for step in range(2)]
         allowed = (0,) if stage == 0 or kind == "gpt2" else (0, 4, 8)  # 4 microbatches x 0, 1 or 2 tensors
         assert received[0] == received[1] in allowed, (rank, seen, per_stage)
+    # pv.simulate prices the same collectives, each a TP action of its pipeline rank (pipeviz.sim.tensor_parallel):
+    # as many per process and step as the run issued, less the unmodelled ones above
+    here = pv.simulate(plan, run.spec.config, cores=2)
+    priced = Counter(e.rank for e in here.events if e.kind == "TP")
+    lay = run.layout
+    assert {r: priced[r] for r in lay.ranks} == {r: 4 * sum(per_stage[s] for s in lay.stages_of(r)) for r in lay.ranks}
 
 
 def test_the_default_layout_is_megatrons() -> None:

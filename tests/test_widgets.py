@@ -731,7 +731,9 @@ def test_a_tp_runs_notes_name_the_measured_factor_and_its_cause(classic_graph: p
                           mesh=SimpleNamespace(world=4), spec=SimpleNamespace(tp=2))
     notes = text(panels.run_notes_html(run, fast, None, 2, 0.0))  # type: ignore[arg-type]
     factor = slow.step_time / fast.step_time
-    assert f"measured is {factor:.1f}× the simulated step: with tp 2 every sharded layer ends in an all-reduce" in notes
+    assert (f"measured is {factor:.1f}× the simulated step, which gives each process a core and each collective its "
+            "link time only: Simulate as run here prices the shared cores and each TP all-reduce's wait") in notes
     assert "4 processes share 2 CPU cores" in notes
+    assert "DTensors" not in notes  # the H100's simulation prices no CPU dispatch (tests/test_tp_pricing.py does)
     run.spec.tp = 1  # pp only: no tp factor named
     assert "all-reduce" not in text(panels.run_notes_html(run, fast, None, 2, 0.0))  # type: ignore[arg-type]

@@ -97,7 +97,9 @@ for name, options in cases.items():
 #   more. (At a fixed global batch, more replicas also mean fewer microbatches per pipeline, or smaller ones, and a
 #   bigger bubble.) On a slow DP link the all-reduce dominates.
 # - **TP** halves each rank's memory, but on this small model and these links its all-reduces cost more than the
-#   halved compute saves: TP pays off for large layers on fast links (NVLink inside a node), not here.
+#   halved compute saves, and on a CPU so does DTensor's dispatch of every op of a shard's stage (priced from a
+#   measurement: `pipeviz.sim.tensor_parallel`): TP pays off for large layers on fast links (NVLink inside a node),
+#   not here.
 
 # %%
 base, dp2 = sims["pp=2"], sims["pp=2 dp=2"]

@@ -10,9 +10,17 @@ measurement, in ``pipeviz/cost/calibration.json`` (what ``pipeviz.cost.calibrati
   op by op, ``pipeviz.adapter.context_graph``): a small GPT-2 stage's forward on one share (cp 2) over half its
   plain forward, per op, in one process;
 - ``cp_wait``: an exchange's wait beyond its link time when the processes outnumber the cores (pp 2 x cp 2, four
-  processes): the median ``CP`` action of a small GPT-2's run less the link's all-gather or all-reduce time.
+  processes): the median ``CP`` action of a small GPT-2's run less the link's all-gather or all-reduce time;
+- ``tp_op``: what a tensor-parallel shard's forward and backward add per op of its stage (the stage graph run on
+  DTensors, ``pipeviz.adapter.dtensor_graph``: DTensor's dispatch and sharding propagation per op): the Explorer's
+  tiny GPT-2's first stage sharded over a one-process mesh (every op dispatched as in a run, no collective issued)
+  less the plain stage, per op, forward and backward apart (``tp_op_backward``, recorded by the same run);
+- ``tp_wait``: a tensor-parallel collective's wait beyond its link time when the processes outnumber the cores
+  (pp 2 x tp 2, four processes): the median ``TP`` action of the Explorer's tiny GPT-2 less the median link time
+  of the collectives the launch's layout issues.
 
-    python benchmarks/calibration/cpu_constants.py [--only action_overhead,gloo,contention,cp_op,cp_wait] [--write]
+    python benchmarks/calibration/cpu_constants.py [--only action_overhead,gloo,contention,cp_op,cp_wait,tp_op,tp_wait]
+        [--write]
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,7 +47,9 @@ import torch.multiprocessing as mp
 from pipeviz.cost.calibration import PATH, entries
 
 NAMES = {"action_overhead": "cpu_action_overhead", "gloo": "gloo_allreduce_efficiency",
-         "contention": "cpu_contention", "cp_op": "cpu_cp_op_overhead", "cp_wait": "cpu_cp_exchange_wait"}
+         "contention": "cpu_contention", "cp_op": "cpu_cp_op_overhead", "cp_wait": "cpu_cp_exchange_wait",
+         "tp_op": "cpu_tp_op_overhead", "tp_op_backward": "cpu_tp_backward_op_overhead",
+         "tp_wait": "cpu_tp_collective_wait"}
 
 
 def action_overhead(runs: int = 3) -> tuple[float, str]:
@@ -188,22 +199,130 @@ def cp_wait() -> tuple[float, str]:
                    f"{statistics.quantiles(cps, n=4)[2] * 1e3:.2f} ms) less the link's {link * 1e6:.0f} us")
 
 
+def _explorer_gpt2() -> tuple[object, torch.Tensor]:
+    """The tiny GPT-2 of the README and docs/explorer.md (4 layers, width 128, vocabulary 512, 16 x 32 tokens)
+    balanced into 2 stages, as the Explorer's users launch it."""
+    import pipeviz as pv
+    from pipeviz.zoo import gpt2
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 512, (16, 32))
+    return pv.balance(pv.trace(gpt2(4, 128, 4, 512), example_args=(ids,)), 2), ids
+
+
+def _stage_call(graph: object, inputs: list[torch.Tensor]) -> tuple[float, float]:
+    """One forward and one backward (of its output's sum) of a stage graph: their seconds."""
+    start = time.perf_counter()
+    out = graph(*inputs)  # type: ignore[operator]
+    mid = time.perf_counter()
+    outs = [o for o in (out if isinstance(out, tuple | list) else (out,)) if getattr(o, "requires_grad", False)]
+    total = sum((o.full_tensor() if hasattr(o, "full_tensor") else o).sum() for o in outs)
+    back = time.perf_counter()
+    total.backward()  # type: ignore[union-attr]
+    return mid - start, time.perf_counter() - back
+
+
+def _paired_difference(plain: object, sharded: object, inputs: list[torch.Tensor],
+                       n: int = 60) -> tuple[float, float]:
+    """Median over ``n`` pairs (after 5 warm-ups) of the sharded stage's forward and backward less the plain one's
+    run just before it: a busy machine's slow seconds land on both of a pair."""
+    fwd, bwd = [], []
+    for i in range(n + 5):
+        (pf, pb), (sf, sb) = _stage_call(plain, inputs), _stage_call(sharded, inputs)
+        if i >= 5:
+            fwd.append(sf - pf)
+            bwd.append(sb - pb)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def tp_op(repeats: int = 3) -> tuple[tuple[float, float], str]:
+    """Per op of the stage (``pv.simulate`` counts the traced ops a stage holds), what running the Explorer's tiny
+    GPT-2's first stage on DTensors adds to its forward and to its backward, one thread: the stage sharded as
+    ``pv.launch(..., tp=2)`` shards it but over a one-process mesh (each op dispatched, its sharding propagated, no
+    collective issued and the whole compute kept) less the plain stage run just before it (the median of 60 such
+    pairs, three times), microbatch 4 x 32 tokens."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeviz.runtime.settings import tensor_parallel_placements
+    from pipeviz.runtime.stages import build_stages, rank_stages
+    from pipeviz.schedule.tensor_parallel import shard_stage
+
+    torch.set_num_threads(1)
+    plan, ids = _explorer_gpt2()
+    place = tensor_parallel_placements(plan, 2, None)  # type: ignore[arg-type]
+    st = rank_stages(build_stages(plan, 4), (0, 1), 0)[0]  # type: ignore[arg-type]
+    ops = sum(1 for op in plan.graph.capture.ops if plan._stage_of_op(op.index) == 0)  # type: ignore[attr-defined]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        plain, sharded = copy.deepcopy(st.runner.stage), copy.deepcopy(st.runner.stage)
+        shard_stage(sharded, st.params, place, init_device_mesh("cpu", (1,)))
+        fwd, bwd = [], []
+        for _ in range(repeats):
+            df, db = _paired_difference(plain, sharded, [ids[:4]])
+            fwd.append(df / ops)
+            bwd.append(db / ops)
+    finally:
+        dist.destroy_process_group()
+    value = (statistics.median(fwd), statistics.median(bwd))
+    return value, (f"the sharded stage (one-process mesh) less the plain one run just before it, median of 60 "
+                   f"pairs, per op ({ops} traced ops of the "
+                   f"Explorer's tiny GPT-2's first stage, microbatch 4 x 32, one thread), load "
+                   f"{os.getloadavg()[0]:.1f}: forward {', '.join(f'{p * 1e6:.0f}' for p in fwd)} us, backward "
+                   f"{', '.join(f'{p * 1e6:.0f}' for p in bwd)} us")
+
+
+def tp_wait() -> tuple[float, str]:
+    """The median ``TP`` action of a pp 2 x tp 2 run (4 processes) of the Explorer's tiny GPT-2, 1F1B, 4
+    microbatches, steps 1-3, less the median gloo link time of the collectives the launch's layout issues."""
+    import pipeviz as pv
+    from pipeviz.cost.comm import all_reduce_time, backend_link
+    from pipeviz.cost.sharding import launch_collectives
+    from pipeviz.schedule.tensor_parallel import sharded_modules
+
+    plan, ids = _explorer_gpt2()
+    run = pv.launch(plan, "1F1B", 4, steps=4, inputs=(ids,), target=ids, loss_fn=pv.cross_entropy, tp=2)
+    assert run.wait(600) == "done", run.error
+    tps = [e.duration for e in run.events if e.kind == "TP" and e.step > 0]
+    colls = [c for cs in launch_collectives(plan, sharded_modules(plan, None, 2)) for c in cs]  # type: ignore[arg-type]
+    link = statistics.median(all_reduce_time(c.nbytes / 4, 2, backend_link("cpu")) * (
+        1 if c.kind == "all_reduce" else 0.5) for c in colls)
+    value = max(0.0, statistics.median(tps) - link)
+    q = statistics.quantiles(tps, n=4)
+    cores = len(os.sched_getaffinity(0))
+    return value, (f"4 processes on {cores} cores, load {os.getloadavg()[0]:.1f}: median TP action "
+                   f"{statistics.median(tps) * 1e3:.2f} ms ({len(tps)} actions, IQR {q[0] * 1e3:.2f}-"
+                   f"{q[2] * 1e3:.2f} ms) less the link's {link * 1e6:.0f} us")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default=",".join(NAMES), help=f"comma-separated among {', '.join(NAMES)}")
+    measured = [n for n in NAMES if n != "tp_op_backward"]  # (tp_op records it)
+    ap.add_argument("--only", default=",".join(measured), help=f"comma-separated among {', '.join(measured)}")
     ap.add_argument("--write", action="store_true", help="record the values in pipeviz/cost/calibration.json")
     a = ap.parse_args()
     warnings.filterwarnings("ignore")
     table = dict(entries())
     machine = f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores"
     for name in a.only.split(","):
-        value, how = {"action_overhead": action_overhead, "gloo": gloo, "contention": contention, "cp_op": cp_op,
-                      "cp_wait": cp_wait}[name]()
-        key = NAMES[name]
-        old = table[key]["value"] if key in table else float("nan")
-        print(f"{key}: {value:.4g} (recorded {old:.4g}): {how}")
-        table[key] = {**table[key], "value": round(value, 4 if value > 0.01 else 6),
-                      "measured": f"{datetime.date.today()}, {machine}: {how}"}
+        measure: dict[str, Callable[[], tuple[float | tuple[float, float], str]]] = {
+            "action_overhead": action_overhead, "gloo": gloo, "contention": contention, "cp_op": cp_op,
+            "cp_wait": cp_wait, "tp_op": tp_op, "tp_wait": tp_wait}
+        found, how = measure[name]()
+        # tp_op measures two constants in one run: the forward's per op, and the backward's
+        values = dict(zip(("tp_op", "tp_op_backward"), found, strict=True)) if isinstance(found, tuple) else {
+            name: found}
+        for part, value in values.items():
+            key = NAMES[part]
+            old = table[key]["value"] if key in table else float("nan")
+            print(f"{key}: {value:.4g} (recorded {old:.4g}): {how}")
+            table[key] = {**table[key], "value": round(value, 4 if value > 0.01 else 6),
+                          "measured": f"{datetime.date.today()}, {machine}: {how}"}
     if a.write:
         PATH.write_text(json.dumps(table, indent=2) + "\n")
         print(f"written: {PATH}")

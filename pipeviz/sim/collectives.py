@@ -24,7 +24,6 @@ from pipeviz.schedule import traits as sched
 from pipeviz.schedule.mesh import Mesh
 from pipeviz.schedule.timeline import Event
 from pipeviz.sim.exchanges import StageExchanges
-from pipeviz.sim.experts import EpExchanges
 
 if TYPE_CHECKING:
     from pipeviz.cost.options import CostOptions
@@ -314,8 +313,9 @@ def simulated_cp(plan: SplitPlan, microbatches: int, mesh: Mesh, via: tuple[floa
     return cp_exchanges(plan, microbatches, mesh, via, scale, cpu, cores is not None and mesh.world > cores)
 
 
-def cp_actions(events: Sequence[Event], ex: CpExchanges | EpExchanges, kind: str = "CP") -> list[Event]:
-    """A ``CP`` event (``kind``: ``"A2A"`` for expert parallelism's ``EpExchanges``) for each exchange of every
+def cp_actions(events: Sequence[Event], ex: StageExchanges, kind: str = "CP") -> list[Event]:
+    """A ``CP`` event (``kind``: ``"A2A"`` for expert parallelism's ``EpExchanges``, ``"TP"`` for tensor
+    parallelism's ``TpExchanges``) for each exchange of every
     simulated compute action, inside it, as the run times them: the action's exchanges spread over its span with
     its compute between them (where in the action an attention or a MoE block falls is not modelled; their count
     and seconds are what the run issues)."""

@@ -5,7 +5,7 @@ arrived (``play``), optionally on fewer cores than ranks (``play_on_cores``) or 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import TypeVar
 
@@ -194,11 +194,14 @@ def _deadlock(acts: sched.Order, lay: sched.Layout, done: Collection[tuple[int, 
 
 
 def play_on_cores(acts: sched.Order, lay: sched.Layout, costs: Costs, n: int, cores: int, slow: float = 1.0,
-                  red: Reduction | None = None, pairs: PairOverlap | None = None) -> list[Event]:
+                  red: Reduction | None = None, pairs: PairOverlap | None = None,
+                  idle: Mapping[tuple[int, str], float] | None = None) -> list[Event]:
     """Like ``play``, with at most ``cores`` actions running at once: the next action to start is always the
     one that can start earliest (list scheduling), on the core that frees first; every action takes ``slow``
     times as long (cores shared with other replicas' processes). A data-parallel all-reduce in a rank's last
-    backward holds that rank's core: on CPU, gloo's copies and sums are the cores' own work."""
+    backward holds that rank's core: on CPU, gloo's copies and sums are the cores' own work. ``idle``: per
+    ``(stage, kind)`` the seconds of such an action its process sleeps off its core, waiting for another process
+    (a tensor-parallel collective's wait for the other shard): the core frees that much before the action ends."""
     import heapq
 
     done: dict[tuple[int, str, int], float] = {}
@@ -220,10 +223,12 @@ def play_on_cores(acts: sched.Order, lay: sched.Layout, costs: Costs, n: int, co
         earliest, rank, took = best
         core_at = heapq.heappop(core_free)
         start = max(earliest, core_at)
-        end = _place(rank, pos[rank], acts[rank], start, took, done, events, costs, red,
-                     _width(rank, pos[rank], pairs) == 2)
-        # Gloo's all-reduce on CPU is the cores' own work (copies through the loopback, the sums): it holds the core.
-        heapq.heappush(core_free, end)
+        width = _width(rank, pos[rank], pairs)
+        end = _place(rank, pos[rank], acts[rank], start, took, done, events, costs, red, width == 2)
+        # Gloo's all-reduce on CPU is the cores' own work (copies through the loopback, the sums): it holds the core;
+        # a wait for another process to join one does not (the process sleeps in gloo's receive).
+        asleep = sum(idle.get((a.stage, a.kind), 0.0) for a in acts[rank][pos[rank]:pos[rank] + width]) if idle else 0.0
+        heapq.heappush(core_free, max(start, end - asleep))
         free[rank] = end
         pos[rank] += _width(rank, pos[rank], pairs)
     return events

@@ -35,7 +35,7 @@ from pipeviz.cost.comm import tp_collectives
 from pipeviz.cost.memory import activation_curve, memory_per_rank, peak_activations
 from pipeviz.cost.model import Costs, overlapped, parallel_costs, stage_costs
 from pipeviz.cost.options import CostChanges, CostOptions
-from pipeviz.cost.sharding import launch_tp_seconds, tp_shares
+from pipeviz.cost.sharding import tp_shares
 from pipeviz.plan.split import SplitPlan
 from pipeviz.schedule import traits as sched
 from pipeviz.schedule.config import LaunchConfig, dp_reduce_mode, launch_config
@@ -46,6 +46,7 @@ from pipeviz.sim.collectives import DP_REDUCE, Collectives, Reduction, cp_action
 from pipeviz.sim.engine import check_order, contended, play, play_on_cores, runtime_actions
 from pipeviz.sim.ep_overlap import simulated_pairs
 from pipeviz.sim.experts import simulated_ep, with_experts
+from pipeviz.sim.tensor_parallel import idle_of, simulated_tp, with_dispatch
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -137,9 +138,9 @@ def simulate(
         cores: simulate the run on this many CPU cores ("as run here" on a machine with fewer cores than
             processes): at most ``cores`` actions compute at once. With replicas or shards all processes share
             them: replica 0's pipeline gets ``cores / (dp x cp x tp)`` (a fraction spread as slower cores), and an
-            all-reduce holds its core. Not modelled, measured by ``benchmarks/accuracy/simulator_accuracy.py``:
-            time-slicing's own cost, the cores the scheduler leaves idle and the work between steps: such runs
-            measured 12-24 % longer than simulated.
+            all-reduce holds its core, a tp collective's wait for the other shard does not. Not modelled, measured
+            by ``benchmarks/accuracy/simulator_accuracy.py``: time-slicing's own cost, the cores the scheduler leaves
+            idle and the work between steps: such runs measured 12-24 % longer than simulated.
         optimizer_states (a ``CostOptions`` field, as a keyword too): tensors of optimizer state per parameter for
             the memory figure (default Adam's 2).
         dp_bandwidth, tp_bandwidth, cp_bandwidth, ep_bandwidth: bytes/s of the replicas', shards', sequence
@@ -168,7 +169,7 @@ def simulate(
       backward (or input-grad pass) pays the collectives that layout issues (``config.tp_plan`` or
       ``default_tp_plan``, with ``config.sequence_parallel``: ``pipeviz.cost.sharding.launch_collectives``:
       all-reduces, or reduce-scatters and all-gathers, of the projections' inputs and outputs, the vocabulary's
-      and the parallel loss's) on the critical path. Needs a plan for the collectives.
+      and the parallel loss's) on the critical path, each a ``"TP"`` event (on a CPU: ``pipeviz.sim.tensor_parallel``).
 
     Returns:
         A simulated ``Timeline`` (``ranks == "pipeline"``, ``mesh`` the run's); ``meta`` holds
@@ -304,15 +305,16 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
     if cores is not None and (not isinstance(cores, int) or isinstance(cores, bool) or cores < 1):
         raise ValueError(f"cores must be a positive int or None, got {cores!r}.")
     links = _links(mesh, opts, x)
-    collective, collective_back, shares, ex = None, None, None, None
+    collective, collective_back, shares, ex, tp_ex = None, None, None, None, None
     if (tp > 1 or cp > 1) and plan is not None:
         scale = opts.byte_scale(plan.graph) * opts.batch_scale
         launch = tp > 1 and coll.tp_layout == "launch"  # else Megatron's: 2 all-reduces per block, a uniform 1/tp
         sharded = sharded_modules(plan, cfg.tp_plan, tp) if launch else {}
         shares = tp_shares(plan, sharded, tp, cfg.sequence_parallel) if launch else None
-        if launch:  # the collectives the launch's graph issues, forward and backward apart
-            tp_s, tp_b = launch_tp_seconds(plan, sharded, microbatches, dp * cp, tp, links["tp"], scale,
-                                           cfg.sequence_parallel)
+        if launch:  # the collectives the launch's graph issues, forward and backward apart, each a TP action
+            tp_ex = simulated_tp(plan, sharded, microbatches, mesh, links["tp"], scale, opts, cores,
+                                 cfg.sequence_parallel)
+            tp_s, tp_b = (tp_ex.seconds("F"), tp_ex.seconds("B")) if tp_ex else ((0.0,) * n, (0.0,) * n)
         else:
             tp_s = tp_collectives(plan, microbatches, dp * cp, tp, links["tp"], scale) if tp > 1 else (0.0,) * n
             tp_b = tp_s
@@ -326,6 +328,7 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
         costs = replace(costs, forward=tuple(f + o for f, o in zip(costs.forward, ex.op_seconds, strict=True)),
                         activation_bytes=tuple(a + k for a, k in zip(costs.activation_bytes, ex.saved_bytes,
                                                                      strict=True)))
+    costs = with_dispatch(costs, tp_ex) if tp_ex is not None else costs  # (contended like the compute)
     if coll.tp_overlap and costs.collective:
         costs = overlapped(costs)
     ep_ex = None if plan is None else simulated_ep(plan, microbatches, mesh, links["ep"],
@@ -353,7 +356,7 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
         if share >= lay.num_ranks:
             return play(acts, lay, c, n, red, pairs), red
         slots = math.ceil(share)
-        return play_on_cores(acts, lay, c, n, slots, slots / share, red, pairs), red
+        return play_on_cores(acts, lay, c, n, slots, slots / share, red, pairs, idle_of(tp_ex)), red
 
     if hw is not None and hw.contention > 1 and per_replica and cores != 1:
         # Replicas and shards compute the same actions at the same moments on the other cores: always contended.
@@ -362,7 +365,7 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
         events, red = run(costs)
     if red is not None:
         events += red.after_step(events)
-    for exchanges, kind in ((ex, "CP"), (ep_ex, "A2A")):
+    for exchanges, kind in ((ex, "CP"), (ep_ex, "A2A"), (tp_ex, "TP")):
         events += cp_actions(events, exchanges, kind) if exchanges is not None else []
     peaks = ([max(costs.activation_bytes[s] for s in lay.stages_of(r)) for r in lay.ranks] if forward_only
              else peak_activations(acts, costs.activation_bytes, costs.weight_fraction, costs.input_freed))
@@ -375,7 +378,7 @@ def _simulate(plan: SplitPlan | None, cfg: LaunchConfig, forward_only: bool, x: 
                                 costs.input_freed),
                             "cores": cores, "forward_only": forward_only, "mesh": (lay.num_ranks, dp, tp),
                             "config": cfg, "stage_costs": costs,  # what each action was priced at (pre-contention)
-                            "tp_layout": coll.tp_layout if tp > 1 else None}
+                            "tp_layout": coll.tp_layout if tp > 1 else None, "tp_wait": tp_ex.wait if tp_ex else 0.0}
     if hw is not None:
         meta["hardware"], meta["dtype"], meta["recompute"] = hw.name, opts.dtype, opts.recompute
     if mesh.world > mesh.pp:

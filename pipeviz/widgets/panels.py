@@ -22,6 +22,7 @@ from pipeviz.schedule.timeline import COMPUTE, Timeline
 from pipeviz.widgets.experts import expert_share_lines
 from pipeviz.widgets.figures import plural, stage_color
 from pipeviz.widgets.run_state import RunState
+from pipeviz.widgets.tp_notes import tp_notes
 
 if TYPE_CHECKING:
     import ipywidgets as W
@@ -418,14 +419,8 @@ def run_notes_html(run: pv.Run, sim: Timeline | None, here: Timeline | None, cor
     if load > cores:
         why.append(f"the machine is busy (load average {load:.1f} on {plural(cores, 'core')})")
     tp = getattr(run.spec, "tp", 1)
-    if tp > 1 and sim is not None and sim.step_time > 0 and measured > 2 * sim.step_time:
-        # Named, not explained away: tp 2 on a tiny GPT-2 measured 10-18x in issue 50; at load 12 on 2 cores
-        # (other jobs) it measured 6.0x where the same split at tp 1 measured 3.1x, so about 2x is tp's own:
-        # its all-reduces through gloo between processes (not yet priced from a measurement)
-        why.append(f"measured is {measured / sim.step_time:.1f}× the simulated step: with tp {tp} every sharded layer "
-                   "ends in an all-reduce that gloo runs between processes on this machine, each paying its "
-                   "latency, which the simulation prices at a nominal link's latency and rate, not gloo's here "
-                   "(part of the factor, with the cores shared and the machine's load)")
+    if tp > 1 and sim is not None:
+        why += tp_notes(measured, sim, here, tp, procs, cores)
     text = " · ".join(parts)
     if why:
         text += "<br><span class='pipeviz-why'>Why they differ: " + "; ".join(why) + ".</span>"
