@@ -40,8 +40,12 @@ test: setup
 # The compatibility step (the `compat` marker): the HF matrix (20 architectures x 3 schedules, and each built on
 # the meta device), the LLaMA / Mixtral / MoE families under the 4 schedules `make test` leaves out, the heavier
 # composition tests and notebooks (demos 03-06, lessons 02 onwards), Mixtral under every schedule.
+# Two pytest workers (pytest-xdist): a launch's processes leave a core idle much of the time (they start, import
+# torch, wait on each other), and the step outgrew CI's 45 minutes serially; the browser test then runs alone, as
+# a user's machine has it (a page under a doubled load is not what it checks).
 compat: setup
-	$(PY) -m pytest -m compat
+	$(PY) -m pytest -m "compat and not browser" -n 2
+	$(PY) -m pytest -m "compat and browser"
 
 # The version grid: the adapter, runtime and family tests and chosen compat rows under each supported (torch,
 # transformers) pair, one venv per pair, built once into ${PIPEVIZ_GRID_CACHE:-/var/cache/pipeviz-grid} outside the

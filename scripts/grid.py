@@ -123,6 +123,16 @@ CELLS = (
 TOOLS = ("pytest==9.2.0", "pytest-timeout==2.4.0", "psutil==7.2.2", "cloudpickle==3.1.3", "numpy==2.4.6",
          "safetensors==0.8.0")
 
+# Context and expert parallelism, one launch per route (20 s a cell on a quiet machine): cp's key/value exchanges
+# (GPT-2, Llama: torch's SDPA and transformers' attention), ep's all-to-alls with each process holding its experts,
+# DualPipeV's OVERLAP_F_B pairs run at once (torch's register_custom_function), the expert graph, and the split
+# refused inside a routed block (torch.export's unbacked sizes).
+CP_EP = ("tests/test_cp_launch.py::test_pp2_cp2_exact_and_its_exchanges_counted",
+         "tests/test_ep_launch.py::test_moenet_pp2_dp2_ep2_under_1f1b_is_exact_with_a2a_actions_and_tokens_per_expert",
+         "tests/test_ep_launch.py::test_the_expert_graph_computes_a_stage_as_traced",
+         "tests/test_ep_overlap.py::test_pp2_dp2_ep2_dualpipev_overlapped_is_exact_and_runs_forward_beside_backward",
+         "tests/test_moe_split.py")
+
 # What each cell runs: one path through each runtime route, sized for CI (the grid's three cells, venv builds
 # included, should stay near 20 min on 2 cores, after `make test` and `make compat` have run everything once).
 # - tests/test_adapter.py, whole: every torch internal pipeviz touches, checked against the cell's torch.
@@ -155,7 +165,8 @@ TESTS = ("tests/test_adapter.py", "tests/test_regions.py", "tests/test_runtime.p
          "tests/test_accumulation.py", "tests/test_lr_and_eval.py", "tests/test_checkpoint.py",
          "tests/test_compile.py", "tests/test_mixed_precision.py", "tests/test_recompute_runtime.py",
          "tests/test_overlap_reduction.py", "tests/test_training_hf.py", "tests/test_comm_order.py",
-         "tests/test_shapes.py::test_batches_of_several_lengths_train_like_the_unsplit_model")
+         "tests/test_shapes.py::test_batches_of_several_lengths_train_like_the_unsplit_model",
+         *CP_EP)
 TRAIN_ROWS = ("Llama", "GPT-NeoX", "Qwen2-MoE", "mBART")
 META_ROWS = ("GPT-2", "Llama", "GPT-NeoX", "Qwen2-MoE", "Mixtral", "BERT", "T5")
 
